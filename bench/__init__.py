@@ -1,0 +1,1 @@
+"""Benchmarks: ``make bench`` runs them all; each prints ratios against a same-run baseline."""

@@ -1,0 +1,5 @@
+"""``python -m bench``: every benchmark, in order."""
+
+from bench import core
+
+raise SystemExit(core.main([]))

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Render envoy/envoy.yaml.tmpl into an Envoy bootstrap (stdlib + pyyaml only).
+
+The template keeps its comments: placeholders are filled with ``string.Template`` and
+optional blocks (``#@begin <name>`` ... ``#@end <name>``) are kept or dropped whole.
+
+    python envoy/render.py --listen-port 10000 --admin-port 9901 --sidecar 127.0.0.1:9001 \
+        --workers 127.0.0.1:8081,127.0.0.1:8082 --authz-timeout 310 --flush-interval 5 \
+        [--no-preemption] [--jwt-secret S] --out envoy/envoy.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import ipaddress
+import json
+import math
+import re
+import string
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+TEMPLATE_PATH: Path = Path(__file__).with_name("envoy.yaml.tmpl")
+
+# Margin added to the authz timeout when no stream idle timeout is given; the idle
+# timeout is never below DEFAULT_MIN_STREAM_IDLE_SECS (slow prefill / token gaps).
+STREAM_IDLE_MARGIN_SECS: float = 30.0
+DEFAULT_MIN_STREAM_IDLE_SECS: float = 300.0
+EXT_PROC_MESSAGE_TIMEOUT_SECS: float = 1.0
+
+_BLOCK_RE = re.compile(r"^#@(begin|end) ([a-z_]+)\s*$")
+_HEADER_RE = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
+
+
+def _duration(secs: float) -> str:
+    """Format seconds as a protobuf Duration string Envoy accepts ("310s", "0.25s")."""
+    if not math.isfinite(secs) or secs < 0:
+        raise ValueError(f"duration must be finite and >= 0, got {secs!r}")
+    text = f"{secs:.9f}".rstrip("0").rstrip(".")
+    return f"{text or '0'}s"
+
+
+def _port(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ValueError(f"{name} must be a TCP port 1..65535, got {value!r}")
+    return value
+
+
+def _ip(name: str, value: str) -> str:
+    """STATIC clusters need literal IPs (no DNS)."""
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError as exc:
+        raise ValueError(f"{name} must be an IP address (STATIC cluster), got {value!r}") from exc
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _jwks_inline(secret: str) -> str:
+    """JWKS with one HS256 symmetric key, as a YAML (JSON) double-quoted scalar."""
+    if not secret:
+        raise ValueError("jwt_hs256_secret must be non-empty")
+    k = base64.urlsafe_b64encode(secret.encode()).rstrip(b"=").decode()
+    jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "smg-hs256", "k": k}]}
+    return json.dumps(json.dumps(jwks, separators=(",", ":")))
+
+
+def _select_blocks(text: str, enabled: set[str]) -> str:
+    """Keep the lines of enabled ``#@begin name``/``#@end name`` blocks, drop the others."""
+    out: list[str] = []
+    stack: list[tuple[str, bool]] = []
+    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
+        m = _BLOCK_RE.match(line)
+        if m:
+            kind, name = m.groups()
+            if kind == "begin":
+                stack.append((name, name in enabled))
+            elif not stack or stack[-1][0] != name:
+                raise ValueError(f"template line {lineno}: unmatched #@end {name}")
+            else:
+                stack.pop()
+            continue
+        if all(keep for _, keep in stack):
+            out.append(line)
+    if stack:
+        raise ValueError(f"template: unclosed #@begin {stack[-1][0]}")
+    return "".join(out)
+
+
+def render(
+    *,
+    listen_port: int,
+    admin_port: int,
+    sidecar_host: str,
+    sidecar_port: int,
+    workers: list[tuple[str, int]],
+    authz_timeout_secs: float,
+    flush_interval_secs: float,
+    health_interval_secs: float = 1.0,
+    preemption: bool = True,
+    tenant_header: str = "x-smg-tenant",
+    jwt_hs256_secret: str | None = None,
+    stream_idle_timeout_secs: float | None = None,
+) -> str:
+    """Return the Envoy bootstrap YAML (comments preserved) for these settings.
+
+    Raises ValueError on invalid input (bad port/IP, no workers, idle timeout not above
+    the authz timeout, ...). The result is also parsed with yaml.safe_load as a check.
+    """
+    _port("listen_port", listen_port)
+    _port("admin_port", admin_port)
+    _port("sidecar_port", sidecar_port)
+    if listen_port == admin_port:
+        raise ValueError("listen_port and admin_port must differ")
+    sidecar_ip = _ip("sidecar_host", sidecar_host)
+    if not workers:
+        raise ValueError("workers must list at least one (ip, port)")
+    authz = _positive("authz_timeout_secs", authz_timeout_secs)
+    flush = _positive("flush_interval_secs", flush_interval_secs)
+    health = _positive("health_interval_secs", health_interval_secs)
+    tenant = tenant_header.strip().lower()
+    if not _HEADER_RE.match(tenant) or tenant.startswith(":"):
+        raise ValueError(f"tenant_header is not a valid header name: {tenant_header!r}")
+    if stream_idle_timeout_secs is None:
+        idle = max(authz + STREAM_IDLE_MARGIN_SECS, DEFAULT_MIN_STREAM_IDLE_SECS)
+    else:
+        idle = _positive("stream_idle_timeout_secs", stream_idle_timeout_secs)
+        if idle <= authz:
+            raise ValueError(
+                f"stream_idle_timeout_secs ({idle}) must exceed authz_timeout_secs ({authz}): "
+                "a request queued in ext_authz moves no bytes and would be cut off"
+            )
+
+    endpoint_lines = []
+    for i, (host, port) in enumerate(workers):
+        ip = _ip(f"workers[{i}] host", host)
+        _port(f"workers[{i}] port", port)
+        endpoint_lines.append(
+            "        - endpoint: {address: {socket_address: "
+            f"{{address: {ip}, port_value: {port}}}}}}}"
+        )
+
+    enabled: set[str] = set()
+    jwks = ""
+    if preemption:
+        enabled.add("preemption")
+    if jwt_hs256_secret is not None:
+        enabled.add("jwt")
+        jwks = _jwks_inline(jwt_hs256_secret)
+
+    text = _select_blocks(TEMPLATE_PATH.read_text(encoding="utf-8"), enabled)
+    rendered = string.Template(text).substitute(
+        listen_port=listen_port,
+        admin_port=admin_port,
+        sidecar_host=sidecar_ip,
+        sidecar_port=sidecar_port,
+        authz_timeout=_duration(authz),
+        flush_interval=_duration(flush),
+        health_interval=_duration(health),
+        stream_idle_timeout=_duration(idle),
+        ext_proc_message_timeout=_duration(EXT_PROC_MESSAGE_TIMEOUT_SECS),
+        tenant_header=tenant,
+        jwks_inline=jwks,
+        worker_endpoints="\n".join(endpoint_lines),
+    )
+    yaml.safe_load(rendered)  # fail here, not in Envoy, if a substitution broke the YAML
+    return rendered
+
+
+def _host_port(spec: str) -> tuple[str, int]:
+    host, sep, port = spec.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {spec!r}")
+    return host.strip("[]"), int(port)
+
+
+def _workers(spec: str) -> list[tuple[str, int]]:
+    return [_host_port(s) for s in spec.split(",") if s.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Render the Envoy bootstrap for priority-gate.")
+    p.add_argument("--listen-port", type=int, required=True)
+    p.add_argument("--admin-port", type=int, required=True)
+    p.add_argument("--sidecar", type=_host_port, required=True, metavar="HOST:PORT")
+    p.add_argument("--workers", type=_workers, required=True, metavar="HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--authz-timeout", type=float, required=True, metavar="SECS")
+    p.add_argument("--flush-interval", type=float, required=True, metavar="SECS")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="SECS")
+    p.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECS")
+    p.add_argument("--tenant-header", default="x-smg-tenant")
+    p.add_argument("--jwt-secret", default=None, help="enable jwt_authn with this HS256 secret")
+    p.add_argument("--no-preemption", action="store_true", help="omit the ext_proc filter")
+    p.add_argument("--out", default="-", help="output file ('-' = stdout)")
+    a = p.parse_args(argv)
+    sidecar_host, sidecar_port = a.sidecar
+    try:
+        text = render(
+            listen_port=a.listen_port,
+            admin_port=a.admin_port,
+            sidecar_host=sidecar_host,
+            sidecar_port=sidecar_port,
+            workers=a.workers,
+            authz_timeout_secs=a.authz_timeout,
+            flush_interval_secs=a.flush_interval,
+            health_interval_secs=a.health_interval,
+            preemption=not a.no_preemption,
+            tenant_header=a.tenant_header,
+            jwt_hs256_secret=a.jwt_secret,
+            stream_idle_timeout_secs=a.stream_idle_timeout,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    if a.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(a.out).write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

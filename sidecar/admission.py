@@ -1,0 +1,272 @@
+"""The asyncio face of the admission core.
+
+:class:`AdmissionController` turns the pure core into an awaitable ``admit()``
+that a gRPC handler can hold open while its request is queued, and that undoes
+itself when the call is cancelled (the client went away). It owns the two
+things that keep slot accounting exact whatever fails:
+
+* **Leases.** Every admission has a lease; completion entries renew it and the
+  final one releases it. A lease that is not renewed in time is reclaimed, so a
+  lost completion cannot leak a slot forever.
+* **Idempotent release by admission id.** The core ignores a second release
+  and counts it; nothing here keeps a second copy of "who is in flight".
+
+One timer covers queue timeouts, starvation aging and lease expiry: it is armed
+for the earliest deadline after every state change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from sidecar.classes import PriorityClass
+from sidecar.ratelimit import TokenBucket
+from sidecar.scheduler import (
+    AdmissionCore,
+    Admitted,
+    Event,
+    Outcome,
+    Preempted,
+    Queued,
+    Rejected,
+    Released,
+    ReleaseResult,
+)
+
+
+class Denied(Exception):
+    """Admission refused; ``outcome`` says why, ``legacy`` which path refused."""
+
+    def __init__(self, outcome: Outcome, *, legacy: bool, waited: float = 0.0,
+                 rate_limited: bool = False) -> None:
+        super().__init__(outcome.value)
+        self.outcome = outcome
+        self.legacy = legacy
+        self.waited = waited
+        self.rate_limited = rate_limited
+
+
+class Listener(Protocol):
+    """Sees every core event (metrics, logs)."""
+
+    def on_events(self, events: Iterable[Event]) -> None: ...
+
+
+class ControllerStats(Protocol):
+    """Counters the controller reports besides core events."""
+
+    def rate_limit(self, allowed: bool) -> None: ...
+    def lease_expired(self, cls: PriorityClass) -> None: ...
+    def completion_unmatched(self, reason: str) -> None: ...
+
+
+def new_admission_id() -> str:
+    """128 random bits, hex: unguessable, so nobody can release someone else's slot."""
+    return secrets.token_hex(16)
+
+
+class AdmissionController:
+    """Awaitable admission over an :class:`AdmissionCore`, with leases."""
+
+    def __init__(
+        self,
+        core: AdmissionCore,
+        *,
+        lease_secs: float,
+        bucket: TokenBucket | None = None,
+        listeners: Iterable[Listener] = (),
+        stats: ControllerStats | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        id_factory: Callable[[], str] = new_admission_id,
+    ) -> None:
+        self.core = core
+        self._lease_secs = lease_secs
+        self._bucket = bucket
+        self._listeners = list(listeners)
+        self._stats = stats
+        self._clock = clock
+        self._new_id = id_factory
+        self._waiters: dict[str, asyncio.Future[Admitted]] = {}
+        # Expiry order equals renewal order (expiry = now + a fixed TTL), so an
+        # OrderedDict with move_to_end keeps the earliest expiry at the front.
+        self._leases: OrderedDict[str, float] = OrderedDict()
+        self._lease_class: dict[str, PriorityClass] = {}
+        self._preempt_watch: dict[str, asyncio.Future[None]] = {}
+        self._preempted_unwatched: OrderedDict[str, None] = OrderedDict()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+
+    # ------------------------------------------------------------------ admission
+
+    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
+        """Admit now, wait in the class queue, or raise :class:`Denied`.
+
+        Cancelling the awaiting task (Envoy cancels Check when the client leaves)
+        removes the waiter, or gives back a slot granted in the same instant.
+        """
+        if self._bucket is not None:
+            allowed = self._bucket.try_take()
+            if self._stats is not None:
+                self._stats.rate_limit(allowed)
+            if not allowed:
+                raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=self.core.legacy,
+                             rate_limited=True)
+        aid = self._new_id()
+        decision = self.core.arrive(aid, cls, tenant)
+        fut: asyncio.Future[Admitted] | None = None
+        if isinstance(decision, Queued):
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters[aid] = fut
+        self._drain()
+        if isinstance(decision, Admitted):
+            return decision
+        if isinstance(decision, Rejected):
+            raise Denied(decision.outcome, legacy=decision.legacy, waited=decision.waited)
+        assert fut is not None
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self.core.cancel(aid):
+                self._drain()
+            elif self.core.is_admitted(aid):
+                # Admitted in the same loop iteration as the cancel: give it back.
+                self.release(aid, "cancelled")
+            raise
+        finally:
+            self._waiters.pop(aid, None)
+
+    def release(self, aid: str, reason: str = "completed") -> ReleaseResult:
+        """End an admission; a second or unknown release is counted and ignored."""
+        result = self.core.release(aid, reason)
+        if result is ReleaseResult.RELEASED:
+            self._drain()
+        elif self._stats is not None:
+            self._stats.completion_unmatched(result.value)
+        return result
+
+    def renew(self, aid: str) -> bool:
+        """A periodic completion entry: the request is still streaming."""
+        if aid not in self._leases:
+            return False
+        self._leases[aid] = self._clock() + self._lease_secs
+        self._leases.move_to_end(aid)
+        return True
+
+    def mark_first_byte(self, aid: str) -> bool:
+        self._preempt_watch.pop(aid, None)
+        return self.core.mark_first_byte(aid)
+
+    def watch_preemption(self, aid: str) -> asyncio.Future[None] | None:
+        """A channel to stop ``aid`` exists: make it a candidate and return the signal.
+
+        Returns a future resolved if the request is preempted, an already-done
+        future if it was preempted before it could be watched, or ``None`` if the
+        id is not in flight (unknown, finished, or already streaming).
+        """
+        loop = asyncio.get_running_loop()
+        if aid in self._preempted_unwatched:
+            del self._preempted_unwatched[aid]
+            fut: asyncio.Future[None] = loop.create_future()
+            fut.set_result(None)
+            return fut
+        if not self.core.is_admitted(aid):
+            return None
+        fut = loop.create_future()
+        self._preempt_watch[aid] = fut
+        self.core.mark_reachable(aid)
+        return fut
+
+    def unwatch(self, aid: str) -> None:
+        """The stop channel closed: the request can no longer be preempted."""
+        self._preempt_watch.pop(aid, None)
+        self.core.mark_first_byte(aid)
+
+    def set_capacity(self, capacity: int) -> None:
+        self.core.set_capacity(capacity)
+        self._drain()
+
+    @property
+    def lease_count(self) -> int:
+        return len(self._leases)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _drain(self) -> None:
+        """Apply the core's events: wake waiters, track leases, signal victims."""
+        events = self.core.take_events()
+        if events:
+            now = self._clock()
+            for e in events:
+                if isinstance(e, Admitted):
+                    aid = e.admission.id
+                    self._leases[aid] = now + self._lease_secs
+                    self._lease_class[aid] = e.admission.cls
+                    fut = self._waiters.get(aid)
+                    if fut is not None and not fut.done():
+                        fut.set_result(e)
+                elif isinstance(e, Rejected):
+                    fut = self._waiters.get(e.id)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
+                elif isinstance(e, Released):
+                    self._leases.pop(e.admission.id, None)
+                    self._lease_class.pop(e.admission.id, None)
+                elif isinstance(e, Preempted):
+                    self._signal_preempted(e.victim.id)
+            for listener in self._listeners:
+                listener.on_events(events)
+        self._arm_timer()
+
+    def _signal_preempted(self, aid: str) -> None:
+        fut = self._preempt_watch.pop(aid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+            return
+        self._preempted_unwatched[aid] = None
+        while len(self._preempted_unwatched) > 10_000:
+            self._preempted_unwatched.popitem(last=False)
+
+    def _arm_timer(self) -> None:
+        due = self.core.next_deadline()
+        if self._leases:
+            lease_due = next(iter(self._leases.values()))
+            due = lease_due if due is None else min(due, lease_due)
+        if due is None:
+            return
+        if self._timer is not None and self._timer_at is not None and self._timer_at <= due:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = due
+        delay = max(0.0, due - self._clock())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.core.tick()
+        now = self._clock()
+        while self._leases:
+            aid, expiry = next(iter(self._leases.items()))
+            if expiry > now:
+                break
+            cls = self._lease_class.get(aid)
+            del self._leases[aid]
+            released = self.core.release(aid, "lease_expired") is ReleaseResult.RELEASED
+            if released and self._stats is not None and cls is not None:
+                self._stats.lease_expired(cls)
+        self._drain()

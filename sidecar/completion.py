@@ -1,0 +1,121 @@
+"""The completion hook and the response-path hook.
+
+* ``AccessLogService/StreamAccessLogs`` — Envoy's gRPC access log (``http_grpc``)
+  sends exactly one end-of-stream entry per request, whatever ended it
+  (completion, upstream failure, client disconnect), and periodic entries
+  while a long stream runs (``access_log_flush_interval``). The final entry
+  releases the slot; periodic entries renew its lease. The admission id is read
+  from the ext_authz dynamic metadata the entry carries, which only ext_authz
+  can set: a client-sent header could release someone else's slot.
+* ``ExternalProcessor/Process`` — an ext_proc stream per admitted request,
+  opened at its request headers and kept open until its response headers.
+  Response headers are the request's first byte (it can no longer be
+  preempted). While the stream is open the sidecar can stop the request: an
+  unsolicited ``immediate_response`` makes Envoy answer the client with 503
+  ``scheduler_preempted`` and reset the upstream request to the worker.
+
+Neither path trusts anything but the metadata; an entry for an unknown or
+already-released id is ignored and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from sidecar import codec, logs
+from sidecar.admission import AdmissionController
+from sidecar.authz import PREEMPTED
+from sidecar.scheduler import ReleaseResult
+
+log = logs.get("sidecar.completion")
+
+
+class CompletionService:
+    """ALS: final entries release, periodic entries renew."""
+
+    def __init__(self, controller: AdmissionController) -> None:
+        self.controller = controller
+        self.streams = 0
+
+    async def stream_access_logs(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> bytes:
+        # Do not release anything when a stream closes: Envoy keeps one stream per
+        # worker thread and may close one at any time; leases cover a real crash.
+        self.streams += 1
+        try:
+            async for data in requests:
+                try:
+                    entries = codec.decode_access_logs(data)
+                except Exception as exc:
+                    log.warning("access_log_decode_failed", error=str(exc))
+                    continue
+                for entry in entries:
+                    if entry.final:
+                        result = self.controller.release(entry.admission_id, "completed")
+                        if result is not ReleaseResult.RELEASED:
+                            log.info("completion_unmatched", admission_id=entry.admission_id,
+                                     reason=result.value, response_code=entry.response_code)
+                    elif not self.controller.renew(entry.admission_id):
+                        log.info("renewal_unmatched", admission_id=entry.admission_id)
+        finally:
+            self.streams -= 1
+        return codec.ALS_RESPONSE
+
+
+_IMMEDIATE_PREEMPTED = codec.encode_immediate(PREEMPTED)
+
+
+class ResponsePathService:
+    """ext_proc: first-byte marking and preemption delivery."""
+
+    def __init__(self, controller: AdmissionController) -> None:
+        self.controller = controller
+        self.open_streams = 0
+
+    async def process(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        self.open_streams += 1
+        aid: str | None = None
+        reader = requests.__aiter__()
+        try:
+            first = codec.decode_processing_request(await reader.__anext__())
+            if first.kind != "request_headers" or first.admission_id is None:
+                # Not an admitted request (or an unexpected message): let it pass.
+                yield codec.CONTINUE_REQUEST_HEADERS
+                return
+            aid = first.admission_id
+            watch = self.controller.watch_preemption(aid)
+            if watch is not None and watch.done():
+                yield _IMMEDIATE_PREEMPTED
+                return
+            yield codec.CONTINUE_REQUEST_HEADERS
+            if watch is None:
+                return  # not in flight any more: nothing to mark or stop
+            while True:
+                nxt: asyncio.Future[bytes] = asyncio.ensure_future(reader.__anext__())
+                waits: set[asyncio.Future[object]] = {nxt, watch}  # type: ignore[arg-type]
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    nxt.cancel()
+                    log.info("preempted", admission_id=aid)
+                    yield _IMMEDIATE_PREEMPTED
+                    return
+                try:
+                    event = codec.decode_processing_request(nxt.result())
+                except StopAsyncIteration:
+                    return
+                if event.kind == "response_headers":
+                    self.controller.mark_first_byte(aid)
+                    yield codec.CONTINUE_RESPONSE_HEADERS
+                    return
+        except StopAsyncIteration:
+            return
+        finally:
+            self.open_streams -= 1
+            if aid is not None:
+                self.controller.unwatch(aid)

@@ -1,0 +1,462 @@
+"""Configuration: the CLI flags and the strict ``priority.yaml`` loader.
+
+Flag names, YAML keys and defaults are public interface (see CONTRACT.md);
+they match ``smg`` exactly. Every error names the file, the key path and the
+reason, and is raised before anything listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import yaml
+
+from sidecar.classes import HIGH_TO_LOW, PriorityClass, parse_default_max_class
+
+
+class ConfigError(Exception):
+    """A configuration problem: ``file: key.path: reason``."""
+
+    def __init__(self, reason: str, *, file: str | None = None, key: str | None = None) -> None:
+        self.file = file
+        self.key = key
+        self.reason = reason
+        where = ": ".join(p for p in (file, key) if p)
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassConfig:
+    """Per-class knobs (YAML ``classes.<name>``)."""
+
+    reserved_floor: int
+    reserved_per_slot: float
+    queue_size: int
+    queue_timeout_secs: float
+    starvation_threshold_secs: float
+    can_preempt: bool
+
+
+BUILTIN_CLASSES: Mapping[PriorityClass, ClassConfig] = {
+    PriorityClass.SYSTEM: ClassConfig(32, 0.0, 64, 30.0, 5.0, True),
+    PriorityClass.INTERACTIVE: ClassConfig(128, 0.25, 256, 30.0, 5.0, True),
+    PriorityClass.DEFAULT: ClassConfig(0, 0.10, 512, 60.0, 30.0, False),
+    PriorityClass.BULK: ClassConfig(0, 0.0, 1024, 300.0, 120.0, False),
+}
+
+_CLASS_FIELDS: dict[str, type] = {
+    "reserved_floor": int,
+    "reserved_per_slot": float,
+    "queue_size": int,
+    "queue_timeout_secs": float,
+    "starvation_threshold_secs": float,
+    "can_preempt": bool,
+}
+assert set(_CLASS_FIELDS) == {f.name for f in fields(ClassConfig)}
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityConfig:
+    """The effective per-class table and tenant ceilings."""
+
+    classes: Mapping[PriorityClass, ClassConfig] = field(
+        default_factory=lambda: dict(BUILTIN_CLASSES)
+    )
+    tenant_policies: Mapping[str, PriorityClass] = field(default_factory=dict)
+    source: str | None = None
+    digest: str = "builtin"
+
+    def max_queue_timeout(self) -> float:
+        return max(c.queue_timeout_secs for c in self.classes.values())
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys.
+
+    PyYAML keeps the last duplicate silently; a duplicated class section is a
+    typo the operator wants to hear about, like an unknown key.
+    """
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    result: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in result:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (line {mark.line + 1})", mark
+            )
+        result[key] = loader.construct_object(value_node, deep=True)
+    return result
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,
+)
+
+
+def _check_type(value: object, want: type, file: str, key: str) -> Any:
+    # bool is an int subclass in Python; YAML `true` must not pass as a count.
+    if want is bool:
+        ok = isinstance(value, bool)
+        expected = "a boolean"
+    elif want is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        expected = "an integer"
+    else:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        expected = "a number"
+    if not ok:
+        raise ConfigError(f"must be {expected}, got {value!r}", file=file, key=key)
+    return float(value) if want is float else value  # type: ignore[arg-type]
+
+
+def _merge_class(base: ClassConfig, raw: object, file: str, key: str) -> ClassConfig:
+    if raw is None:
+        return base
+    if not isinstance(raw, dict):
+        raise ConfigError(f"must be a mapping of class fields, got {raw!r}", file=file, key=key)
+    updates: dict[str, Any] = {}
+    for name, value in raw.items():
+        sub = f"{key}.{name}"
+        want = _CLASS_FIELDS.get(name) if isinstance(name, str) else None
+        if want is None:
+            known = ", ".join(_CLASS_FIELDS)
+            raise ConfigError(f"unknown key (expected one of: {known})", file=file, key=sub)
+        updates[name] = _check_type(value, want, file, sub)
+    merged = replace(base, **updates)
+    _validate_class(merged, file, key)
+    return merged
+
+
+def _validate_class(c: ClassConfig, file: str, key: str) -> None:
+    if c.reserved_floor < 0:
+        raise ConfigError("must be >= 0", file=file, key=f"{key}.reserved_floor")
+    if not math.isfinite(c.reserved_per_slot) or c.reserved_per_slot < 0:
+        raise ConfigError("must be finite and >= 0", file=file, key=f"{key}.reserved_per_slot")
+    if c.queue_size < 0:
+        raise ConfigError("must be >= 0", file=file, key=f"{key}.queue_size")
+    # Finite as well as > 0: an infinite timeout cannot be scheduled.
+    for name in ("queue_timeout_secs", "starvation_threshold_secs"):
+        v = getattr(c, name)
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError("must be a finite number > 0", file=file, key=f"{key}.{name}")
+
+
+def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError("must be a mapping of tenant -> policy", file=file, key="tenant_policies")
+    out: dict[str, PriorityClass] = {}
+    for tenant, policy in raw.items():
+        key = f"tenant_policies.{tenant}"
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(
+                f"tenant key must be a non-empty string, got {tenant!r}", file=file, key=key
+            )
+        if not isinstance(policy, dict):
+            raise ConfigError("must be a mapping with max_class", file=file, key=key)
+        for name in policy:
+            if name != "max_class":
+                raise ConfigError(
+                    "unknown key (expected: max_class)", file=file, key=f"{key}.{name}"
+                )
+        if "max_class" not in policy:
+            raise ConfigError("missing required key", file=file, key=f"{key}.max_class")
+        value = policy["max_class"]
+        cls = PriorityClass.from_name(value) if isinstance(value, str) else None
+        if cls is None:
+            names = ", ".join(c.label for c in HIGH_TO_LOW)
+            raise ConfigError(
+                f"unknown class {value!r} (expected one of: {names})",
+                file=file,
+                key=f"{key}.max_class",
+            )
+        out[tenant] = cls
+    return out
+
+
+def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
+    """Parse and validate a ``priority.yaml`` document (field-wise merge over defaults)."""
+    try:
+        doc = yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}".replace("\n", " "), file=file) from exc
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(
+            "top level must be a mapping with optional 'classes' and 'tenant_policies'", file=file
+        )
+    for top in doc:
+        if top not in ("classes", "tenant_policies"):
+            raise ConfigError(
+                "unknown key (expected: classes, tenant_policies)", file=file, key=str(top)
+            )
+    classes = dict(BUILTIN_CLASSES)
+    raw_classes = doc.get("classes")
+    if raw_classes is not None:
+        if not isinstance(raw_classes, dict):
+            raise ConfigError("must be a mapping of class name -> fields", file=file, key="classes")
+        for name, body in raw_classes.items():
+            key = f"classes.{name}"
+            cls = PriorityClass.from_name(name) if isinstance(name, str) else None
+            if cls is None:
+                names = ", ".join(c.label for c in HIGH_TO_LOW)
+                raise ConfigError(
+                    f"unknown class (expected one of: {names})", file=file, key=key
+                )
+            classes[cls] = _merge_class(BUILTIN_CLASSES[cls], body, file, key)
+    policies = _parse_policies(doc.get("tenant_policies"), file)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return PriorityConfig(classes=classes, tenant_policies=policies, source=file, digest=digest)
+
+
+def load_priority_config(path: str | None) -> PriorityConfig:
+    """Load ``--priority-scheduler-config``; unset means built-in defaults."""
+    if path is None:
+        return PriorityConfig()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=path) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text: {exc.reason}", file=path) from exc
+    return parse_priority_config(text, file=path)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSource:
+    """Where the tenant key comes from: a trusted header, the mTLS principal, or a JWT claim."""
+
+    kind: str  # "header" | "principal" | "jwt"
+    name: str = ""  # header name, or "payload_key.claim" for jwt
+
+    @classmethod
+    def parse(cls, text: str) -> TenantSource:
+        kind, _, arg = text.partition(":")
+        kind = kind.strip().lower()
+        arg = arg.strip()
+        if kind == "header" and arg:
+            return cls("header", arg.lower())
+        if kind == "principal" and not arg:
+            return cls("principal")
+        if kind == "jwt" and arg.count(".") >= 1 and all(arg.split(".")):
+            return cls("jwt", arg)
+        raise ConfigError(
+            f"invalid --tenant-source {text!r} "
+            "(expected header:NAME, principal, or jwt:PAYLOAD_KEY.CLAIM)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the process needs, validated."""
+
+    scheduler_enabled: bool
+    default_max_class: PriorityClass
+    default_max_class_valid: bool
+    priority: PriorityConfig
+    tenant_metric_top_n: int
+    max_concurrent_requests: int
+    queue_size: int
+    queue_timeout_secs: float
+    rate_limit_tokens_per_second: float | None
+    prefill_max_inflight_requests_per_worker: int | None
+    grpc_listen: str
+    http_listen: str
+    worker_urls: tuple[str, ...]
+    worker_capacity_override: int | None
+    envoy_admin_url: str | None
+    envoy_cluster: str
+    health_interval_secs: float
+    health_timeout_secs: float
+    tenant_source: TenantSource
+    admission_lease_secs: float
+    envoy_authz_timeout: float | None
+    log_format: str
+    log_level: str
+
+    @property
+    def fallback_capacity(self) -> int:
+        """Capacity while no healthy worker is known (scheduler mode)."""
+        m = self.max_concurrent_requests
+        return m if m > 0 else 1024
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="priority-sidecar",
+        description=(
+            "Envoy ext_authz sidecar admitting LLM requests by priority class "
+            "(x-smg-priority: system > interactive > default > bulk)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    s = p.add_argument_group("priority scheduler (same flags as smg)")
+    s.add_argument("--priority-scheduler-enabled", action="store_true", default=False,
+                   help="master switch; off = legacy concurrency-limit admission")
+    s.add_argument("--priority-scheduler-default-max-class", default="default", metavar="CLASS",
+                   help="ceiling for tenants not in tenant_policies (unknown value -> default)")
+    s.add_argument("--priority-scheduler-config", default=None, metavar="FILE",
+                   help="per-class tuning and tenant policies (YAML); unset = built-in defaults")
+    s.add_argument("--priority-scheduler-tenant-metric-top-n", type=int, default=32, metavar="N",
+                   help="at most N tenant label values in metrics, the rest as tenant=\"other\"")
+    lg = p.add_argument_group("legacy admission (same flags as smg)")
+    lg.add_argument("--max-concurrent-requests", type=int, default=-1, metavar="N",
+                    help="legacy: concurrency cap (<=0: none). Scheduler on: capacity while no "
+                         "healthy worker is known (-1 or out of range -> 1024); 0 also removes "
+                         "the token bucket")
+    lg.add_argument("--queue-size", type=int, default=100, metavar="N",
+                    help="legacy queue depth (unused by the scheduler)")
+    lg.add_argument("--queue-timeout-secs", type=float, default=60, metavar="SECS",
+                    help="legacy queue timeout (unused by the scheduler)")
+    lg.add_argument("--rate-limit-tokens-per-second", type=float, default=None, metavar="RATE",
+                    help="token bucket refill rate (capacity = --max-concurrent-requests), "
+                         "checked before admission")
+    lg.add_argument("--prefill-max-inflight-requests-per-worker", type=int, default=None,
+                    metavar="N", help="PD prefill admission; refused with the scheduler")
+    sc = p.add_argument_group("sidecar")
+    sc.add_argument("--grpc-listen", default="127.0.0.1:9001", metavar="HOST:PORT",
+                    help="ext_authz Check, access-log completion and ext_proc gRPC server")
+    sc.add_argument("--http-listen", default="127.0.0.1:9090", metavar="HOST:PORT",
+                    help="/metrics, /healthz, /readyz")
+    sc.add_argument("--worker-urls", nargs="+", default=[], metavar="URL",
+                    help="workers to poll for health and max_running_requests")
+    sc.add_argument("--worker-capacity-override", type=int, default=None, metavar="N",
+                    help="fixed capacity; ignores worker health")
+    sc.add_argument("--envoy-admin-url", default=None, metavar="URL",
+                    help="take the worker set from Envoy admin /clusters (routable hosts only)")
+    sc.add_argument("--envoy-cluster", default="workers", metavar="NAME",
+                    help="Envoy cluster holding the workers (with --envoy-admin-url)")
+    sc.add_argument("--health-interval-secs", type=float, default=1.0, metavar="SECS",
+                    help="worker health poll interval")
+    sc.add_argument("--health-timeout-secs", type=float, default=0.5, metavar="SECS",
+                    help="per-probe timeout")
+    sc.add_argument("--tenant-source", default="header:x-smg-tenant", metavar="SOURCE",
+                    help="trusted tenant identity: header:NAME (a header Envoy strips from "
+                         "clients and sets itself), principal (mTLS peer), or "
+                         "jwt:PAYLOAD_KEY.CLAIM (jwt_authn metadata)")
+    sc.add_argument("--admission-lease-secs", type=float, default=30.0, metavar="SECS",
+                    help="an admission not renewed by an access-log entry within this time is "
+                         "reclaimed (keep it > 3x Envoy's access_log_flush_interval)")
+    sc.add_argument("--envoy-authz-timeout", type=float, default=None, metavar="SECS",
+                    help="Envoy's ext_authz timeout; start-up is refused if it is not longer "
+                         "than every class queue_timeout_secs")
+    sc.add_argument("--log-format", choices=("json", "console"), default=None,
+                    help="log format (default: console on a terminal, json otherwise)")
+    sc.add_argument("--log-level", default="info",
+                    choices=("debug", "info", "warning", "error"), help="log level")
+    sc.add_argument("--check-config", default=None, metavar="FILE",
+                    help="validate FILE as priority.yaml, print the effective class table, exit")
+    return p
+
+
+def _check_listen(value: str, flag: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{flag} must be HOST:PORT, got {value!r}")
+
+
+def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) -> Settings:
+    """Validate parsed flags and load the YAML; raise :class:`ConfigError`."""
+    if ns.priority_scheduler_enabled and ns.prefill_max_inflight_requests_per_worker is not None:
+        raise ConfigError(
+            "--priority-scheduler-enabled cannot be combined with "
+            "--prefill-max-inflight-requests-per-worker"
+        )
+    if ns.priority_scheduler_tenant_metric_top_n < 0:
+        raise ConfigError("--priority-scheduler-tenant-metric-top-n must be >= 0")
+    if ns.queue_size < 0:
+        raise ConfigError("--queue-size must be >= 0")
+    if not (math.isfinite(ns.queue_timeout_secs) and ns.queue_timeout_secs > 0):
+        raise ConfigError("--queue-timeout-secs must be a finite number > 0")
+    rate = ns.rate_limit_tokens_per_second
+    if rate is not None and not math.isfinite(rate):
+        raise ConfigError("--rate-limit-tokens-per-second must be finite")
+    if ns.worker_capacity_override is not None and ns.worker_capacity_override < 1:
+        raise ConfigError("--worker-capacity-override must be >= 1")
+    for flag, v in (("--health-interval-secs", ns.health_interval_secs),
+                    ("--health-timeout-secs", ns.health_timeout_secs),
+                    ("--admission-lease-secs", ns.admission_lease_secs)):
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"{flag} must be a finite number > 0")
+    _check_listen(ns.grpc_listen, "--grpc-listen")
+    _check_listen(ns.http_listen, "--http-listen")
+    for url in ns.worker_urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--worker-urls: {url!r} must start with http:// or https://")
+    priority = load_priority_config(ns.priority_scheduler_config)
+    authz_timeout = ns.envoy_authz_timeout
+    if authz_timeout is not None and ns.priority_scheduler_enabled:
+        longest = priority.max_queue_timeout()
+        if authz_timeout <= longest:
+            raise ConfigError(
+                f"--envoy-authz-timeout {authz_timeout:g}s must exceed the longest class "
+                f"queue_timeout_secs ({longest:g}s), or Envoy gives up on queued requests first"
+            )
+    default_max, valid = parse_default_max_class(ns.priority_scheduler_default_max_class)
+    log_format = ns.log_format
+    if log_format is None:
+        tty = os.isatty(2) if isatty is None else isatty
+        log_format = "console" if tty else "json"
+    return Settings(
+        scheduler_enabled=ns.priority_scheduler_enabled,
+        default_max_class=default_max,
+        default_max_class_valid=valid,
+        priority=priority,
+        tenant_metric_top_n=ns.priority_scheduler_tenant_metric_top_n,
+        max_concurrent_requests=ns.max_concurrent_requests,
+        queue_size=ns.queue_size,
+        queue_timeout_secs=float(ns.queue_timeout_secs),
+        rate_limit_tokens_per_second=rate,
+        prefill_max_inflight_requests_per_worker=ns.prefill_max_inflight_requests_per_worker,
+        grpc_listen=ns.grpc_listen,
+        http_listen=ns.http_listen,
+        worker_urls=tuple(ns.worker_urls),
+        worker_capacity_override=ns.worker_capacity_override,
+        envoy_admin_url=ns.envoy_admin_url,
+        envoy_cluster=ns.envoy_cluster,
+        health_interval_secs=ns.health_interval_secs,
+        health_timeout_secs=ns.health_timeout_secs,
+        tenant_source=TenantSource.parse(ns.tenant_source),
+        admission_lease_secs=ns.admission_lease_secs,
+        envoy_authz_timeout=authz_timeout,
+        log_format=log_format,
+        log_level=ns.log_level,
+    )
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> Settings:
+    """Parse ``argv`` into :class:`Settings` (argparse exits 2 on unknown flags)."""
+    return settings_from_args(build_parser().parse_args(argv))
+
+
+def format_class_table(cfg: PriorityConfig) -> str:
+    """The effective per-class table, as ``--check-config`` prints it."""
+    cols = ("class", *_CLASS_FIELDS)
+    rows = [cols]
+    for cls in HIGH_TO_LOW:
+        c = cfg.classes[cls]
+        rows.append((cls.label, *(f"{getattr(c, n)!s}".lower() for n in _CLASS_FIELDS)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if cfg.tenant_policies:
+        lines.append("")
+        lines.append("tenant_policies:")
+        lines.extend(f"  {t}: max_class={c.label}" for t, c in sorted(cfg.tenant_policies.items()))
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Developer tools: fakes and harnesses used by tests and the demo."""

@@ -1,0 +1,642 @@
+"""The admission core: pure state machines, no I/O, no asyncio, a clock passed in.
+
+Two cores share one interface (:class:`AdmissionCore`):
+
+* :class:`Scheduler` — the priority scheduler of the contract: per-class
+  reservations, FIFO queues with size and timeout, starvation aging and
+  preemption.
+* :class:`LegacyAdmission` — the legacy concurrency limit with one FIFO queue.
+
+Every state change is reported as an event (:class:`Admitted`,
+:class:`Rejected`, :class:`Preempted`, :class:`Released`) collected until the
+caller drains them with ``take_events()``. The asyncio adapter resolves waiting
+requests from those events and the metrics count them, so both see exactly one
+story. All operations are O(1) in queue length (dicts keep insertion order, so a
+class queue is a dict and FIFO head / O(1) cancel come for free).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sidecar.classes import HIGH_TO_LOW, LOW_TO_HIGH, PriorityClass
+from sidecar.config import ClassConfig
+
+Clock = Callable[[], float]
+
+
+class Outcome(enum.StrEnum):
+    """The ``outcome`` label of ``smg_scheduler_admit_total``."""
+
+    ADMITTED = "admitted"
+    REJECTED_QUEUE_FULL = "rejected_queue_full"
+    REJECTED_QUEUE_TIMEOUT = "rejected_queue_timeout"
+    PREEMPTED = "preempted"
+    CLIENT_CANCELLED = "client_cancelled"
+
+
+class ReleaseResult(enum.StrEnum):
+    RELEASED = "released"
+    UNKNOWN = "unknown"
+    ALREADY_RELEASED = "already_released"
+
+
+@dataclass(slots=True, eq=False)
+class Admission:
+    """An in-flight request holding one slot."""
+
+    id: str
+    cls: PriorityClass
+    tenant: str
+    admitted_at: float
+    first_byte: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """A queued request."""
+
+    id: str
+    cls: PriorityClass
+    tenant: str
+    enqueued_at: float
+    deadline: float
+
+
+# ----------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    admission: Admission
+    waited: float
+    queued: bool
+    starvation: bool = False
+    preempted: bool = False  # admitted by preempting a lower-class request
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    waiter: Waiter
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    id: str
+    cls: PriorityClass
+    tenant: str
+    outcome: Outcome
+    waited: float
+    legacy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    victim: Admission
+    by_class: PriorityClass
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    admission: Admission
+    reason: str
+
+
+Event = Admitted | Rejected | Preempted | Released
+Decision = Admitted | Queued | Rejected
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSnapshot:
+    inflight: int
+    queue_depth: int
+    queue_limit: int
+    reserved: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    capacity: int
+    inflight: int
+    classes: Mapping[PriorityClass, ClassSnapshot]
+
+
+class AdmissionCore(Protocol):
+    """What the asyncio adapter needs from a core."""
+
+    legacy: bool
+
+    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision: ...
+    def cancel(self, id: str) -> bool: ...
+    def release(self, id: str, reason: str = "completed") -> ReleaseResult: ...
+    def mark_reachable(self, id: str) -> bool: ...
+    def mark_first_byte(self, id: str) -> bool: ...
+    def is_admitted(self, id: str) -> bool: ...
+    def set_capacity(self, capacity: int) -> None: ...
+    def tick(self) -> None: ...
+    def next_deadline(self) -> float | None: ...
+    def snapshot(self) -> Snapshot: ...
+    def take_events(self) -> list[Event]: ...
+
+
+# ----------------------------------------------------------------------- reservations
+
+
+def desired_reservations(
+    classes: Mapping[PriorityClass, ClassConfig], capacity: int
+) -> dict[PriorityClass, int]:
+    """``max(floor, ceil(share * capacity))``, each at most capacity.
+
+    The product is rounded to 9 decimals before ``ceil`` so that 0.1 * 300 is
+    30 as written, not 31 from binary floating point.
+    """
+    out: dict[PriorityClass, int] = {}
+    for cls in HIGH_TO_LOW:
+        c = classes[cls]
+        share = math.ceil(round(c.reserved_per_slot * capacity, 9))
+        out[cls] = min(capacity, max(c.reserved_floor, share))
+    return out
+
+
+def reservations_fit(classes: Mapping[PriorityClass, ClassConfig], capacity: int) -> bool:
+    """The startup check: do the reservations fit the capacity?"""
+    return sum(desired_reservations(classes, capacity).values()) <= capacity
+
+
+def scaled_reservations(
+    classes: Mapping[PriorityClass, ClassConfig], capacity: int
+) -> dict[PriorityClass, int]:
+    """Reservations at ``capacity``, scaled down proportionally when they do not fit.
+
+    Integer math (floor), so the sum never exceeds capacity; growth simply
+    recomputes from the configured floors and shares, which restores them.
+    """
+    desired = desired_reservations(classes, capacity)
+    total = sum(desired.values())
+    if total <= capacity:
+        return desired
+    return {cls: desired[cls] * capacity // total for cls in desired}
+
+
+class _RecentIds:
+    """Bounded memory of ended admission ids, to tell a duplicate from a stranger."""
+
+    def __init__(self, maxlen: int) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._maxlen = maxlen
+
+    def add(self, id: str) -> None:
+        self._ids[id] = None
+        if len(self._ids) > self._maxlen:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, id: object) -> bool:
+        return id in self._ids
+
+
+def _first(d: dict[str, Waiter]) -> Waiter | None:
+    return next(iter(d.values()), None)
+
+
+# -------------------------------------------------------------------------- scheduler
+
+
+class Scheduler:
+    """The priority scheduler (see CONTRACT.md, "Admission algorithm")."""
+
+    legacy = False
+
+    def __init__(
+        self,
+        classes: Mapping[PriorityClass, ClassConfig],
+        capacity: int,
+        clock: Clock,
+        *,
+        remember_ended: int = 100_000,
+        preemptible_on_admit: bool = True,
+    ) -> None:
+        # With preemptible_on_admit False an admission becomes a preemption
+        # candidate only once mark_reachable() says its victim path exists (the
+        # sidecar can actually stop it); the pure rules otherwise stay the same.
+        self._preemptible_on_admit = preemptible_on_admit
+        self._cfg: dict[PriorityClass, ClassConfig] = dict(classes)
+        self._clock = clock
+        self._capacity = max(0, capacity)
+        self._reserved: dict[PriorityClass, int] = {}
+        self._inflight: dict[PriorityClass, int] = dict.fromkeys(PriorityClass, 0)
+        self._total = 0
+        self._admitted: dict[str, Admission] = {}
+        # Per class, in admission order, the admissions that have not sent a byte.
+        self._preemptible: dict[PriorityClass, dict[str, Admission]] = {
+            c: {} for c in PriorityClass
+        }
+        self._queues: dict[PriorityClass, dict[str, Waiter]] = {c: {} for c in PriorityClass}
+        self._waiting: dict[str, Waiter] = {}
+        self._ended = _RecentIds(remember_ended)
+        self._events: list[Event] = []
+        # Classes above each class, for the reservation hold-back sum.
+        self._higher: dict[PriorityClass, tuple[PriorityClass, ...]] = {
+            c: tuple(h for h in HIGH_TO_LOW if h > c) for c in PriorityClass
+        }
+        self._reserved = scaled_reservations(self._cfg, self._capacity)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def reserved(self) -> Mapping[PriorityClass, int]:
+        return self._reserved
+
+    @property
+    def config(self) -> Mapping[PriorityClass, ClassConfig]:
+        return self._cfg
+
+    def inflight(self, cls: PriorityClass | None = None) -> int:
+        return self._total if cls is None else self._inflight[cls]
+
+    def queue_depth(self, cls: PriorityClass) -> int:
+        return len(self._queues[cls])
+
+    def queued_ids(self, cls: PriorityClass) -> list[str]:
+        return list(self._queues[cls])
+
+    def admissions(self) -> Iterator[Admission]:
+        return iter(self._admitted.values())
+
+    def is_admitted(self, id: str) -> bool:
+        return id in self._admitted
+
+    def available(self, cls: PriorityClass) -> int:
+        """Free slots ``cls`` may take without eating a higher class's unused reservation."""
+        held = 0
+        for h in self._higher[cls]:
+            unused = self._reserved[h] - self._inflight[h]
+            if unused > 0:
+                held += unused
+        return self._capacity - self._total - held
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            capacity=self._capacity,
+            inflight=self._total,
+            classes={
+                c: ClassSnapshot(
+                    inflight=self._inflight[c],
+                    queue_depth=len(self._queues[c]),
+                    queue_limit=self._cfg[c].queue_size,
+                    reserved=self._reserved[c],
+                )
+                for c in HIGH_TO_LOW
+            },
+        )
+
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has work: a queue timeout or a head turning starved."""
+        best: float | None = None
+        for cls, q in self._queues.items():
+            head = _first(q)
+            if head is None:
+                continue
+            t = head.deadline
+            if cls is not PriorityClass.SYSTEM:
+                starve_at = head.enqueued_at + self._cfg[cls].starvation_threshold_secs
+                # An already-starved head waits for a release, not for a timer.
+                if starve_at > self._clock():
+                    t = min(t, starve_at)
+            if best is None or t < best:
+                best = t
+        return best
+
+    # ---------------------------------------------------------------- mutations
+
+    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision:
+        """A new request of effective class ``cls``."""
+        now = self._clock()
+        self._dispatch(now)
+        queue = self._queues[cls]
+        available = self.available(cls)
+        if not queue and available >= 1:
+            return self._admit(id, cls, tenant, now, waited=0.0, queued=False)
+        if self._cfg[cls].can_preempt and available == 0:
+            # Preempting one victim frees exactly the one slot needed; when the
+            # class is over its share (available < 0) it would not, so no victim.
+            victim = self._pick_victim(cls)
+            if victim is not None:
+                self._preempt(victim, cls)
+                if not queue:
+                    return self._admit(
+                        id, cls, tenant, now, waited=0.0, queued=False, preempted=True
+                    )
+                # Earlier arrivals of this class keep FIFO order: the freed slot
+                # goes through dispatch and this arrival queues behind them.
+                decision = self._enqueue(id, cls, tenant, now)
+                self._dispatch(now)
+                return decision
+        return self._enqueue(id, cls, tenant, now)
+
+    def cancel(self, id: str) -> bool:
+        """The client went away while queued. False if ``id`` is not queued."""
+        waiter = self._waiting.pop(id, None)
+        if waiter is None:
+            return False
+        del self._queues[waiter.cls][id]
+        now = self._clock()
+        self._events.append(
+            Rejected(id, waiter.cls, waiter.tenant, Outcome.CLIENT_CANCELLED,
+                     now - waiter.enqueued_at)
+        )
+        self._dispatch(now)
+        return True
+
+    def release(self, id: str, reason: str = "completed") -> ReleaseResult:
+        """End an admission. Idempotent: a second or unknown release changes nothing."""
+        adm = self._admitted.get(id)
+        if adm is None:
+            return ReleaseResult.ALREADY_RELEASED if id in self._ended else ReleaseResult.UNKNOWN
+        self._drop(adm)
+        self._events.append(Released(adm, reason))
+        self._dispatch(self._clock())
+        return ReleaseResult.RELEASED
+
+    def mark_reachable(self, id: str) -> bool:
+        """The admission can now be preempted (a channel to stop it exists)."""
+        adm = self._admitted.get(id)
+        if adm is None or adm.first_byte:
+            return False
+        self._preemptible[adm.cls][id] = adm
+        return True
+
+    def mark_first_byte(self, id: str) -> bool:
+        """The response started: the admission can no longer be preempted."""
+        adm = self._admitted.get(id)
+        if adm is None or adm.first_byte:
+            return False
+        adm.first_byte = True
+        self._preemptible[adm.cls].pop(id, None)
+        return True
+
+    def set_capacity(self, capacity: int) -> None:
+        """Live capacity changed: rescale reservations and dispatch."""
+        capacity = max(0, capacity)
+        if capacity == self._capacity:
+            return
+        self._capacity = capacity
+        self._reserved = scaled_reservations(self._cfg, capacity)
+        self._dispatch(self._clock())
+
+    def update_config(self, classes: Mapping[PriorityClass, ClassConfig]) -> None:
+        """Hot reload: new knobs for new decisions; queued requests keep their place."""
+        self._cfg = dict(classes)
+        self._reserved = scaled_reservations(self._cfg, self._capacity)
+        self._dispatch(self._clock())
+
+    def tick(self) -> None:
+        """Time passed: expire timeouts and admit starved heads."""
+        self._dispatch(self._clock())
+
+    # ---------------------------------------------------------------- internals
+
+    def _admit(
+        self,
+        id: str,
+        cls: PriorityClass,
+        tenant: str,
+        now: float,
+        *,
+        waited: float,
+        queued: bool,
+        starvation: bool = False,
+        preempted: bool = False,
+    ) -> Admitted:
+        adm = Admission(id, cls, tenant, now)
+        self._admitted[id] = adm
+        if self._preemptible_on_admit:
+            self._preemptible[cls][id] = adm
+        self._inflight[cls] += 1
+        self._total += 1
+        event = Admitted(adm, waited, queued, starvation, preempted)
+        self._events.append(event)
+        return event
+
+    def _drop(self, adm: Admission) -> None:
+        del self._admitted[adm.id]
+        self._preemptible[adm.cls].pop(adm.id, None)
+        self._inflight[adm.cls] -= 1
+        self._total -= 1
+        self._ended.add(adm.id)
+
+    def _enqueue(self, id: str, cls: PriorityClass, tenant: str, now: float) -> Decision:
+        cfg = self._cfg[cls]
+        queue = self._queues[cls]
+        if len(queue) >= cfg.queue_size:
+            event = Rejected(id, cls, tenant, Outcome.REJECTED_QUEUE_FULL, 0.0)
+            self._events.append(event)
+            return event
+        waiter = Waiter(id, cls, tenant, now, now + cfg.queue_timeout_secs)
+        queue[id] = waiter
+        self._waiting[id] = waiter
+        return Queued(waiter)
+
+    def _pick_victim(self, by: PriorityClass) -> Admission | None:
+        # Lowest class first, then the most recently admitted (least work lost).
+        for cls in LOW_TO_HIGH:
+            if cls >= by:
+                return None
+            candidates = self._preemptible[cls]
+            if candidates:
+                return next(reversed(candidates.values()))
+        return None
+
+    def _preempt(self, victim: Admission, by: PriorityClass) -> None:
+        self._drop(victim)
+        self._events.append(Preempted(victim, by))
+        self._events.append(Released(victim, "preempted"))
+
+    def _pop_head(self, cls: PriorityClass) -> Waiter:
+        queue = self._queues[cls]
+        id = next(iter(queue))
+        waiter = queue.pop(id)
+        del self._waiting[id]
+        return waiter
+
+    def _dispatch(self, now: float) -> None:
+        self._expire(now)
+        while self._admit_starved(now) or self._admit_by_priority(now):
+            pass
+
+    def _expire(self, now: float) -> None:
+        for cls in HIGH_TO_LOW:
+            queue = self._queues[cls]
+            while queue:
+                head = _first(queue)
+                assert head is not None
+                if now < head.deadline:
+                    break
+                self._pop_head(cls)
+                self._events.append(
+                    Rejected(head.id, cls, head.tenant, Outcome.REJECTED_QUEUE_TIMEOUT,
+                             now - head.enqueued_at)
+                )
+
+    def _admit_starved(self, now: float) -> bool:
+        # Starvation override: lowest class first, system excluded, ignoring
+        # reservations but never past capacity.
+        if self._total >= self._capacity:
+            return False
+        for cls in LOW_TO_HIGH:
+            if cls is PriorityClass.SYSTEM:
+                break
+            head = _first(self._queues[cls])
+            threshold = self._cfg[cls].starvation_threshold_secs
+            if head is not None and now - head.enqueued_at >= threshold:
+                self._pop_head(cls)
+                self._admit(head.id, cls, head.tenant, now, waited=now - head.enqueued_at,
+                            queued=True, starvation=True)
+                return True
+        return False
+
+    def _admit_by_priority(self, now: float) -> bool:
+        # Strict priority: available() only shrinks going down the classes, so
+        # the first head that does not fit means no lower head fits either.
+        for cls in HIGH_TO_LOW:
+            head = _first(self._queues[cls])
+            if head is None:
+                continue
+            if self.available(cls) < 1:
+                return False
+            self._pop_head(cls)
+            self._admit(head.id, cls, head.tenant, now, waited=now - head.enqueued_at,
+                        queued=True)
+            return True
+        return False
+
+
+# ---------------------------------------------------------------------- legacy path
+
+
+@dataclass(slots=True)
+class LegacyAdmission:
+    """The legacy concurrency limit: one FIFO queue, no classes in the decision.
+
+    ``limit`` None means no concurrency cap (``--max-concurrent-requests`` <= 0).
+    """
+
+    limit: int | None
+    queue_size: int
+    queue_timeout_secs: float
+    clock: Clock
+    legacy: bool = True
+    _admitted: dict[str, Admission] = field(default_factory=dict)
+    _queue: dict[str, Waiter] = field(default_factory=dict)
+    _ended: _RecentIds = field(default_factory=lambda: _RecentIds(100_000))
+    _events: list[Event] = field(default_factory=list)
+
+    def _has_slot(self) -> bool:
+        return self.limit is None or len(self._admitted) < self.limit
+
+    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision:
+        now = self.clock()
+        self._dispatch(now)
+        if not self._queue and self._has_slot():
+            return self._admit(id, cls, tenant, now, 0.0, queued=False)
+        if len(self._queue) >= self.queue_size:
+            event = Rejected(id, cls, tenant, Outcome.REJECTED_QUEUE_FULL, 0.0, legacy=True)
+            self._events.append(event)
+            return event
+        waiter = Waiter(id, cls, tenant, now, now + self.queue_timeout_secs)
+        self._queue[id] = waiter
+        return Queued(waiter)
+
+    def cancel(self, id: str) -> bool:
+        waiter = self._queue.pop(id, None)
+        if waiter is None:
+            return False
+        now = self.clock()
+        self._events.append(Rejected(id, waiter.cls, waiter.tenant, Outcome.CLIENT_CANCELLED,
+                                     now - waiter.enqueued_at, legacy=True))
+        return True
+
+    def release(self, id: str, reason: str = "completed") -> ReleaseResult:
+        adm = self._admitted.pop(id, None)
+        if adm is None:
+            return ReleaseResult.ALREADY_RELEASED if id in self._ended else ReleaseResult.UNKNOWN
+        self._ended.add(id)
+        self._events.append(Released(adm, reason))
+        self._dispatch(self.clock())
+        return ReleaseResult.RELEASED
+
+    def mark_reachable(self, id: str) -> bool:
+        return False  # the legacy path never preempts
+
+    def mark_first_byte(self, id: str) -> bool:
+        adm = self._admitted.get(id)
+        if adm is None or adm.first_byte:
+            return False
+        adm.first_byte = True
+        return True
+
+    def is_admitted(self, id: str) -> bool:
+        return id in self._admitted
+
+    def set_capacity(self, capacity: int) -> None:
+        """Legacy admission does not follow worker health (as in smg)."""
+
+    def tick(self) -> None:
+        self._dispatch(self.clock())
+
+    def next_deadline(self) -> float | None:
+        head = _first(self._queue)
+        return None if head is None else head.deadline
+
+    def snapshot(self) -> Snapshot:
+        per: dict[PriorityClass, list[int]] = {c: [0, 0] for c in PriorityClass}
+        for adm in self._admitted.values():
+            per[adm.cls][0] += 1
+        for w in self._queue.values():
+            per[w.cls][1] += 1
+        return Snapshot(
+            capacity=self.limit if self.limit is not None else 0,
+            inflight=len(self._admitted),
+            classes={
+                c: ClassSnapshot(per[c][0], per[c][1], self.queue_size, 0) for c in HIGH_TO_LOW
+            },
+        )
+
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def _admit(self, id: str, cls: PriorityClass, tenant: str, now: float, waited: float,
+               *, queued: bool) -> Admitted:
+        adm = Admission(id, cls, tenant, now)
+        self._admitted[id] = adm
+        event = Admitted(adm, waited, queued)
+        self._events.append(event)
+        return event
+
+    def _dispatch(self, now: float) -> None:
+        while self._queue:
+            head = _first(self._queue)
+            assert head is not None
+            if now >= head.deadline:
+                del self._queue[head.id]
+                self._events.append(Rejected(head.id, head.cls, head.tenant,
+                                             Outcome.REJECTED_QUEUE_TIMEOUT,
+                                             now - head.enqueued_at, legacy=True))
+                continue
+            if not self._has_slot():
+                return
+            del self._queue[head.id]
+            self._admit(head.id, head.cls, head.tenant, now, now - head.enqueued_at, queued=True)

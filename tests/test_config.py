@@ -1,0 +1,267 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sidecar.classes import PriorityClass
+from sidecar.config import (
+    BUILTIN_CLASSES,
+    ConfigError,
+    TenantSource,
+    build_parser,
+    load_priority_config,
+    parse_priority_config,
+    parse_settings,
+)
+
+S, I, D, B = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEFAULT,
+              PriorityClass.BULK)
+
+REFERENCE_EXAMPLE = """
+# Per-class tuning. Any class you omit keeps its built-in default.
+classes:
+  interactive:
+    reserved_floor: 128
+    reserved_per_slot: 0.25
+    queue_size: 256
+    queue_timeout_secs: 30
+    starvation_threshold_secs: 5
+    can_preempt: true
+  bulk:
+    reserved_floor: 0
+    queue_size: 1024
+    queue_timeout_secs: 300
+    starvation_threshold_secs: 120
+    can_preempt: false
+tenant_policies:
+  "auth:acme":
+    max_class: interactive
+  "auth:internal-cron":
+    max_class: system
+"""
+
+
+def test_builtin_defaults_match_contract() -> None:
+    t = BUILTIN_CLASSES
+    assert (t[S].reserved_floor, t[S].reserved_per_slot, t[S].queue_size, t[S].queue_timeout_secs,
+            t[S].starvation_threshold_secs, t[S].can_preempt) == (32, 0.0, 64, 30, 5, True)
+    assert (t[I].reserved_floor, t[I].reserved_per_slot, t[I].queue_size, t[I].queue_timeout_secs,
+            t[I].starvation_threshold_secs, t[I].can_preempt) == (128, 0.25, 256, 30, 5, True)
+    assert (t[D].reserved_floor, t[D].reserved_per_slot, t[D].queue_size, t[D].queue_timeout_secs,
+            t[D].starvation_threshold_secs, t[D].can_preempt) == (0, 0.10, 512, 60, 30, False)
+    assert (t[B].reserved_floor, t[B].reserved_per_slot, t[B].queue_size, t[B].queue_timeout_secs,
+            t[B].starvation_threshold_secs, t[B].can_preempt) == (0, 0.0, 1024, 300, 120, False)
+
+
+def test_reference_example_parses() -> None:
+    cfg = parse_priority_config(REFERENCE_EXAMPLE, "priority.yaml")
+    assert cfg.tenant_policies == {"auth:acme": I, "auth:internal-cron": S}
+    assert cfg.classes[I] == BUILTIN_CLASSES[I]
+    assert cfg.classes[S] == BUILTIN_CLASSES[S]
+
+
+@pytest.mark.parametrize("text", ["", "   \n", "# only a comment\n", "{}", "classes: {}",
+                                  "classes:\ntenant_policies:\n"])
+def test_empty_means_defaults(text: str) -> None:
+    cfg = parse_priority_config(text)
+    assert dict(cfg.classes) == dict(BUILTIN_CLASSES)
+    assert cfg.tenant_policies == {}
+
+
+def test_fieldwise_merge_keeps_other_fields() -> None:
+    cfg = parse_priority_config("classes:\n  bulk:\n    queue_size: 7\n")
+    assert cfg.classes[B].queue_size == 7
+    assert cfg.classes[B].queue_timeout_secs == 300
+    assert cfg.classes[B].starvation_threshold_secs == 120
+    assert cfg.classes[D] == BUILTIN_CLASSES[D]
+
+
+def test_int_accepted_for_float_fields() -> None:
+    cfg = parse_priority_config("classes:\n  default:\n    reserved_per_slot: 1\n")
+    assert cfg.classes[D].reserved_per_slot == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("classes:\n  interactive:\n    queue_sizee: 3\n", "classes.interactive.queue_sizee",
+         "unknown key"),
+        ("classes:\n  urgent:\n    queue_size: 3\n", "classes.urgent", "unknown class"),
+        ("classes:\n  Interactive: {}\n", "classes.Interactive", "unknown class"),
+        ("clases:\n  bulk: {}\n", "clases", "unknown key"),
+        ("tenant_policies:\n  acme:\n    max_class: urgent\n", "tenant_policies.acme.max_class",
+         "unknown class"),
+        ("tenant_policies:\n  acme:\n    max_class: System\n", "tenant_policies.acme.max_class",
+         "unknown class"),
+        ("tenant_policies:\n  acme:\n    max_clas: system\n", "tenant_policies.acme.max_clas",
+         "unknown key"),
+        ("tenant_policies:\n  acme: {}\n", "tenant_policies.acme.max_class", "missing"),
+        ("tenant_policies:\n  acme: system\n", "tenant_policies.acme", "mapping"),
+        ("classes:\n  bulk:\n    queue_size: 1.5\n", "classes.bulk.queue_size", "integer"),
+        ("classes:\n  bulk:\n    queue_size: true\n", "classes.bulk.queue_size", "integer"),
+        ("classes:\n  bulk:\n    queue_size: '10'\n", "classes.bulk.queue_size", "integer"),
+        ("classes:\n  bulk:\n    can_preempt: 1\n", "classes.bulk.can_preempt", "boolean"),
+        ("classes:\n  bulk:\n    can_preempt: 'yes'\n", "classes.bulk.can_preempt", "boolean"),
+        ("classes:\n  bulk:\n    queue_timeout_secs: false\n", "classes.bulk.queue_timeout_secs",
+         "number"),
+        ("classes:\n  bulk:\n    queue_timeout_secs: 0\n", "classes.bulk.queue_timeout_secs",
+         "> 0"),
+        ("classes:\n  bulk:\n    queue_timeout_secs: -1\n", "classes.bulk.queue_timeout_secs",
+         "> 0"),
+        ("classes:\n  bulk:\n    queue_timeout_secs: .inf\n", "classes.bulk.queue_timeout_secs",
+         "finite"),
+        ("classes:\n  bulk:\n    starvation_threshold_secs: 0\n",
+         "classes.bulk.starvation_threshold_secs", "> 0"),
+        ("classes:\n  bulk:\n    reserved_per_slot: .nan\n", "classes.bulk.reserved_per_slot",
+         "finite"),
+        ("classes:\n  bulk:\n    reserved_per_slot: .inf\n", "classes.bulk.reserved_per_slot",
+         "finite"),
+        ("classes:\n  bulk:\n    reserved_per_slot: -0.1\n", "classes.bulk.reserved_per_slot",
+         ">= 0"),
+        ("classes:\n  bulk:\n    reserved_floor: -1\n", "classes.bulk.reserved_floor", ">= 0"),
+        ("classes:\n  bulk:\n    queue_size: -1\n", "classes.bulk.queue_size", ">= 0"),
+        ("classes:\n  bulk: 3\n", "classes.bulk", "mapping"),
+        ("classes: [bulk]\n", "classes", "mapping"),
+        ("classes:\n  bulk: {}\n  bulk: {}\n", None, "duplicate key 'bulk'"),
+    ],
+)
+def test_strict_errors_name_file_key_reason(text: str, key: str | None, reason: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_priority_config(text, "/etc/smg/priority.yaml")
+    msg = str(err.value)
+    assert msg.startswith("/etc/smg/priority.yaml: ")
+    if key is not None:
+        assert err.value.key == key
+        assert f": {key}: " in msg
+    assert reason in msg
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "42\n", "just text\n", "classes: {bulk: [\n"])
+def test_non_mapping_or_broken_yaml(text: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_priority_config(text, "p.yaml")
+    assert str(err.value).startswith("p.yaml: ")
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_priority_config(str(tmp_path / "absent.yaml"))
+
+
+def test_digest_changes_with_content() -> None:
+    a = parse_priority_config("classes: {bulk: {queue_size: 1}}")
+    b = parse_priority_config("classes: {bulk: {queue_size: 2}}")
+    assert a.digest != b.digest
+
+
+def test_cli_defaults() -> None:
+    s = parse_settings([])
+    assert s.scheduler_enabled is False
+    assert s.default_max_class is D
+    assert s.tenant_metric_top_n == 32
+    assert s.max_concurrent_requests == -1
+    assert s.fallback_capacity == 1024
+    assert s.queue_size == 100
+    assert s.queue_timeout_secs == 60
+    assert s.rate_limit_tokens_per_second is None
+    assert s.prefill_max_inflight_requests_per_worker is None
+    assert s.grpc_listen == "127.0.0.1:9001"
+    assert s.http_listen == "127.0.0.1:9090"
+    assert s.worker_urls == ()
+    assert s.worker_capacity_override is None
+    assert s.tenant_source == TenantSource("header", "x-smg-tenant")
+
+
+def test_help_lists_every_contract_flag() -> None:
+    text = build_parser().format_help()
+    for flag, default in [
+        ("--priority-scheduler-enabled", "False"),
+        ("--priority-scheduler-default-max-class", "default"),
+        ("--priority-scheduler-config", "None"),
+        ("--priority-scheduler-tenant-metric-top-n", "32"),
+        ("--max-concurrent-requests", "-1"),
+        ("--queue-size", "100"),
+        ("--queue-timeout-secs", "60"),
+        ("--rate-limit-tokens-per-second", "None"),
+        ("--prefill-max-inflight-requests-per-worker", "None"),
+        ("--grpc-listen", "127.0.0.1:9001"),
+        ("--http-listen", "127.0.0.1:9090"),
+        ("--worker-urls", None),
+        ("--worker-capacity-override", "None"),
+        ("--log-format", None),
+        ("--tenant-source", "header:x-smg-tenant"),
+        ("--check-config", None),
+    ]:
+        assert flag in text, flag
+        if default is not None:
+            # argparse prints "(default: X)" after each flag's help text.
+            section = text.split("\n  " + flag, 1)[1].split("\n  --", 1)[0]
+            assert f"(default: {default})" in " ".join(section.split()), flag
+
+
+def test_unknown_default_max_class_falls_back() -> None:
+    s = parse_settings(["--priority-scheduler-default-max-class", "urgent"])
+    assert s.default_max_class is D and s.default_max_class_valid is False
+    s = parse_settings(["--priority-scheduler-default-max-class", "INTERACTIVE"])
+    assert s.default_max_class is I and s.default_max_class_valid is True
+
+
+def test_prefill_with_scheduler_refused() -> None:
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        parse_settings(["--priority-scheduler-enabled",
+                        "--prefill-max-inflight-requests-per-worker", "4"])
+    # Without the scheduler it is accepted (legacy path).
+    parse_settings(["--prefill-max-inflight-requests-per-worker", "4"])
+
+
+def test_authz_timeout_must_exceed_queue_timeouts() -> None:
+    with pytest.raises(ConfigError, match="longest class queue_timeout_secs"):
+        parse_settings(["--priority-scheduler-enabled", "--envoy-authz-timeout", "300"])
+    parse_settings(["--priority-scheduler-enabled", "--envoy-authz-timeout", "301"])
+
+
+@pytest.mark.parametrize(
+    "spec", ["header:", "header", "jwt:tenant", "jwt:.x", "principal:x", "cookie:a"]
+)
+def test_bad_tenant_source(spec: str) -> None:
+    with pytest.raises(ConfigError, match="--tenant-source"):
+        TenantSource.parse(spec)
+
+
+def test_tenant_sources() -> None:
+    assert TenantSource.parse("header:X-Tenant") == TenantSource("header", "x-tenant")
+    assert TenantSource.parse("principal") == TenantSource("principal")
+    assert TenantSource.parse("jwt:jwt_payload.tenant") == TenantSource("jwt", "jwt_payload.tenant")
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_bad_config_file_stops_startup_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "priority.yaml"
+    bad.write_text("classes:\n  interactive:\n    queue_sizee: 3\n")
+    proc = _run_cli("--priority-scheduler-enabled", "--priority-scheduler-config", str(bad),
+                    "--grpc-listen", "127.0.0.1:1", "--http-listen", "127.0.0.1:1")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert str(bad) in lines[0] and "classes.interactive.queue_sizee" in lines[0]
+    assert "unknown key" in lines[0]
+
+
+def test_check_config_prints_table(tmp_path: Path) -> None:
+    good = tmp_path / "priority.yaml"
+    good.write_text(REFERENCE_EXAMPLE)
+    proc = _run_cli("--check-config", str(good))
+    assert proc.returncode == 0, proc.stderr
+    assert "interactive" in proc.stdout and "auth:acme: max_class=interactive" in proc.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("classes:\n  bulk:\n    queue_timeout_secs: 0\n")
+    proc = _run_cli("--check-config", str(bad))
+    assert proc.returncode == 1
+    assert "classes.bulk.queue_timeout_secs" in proc.stderr
