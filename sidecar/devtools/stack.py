@@ -1,0 +1,242 @@
+"""The whole loop on loopback: fake workers, the sidecar process, and a real Envoy.
+
+Used by the end-to-end tests, the demo (``make run``) and the benchmarks. The
+workers run in the caller's event loop (so tests can read what each worker
+saw); the sidecar and Envoy are real child processes on free ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.config import parse_priority_config
+from sidecar.devtools.fleet import Fleet
+from sidecar.health import http_get
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def envoy_binary() -> str:
+    """``$ENVOY_BIN``, else the Makefile's tool venv, else ``envoy`` on PATH."""
+    candidates = [os.environ.get("ENVOY_BIN"), str(REPO / ".venv-envoy" / "bin" / "envoy"),
+                  shutil.which("envoy")]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise FileNotFoundError("no Envoy binary: run `make envoy` or set ENVOY_BIN")
+
+
+def load_renderer() -> ModuleType:
+    """envoy/render.py, loaded by path (``envoy`` is also xds-protos' package name)."""
+    spec = importlib.util.spec_from_file_location("smg_envoy_render", REPO / "envoy" / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class StackConfig:
+    workers: int = 2
+    max_running_requests: int | None = 2
+    service_time: float = 0.02
+    priority_yaml: str = ""
+    sidecar_args: Sequence[str] = ()
+    flush_interval_secs: float = 1.0
+    lease_secs: float = 10.0
+    authz_timeout_secs: float | None = None  # None: longest queue timeout + 5 s
+    preemption: bool = True
+    jwt_secret: str | None = None
+    health_interval_secs: float = 0.2
+    envoy_concurrency: int = 1
+    listen_port: int = 0
+    admin_port: int = 0
+    grpc_port: int = 0
+    http_port: int = 0
+    worker_base_port: int = 0
+    log_level: str = "info"
+    capacity_from_envoy: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class Stack:
+    def __init__(self, config: StackConfig, workdir: Path | None = None) -> None:
+        self.config = config
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="smg-stack-"))
+        self.fleet = Fleet(config.workers, base_port=config.worker_base_port,
+                           max_running_requests=config.max_running_requests,
+                           service_time=config.service_time)
+        self.sidecar: subprocess.Popen[bytes] | None = None
+        self.envoy: subprocess.Popen[bytes] | None = None
+        self.listen_port = config.listen_port or free_port()
+        self.admin_port = config.admin_port or free_port()
+        self.grpc_port = config.grpc_port or free_port()
+        self.http_port = config.http_port or free_port()
+        self.sidecar_log = self.workdir / "sidecar.log"
+        self.envoy_log = self.workdir / "envoy.log"
+        self.envoy_config = self.workdir / "envoy.yaml"
+        self.priority_path = self.workdir / "priority.yaml"
+        longest = parse_priority_config(config.priority_yaml).max_queue_timeout()
+        self.authz_timeout = config.authz_timeout_secs or longest + 5.0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        await self.fleet.start()
+        self.priority_path.write_text(self.config.priority_yaml)
+        self.start_sidecar()
+        await self.wait_sidecar_ready()
+        self.write_envoy_config()
+        self.start_envoy()
+        await self.wait_envoy_ready()
+
+    async def stop(self) -> None:
+        for proc in (self.envoy, self.sidecar):
+            if proc is not None:
+                _terminate(proc)
+        self.envoy = self.sidecar = None
+        await self.fleet.stop()
+
+    def sidecar_argv(self) -> list[str]:
+        c = self.config
+        argv = [
+            sys.executable, "-m", "sidecar",
+            "--priority-scheduler-enabled",
+            "--priority-scheduler-config", str(self.priority_path),
+            "--grpc-listen", f"127.0.0.1:{self.grpc_port}",
+            "--http-listen", f"127.0.0.1:{self.http_port}",
+            "--health-interval-secs", str(c.health_interval_secs),
+            "--admission-lease-secs", str(c.lease_secs),
+            "--envoy-authz-timeout", str(self.authz_timeout),
+            "--log-format", "json", "--log-level", c.log_level,
+        ]
+        if c.capacity_from_envoy:
+            argv += ["--envoy-admin-url", f"http://127.0.0.1:{self.admin_port}"]
+        else:
+            argv += ["--worker-urls", *self.fleet.urls]
+        return argv + list(c.sidecar_args)
+
+    def start_sidecar(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}
+        with open(self.sidecar_log, "ab") as log:
+            self.sidecar = subprocess.Popen(self.sidecar_argv(), stdout=log, stderr=log,
+                                            stdin=subprocess.DEVNULL, env=env, cwd=REPO,
+                                            start_new_session=True)
+
+    def kill_sidecar(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.kill()
+            self.sidecar.wait(10)
+            self.sidecar = None
+
+    async def wait_sidecar_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sidecar is not None and self.sidecar.poll() is not None:
+                raise RuntimeError(f"sidecar exited: {self.sidecar_log.read_text()[-2000:]}")
+            with contextlib.suppress(OSError, TimeoutError, ValueError):
+                status, _ = await http_get(f"http://127.0.0.1:{self.http_port}/readyz", 0.5)
+                if status == 200:
+                    return
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"sidecar not ready: {self.sidecar_log.read_text()[-2000:]}")
+
+    def write_envoy_config(self) -> None:
+        c = self.config
+        text = load_renderer().render(
+            listen_port=self.listen_port, admin_port=self.admin_port,
+            sidecar_host="127.0.0.1", sidecar_port=self.grpc_port,
+            workers=self.fleet.addresses, authz_timeout_secs=self.authz_timeout,
+            flush_interval_secs=c.flush_interval_secs,
+            health_interval_secs=c.health_interval_secs, preemption=c.preemption,
+            jwt_hs256_secret=c.jwt_secret)
+        self.envoy_config.write_text(text)
+
+    def start_envoy(self) -> None:
+        argv = [envoy_binary(), "-c", str(self.envoy_config), "--concurrency",
+                str(self.config.envoy_concurrency), "-l", "warning", "--disable-hot-restart"]
+        with open(self.envoy_log, "ab") as log:
+            # A session of its own: a shell's job control must not signal Envoy.
+            self.envoy = subprocess.Popen(argv, stdout=log, stderr=log,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def kill_envoy(self) -> None:
+        if self.envoy is not None:
+            self.envoy.send_signal(signal.SIGKILL)
+            self.envoy.wait(10)
+            self.envoy = None
+
+    async def wait_envoy_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        admin = f"http://127.0.0.1:{self.admin_port}"
+        while time.monotonic() < deadline:
+            if self.envoy is not None and self.envoy.poll() is not None:
+                raise RuntimeError(f"envoy exited: {self.envoy_log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError, TimeoutError, ValueError):
+                status, body = await http_get(
+                    f"{admin}/stats?filter=^cluster\\.workers\\.membership_healthy$", 0.5)
+                healthy = body.decode().strip().rpartition(" ")[2]
+                if status == 200 and healthy.isdigit() and int(healthy) == len(
+                        [w for w in self.fleet.workers if w.healthy]):
+                    return
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"envoy not ready: {self.envoy_log.read_text()[-3000:]}")
+
+    # ------------------------------------------------------------------ queries
+
+    async def metrics(self) -> dict[str, float]:
+        """The sidecar's /metrics as ``{'name{label="v",...}': value}`` (labels sorted)."""
+        status, body = await http_get(f"http://127.0.0.1:{self.http_port}/metrics", 2.0)
+        assert status == 200
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    async def metric(self, name: str, **labels: str) -> float:
+        key = name
+        if labels:
+            key += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        return (await self.metrics()).get(key, 0.0)
+
+    async def envoy_stat(self, name: str) -> int:
+        _, body = await http_get(
+            f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$", 2.0)
+        value = body.decode().strip().rpartition(" ")[2]
+        return int(value) if value.isdigit() else 0
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)

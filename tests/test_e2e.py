@@ -1,0 +1,301 @@
+"""End to end through a real Envoy: client -> Envoy -> sidecar -> fake workers.
+
+Each test starts its own stack on free loopback ports and, on the way out, the
+fixture checks that the sidecar reports in-flight 0 and queue depth 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import time
+
+import pytest
+
+from sidecar.devtools.fleet import wait_for
+from sidecar.devtools.httpclient import Exchange, Response, chat_body, request
+from sidecar.devtools.stack import Stack
+from tests.conftest import StackFactory, settle
+
+pytestmark = pytest.mark.e2e
+
+# Small numbers so every scenario is quick; no reservations unless a test asks.
+PRIORITY = """
+classes:
+  system: {reserved_floor: 0, queue_size: 2, queue_timeout_secs: 5}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0, queue_size: 2, queue_timeout_secs: 5}
+  default: {reserved_per_slot: 0.0, queue_size: 1, queue_timeout_secs: 0.6}
+  bulk: {queue_size: 2, queue_timeout_secs: 5}
+tenant_policies:
+  "auth:gold": {max_class: system}
+"""
+SECRET = "e2e-test-secret"
+
+
+def token(tenant: str) -> str:
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    header = b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "smg-hs256"}).encode())
+    payload = b64(json.dumps({"tenant": tenant, "exp": int(time.time()) + 3600}).encode())
+    sig = hmac.new(SECRET.encode(), f"{header}.{payload}".encode(), hashlib.sha256).digest()
+    return f"{header}.{payload}.{b64(sig)}"
+
+
+def assert_denied(r: Response, status: int, code: str, retry_after: str | None) -> None:
+    assert r.status == status, (r.status, r.body)
+    assert r.headers["x-smg-error-code"] == code
+    assert r.headers["content-type"] == "application/json"
+    assert r.headers.get("retry-after") == retry_after
+    body = r.json()
+    assert body["error"]["code"] == code and body["error"]["param"] is None
+    assert body["error"]["type"] in ("Too Many Requests", "Service Unavailable")
+    assert body["error"]["message"]
+
+
+async def hold(stack: Stack, seconds: float, priority: str = "default",
+               stream: bool = False) -> Exchange:
+    """Start a request the worker takes ``seconds`` to answer; return its exchange."""
+    return await Exchange.send(stack.listen_port,
+                               headers={"x-smg-priority": priority,
+                                        "x-fake-service-time": str(seconds)},
+                               body=chat_body(stream))
+
+
+async def inflight(stack: Stack) -> float:
+    m = await stack.metrics()
+    return sum(v for k, v in m.items() if k.startswith("smg_scheduler_inflight{"))
+
+
+async def until(stack: Stack, cond: str, timeout: float = 5.0) -> None:
+    """Poll the metrics until ``cond`` (a Python expression over ``m``) holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = await stack.metrics()
+        if eval(cond, {"m": m, "sum": sum}):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {cond}")
+        await asyncio.sleep(0.05)
+
+
+async def test_admitted_non_streaming_reaches_worker_and_releases(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY)
+    r = await request(stack.listen_port, headers={"x-smg-priority": "bulk"})
+    assert r.status == 200 and r.json()["object"] == "chat.completion"
+    records = [rec for w in stack.fleet.workers for rec in w.records]
+    assert len(records) == 1
+    rec = records[0]
+    assert rec.priority_class == "bulk" and rec.outcome == "finished"
+    assert rec.admission_id is not None and len(rec.admission_id) == 32
+    m = await settle(stack)
+    assert m['smg_scheduler_admit_total{class="bulk",outcome="admitted"}'] == 1
+    assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 1
+    assert m.get('smg_sidecar_lease_expired_total{class="bulk"}', 0) == 0
+
+
+async def test_admitted_streaming_releases_at_end(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY)
+    ex = await Exchange.send(stack.listen_port, headers={"x-smg-priority": "interactive"},
+                             body=chat_body(stream=True))
+    await ex.read_head()
+    assert ex.status == 200 and ex.headers["content-type"].startswith("text/event-stream")
+    body = (await asyncio.wait_for(ex.read_body(), 10)).decode()
+    ex.close()
+    assert body.count("data: ") == 6 and "data: [DONE]" in body
+    m = await settle(stack)
+    # anonymous tenant: interactive clamps to the default ceiling
+    assert m['smg_scheduler_admit_total{class="default",outcome="admitted"}'] == 1
+    assert m['smg_scheduler_clamp_total{effective_class="default",requested_class="interactive",'
+             'tenant="anonymous"}'] == 1
+
+
+async def test_queue_full_429_and_timeout_503(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1)
+    busy = await hold(stack, 2.0)
+    await until(stack, 'm.get(\'smg_scheduler_inflight{class="default"}\') == 1')
+    queued = asyncio.ensure_future(request(stack.listen_port))
+    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="default"}\') == 1')
+    full = await request(stack.listen_port)
+    assert_denied(full, 429, "scheduler_queue_full", "2")
+    timed_out = await asyncio.wait_for(queued, 5)
+    assert_denied(timed_out, 503, "scheduler_queue_timeout", "2")
+    await busy.read_head()
+    assert busy.status == 200
+    busy.close()
+    m = await settle(stack)
+    assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_full"}'] == 1
+    assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_timeout"}'] == 1
+    # the worker only ever saw the one admitted request
+    assert stack.fleet.workers[0].started == 1
+
+
+async def test_tenant_from_trusted_jwt_only_and_clamp(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, jwt_secret=SECRET)
+    # A default-ceiling tenant asking for system is admitted as default, counted.
+    r = await request(stack.listen_port, headers={"x-smg-priority": "system",
+                                                  "authorization": f"Bearer {token('auth:plain')}"})
+    assert r.status == 200
+    # A gold tenant (policy: system) keeps system.
+    r = await request(stack.listen_port, headers={"x-smg-priority": "system",
+                                                  "authorization": f"Bearer {token('auth:gold')}"})
+    assert r.status == 200
+    # A client naming itself gold with a header gets nothing for it: it is anonymous.
+    r = await request(stack.listen_port, headers={"x-smg-priority": "system",
+                                                  "x-smg-tenant": "auth:gold"})
+    assert r.status == 200
+    # A forged token never reaches the sidecar.
+    forged = token("auth:gold")[:-4] + "AAAA"
+    r = await request(stack.listen_port, headers={"authorization": f"Bearer {forged}"})
+    assert r.status == 401
+    classes = [rec.priority_class for w in stack.fleet.workers for rec in w.records]
+    assert sorted(classes) == ["default", "default", "system"]
+    m = await settle(stack)
+    assert m['smg_scheduler_clamp_total{effective_class="default",requested_class="system",'
+             'tenant="auth:plain"}'] == 1
+    assert m['smg_scheduler_clamp_total{effective_class="default",requested_class="system",'
+             'tenant="anonymous"}'] == 1
+    assert m['smg_scheduler_admit_total{class="system",outcome="admitted"}'] == 1
+
+
+PREEMPT = """
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0, can_preempt: true}
+  default: {reserved_per_slot: 0.0}
+tenant_policies:
+  "auth:gold": {max_class: system}
+"""
+
+
+async def test_preemption_of_bulk_by_interactive(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PREEMPT, workers=1, max_running_requests=1,
+                             jwt_secret=SECRET)
+    gold = {"authorization": f"Bearer {token('auth:gold')}"}
+    victim = await Exchange.send(stack.listen_port, body=chat_body(),
+                                 headers={"x-smg-priority": "bulk", "x-fake-service-time": "5"})
+    worker = stack.fleet.workers[0]
+    await wait_for(lambda: worker.running == 1, 5)
+    r = await request(stack.listen_port, headers={"x-smg-priority": "interactive", **gold})
+    assert r.status == 200
+    await victim.read_head()
+    body = await victim.read_body()
+    victim.close()
+    resp = Response(victim.status, victim.headers, body)
+    assert_denied(resp, 503, "scheduler_preempted", "1")
+    assert resp.headers["x-smg-preempted"] == "true"
+    bulk = [rec for rec in worker.records if rec.priority_class == "bulk"]
+    await wait_for(lambda: bulk[0].outcome == "cancelled", 5)  # the worker saw the cancel
+    m = await settle(stack)
+    assert m['smg_scheduler_preemption_total{by_class="interactive",victim_class="bulk"}'] == 1
+    assert m['smg_scheduler_admit_total{class="bulk",outcome="preempted"}'] == 1
+    # the victim's own access-log entry arrives after its slot was freed: counted, ignored
+    unmatched = 'smg_sidecar_completion_unmatched_total{reason="already_released"}'
+    await until(stack, f"m.get('{unmatched}', 0) == 1")
+
+
+async def test_streaming_request_is_not_preempted_after_first_byte(
+        make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PREEMPT, workers=1, max_running_requests=1,
+                             jwt_secret=SECRET)
+    gold = {"authorization": f"Bearer {token('auth:gold')}"}
+    worker = stack.fleet.workers[0]
+    worker.stream_interval = 0.3
+    streaming = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
+                                    headers={"x-smg-priority": "bulk"})
+    await streaming.read_head()
+    assert streaming.status == 200
+    queued = asyncio.ensure_future(
+        request(stack.listen_port, headers={"x-smg-priority": "interactive", **gold}))
+    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="interactive"}\') == 1')
+    body = await asyncio.wait_for(streaming.read_body(), 10)
+    streaming.close()
+    assert b"[DONE]" in body
+    r = await asyncio.wait_for(queued, 10)
+    assert r.status == 200
+    m = await settle(stack)
+    assert m.get('smg_scheduler_preemption_total{by_class="interactive",victim_class="bulk"}',
+                 0) == 0
+
+
+async def test_client_disconnect_while_queued_and_while_streaming(
+        make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1)
+    worker = stack.fleet.workers[0]
+    worker.stream_interval = 0.2
+    streaming = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
+                                    headers={"x-smg-priority": "bulk"})
+    await streaming.read_head()
+    first = await streaming.read_chunk()
+    assert first.startswith(b"data: ")
+    waiting = await Exchange.send(stack.listen_port, headers={"x-smg-priority": "bulk"})
+    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="bulk"}\') == 1')
+    waiting.abort()  # gone while queued
+    await until(stack, 'm.get(\'smg_scheduler_admit_total{class="bulk",'
+                       'outcome="client_cancelled"}\') == 1')
+    streaming.abort()  # gone mid-stream: the access log releases the slot
+    await until(stack, 'm.get(\'smg_scheduler_inflight{class="bulk"}\') == 0')
+    await wait_for(lambda: worker.records[0].outcome == "cancelled", 5)
+    m = await settle(stack)
+    assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 1
+    assert m.get('smg_sidecar_lease_expired_total{class="bulk"}', 0) == 0
+    assert worker.started == 1  # the cancelled waiter never reached the worker
+
+
+async def test_worker_health_drives_capacity(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=2, max_running_requests=3)
+    await until(stack, "m['smg_sidecar_capacity'] == 6")
+    stack.fleet.workers[1].healthy = False
+    await until(stack, "m['smg_sidecar_capacity'] == 3", timeout=3)
+    assert (await stack.metrics())["smg_sidecar_healthy_workers"] == 1
+    stack.fleet.workers[0].healthy = False
+    # no healthy worker: the --max-concurrent-requests fallback (unset -> 1024)
+    await until(stack, "m['smg_sidecar_capacity'] == 1024", timeout=3)
+    assert (await stack.metrics())['smg_sidecar_capacity_source{source="fallback"}'] == 1
+    stack.fleet.workers[0].healthy = True
+    stack.fleet.workers[1].healthy = True
+    await until(stack, "m['smg_sidecar_capacity'] == 6", timeout=3)
+
+
+async def test_capacity_from_envoy_admin_follows_routable_hosts(
+        make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=2, max_running_requests=3,
+                             capacity_from_envoy=True)
+    await until(stack, "m['smg_sidecar_capacity'] == 6")
+    stack.fleet.workers[0].healthy = False  # Envoy's active health check ejects it
+    await until(stack, "m['smg_sidecar_capacity'] == 3", timeout=5)
+    stack.fleet.workers[0].healthy = True
+    await until(stack, "m['smg_sidecar_capacity'] == 6", timeout=5)
+
+
+async def test_queued_requests_drain_when_capacity_grows(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=2, max_running_requests=1)
+    stack.fleet.workers[1].healthy = False
+    await until(stack, "m['smg_sidecar_capacity'] == 1", timeout=3)
+    busy = await hold(stack, 3.0, "bulk")
+    await until(stack, 'm.get(\'smg_scheduler_inflight{class="bulk"}\') == 1')
+    queued = asyncio.ensure_future(request(stack.listen_port, headers={"x-smg-priority": "bulk"}))
+    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="bulk"}\') == 1')
+    stack.fleet.workers[1].healthy = True
+    r = await asyncio.wait_for(queued, 5)  # dispatched by the capacity change, not the release
+    assert r.status == 200
+    await busy.read_head()
+    busy.close()
+    await settle(stack)
+
+
+async def test_sidecar_down_fails_closed_with_503(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY)
+    stack.kill_sidecar()
+    r = await request(stack.listen_port)
+    assert r.status == 503
+    assert not any(w.records for w in stack.fleet.workers)
+    stack.start_sidecar()
+    await stack.wait_sidecar_ready()
+    deadline = time.monotonic() + 5
+    while (r := await request(stack.listen_port)).status != 200 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert r.status == 200
