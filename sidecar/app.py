@@ -19,10 +19,11 @@ from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController
 from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.completion import CompletionService, ResponsePathService
-from sidecar.config import Settings
+from sidecar.config import ConfigError, PriorityConfig, Settings
 from sidecar.health import CapacityMonitor, CapacityReading
 from sidecar.metrics import Metrics
 from sidecar.ratelimit import build_bucket
+from sidecar.reload import ConfigWatcher
 from sidecar.scheduler import (
     AdmissionCore,
     LegacyAdmission,
@@ -65,6 +66,8 @@ class Sidecar:
         self._admin = AdminServer(self.metrics.registry, self.ready)
         self._tasks: list[asyncio.Task[None]] = []
         self._serving = False
+        self.generation = 1
+        self.watcher: ConfigWatcher | None = None
 
     def ready(self) -> bool:
         return self._serving
@@ -144,6 +147,11 @@ class Sidecar:
         hhost, hport = _split(s.http_listen)
         self.http_port = await self._admin.start(hhost, hport)
         self._tasks.append(asyncio.create_task(self.monitor.run()))
+        if s.priority.source is not None:
+            self.watcher = ConfigWatcher(s.priority.source, s.priority,
+                                         interval=s.config_poll_secs,
+                                         apply=self._apply_config, on_error=self._reload_failed)
+            self._tasks.append(asyncio.create_task(self.watcher.run()))
         self._serving = True
         log.info(
             "started",
@@ -159,6 +167,31 @@ class Sidecar:
                      longest_queue_timeout_secs=s.priority.max_queue_timeout(),
                      hint="Envoy's ext_authz timeout must exceed it; pass "
                           "--envoy-authz-timeout to have start-up check it")
+
+    def _apply_config(self, cfg: PriorityConfig) -> None:
+        """A valid new config: new knobs and tenant ceilings for new decisions."""
+        assert self.core is not None and self.controller is not None
+        if isinstance(self.core, Scheduler):
+            # Queued requests keep their place; in-flight ones are untouched;
+            # reservations are recomputed at the live capacity.
+            self.core.update_config(cfg.classes)
+            self.controller.set_capacity(self.core.capacity)  # drains dispatch events
+        else:
+            log.warning("config_reload_legacy_mode",
+                        hint="class knobs apply only to the scheduler; tenant ceilings apply")
+        self.authz.policy = TenantPolicy(cfg.tenant_policies, self.settings.default_max_class)
+        self.generation += 1
+        self.metrics.config_generation.set(self.generation)
+        self.metrics.config_info.clear()
+        self.metrics.config_info.labels(cfg.digest).set(1)
+        self.metrics.reload.labels("ok").inc()
+
+    def _reload_failed(self, exc: ConfigError) -> None:
+        self.metrics.reload.labels("error").inc()
+
+    def reload_now(self) -> bool:
+        """SIGHUP: check the config file at once."""
+        return self.watcher.check(force=True) if self.watcher is not None else False
 
     async def stop(self) -> None:
         self._serving = False
@@ -186,6 +219,7 @@ async def _serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, app.reload_now)
     await stop.wait()
     await app.stop()
     return 0

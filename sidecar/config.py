@@ -288,6 +288,7 @@ class Settings:
     tenant_source: TenantSource
     admission_lease_secs: float
     envoy_authz_timeout: float | None
+    config_poll_secs: float
     log_format: str
     log_level: str
 
@@ -357,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--envoy-authz-timeout", type=float, default=None, metavar="SECS",
                     help="Envoy's ext_authz timeout; start-up is refused if it is not longer "
                          "than every class queue_timeout_secs")
+    sc.add_argument("--config-poll-secs", type=float, default=1.0, metavar="SECS",
+                    help="how often to check --priority-scheduler-config for changes "
+                         "(SIGHUP checks at once)")
     sc.add_argument("--log-format", choices=("json", "console"), default=None,
                     help="log format (default: console on a terminal, json otherwise)")
     sc.add_argument("--log-level", default="info",
@@ -392,7 +396,8 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         raise ConfigError("--worker-capacity-override must be >= 1")
     for flag, v in (("--health-interval-secs", ns.health_interval_secs),
                     ("--health-timeout-secs", ns.health_timeout_secs),
-                    ("--admission-lease-secs", ns.admission_lease_secs)):
+                    ("--admission-lease-secs", ns.admission_lease_secs),
+                    ("--config-poll-secs", ns.config_poll_secs)):
         if not (math.isfinite(v) and v > 0):
             raise ConfigError(f"{flag} must be a finite number > 0")
     _check_listen(ns.grpc_listen, "--grpc-listen")
@@ -436,6 +441,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         tenant_source=TenantSource.parse(ns.tenant_source),
         admission_lease_secs=ns.admission_lease_secs,
         envoy_authz_timeout=authz_timeout,
+        config_poll_secs=ns.config_poll_secs,
         log_format=log_format,
         log_level=ns.log_level,
     )

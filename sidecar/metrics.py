@@ -92,6 +92,8 @@ class Metrics:
                 self.admit.labels(cls.label, outcome.value)
         for result in ("allowed", "rejected"):
             self.rate_limit_total.labels(result)
+        for result in ("ok", "error"):
+            self.reload.labels(result)
 
     # -- counters fed by the controller and the gRPC layer
 

@@ -1,0 +1,145 @@
+"""Hot reload the way Kubernetes updates a mounted ConfigMap: an atomic ..data swap."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.app import Sidecar
+from sidecar.config import parse_settings
+from tests.grpc_client import EnvoyStandIn, admission_id
+
+CONFIG_A = """
+classes:
+  default: {reserved_per_slot: 0.0, queue_size: 2, queue_timeout_secs: 20}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  system: {reserved_floor: 0}
+"""
+CONFIG_B = """
+classes:
+  default: {reserved_per_slot: 0.0, queue_size: 1, queue_timeout_secs: 20}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  system: {reserved_floor: 0}
+tenant_policies:
+  "auth:vip": {max_class: system}
+"""
+BROKEN = """
+classes:
+  default: {queue_size: 0, queue_timout_secs: 20}
+"""
+
+
+class ConfigMapDir:
+    """The layout kubelet writes: priority.yaml -> ..data/priority.yaml, ..data -> ..<ts>."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.n = 0
+        self.swap(CONFIG_A)
+        os.symlink("..data/priority.yaml", root / "priority.yaml")
+
+    @property
+    def path(self) -> str:
+        return str(self.root / "priority.yaml")
+
+    def swap(self, text: str) -> None:
+        self.n += 1
+        version = self.root / f"..2026_12_02_{self.n}"
+        version.mkdir()
+        (version / "priority.yaml").write_text(text)
+        tmp = self.root / "..data_tmp"
+        os.symlink(version.name, tmp)
+        os.replace(tmp, self.root / "..data")  # atomic, as kubelet does
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[tuple[Sidecar, EnvoyStandIn, ConfigMapDir]]:
+    cm = ConfigMapDir(tmp_path)
+    app = Sidecar(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
+        "--worker-capacity-override", "1", "--config-poll-secs", "0.1",
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
+    await app.start()
+    envoy = EnvoyStandIn(app.grpc_port)
+    yield app, envoy, cm
+    await envoy.close()
+    await app.stop()
+
+
+def value(app: Sidecar, name: str, **labels: str) -> float:
+    v = app.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+async def eventually(cond: object, timeout: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "not within the time limit"
+        await asyncio.sleep(0.02)
+
+
+async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
+        running: tuple[Sidecar, EnvoyStandIn, ConfigMapDir]) -> None:
+    app, envoy, cm = running
+    inflight = await envoy.check({})
+    q1 = asyncio.ensure_future(envoy.check({}))
+    q2 = asyncio.ensure_future(envoy.check({}))
+    await eventually(lambda: app.controller is not None and app.controller.waiting == 2)
+    cm.swap(CONFIG_B)
+    await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
+    assert value(app, "smg_sidecar_config_reload_total", result="ok") == 1
+    # New admissions see queue_size 1: the queue already holds two, so a new one is shed.
+    shed = await envoy.check({})
+    assert shed.denied_response.status.code == 429
+    # Tenant ceilings changed too.
+    vip = envoy.check({"x-smg-priority": "system", "x-smg-tenant": "auth:vip"})
+    # Queued requests kept their place and the in-flight one was not disturbed.
+    assert app.core is not None and app.core.is_admitted(admission_id(inflight))
+    await envoy.log((admission_id(inflight), "end"))
+    # system (the vip tenant's new ceiling) outranks the queued default requests
+    vip_resp = await asyncio.wait_for(vip, 2)
+    assert vip_resp.dynamic_metadata.fields["class"].string_value == "system"
+    assert not q1.done()
+    await envoy.log((admission_id(vip_resp), "end"))
+    first = await asyncio.wait_for(q1, 2)
+    assert first.status.code == 0
+    await envoy.log((admission_id(first), "end"))
+    second = await asyncio.wait_for(q2, 2)
+    await envoy.log((admission_id(second), "end"))
+    assert app.core.snapshot().inflight == 0
+
+
+async def test_invalid_swap_changes_nothing_and_is_counted(
+        running: tuple[Sidecar, EnvoyStandIn, ConfigMapDir]) -> None:
+    app, envoy, cm = running
+    cm.swap(BROKEN)
+    await eventually(lambda: value(app, "smg_sidecar_config_reload_total", result="error") == 1)
+    assert value(app, "smg_sidecar_config_generation") == 1
+    assert value(app, "smg_sidecar_config_reload_total", result="ok") == 0
+    # Old config still in force: queue_size 2, so two requests queue rather than shed.
+    first = await envoy.check({})
+    queued = [asyncio.ensure_future(envoy.check({})) for _ in range(2)]
+    await eventually(lambda: app.controller is not None and app.controller.waiting == 2)
+    await envoy.log((admission_id(first), "end"))
+    for q in queued:
+        r = await asyncio.wait_for(q, 2)
+        await envoy.log((admission_id(r), "end"))
+    # Fixing the file is picked up again.
+    cm.swap(CONFIG_B)
+    await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
+
+
+async def test_reload_now_is_what_sighup_calls(
+        running: tuple[Sidecar, EnvoyStandIn, ConfigMapDir]) -> None:
+    app, _, cm = running
+    assert app.watcher is not None
+    app.watcher.interval = 3600  # only the forced check can see the change
+    await asyncio.sleep(0.2)
+    (Path(os.path.realpath(cm.path))).write_text(CONFIG_B)
+    assert app.reload_now() is True
+    assert value(app, "smg_sidecar_config_generation") == 2
+    assert app.reload_now() is False  # unchanged content: nothing to apply
