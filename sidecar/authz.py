@@ -50,12 +50,7 @@ def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
         value = view.principal
     else:
         payload_key, _, claim = source.name.partition(".")
-        try:
-            ns = view.metadata[codec.JWT_NAMESPACE]
-        except KeyError:
-            ns = None
-        payload = ns.get(payload_key) if isinstance(ns, dict) else None
-        value = payload.get(claim) if isinstance(payload, dict) else None
+        value = view.metadata_string(codec.JWT_NAMESPACE, payload_key, claim)
     if not isinstance(value, str):
         return ANONYMOUS
     value = value.strip()

@@ -16,7 +16,7 @@ are serialised once at start-up and reused as bytes.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from envoy.config.core.v3 import base_pb2
@@ -46,7 +46,31 @@ class CheckView:
 
     headers: Mapping[str, str]
     principal: str
-    metadata: Mapping[str, object]  # filter_metadata namespace -> plain dict
+    filter_metadata: Mapping[str, struct_pb2.Struct]
+
+    def metadata_string(self, namespace: str, *path: str) -> str | None:
+        """A string at ``path`` inside a metadata namespace, or ``None``.
+
+        Walks the Struct directly: no conversion of the whole payload, so odd
+        values elsewhere in it (NaN, deep nesting) cannot get in the way.
+        """
+        ns = self.filter_metadata.get(namespace)
+        if ns is None:
+            return None
+        value: struct_pb2.Value | None = None
+        fields = ns.fields
+        for i, key in enumerate(path):
+            if key not in fields:
+                return None
+            value = fields[key]
+            if i < len(path) - 1:
+                if value.WhichOneof("kind") != "struct_value":
+                    return None
+                fields = value.struct_value.fields
+        if value is None or value.WhichOneof("kind") != "string_value":
+            return None
+        out: str = value.string_value
+        return out
 
 
 def decode_check(data: bytes) -> CheckView:
@@ -61,32 +85,7 @@ def decode_check(data: bytes) -> CheckView:
         headers = {h.key.lower(): h.raw_value.decode("utf-8", "replace")
                    for h in http.header_map.headers}
     return CheckView(headers=headers, principal=attrs.source.principal,
-                     metadata=_LazyMetadata(attrs.metadata_context.filter_metadata))
-
-
-class _LazyMetadata(Mapping[str, object]):
-    """filter_metadata converted to plain dicts only for the namespace asked for."""
-
-    def __init__(self, fm: Mapping[str, struct_pb2.Struct]) -> None:
-        self._fm = fm
-
-    def __getitem__(self, key: str) -> object:
-        if key not in self._fm:
-            raise KeyError(key)
-        return _struct_to_dict(self._fm[key])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fm)
-
-    def __len__(self) -> int:
-        return len(self._fm)
-
-
-def _struct_to_dict(s: struct_pb2.Struct) -> dict[str, object]:
-    from google.protobuf.json_format import MessageToDict
-
-    out: dict[str, object] = MessageToDict(s)
-    return out
+                     filter_metadata=attrs.metadata_context.filter_metadata)
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:

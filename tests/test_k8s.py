@@ -1,0 +1,502 @@
+"""Offline checks of the Kubernetes deliverables: k8s/, the dashboard, the Dockerfile.
+
+No cluster and no network: manifests are validated against the Kubernetes OpenAPI
+schemas bundled with ``kubernetes-validate``; the embedded priority.yaml and
+envoy.yaml are checked with the real ``--check-config`` and ``envoy --mode validate``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+SCHEMA_VERSIONS = ("1.31", "1.33")  # native sidecars: GA in 1.33, on by default since 1.29
+CRD_REQUIRED: dict[str, tuple[str, ...]] = {
+    # kind -> required dotted paths (CRDs have no bundled schema)
+    "ServiceMonitor": ("metadata.name", "spec.selector", "spec.endpoints"),
+}
+
+
+def _manifest_files() -> list[Path]:
+    return sorted(
+        p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"
+    )
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
+    assert docs, f"{path}: no YAML documents"
+    for d in docs:
+        assert isinstance(d, dict), f"{path}: a document is not a mapping"
+    return docs
+
+
+def _all_docs() -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in _manifest_files():
+        for doc in _docs(path):
+            yield path, doc
+
+
+def _find(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for _, d in _all_docs()
+             if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def _dig(doc: dict[str, Any], dotted: str) -> Any:
+    cur: Any = doc
+    for part in dotted.split("."):
+        assert isinstance(cur, dict) and part in cur, f"missing {dotted}"
+        cur = cur[part]
+    return cur
+
+
+def _deployment() -> dict[str, Any]:
+    return _find("Deployment", "priority-gate")
+
+
+def _pod() -> dict[str, Any]:
+    pod: dict[str, Any] = _deployment()["spec"]["template"]["spec"]
+    return pod
+
+
+def _sidecar() -> dict[str, Any]:
+    (c,) = [c for c in _pod().get("initContainers", []) if c["name"] == "sidecar"]
+    container: dict[str, Any] = c
+    return container
+
+
+def _envoy() -> dict[str, Any]:
+    (c,) = [c for c in _pod()["containers"] if c["name"] == "envoy"]
+    container: dict[str, Any] = c
+    return container
+
+
+def _arg(container: dict[str, Any], flag: str) -> str:
+    args: list[str] = container["args"]
+    assert flag in args, f"{container['name']}: {flag} missing"
+    return args[args.index(flag) + 1]
+
+
+# ------------------------------------------------------------------- manifests
+
+
+def test_kustomizations_list_existing_files() -> None:
+    kfiles = sorted(K8S.rglob("kustomization.yaml"))
+    assert K8S / "kustomization.yaml" in kfiles
+    assert K8S / "overlays" / "servicemonitor" / "kustomization.yaml" in kfiles
+    listed: set[Path] = set()
+    for kf in kfiles:
+        doc = yaml.safe_load(kf.read_text(encoding="utf-8"))
+        assert doc["kind"] == "Kustomization"
+        for res in doc.get("resources", []):
+            target = (kf.parent / res).resolve()
+            assert target.exists(), f"{kf}: resource {res} does not exist"
+            if target.is_dir():
+                assert (target / "kustomization.yaml").exists(), f"{kf}: {res} has no kustomization"
+            else:
+                listed.add(target)
+    unlisted = set(_manifest_files()) - listed
+    assert not unlisted, f"manifests not in any kustomization: {sorted(map(str, unlisted))}"
+
+
+@pytest.mark.parametrize("path", _manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_validates_against_openapi_schema(path: Path) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in _docs(path):
+        for key in ("apiVersion", "kind", "metadata"):
+            assert key in doc, f"{path}: {key} missing"
+        if doc["kind"] in CRD_REQUIRED:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            for dotted in CRD_REQUIRED[doc["kind"]]:
+                assert _dig(doc, dotted), f"{path}: {dotted} empty"
+            continue
+        for version in SCHEMA_VERSIONS:
+            # strict: unknown fields (typos) are errors too
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_servicemonitor_selects_the_metrics_service() -> None:
+    sm = _find("ServiceMonitor")
+    svc = _find("Service", "priority-gate-metrics")
+    selector = sm["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= svc["metadata"]["labels"].items()
+    ports = {p["name"] for p in svc["spec"]["ports"]}
+    for ep in sm["spec"]["endpoints"]:
+        assert ep["port"] in ports
+        assert ep.get("path", "/metrics") == "/metrics"
+
+
+def test_selectors_match_pod_labels() -> None:
+    labels = _deployment()["spec"]["template"]["metadata"]["labels"]
+    selectors = [_deployment()["spec"]["selector"]["matchLabels"],
+                 _find("PodDisruptionBudget")["spec"]["selector"]["matchLabels"]]
+    selectors += [d["spec"]["selector"] for _, d in _all_docs() if d["kind"] == "Service"]
+    for sel in selectors:
+        assert sel.items() <= labels.items(), sel
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("target", ["", "overlays/servicemonitor"])
+def test_kustomize_builds(target: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / target)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    want = ["ConfigMap", "ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    if target:
+        want = sorted([*want, "Service", "ServiceMonitor"])
+    assert kinds == want
+    for d in docs:
+        if d["kind"] not in CRD_REQUIRED:
+            kubernetes_validate.validate(d, SCHEMA_VERSIONS[0], strict=True)
+
+
+# ------------------------------------------------------------------- the pod
+
+
+def test_sidecar_is_a_native_sidecar() -> None:
+    pod = _pod()
+    assert [c["name"] for c in pod["initContainers"]] == ["sidecar"]
+    assert _sidecar()["restartPolicy"] == "Always"
+    assert [c["name"] for c in pod["containers"]] == ["envoy"]
+    assert _envoy()["image"] == "envoyproxy/envoy:v1.40.0"
+
+
+def test_containers_are_locked_down() -> None:
+    pod = _pod()
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    for c in (_sidecar(), _envoy()):
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] is True, c["name"]
+        assert sc.get("runAsUser", 1) != 0, c["name"]
+        assert sc["readOnlyRootFilesystem"] is True, c["name"]
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert not sc["capabilities"].get("add"), c["name"]
+        assert sc["seccompProfile"]["type"] == "RuntimeDefault", c["name"]
+        res = c["resources"]
+        assert res["requests"]["cpu"] and res["requests"]["memory"], c["name"]
+        assert res["limits"]["cpu"] and res["limits"]["memory"], c["name"]
+
+
+def test_sidecar_probes_and_listen_addresses() -> None:
+    c = _sidecar()
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    http_host, _, http_port = _arg(c, "--http-listen").rpartition(":")
+    # kubelet probes and Prometheus connect to the pod IP, not loopback
+    assert http_host == "0.0.0.0"
+    assert ports["metrics"] == int(http_port)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["port"] in (ports["metrics"], "metrics")
+    ann = _deployment()["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true"
+    assert ann["prometheus.io/port"] == http_port
+    assert ann["prometheus.io/path"] == "/metrics"
+    # the gRPC side is for the co-located Envoy only
+    assert _arg(c, "--grpc-listen") == "127.0.0.1:9001"
+
+
+def test_sidecar_args_parse_and_match_envoy() -> None:
+    from sidecar.config import build_parser
+
+    c = _sidecar()
+    ns = build_parser().parse_args(c["args"])
+    assert ns.priority_scheduler_enabled is True
+    assert ns.priority_scheduler_config == "/etc/smg/priority.yaml"
+    assert ns.envoy_admin_url == "http://127.0.0.1:9901"
+    assert ns.envoy_cluster == "workers"
+    assert ns.log_format == "json"
+    # the config file sits in a directory-mounted ConfigMap (no subPath: hot reload)
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    mount = mounts[str(Path(ns.priority_scheduler_config).parent)]
+    assert "subPath" not in mount
+    vols = {v["name"]: v for v in _pod()["volumes"]}
+    cm_name = vols[mount["name"]]["configMap"]["name"]
+    assert Path(ns.priority_scheduler_config).name in _find("ConfigMap", cm_name)["data"]
+
+    envoy = _envoy_bootstrap()
+    assert f"127.0.0.1:{_admin_port(envoy)}" in ns.envoy_admin_url
+    assert ns.envoy_cluster in {cl["name"] for cl in envoy["static_resources"]["clusters"]}
+    authz = _authz_timeout_secs(envoy)
+    assert ns.envoy_authz_timeout == authz
+    # Envoy's ext_authz timeout must exceed every class queue_timeout_secs
+    from sidecar.config import parse_priority_config
+
+    assert authz > parse_priority_config(_priority_text()).max_queue_timeout()
+
+
+def test_sidecar_settings_accept_the_deployment(tmp_path: Path) -> None:
+    """The full flag set passes the sidecar's own validation (incl. the timeout rule)."""
+    from sidecar.config import build_parser, settings_from_args
+
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(_priority_text(), encoding="utf-8")
+    args = list(_sidecar()["args"])
+    args[args.index("--priority-scheduler-config") + 1] = str(cfg)
+    settings = settings_from_args(build_parser().parse_args(args), isatty=False)
+    assert settings.scheduler_enabled
+    assert settings.http_listen == "0.0.0.0:9090"
+
+
+def test_envoy_container_uses_the_envoy_configmap() -> None:
+    c = _envoy()
+    cfg = Path(_arg(c, "-c"))
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    mount = mounts[str(cfg.parent)]
+    vols = {v["name"]: v for v in _pod()["volumes"]}
+    cm = _find("ConfigMap", vols[mount["name"]]["configMap"]["name"])
+    assert cfg.name in cm["data"]
+    listener_ports = {
+        ln["address"]["socket_address"]["port_value"]
+        for ln in _envoy_bootstrap()["static_resources"]["listeners"]
+    }
+    container_ports = {p["containerPort"] for p in c["ports"]}
+    assert listener_ports == container_ports
+    svc = _find("Service", "priority-gate")
+    names = {p["name"] for p in c["ports"]}
+    assert all(p["targetPort"] in names for p in svc["spec"]["ports"])
+
+
+# ------------------------------------------------------------------- configs
+
+
+def _priority_text() -> str:
+    text: str = _find("ConfigMap", "priority-gate-config")["data"]["priority.yaml"]
+    return text
+
+
+def _envoy_text() -> str:
+    text: str = _find("ConfigMap", "priority-gate-envoy")["data"]["envoy.yaml"]
+    return text
+
+
+def _envoy_bootstrap() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(_envoy_text())
+    return doc
+
+
+def _admin_port(envoy: dict[str, Any]) -> int:
+    sa = envoy["admin"]["address"]["socket_address"]
+    assert sa["address"] == "127.0.0.1"  # admin is unauthenticated: loopback only
+    port: int = sa["port_value"]
+    return port
+
+
+def _authz_timeout_secs(envoy: dict[str, Any]) -> float:
+    (listener,) = envoy["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (authz,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_authz"]
+    timeout: str = authz["typed_config"]["grpc_service"]["timeout"]
+    assert timeout.endswith("s")
+    return float(timeout[:-1])
+
+
+def test_priority_yaml_passes_check_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(_priority_text(), encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "sidecar", "--check-config", str(cfg)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _envoy_bin() -> Path | None:
+    env = os.environ.get("ENVOY_BIN")
+    if env:
+        return Path(env)
+    default = ROOT / ".venv-envoy" / "bin" / "envoy"
+    return default if default.exists() else None
+
+
+def test_envoy_yaml_passes_envoy_validate(tmp_path: Path) -> None:
+    envoy = _envoy_bin()
+    if envoy is None:
+        pytest.skip("no Envoy binary (set ENVOY_BIN or run `make envoy`)")
+    cfg = tmp_path / "envoy.yaml"  # validate cannot read /dev/stdin
+    cfg.write_text(_envoy_text(), encoding="utf-8")
+    out = subprocess.run([str(envoy), "--mode", "validate", "-c", str(cfg),
+                          "--disable-hot-restart", "--log-level", "warn"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK" in out.stdout + out.stderr
+
+
+def test_envoy_yaml_is_for_the_pod() -> None:
+    envoy = _envoy_bootstrap()
+    (listener,) = envoy["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"]["address"] == "0.0.0.0"
+    clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
+    ep = clusters["sidecar"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    sa = ep["endpoint"]["address"]["socket_address"]
+    assert f"{sa['address']}:{sa['port_value']}" == _arg(_sidecar(), "--grpc-listen")
+    assert clusters["workers"]["type"] == "STRICT_DNS"
+
+
+def test_envoy_configmap_is_up_to_date() -> None:
+    out = subprocess.run([sys.executable, str(K8S / "generate.py"), "--check"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert out.returncode == 0, out.stderr
+
+
+# ------------------------------------------------------------------- dashboard
+
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def _exported_metric_names() -> set[str]:
+    from sidecar.config import BUILTIN_CLASSES
+    from sidecar.metrics import Metrics
+    from sidecar.scheduler import Scheduler
+
+    m = Metrics(tenant_top_n=4)
+    snapshot = Scheduler(BUILTIN_CLASSES, 256, time.monotonic).snapshot()
+    m.watch(lambda: snapshot)
+    names: set[str] = set()
+    for family in m.registry.collect():
+        # A labelled metric with no child yet has no samples; what Prometheus would
+        # see once it has one is the family name plus the type's suffixes. A counter
+        # is never exported under its bare family name.
+        if family.type in _SUFFIXES:
+            names.update(family.name + s for s in _SUFFIXES[family.type])
+        else:
+            names.add(family.name)
+        names.update(s.name for s in family.samples if not s.name.endswith("_created"))
+    return names
+
+
+def _dashboard_exprs() -> list[str]:
+    dash = json.loads((K8S / "dashboard.json").read_text(encoding="utf-8"))
+    exprs: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "expr" and isinstance(v, str):
+                    exprs.append(v)
+                elif k == "query" and isinstance(v, str | dict):
+                    q = v if isinstance(v, str) else v.get("query", "")
+                    if isinstance(q, str) and "(" in q:
+                        exprs.append(q)
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(dash)
+    return exprs
+
+
+def _metric_names_in(expr: str) -> set[str]:
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # drop label values
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # and matchers
+    return set(re.findall(r"\bsmg_[a-z0-9_]+", expr))
+
+
+def test_dashboard_queries_only_exported_metrics() -> None:
+    exported = _exported_metric_names()
+    exprs = _dashboard_exprs()
+    assert len(exprs) >= 12
+    used: set[str] = set()
+    for e in exprs:
+        used |= _metric_names_in(e)
+    unknown = sorted(used - exported)
+    assert not unknown, f"dashboard queries metrics the sidecar does not export: {unknown}"
+    required = {
+        "smg_scheduler_admit_total", "smg_scheduler_queue_depth",
+        "smg_scheduler_queue_size_limit", "smg_scheduler_queue_wait_seconds_bucket",
+        "smg_scheduler_inflight", "smg_sidecar_reserved_slots", "smg_sidecar_capacity",
+        "smg_sidecar_capacity_source", "smg_scheduler_preemption_total",
+        "smg_scheduler_clamp_total", "smg_scheduler_starvation_promotion_total",
+        "smg_sidecar_lease_expired_total", "smg_sidecar_config_reload_total",
+        "smg_sidecar_config_generation", "smg_scheduler_utilization",
+    }
+    assert required <= used, sorted(required - used)
+
+
+def test_dashboard_quantiles_are_by_le() -> None:
+    for e in _dashboard_exprs():
+        if "histogram_quantile" in e:
+            assert "_bucket" in e and re.search(r"by \((le, class|class, le)\)", e), e
+
+
+def test_metric_name_extraction() -> None:
+    e = ('histogram_quantile(0.99, sum by (le, class) '
+         '(rate(smg_scheduler_queue_wait_seconds_bucket{instance=~"smg_x"}[5m])))')
+    assert _metric_names_in(e) == {"smg_scheduler_queue_wait_seconds_bucket"}
+    exported = _exported_metric_names()
+    assert "smg_scheduler_admit_total" in exported
+    assert "smg_scheduler_admit" not in exported  # counters only with _total
+    assert "smg_scheduler_queue_depth_total" not in exported
+
+
+# ------------------------------------------------------------------- Dockerfile
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    text = re.sub(r"\\\n", " ", text)  # line continuations
+    out: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instr, _, rest = line.partition(" ")
+        out.append((instr.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile() -> None:
+    instrs = _dockerfile()
+    froms = [rest for i, rest in instrs if i == "FROM"]
+    assert len(froms) >= 2, "multi-stage build expected"
+    stages: set[str] = set()
+    for rest in froms:
+        parts = shlex.split(rest)
+        image = next(p for p in parts if not p.startswith("--"))
+        if image not in stages:
+            name, _, tag = image.rpartition(":")
+            assert name and tag and tag != "latest", f"FROM {image} is not pinned"
+        if len(parts) >= 3 and parts[-2].upper() == "AS":
+            stages.add(parts[-1])
+    assert shlex.split(froms[-1])[0] == "python:3.11-slim"
+    assert any(i == "RUN" and "pip wheel" in r for i, r in instrs)
+    # USER in the final stage, not root
+    last_from = max(n for n, (i, _) in enumerate(instrs) if i == "FROM")
+    users = [r for i, r in instrs[last_from:] if i == "USER"]
+    assert users, "no USER in the runtime stage"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0"), users[-1]
+    # numeric, so that Kubernetes runAsNonRoot can verify it; matches the Deployment
+    assert user == str(_sidecar()["securityContext"]["runAsUser"])
+    entry = [r for i, r in instrs if i == "ENTRYPOINT"]
+    assert entry and json.loads(entry[-1]) == ["priority-sidecar"]
+    ignore = [ln.strip() for ln in (ROOT / ".dockerignore").read_text(encoding="utf-8")
+              .splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    # the venvs (hundreds of MB, host-specific) never enter the build context
+    assert "**" in ignore or {".venv", ".venv-envoy"} <= set(ignore)
+    for _, rest in (x for x in instrs if x[0] == "COPY" and "--from" not in x[1]):
+        for src in shlex.split(rest)[:-1]:
+            assert (ROOT / src).exists(), f"COPY {src}: not in the repo"
+            if "**" in ignore:
+                assert f"!{src.rstrip('/')}" in ignore or f"!{src.rstrip('/')}/" in ignore, src
