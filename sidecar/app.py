@@ -150,7 +150,8 @@ class Sidecar:
         if s.priority.source is not None:
             self.watcher = ConfigWatcher(s.priority.source, s.priority,
                                          interval=s.config_poll_secs,
-                                         apply=self._apply_config, on_error=self._reload_failed)
+                                         apply=self._apply_config, on_error=self._reload_failed,
+                                         validate=self._validate_reload)
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         self._serving = True
         log.info(
@@ -185,6 +186,14 @@ class Sidecar:
         self.metrics.config_info.clear()
         self.metrics.config_info.labels(cfg.digest).set(1)
         self.metrics.reload.labels("ok").inc()
+
+    def _validate_reload(self, cfg: PriorityConfig) -> None:
+        """The start-up rule holds on reload too: Envoy must outwait every queue."""
+        limit = self.settings.envoy_authz_timeout
+        if limit is not None and cfg.max_queue_timeout() >= limit:
+            raise ConfigError(
+                f"longest queue_timeout_secs {cfg.max_queue_timeout():g}s must stay below "
+                f"--envoy-authz-timeout {limit:g}s", file=cfg.source)
 
     def _reload_failed(self, exc: ConfigError) -> None:
         self.metrics.reload.labels("error").inc()

@@ -31,12 +31,14 @@ def _stamp(path: str) -> tuple[int, int, int, str] | None:
 class ConfigWatcher:
     def __init__(self, path: str, current: PriorityConfig, *, interval: float,
                  apply: Callable[[PriorityConfig], None],
-                 on_error: Callable[[ConfigError], None]) -> None:
+                 on_error: Callable[[ConfigError], None],
+                 validate: Callable[[PriorityConfig], None] | None = None) -> None:
         self.path = path
         self.current = current
         self.interval = interval
         self._apply = apply
         self._on_error = on_error
+        self._validate = validate
         self._stamp = _stamp(path)
         self._failed_digest: str | None = None
 
@@ -48,6 +50,8 @@ class ConfigWatcher:
         self._stamp = stamp
         try:
             new = load_priority_config(self.path)
+            if self._validate is not None:
+                self._validate(new)
         except ConfigError as exc:
             log.error("config_reload_rejected", file=exc.file or self.path, key=exc.key,
                       reason=exc.reason, kept_sha256=self.current.digest)

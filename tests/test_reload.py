@@ -143,3 +143,20 @@ async def test_reload_now_is_what_sighup_calls(
     assert app.reload_now() is True
     assert value(app, "smg_sidecar_config_generation") == 2
     assert app.reload_now() is False  # unchanged content: nothing to apply
+
+
+async def test_reload_keeps_the_envoy_timeout_rule(tmp_path: Path) -> None:
+    cm = ConfigMapDir(tmp_path)
+    app = Sidecar(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
+        "--worker-capacity-override", "1", "--config-poll-secs", "0.1",
+        "--envoy-authz-timeout", "310", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
+    await app.start()
+    try:
+        cm.swap("classes:\n  bulk: {queue_timeout_secs: 400}\n")
+        await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
+                                       result="error") == 1)
+        assert value(app, "smg_sidecar_config_generation") == 1
+    finally:
+        await app.stop()
