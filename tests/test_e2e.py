@@ -7,14 +7,11 @@ fixture checks that the sidecar reports in-flight 0 and queue depth 0.
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
-import hmac
-import json
 import time
 
 import pytest
 
+from sidecar.devtools.demo import make_token
 from sidecar.devtools.fleet import wait_for
 from sidecar.devtools.httpclient import Exchange, Response, chat_body, request
 from sidecar.devtools.stack import Stack
@@ -36,13 +33,7 @@ SECRET = "e2e-test-secret"
 
 
 def token(tenant: str) -> str:
-    def b64(data: bytes) -> str:
-        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-    header = b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "smg-hs256"}).encode())
-    payload = b64(json.dumps({"tenant": tenant, "exp": int(time.time()) + 3600}).encode())
-    sig = hmac.new(SECRET.encode(), f"{header}.{payload}".encode(), hashlib.sha256).digest()
-    return f"{header}.{payload}.{b64(sig)}"
+    return make_token(tenant, SECRET)
 
 
 def assert_denied(r: Response, status: int, code: str, retry_after: str | None) -> None:
