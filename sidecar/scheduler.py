@@ -11,8 +11,10 @@ Every state change is reported as an event (:class:`Admitted`,
 :class:`Rejected`, :class:`Preempted`, :class:`Released`) collected until the
 caller drains them with ``take_events()``. The asyncio adapter resolves waiting
 requests from those events and the metrics count them, so both see exactly one
-story. All operations are O(1) in queue length (dicts keep insertion order, so a
-class queue is a dict and FIFO head / O(1) cancel come for free).
+story. All operations are O(1) in queue length: a class queue is an OrderedDict
+(a linked list under the hood), so the FIFO head, appends and cancels are O(1).
+A plain dict would not do: popping from its front leaves deleted slots that
+every later "first item" lookup scans past, which grows with queue churn.
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ class _RecentIds:
         return id in self._ids
 
 
-def _first(d: dict[str, Waiter]) -> Waiter | None:
+def _first(d: OrderedDict[str, Waiter]) -> Waiter | None:
     return next(iter(d.values()), None)
 
 
@@ -232,10 +234,12 @@ class Scheduler:
         self._total = 0
         self._admitted: dict[str, Admission] = {}
         # Per class, in admission order, the admissions that have not sent a byte.
-        self._preemptible: dict[PriorityClass, dict[str, Admission]] = {
-            c: {} for c in PriorityClass
+        self._preemptible: dict[PriorityClass, OrderedDict[str, Admission]] = {
+            c: OrderedDict() for c in PriorityClass
         }
-        self._queues: dict[PriorityClass, dict[str, Waiter]] = {c: {} for c in PriorityClass}
+        self._queues: dict[PriorityClass, OrderedDict[str, Waiter]] = {
+            c: OrderedDict() for c in PriorityClass
+        }
         self._waiting: dict[str, Waiter] = {}
         self._ended = _RecentIds(remember_ended)
         self._events: list[Event] = []
@@ -539,7 +543,7 @@ class LegacyAdmission:
     clock: Clock
     legacy: bool = True
     _admitted: dict[str, Admission] = field(default_factory=dict)
-    _queue: dict[str, Waiter] = field(default_factory=dict)
+    _queue: OrderedDict[str, Waiter] = field(default_factory=OrderedDict)
     _ended: _RecentIds = field(default_factory=lambda: _RecentIds(100_000))
     _events: list[Event] = field(default_factory=list)
 
