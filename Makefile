@@ -27,7 +27,7 @@ $(ENVOY_VENV)/.installed:
 	touch $@
 
 lint: install
-	$(VENV)/bin/ruff check sidecar tests bench envoy
+	$(VENV)/bin/ruff check sidecar tests bench envoy k8s
 
 typecheck: install
 	$(VENV)/bin/mypy --strict sidecar
@@ -43,6 +43,7 @@ run: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m sidecar.devtools.demo
 
 bench: install envoy
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m bench
 
 clean:

@@ -1,5 +1,63 @@
-"""``python -m bench``: every benchmark, in order."""
+"""``python -m bench``: every benchmark, in order (``--quick`` for a fast pass).
 
-from bench import core
+Each part runs in this process one after another; servers and load clients are
+child processes. Output is also written to bench/out/RESULTS.txt.
+"""
 
-raise SystemExit(core.main([]))
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import time
+from collections.abc import Callable
+
+from bench import _util, check_throughput, codec, core, e2e, isolation
+
+
+class Tee(io.TextIOBase):
+    def __init__(self, *streams: io.TextIOBase) -> None:
+        self.streams = streams
+
+    def write(self, s: str) -> int:
+        for st in self.streams:
+            st.write(s)
+            st.flush()
+        return len(s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", default="", help="comma list: codec,core,check,e2e,isolation")
+    args = p.parse_args(argv)
+    parts: list[tuple[str, Callable[[list[str]], int]]] = [
+        ("codec", codec.main), ("core", core.main), ("check", check_throughput.main),
+        ("e2e", e2e.main), ("isolation", isolation.main)]
+    if args.only:
+        parts = [x for x in parts if x[0] in args.only.split(",")]
+    flags = ["--quick"] if args.quick else []
+    buf = io.StringIO()
+    tee = Tee(sys.stdout, buf)  # type: ignore[arg-type]
+    rc = 0
+    t0 = time.monotonic()
+    with contextlib.redirect_stdout(tee):
+        print(f"python -m bench{' --quick' if args.quick else ''}: {time.strftime('%F %T')}, "
+              f"load average at start {_util.loadavg()}")
+        for name, fn in parts:
+            t = time.monotonic()
+            try:
+                rc |= fn(flags)
+            except Exception as exc:  # one broken part must not hide the others
+                print(f"  {name}: FAILED: {exc!r}")
+                rc = 1
+            print(f"  [{name}: {time.monotonic() - t:.0f} s, load average {_util.loadavg()}]\n")
+        print(f"total {time.monotonic() - t0:.0f} s")
+    if not args.only:
+        _util.out_path("RESULTS.txt").write_text(buf.getvalue())
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Shared helpers: child processes, CPU accounting, percentiles, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).resolve().parent / "out"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of ``pid`` (threads included), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; nan for no values."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def spawn(argv: Sequence[str], log: Path | None = None) -> subprocess.Popen[bytes]:
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(list(argv), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                            cwd=REPO, env=env, start_new_session=True)
+
+
+def terminate(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def wait_tcp(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
+             ) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), 0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"port {port} not listening")
+
+
+def run_client(module: str, spec: dict[str, object], timeout: float) -> dict[str, object]:
+    """Run ``python -m module --client JSON`` in its own process; its last stdout line is
+    the JSON result."""
+    argv = [sys.executable, "-m", module, "--client", json.dumps(spec)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cp = subprocess.run(argv, capture_output=True, cwd=REPO, env=env, timeout=timeout,
+                        check=False)
+    lines = cp.stdout.decode().strip().splitlines()
+    if cp.returncode != 0 or not lines:
+        raise RuntimeError(f"client failed ({cp.returncode}): {cp.stderr.decode()[-2000:]}")
+    result: dict[str, object] = json.loads(lines[-1])
+    return result
+
+
+def out_path(name: str) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    return OUT / name
+
+
+async def run_client_async(module: str, spec: dict[str, object], timeout: float
+                           ) -> dict[str, object]:
+    """:func:`run_client` without blocking the caller's event loop (in-process workers)."""
+    import asyncio
+
+    argv = ["-m", module, "--client", json.dumps(spec)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *argv, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    lines = out.decode().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"client failed ({proc.returncode}): {err.decode()[-2000:]}")
+    result: dict[str, object] = json.loads(lines[-1])
+    return result
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])

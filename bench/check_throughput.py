@@ -1,0 +1,328 @@
+"""Check throughput and latency over gRPC: the sidecar vs. a no-op grpc.aio server.
+
+Setup (2 cores, loopback): the server under test runs in its own process; the load
+client runs in another process (grpc.aio, identity serialisers, one pre-serialised
+CheckRequest with 10 headers). Per allowed response the client reads the admission
+id from dynamic_metadata and sends the ALS DownstreamEnd entry on a long-lived
+StreamAccessLogs stream (fed by an asyncio.Queue), so the sidecar releases every
+slot through its real completion path. The no-op server gets the same calls and
+the same ALS entries (it drains them), so the client's work is identical and the
+ratio compares server cost. CPU of client and server over each window is printed:
+a server near 100 % of a core is the bottleneck.
+
+  (a) no-op: ``python -m bench.noop`` (pre-serialised OK, no decode)
+  (b) sidecar: ``python -m sidecar --priority-scheduler-enabled
+      --worker-capacity-override 1000000 ...`` (scheduler on, built-in classes)
+
+    python -m bench.check_throughput [--seconds 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.auth.v3 import external_auth_pb2
+from google.rpc import code_pb2
+
+from bench._util import cpu_seconds, free_port, pct, run_client, spawn, terminate, wait_tcp
+from bench.codec import check_request_bytes
+from sidecar import codec
+from sidecar.health import http_get
+
+CHECK = "/envoy.service.auth.v3.Authorization/Check"
+ALS = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
+CHANNEL_OPTIONS = [("grpc.max_concurrent_streams", 10_000)]
+
+
+# ---------------------------------------------------------------------- client side
+
+
+def als_bytes(aid: str) -> bytes:
+    msg = als_pb2.StreamAccessLogsMessage()
+    msg.identifier.log_name = "smg_completion"
+    e = msg.http_logs.log_entry.add()
+    cp = e.common_properties
+    cp.access_log_type = accesslog_pb2.DownstreamEnd
+    cp.metadata.filter_metadata[codec.AUTHZ_NAMESPACE].fields[
+        codec.ADMISSION_ID_KEY].string_value = aid
+    e.response.response_code.value = 200
+    out: bytes = msg.SerializeToString()
+    return out
+
+
+def admission_id(data: bytes) -> str | None:
+    resp = external_auth_pb2.CheckResponse.FromString(data)
+    if resp.status.code != code_pb2.OK:
+        return None
+    return str(resp.dynamic_metadata.fields[codec.ADMISSION_ID_KEY].string_value)
+
+
+class Releaser:
+    """One long-lived StreamAccessLogs stream fed by a queue."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        als: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(ALS)
+        self.call: grpc.aio.StreamUnaryCall[bytes, bytes] = als(self._gen())
+
+    async def _gen(self) -> AsyncIterator[bytes]:
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            yield item
+
+    async def close(self) -> None:
+        self.queue.put_nowait(None)
+        await self.call
+
+
+async def _checks(spec: dict[str, object]) -> dict[str, object]:
+    port = int(str(spec["port"]))
+    seconds = float(str(spec["seconds"]))
+    server_pid = int(str(spec["server_pid"]))
+    rate = float(str(spec.get("rate", 0)))
+    concurrency = int(str(spec.get("concurrency", 64)))
+    release = bool(spec.get("release", True))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    check: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(CHECK)
+    req = check_request_bytes()
+    rel = Releaser(channel) if release else None
+    lat: list[float] = []
+    errors = 0
+    denied = 0
+
+    async def one() -> None:
+        nonlocal errors, denied
+        t = time.perf_counter()
+        try:
+            data = await check(req, timeout=10)
+        except grpc.aio.AioRpcError:
+            errors += 1
+            return
+        lat.append(time.perf_counter() - t)
+        aid = admission_id(data)
+        if aid is None:
+            denied += 1
+        elif rel is not None:
+            rel.queue.put_nowait(als_bytes(aid))
+
+    for _ in range(50):  # warm-up: connection, server code paths
+        await one()
+    lat.clear()
+    cpu0, scpu0 = time.process_time(), cpu_seconds(server_pid)
+    tasks: set[asyncio.Task[None]] = set()
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    if rate <= 0:  # closed loop: `concurrency` callers back to back
+        async def caller() -> None:
+            while time.perf_counter() < end:
+                await one()
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+    else:  # open loop: launch on schedule, whatever is outstanding
+        sent = 0
+        while (now := time.perf_counter()) < end:
+            due = int((now - t0) * rate) - sent
+            for _ in range(due):
+                task = asyncio.create_task(one())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            sent += due
+            await asyncio.sleep(0.0005)
+    # Rates and CPU over the sending window; stragglers are drained afterwards and
+    # count in the latency percentiles only.
+    wall = time.perf_counter() - t0
+    cpu, scpu = time.process_time() - cpu0, cpu_seconds(server_pid) - scpu0
+    in_window = len(lat)
+    if rate > 0 and tasks:
+        await asyncio.wait(tasks, timeout=10)
+    if rel is not None:
+        await rel.close()
+    await channel.close()
+    return {"n": len(lat), "rps": in_window / wall, "p50": pct(lat, 0.5), "p99": pct(lat, 0.99),
+            "errors": errors, "denied": denied, "client_cpu": cpu / wall,
+            "server_cpu": scpu / wall}
+
+
+async def _als(spec: dict[str, object]) -> dict[str, object]:
+    """Admit up to `count` requests (no release), then blast their ALS entries on
+    `streams` streams and time until the server has consumed them all."""
+    port = int(str(spec["port"]))
+    server_pid = int(str(spec["server_pid"]))
+    count = int(str(spec["count"]))
+    streams = int(str(spec.get("streams", 4)))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    check: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(CHECK)
+    als: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(ALS)
+    req = check_request_bytes()
+    msgs: list[bytes] = []
+    end = time.perf_counter() + float(str(spec["admit_seconds"]))
+
+    async def admitter() -> None:
+        while len(msgs) < count and time.perf_counter() < end:
+            aid = admission_id(await check(req, timeout=10))
+            if aid is not None:
+                msgs.append(als_bytes(aid))
+    await asyncio.gather(*(admitter() for _ in range(64)))
+    await als(iter(msgs[:10]))  # warm-up stream (releases 10)
+    msgs = msgs[10:]
+
+    def part(i: int) -> Iterator[bytes]:
+        return iter(msgs[i::streams])
+
+    cpu0, scpu0 = time.process_time(), cpu_seconds(server_pid)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(als(part(i), timeout=60) for i in range(streams)))
+    wall = time.perf_counter() - t0
+    cpu, scpu = time.process_time() - cpu0, cpu_seconds(server_pid) - scpu0
+    await channel.close()
+    return {"n": len(msgs), "eps": len(msgs) / wall, "client_cpu": cpu / wall,
+            "server_cpu": scpu / wall}
+
+
+def client(spec: dict[str, object]) -> dict[str, object]:
+    if spec["kind"] == "als":
+        return asyncio.run(_als(spec))
+    return asyncio.run(_checks(spec))
+
+
+# ------------------------------------------------------------------------ servers
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    proc: object
+    http_port: int = 0
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)  # type: ignore[attr-defined]
+
+
+def start_noop(log: Path | None = None) -> Server:
+    port = free_port()
+    proc = spawn([sys.executable, "-m", "bench.noop", "--port", str(port)], log)
+    wait_tcp(port, proc=proc)
+    return Server("no-op", port, proc)
+
+
+def start_sidecar(log: Path | None = None) -> Server:
+    port, http = free_port(), free_port()
+    proc = spawn([sys.executable, "-m", "sidecar", "--priority-scheduler-enabled",
+                  "--worker-capacity-override", "1000000",
+                  "--grpc-listen", f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{http}",
+                  "--log-format", "json", "--log-level", "warning"], log)
+    wait_tcp(port, proc=proc)
+    wait_tcp(http, proc=proc)
+    return Server("sidecar", port, proc, http)
+
+
+async def released(server: Server) -> float:
+    _, body = await http_get(f"http://127.0.0.1:{server.http_port}/metrics", 2.0)
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith("smg_sidecar_released_total{") and 'reason="completed"' in line:
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def measure(server: Server, **spec: object) -> dict[str, object]:
+    spec = {"kind": "check", "port": server.port, "server_pid": server.pid, **spec}
+    return run_client("bench.check_throughput", spec, timeout=120)
+
+
+def num(r: dict[str, object], key: str) -> float:
+    return float(str(r[key]))
+
+
+def fmt(r: dict[str, object]) -> str:
+    return (f"{num(r, 'rps'):>9,.0f} req/s  p50 {num(r, 'p50') * 1e6:>7.0f} us  "
+            f"p99 {num(r, 'p99') * 1e6:>7.0f} us  cpu client {num(r, 'client_cpu'):.0%}"
+            f" server {num(r, 'server_cpu'):.0%}  err {r['errors']} denied {r['denied']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--seconds", type=float, default=3.0, help="per point")
+    p.add_argument("--concurrency", default="16,64,256", help="closed-loop caller counts")
+    p.add_argument("--quick", action="store_true", help="1 s points, one concurrency")
+    p.add_argument("--client", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client:
+        print(json.dumps(client(json.loads(args.client))))
+        return 0
+    seconds = 1.0 if args.quick else args.seconds
+    levels = [64] if args.quick else [int(c) for c in args.concurrency.split(",")]
+    print("check_throughput: gRPC Check, load client in its own process "
+          "(grpc.aio, bytes in/out), server in another; each allowed Check is released by an "
+          "ALS DownstreamEnd entry on a long-lived stream (no-op server: drained).")
+    noop = start_noop()
+    side = start_sidecar()
+    try:
+        best: dict[str, dict[str, object]] = {}
+        print(f"  saturation (closed loop, {seconds:g} s per point):")
+        for server in (noop, side):
+            for c in levels:
+                r = measure(server, seconds=seconds, concurrency=c)
+                print(f"    {server.name:<8} callers={c:<4} {fmt(r)}")
+                if server.name not in best or float(str(r["rps"])) > float(
+                        str(best[server.name]["rps"])):
+                    best[server.name] = r
+        a, b = float(str(best["no-op"]["rps"])), float(str(best["sidecar"]["rps"]))
+        ratio = b / a
+        print(f"  max rate: no-op {a:,.0f} req/s, sidecar {b:,.0f} req/s -> ratio b/a "
+              f"{ratio:.2f}  (target >= 0.5: {'PASS' if ratio >= 0.5 else 'FAIL'})")
+        for share in (0.5, 0.25):
+            rate = share * a
+            print(f"  latency, open loop paced at {share:.0%} of no-op max = {rate:,.0f} req/s "
+                  f"({seconds:g} s; latency from the moment each call is issued):")
+            lat = {}
+            for server in (noop, side):
+                lat[server.name] = r = measure(server, seconds=seconds, rate=rate)
+                print(f"    {server.name:<8} {fmt(r)}")
+            added = (num(lat["sidecar"], "p99") - num(lat["no-op"], "p99")) * 1e6
+            added50 = (num(lat["sidecar"], "p50") - num(lat["no-op"], "p50")) * 1e6
+            target = f" (target <= 500 us: {'PASS' if added <= 500 else 'FAIL'})" \
+                if share == 0.5 else ""
+            print(f"  added by the sidecar at {share:.0%}: p50 {added50:+.0f} us, p99 "
+                  f"{added:+.0f} us{target}; p99 ratio "
+                  f"x{num(lat['sidecar'], 'p99') / num(lat['no-op'], 'p99'):.2f}")
+        count = 3000 if args.quick else 15000
+        print(f"  completion path: admit up to {count} (no release), then send their ALS "
+              "entries on 4 streams, one entry per message (as Envoy with buffer 0):")
+        eps = {}
+        for server in (noop, side):
+            before = asyncio.run(released(server)) if server is side else 0.0
+            r = run_client("bench.check_throughput",
+                           {"kind": "als", "port": server.port, "server_pid": server.pid,
+                            "count": count, "admit_seconds": 2.0 if args.quick else 6.0},
+                           timeout=120)
+            eps[server.name] = float(str(r["eps"]))
+            extra = ""
+            if server is side:
+                done = asyncio.run(released(server)) - before
+                extra = f"  released by sidecar: {done:,.0f}/{int(str(r['n'])) + 10:,}"
+            print(f"    {server.name:<8} {eps[server.name]:>9,.0f} entries/s  cpu client "
+                  f"{float(str(r['client_cpu'])):.0%} server {float(str(r['server_cpu'])):.0%}"
+                  f"{extra}")
+        print(f"  ALS ratio sidecar/no-op {eps['sidecar'] / eps['no-op']:.2f}")
+    finally:
+        terminate(noop.proc)  # type: ignore[arg-type]
+        terminate(side.proc)  # type: ignore[arg-type]
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""End to end through a real Envoy: Envoy + no-op authz vs. Envoy + the sidecar.
+
+Both stacks are ``sidecar.devtools.stack.Stack`` (same rendered Envoy config, same
+fake workers in this process with ~0 service time, Envoy --concurrency 1); in the
+baseline the authz/ALS cluster points at ``bench.noop`` instead of the sidecar.
+The HTTP/1.1 load client (keep-alive, asyncio) runs in its own process. Preemption
+(ext_proc) is off in both for the ratio; a third row shows the sidecar with
+preemption on (one extra ext_proc stream per request).
+
+    python -m bench.e2e [--seconds 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from bench._util import pct, run_client_async, wait_tcp
+from sidecar.devtools.stack import Stack, StackConfig
+
+
+class NoopStack(Stack):
+    """The same stack with bench.noop in the sidecar's place."""
+
+    def sidecar_argv(self) -> list[str]:
+        return [sys.executable, "-m", "bench.noop", "--port", str(self.grpc_port)]
+
+    async def wait_sidecar_ready(self, timeout: float = 20.0) -> None:
+        await asyncio.to_thread(wait_tcp, self.grpc_port, timeout, self.sidecar)
+
+
+def config(preemption: bool) -> StackConfig:
+    return StackConfig(workers=2, max_running_requests=1000, service_time=0.0,
+                       preemption=preemption, log_level="warning", flush_interval_secs=5.0,
+                       health_interval_secs=1.0)
+
+
+def summary(r: dict[str, Any]) -> dict[str, float]:
+    recs = r["records"]
+    ok = [x[2] for x in recs if x[3] == 200]
+    return {"rps": len(ok) / r["wall"], "p50": pct(ok, 0.5), "p99": pct(ok, 0.99),
+            "non200": float(sum(1 for x in recs if x[3] != 200)), "errors": r["errors"],
+            "client_cpu": r["client_cpu"], "envoy_cpu": r["cpu"][0], "authz_cpu": r["cpu"][1]}
+
+
+def fmt(s: dict[str, float]) -> str:
+    return (f"{s['rps']:>7,.0f} req/s  p50 {s['p50'] * 1e6:>6.0f} us  p99 "
+            f"{s['p99'] * 1e6:>7.0f} us  cpu client {s['client_cpu']:.0%} envoy "
+            f"{s['envoy_cpu']:.0%} authz {s['authz_cpu']:.0%}  non-200 {s['non200']:.0f} "
+            f"err {s['errors']:.0f}")
+
+
+async def point(stack: Stack, seconds: float, *, concurrency: int = 0,
+                rate: float = 0.0) -> dict[str, float]:
+    assert stack.envoy is not None and stack.sidecar is not None
+    spec: dict[str, object] = {
+        "port": stack.listen_port, "seconds": seconds, "concurrency": concurrency,
+        "streams": [{"name": "default", "rate": rate, "headers": {"x-smg-tenant": "t1"}}],
+        "pids": [stack.envoy.pid, stack.sidecar.pid], "timeout": 10}
+    return summary(await run_client_async("bench.httpload", spec, timeout=seconds + 60))
+
+
+async def main_async(seconds: float, levels: list[int]) -> int:
+    print("e2e: HTTP/1.1 through Envoy (concurrency 1) -> ext_authz -> 2 fake workers "
+          "(0 s service time, in the bench process); load client in its own process "
+          "(asyncio, keep-alive).")
+    kinds: list[tuple[str, type[Stack], bool]] = [
+        ("no-op", NoopStack, False), ("sidecar", Stack, False),
+        ("sidecar+ext_proc", Stack, True)]
+    stacks: dict[str, Stack] = {}
+    best: dict[str, dict[str, float]] = {}
+    try:
+        for name, cls, preempt in kinds:
+            stack = stacks[name] = cls(config(preempt))
+            await stack.start()
+        print(f"  saturation (closed loop, {seconds:g} s per point):")
+        for name, stack in stacks.items():
+            for c in levels:
+                s = await point(stack, seconds, concurrency=c)
+                print(f"    {name:<17} conns={c:<3} {fmt(s)}")
+                if name not in best or s["rps"] > best[name]["rps"]:
+                    best[name] = s
+        a = best["no-op"]["rps"]
+        for name in ("sidecar", "sidecar+ext_proc"):
+            print(f"  max rate {name}/no-op: {best[name]['rps']:,.0f} / {a:,.0f} = "
+                  f"{best[name]['rps'] / a:.2f}")
+        rate = 0.5 * a
+        print(f"  latency, open loop at 50% of no-op max = {rate:,.0f} req/s:")
+        lat: dict[str, dict[str, float]] = {}
+        for name, stack in stacks.items():
+            lat[name] = s = await point(stack, seconds, rate=rate)
+            print(f"    {name:<17} {fmt(s)}")
+        for name in ("sidecar", "sidecar+ext_proc"):
+            print(f"  added p99 {name}: {(lat[name]['p99'] - lat['no-op']['p99']) * 1e6:+.0f} us"
+                  f" (p99 ratio x{lat[name]['p99'] / lat['no-op']['p99']:.2f}), added p50 "
+                  f"{(lat[name]['p50'] - lat['no-op']['p50']) * 1e6:+.0f} us")
+    finally:
+        for stack in stacks.values():
+            await stack.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--concurrency", default="8,32")
+    p.add_argument("--quick", action="store_true", help="1 s points, one concurrency")
+    args = p.parse_args(argv)
+    if args.quick:
+        return asyncio.run(main_async(1.0, [16]))
+    return asyncio.run(main_async(args.seconds, [int(c) for c in args.concurrency.split(",")]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
