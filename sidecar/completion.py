@@ -21,6 +21,7 @@ already-released id is ignored and counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -78,43 +79,50 @@ class ResponsePathService:
 
     async def process(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
-    ) -> AsyncIterator[bytes]:
+    ) -> None:
+        # read()/write() rather than an async generator: the preemption can then be
+        # written from the watch's callback, and the common path allocates no tasks.
         self.open_streams += 1
         aid: str | None = None
-        reader = requests.__aiter__()
         try:
-            first = codec.decode_processing_request(await reader.__anext__())
+            raw: object = await context.read()
+            if not isinstance(raw, bytes):  # grpc.aio.EOF: Envoy closed the stream
+                return
+            first = codec.decode_processing_request(raw)
             if first.kind != "request_headers" or first.admission_id is None:
                 # Not an admitted request (or an unexpected message): let it pass.
-                yield codec.CONTINUE_REQUEST_HEADERS
+                await context.write(codec.CONTINUE_REQUEST_HEADERS)
                 return
             aid = first.admission_id
             watch = self.controller.watch_preemption(aid)
             if watch is not None and watch.done():
-                yield _IMMEDIATE_PREEMPTED
+                await context.write(_IMMEDIATE_PREEMPTED)
                 return
-            yield codec.CONTINUE_REQUEST_HEADERS
+            await context.write(codec.CONTINUE_REQUEST_HEADERS)
             if watch is None:
                 return  # not in flight any more: nothing to mark or stop
+            stopped: list[asyncio.Future[None]] = []
+
+            def preempt(_: asyncio.Future[None]) -> None:
+                log.info("preempted", admission_id=aid)
+                stopped.append(asyncio.ensure_future(context.write(_IMMEDIATE_PREEMPTED)))
+
+            watch.add_done_callback(preempt)
             while True:
-                nxt: asyncio.Future[bytes] = asyncio.ensure_future(reader.__anext__())
-                waits: set[asyncio.Future[object]] = {nxt, watch}  # type: ignore[arg-type]
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:
-                    nxt.cancel()
-                    log.info("preempted", admission_id=aid)
-                    yield _IMMEDIATE_PREEMPTED
-                    return
-                try:
-                    event = codec.decode_processing_request(nxt.result())
-                except StopAsyncIteration:
-                    return
-                if event.kind == "response_headers":
-                    self.controller.mark_first_byte(aid)
-                    yield codec.CONTINUE_RESPONSE_HEADERS
-                    return
-        except StopAsyncIteration:
-            return
+                raw = await context.read()
+                if not isinstance(raw, bytes):
+                    break
+                if codec.decode_processing_request(raw).kind != "response_headers":
+                    continue
+                if watch.done():
+                    break  # preempted first: the immediate response answers for us
+                watch.remove_done_callback(preempt)
+                self.controller.mark_first_byte(aid)
+                await context.write(codec.CONTINUE_RESPONSE_HEADERS)
+                return
+            for write in stopped:
+                with contextlib.suppress(Exception):
+                    await write
         finally:
             self.open_streams -= 1
             if aid is not None:

@@ -87,9 +87,12 @@ class Metrics:
                                      registry=r)
         self.mode = Gauge("smg_sidecar_admission_mode",
                           "Admission path in force (1 = active)", ["mode"], registry=r)
-        for outcome in Outcome:
-            for cls in HIGH_TO_LOW:
-                self.admit.labels(cls.label, outcome.value)
+        # Label children resolved once: labels() costs a lock and a tuple per call,
+        # and these run on every admission.
+        self._admit_child = {(cls, outcome): self.admit.labels(cls.label, outcome.value)
+                             for cls in HIGH_TO_LOW for outcome in Outcome}
+        self._wait_child = {cls: self.queue_wait.labels(cls.label) for cls in HIGH_TO_LOW}
+        self._released_child: dict[tuple[PriorityClass, str], Counter] = {}
         for result in ("allowed", "rejected"):
             self.rate_limit_total.labels(result)
         for result in ("ok", "error"):
@@ -99,19 +102,24 @@ class Metrics:
 
     def on_events(self, events: Iterable[Event]) -> None:
         for e in events:
-            if isinstance(e, Admitted):
-                label = e.admission.cls.label
-                self.admit.labels(label, Outcome.ADMITTED.value).inc()
-                self.queue_wait.labels(label).observe(e.waited)
+            if isinstance(e, Released):
+                key = (e.admission.cls, e.reason)
+                child = self._released_child.get(key)
+                if child is None:
+                    child = self._released_child[key] = self.released.labels(
+                        e.admission.cls.label, e.reason)
+                child.inc()
+            elif isinstance(e, Admitted):
+                cls = e.admission.cls
+                self._admit_child[(cls, Outcome.ADMITTED)].inc()
+                self._wait_child[cls].observe(e.waited)
                 if e.starvation:
-                    self.starvation.labels(label).inc()
+                    self.starvation.labels(cls.label).inc()
             elif isinstance(e, Rejected):
-                self.admit.labels(e.cls.label, e.outcome.value).inc()
+                self._admit_child[(e.cls, e.outcome)].inc()
             elif isinstance(e, Preempted):
-                self.admit.labels(e.victim.cls.label, Outcome.PREEMPTED.value).inc()
+                self._admit_child[(e.victim.cls, Outcome.PREEMPTED)].inc()
                 self.preemption.labels(e.victim.cls.label, e.by_class.label).inc()
-            elif isinstance(e, Released):
-                self.released.labels(e.admission.cls.label, e.reason).inc()
 
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
                    unknown: bool) -> None:

@@ -105,7 +105,9 @@ async def test_admitted_streaming_releases_at_end(make_stack: StackFactory) -> N
 
 
 async def test_queue_full_429_and_timeout_503(make_stack: StackFactory) -> None:
-    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1)
+    # no periodic access-log entries in this test: only final ones are counted below
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1,
+                             flush_interval_secs=60, lease_secs=120)
     busy = await hold(stack, 2.0)
     await until(stack, 'm.get(\'smg_scheduler_inflight{class="default"}\') == 1')
     queued = asyncio.ensure_future(request(stack.listen_port))
@@ -122,6 +124,9 @@ async def test_queue_full_429_and_timeout_503(make_stack: StackFactory) -> None:
     assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_timeout"}'] == 1
     # the worker only ever saw the one admitted request
     assert stack.fleet.workers[0].started == 1
+    # and only its access-log entry was sent: denied requests are filtered out in Envoy
+    admitted_logs = await stack.envoy_stat("access_logs.grpc_access_log.logs_written")
+    assert admitted_logs == 1
 
 
 async def test_tenant_from_trusted_jwt_only_and_clamp(make_stack: StackFactory) -> None:
