@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 ENVOY := $(ENVOY_VENV)/bin/envoy
 PYTEST_ARGS ?=
 
-.PHONY: install envoy test lint typecheck pytest run bench clean
+.PHONY: install envoy test lint typecheck pytest run bench fuzz clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -38,6 +38,11 @@ pytest: install envoy
 # The README's test command: lint, strict typing, then the whole suite (unit, property,
 # end-to-end through a real Envoy). pytest's exit code 5 ("no tests ran") fails the target.
 test: lint typecheck pytest
+
+# The long randomised runs: 10,000 examples per fuzz property, 20,000 scheduler sequences.
+fuzz: install
+	FUZZ_EXAMPLES=10000 HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py \
+		tests/test_scheduler_properties.py
 
 run: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m sidecar.devtools.demo

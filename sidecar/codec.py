@@ -93,9 +93,32 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
                                       append_action=_OVERWRITE)
 
 
+_ID_MARK = "\x00" * 32  # stands in for the 32-hex-digit id in cached templates
+_ALLOW_TEMPLATES: dict[tuple[str, str], bytes] = {}
+_ALLOW_TEMPLATE_LIMIT = 4096
+
+
 def encode_allow(admission_id: str, effective_class: str, tenant: str) -> bytes:
     """OK, the admission id in dynamic metadata (trusted: the access log and the
-    ext_proc filter read it there) and in headers to the worker (for its logs)."""
+    ext_proc filter read it there) and in headers to the worker (for its logs).
+
+    The message differs per request only in the id, so it is serialised once
+    per (class, tenant) with a marker of the id's length and the marker is
+    replaced; a 32-character id has the same encoded length as the marker.
+    """
+    if len(admission_id) != len(_ID_MARK):
+        return build_allow(admission_id, effective_class, tenant)
+    key = (effective_class, tenant)
+    template = _ALLOW_TEMPLATES.get(key)
+    if template is None:
+        template = build_allow(_ID_MARK, effective_class, tenant)
+        if len(_ALLOW_TEMPLATES) < _ALLOW_TEMPLATE_LIMIT:
+            _ALLOW_TEMPLATES[key] = template
+    return template.replace(_ID_MARK.encode(), admission_id.encode())
+
+
+def build_allow(admission_id: str, effective_class: str, tenant: str) -> bytes:
+    """The allow response built field by field (the reference for the template)."""
     md = struct_pb2.Struct()
     md.fields[ADMISSION_ID_KEY].string_value = admission_id
     md.fields["class"].string_value = effective_class
@@ -160,8 +183,6 @@ def encode_deny(spec: DenySpec) -> bytes:
 class LogEntry:
     admission_id: str
     final: bool  # False: a periodic entry of a stream still in progress
-    cls: str
-    tenant: str
     response_code: int
 
 
@@ -181,13 +202,9 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
         kind = cp.access_log_type
         if kind not in (_END, _PERIODIC, _NOT_SET):
             continue  # upstream-side entry types are not ours to act on
-        cls_value = fields.get("class")
-        tenant_value = fields.get("tenant")
         out.append(LogEntry(
             admission_id=aid_value.string_value,
             final=kind != _PERIODIC,
-            cls=cls_value.string_value if cls_value is not None else "",
-            tenant=tenant_value.string_value if tenant_value is not None else "",
             response_code=entry.response.response_code.value,
         ))
     return out

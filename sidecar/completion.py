@@ -61,7 +61,10 @@ class CompletionService:
                             log.info("completion_unmatched", admission_id=entry.admission_id,
                                      reason=result.value, response_code=entry.response_code)
                     elif not self.controller.renew(entry.admission_id):
-                        log.info("renewal_unmatched", admission_id=entry.admission_id)
+                        # e.g. streams admitted by a previous sidecar process: their
+                        # final entries will be counted as unknown; no need to log
+                        # every heartbeat at info.
+                        log.debug("renewal_unmatched", admission_id=entry.admission_id)
         finally:
             self.streams -= 1
         return codec.ALS_RESPONSE

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -11,15 +10,6 @@ import pytest
 from sidecar.devtools.stack import Stack, StackConfig
 
 StackFactory = Callable[..., Awaitable[Stack]]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # CI runs the full property-test profile; HYPOTHESIS_PROFILE=dev is quicker locally.
-    from hypothesis import settings
-
-    profile = os.environ.get("HYPOTHESIS_PROFILE")
-    if profile:
-        settings.load_profile(profile)
 
 
 async def settle(stack: Stack, timeout: float = 8.0) -> dict[str, float]:

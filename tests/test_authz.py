@@ -305,3 +305,32 @@ async def test_admin_http_endpoints(h: Harness) -> None:
                  "smg_sidecar_capacity", "smg_http_rate_limit_total"):
         assert f"\n{name}" in text, name
     assert (await get("/nope"))[0] == 404
+
+
+async def test_grpc_health_service(h: Harness) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(h.envoy.channel)
+    for service in ("", "envoy.service.auth.v3.Authorization"):
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_admin_port_binds_loopback_by_default() -> None:
+    from sidecar.config import parse_settings
+
+    assert parse_settings([]).http_listen.startswith("127.0.0.1:")
+    assert parse_settings([]).grpc_listen.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize("tenant", ["anonymous", "auth:acme", "", "t" * 256, "\x00x"])
+def test_allow_template_equals_full_build(tenant: str) -> None:
+    from sidecar import codec
+    from sidecar.admission import new_admission_id
+
+    for cls in ("system", "bulk"):
+        aid = new_admission_id()
+        assert codec.encode_allow(aid, cls, tenant) == codec.build_allow(aid, cls, tenant)
+        assert codec.encode_allow(aid, cls, tenant) == codec.build_allow(aid, cls, tenant)
+    assert codec.encode_allow("short", "bulk", tenant) == codec.build_allow("short", "bulk",
+                                                                             tenant)

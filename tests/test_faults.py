@@ -155,3 +155,16 @@ async def test_many_tenants_are_capped_in_labels(make_stack: StackFactory) -> No
     assert len(tenants) == 6  # five named tenants and "other"
     assert 'smg_scheduler_unknown_priority_value_total{tenant="other"}' in tenants
     assert sum(m[k] for k in tenants) == 300
+
+
+async def test_client_gone_before_first_byte_releases_and_cancels_worker(
+        make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=2)
+    worker = stack.fleet.workers[0]
+    ex = await Exchange.send(stack.listen_port, body=chat_body(),
+                             headers={"x-smg-priority": "bulk", "x-fake-service-time": "5"})
+    await wait_for(lambda: worker.running == 1, 5)
+    ex.abort()  # admitted, at the worker, no response byte yet
+    await wait_for(lambda: worker.records[0].outcome == "cancelled", 5)
+    m = await settle(stack)
+    assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 1

@@ -16,6 +16,7 @@ Invariants checked after every step (stated precisely):
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -40,7 +41,7 @@ settings.register_profile("ci", max_examples=2000, deadline=None,
 settings.register_profile("long", max_examples=20000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=300, deadline=None)
-settings.load_profile("ci")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 class CheckedScheduler(Scheduler):
