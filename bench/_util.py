@@ -11,16 +11,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+# Re-exported for the benchmarks: one implementation shared with the test stack.
+from sidecar.devtools.stack import free_port as free_port
+from sidecar.devtools.stack import terminate as terminate
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).resolve().parent / "out"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def cpu_seconds(pid: int) -> float:
@@ -46,17 +43,6 @@ def spawn(argv: Sequence[str], log: Path | None = None) -> subprocess.Popen[byte
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(list(argv), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                             cwd=REPO, env=env, start_new_session=True)
-
-
-def terminate(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def wait_tcp(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None

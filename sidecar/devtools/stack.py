@@ -116,7 +116,7 @@ class Stack:
     async def stop(self) -> None:
         for proc in (self.envoy, self.sidecar):
             if proc is not None:
-                _terminate(proc)
+                terminate(proc)
         self.envoy = self.sidecar = None
         await self.fleet.stop()
 
@@ -231,8 +231,9 @@ class Stack:
         return int(value) if value.isdigit() else 0
 
 
-def _terminate(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
+def terminate(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL after 5 s; a no-op for None or an exited process."""
+    if proc is None or proc.poll() is not None:
         return
     proc.terminate()
     try:
