@@ -21,10 +21,11 @@ import asyncio
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from sidecar.classes import PriorityClass
+from sidecar.config import ClassConfig
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     AdmissionCore,
@@ -97,7 +98,6 @@ class AdmissionController:
         self._leases: OrderedDict[str, float] = OrderedDict()
         self._lease_class: dict[str, PriorityClass] = {}
         self._preempt_watch: dict[str, asyncio.Future[None]] = {}
-        self._preempted_unwatched: OrderedDict[str, None] = OrderedDict()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
 
@@ -164,19 +164,13 @@ class AdmissionController:
     def watch_preemption(self, aid: str) -> asyncio.Future[None] | None:
         """A channel to stop ``aid`` exists: make it a candidate and return the signal.
 
-        Returns a future resolved if the request is preempted, an already-done
-        future if it was preempted before it could be watched, or ``None`` if the
-        id is not in flight (unknown, finished, or already streaming).
+        Returns a future resolved if the request is preempted, or ``None`` if the
+        id is not in flight (unknown, finished, or already preempted). Only
+        watched admissions are candidates, so every victim has a watcher.
         """
-        loop = asyncio.get_running_loop()
-        if aid in self._preempted_unwatched:
-            del self._preempted_unwatched[aid]
-            fut: asyncio.Future[None] = loop.create_future()
-            fut.set_result(None)
-            return fut
         if not self.core.is_admitted(aid):
             return None
-        fut = loop.create_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._preempt_watch[aid] = fut
         self.core.mark_reachable(aid)
         return fut
@@ -188,6 +182,11 @@ class AdmissionController:
 
     def set_capacity(self, capacity: int) -> None:
         self.core.set_capacity(capacity)
+        self._drain()
+
+    def update_config(self, classes: Mapping[PriorityClass, ClassConfig]) -> None:
+        """Hot reload: new class knobs for new decisions (queued requests keep their place)."""
+        self.core.update_config(classes)
         self._drain()
 
     @property
@@ -235,10 +234,6 @@ class AdmissionController:
         fut = self._preempt_watch.pop(aid, None)
         if fut is not None and not fut.done():
             fut.set_result(None)
-            return
-        self._preempted_unwatched[aid] = None
-        while len(self._preempted_unwatched) > 10_000:
-            self._preempted_unwatched.popitem(last=False)
 
     def _arm_timer(self) -> None:
         due = self.core.next_deadline()

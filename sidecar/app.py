@@ -172,12 +172,10 @@ class Sidecar:
     def _apply_config(self, cfg: PriorityConfig) -> None:
         """A valid new config: new knobs and tenant ceilings for new decisions."""
         assert self.core is not None and self.controller is not None
-        if isinstance(self.core, Scheduler):
-            # Queued requests keep their place; in-flight ones are untouched;
-            # reservations are recomputed at the live capacity.
-            self.core.update_config(cfg.classes)
-            self.controller.set_capacity(self.core.capacity)  # drains dispatch events
-        else:
+        # Queued requests keep their place; in-flight ones are untouched;
+        # reservations are recomputed at the live capacity.
+        self.controller.update_config(cfg.classes)
+        if self.core.legacy:
             log.warning("config_reload_legacy_mode",
                         hint="class knobs apply only to the scheduler; tenant ceilings apply")
         self.authz.policy = TenantPolicy(cfg.tenant_policies, self.settings.default_max_class)

@@ -98,9 +98,6 @@ class ResponsePathService:
                 return
             aid = first.admission_id
             watch = self.controller.watch_preemption(aid)
-            if watch is not None and watch.done():
-                await context.write(_IMMEDIATE_PREEMPTED)
-                return
             await context.write(codec.CONTINUE_REQUEST_HEADERS)
             if watch is None:
                 return  # not in flight any more: nothing to mark or stop
