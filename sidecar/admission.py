@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
+from sidecar import logs
 from sidecar.classes import PriorityClass
 from sidecar.config import ClassConfig
 from sidecar.ratelimit import TokenBucket
@@ -64,6 +65,10 @@ class ControllerStats(Protocol):
     def rate_limit(self, allowed: bool) -> None: ...
     def lease_expired(self, cls: PriorityClass) -> None: ...
     def completion_unmatched(self, reason: str) -> None: ...
+    def adopted(self, cls: PriorityClass) -> None: ...
+
+
+log = logs.get("sidecar.admission")
 
 
 def new_admission_id() -> str:
@@ -149,10 +154,21 @@ class AdmissionController:
             self._stats.completion_unmatched(result.value)
         return result
 
-    def renew(self, aid: str) -> bool:
-        """A periodic completion entry: the request is still streaming."""
+    def renew(self, aid: str, cls: PriorityClass | None = None, tenant: str = "") -> bool:
+        """A periodic completion entry: the request is still streaming.
+
+        An id this process never admitted (it restarted while the stream ran)
+        is adopted when the entry names its class, so capacity in use is known
+        again within one flush interval.
+        """
         if aid not in self._leases:
-            return False
+            if cls is None or not self.core.adopt(aid, cls, tenant):
+                return False
+            self._drain()  # the Admitted event creates the lease
+            log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
+            if self._stats is not None:
+                self._stats.adopted(cls)
+            return True
         self._leases[aid] = self._clock() + self._lease_secs
         self._leases.move_to_end(aid)
         return True

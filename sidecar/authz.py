@@ -108,6 +108,8 @@ class AuthzService:
             log.warning("check_decode_failed", error=str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed CheckRequest")
         tenant = resolve_tenant(self.tenant_source, view)
+        # For logs only: x-request-id is client-settable, so it never correlates a release.
+        request_id = view.headers.get("x-request-id")
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
@@ -116,19 +118,22 @@ class AuthzService:
         except Denied as d:
             if d.rate_limited:
                 log.info("rejected", tenant=tenant, requested=c.requested.label,
-                         effective=c.effective.label, outcome="rate_limited")
+                         effective=c.effective.label, outcome="rate_limited",
+                         request_id=request_id)
                 return self._rate_limited
             log.info("rejected", tenant=tenant, requested=c.requested.label,
                      effective=c.effective.label, outcome=d.outcome.value,
-                     legacy=d.legacy, waited=round(d.waited, 6))
+                     legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id)
             return self._deny[(d.outcome, d.legacy, c.effective)]
         except asyncio.CancelledError:
             log.info("rejected", tenant=tenant, requested=c.requested.label,
-                     effective=c.effective.label, outcome=Outcome.CLIENT_CANCELLED.value)
+                     effective=c.effective.label, outcome=Outcome.CLIENT_CANCELLED.value,
+                     request_id=request_id)
             raise
         aid = admitted.admission.id
         if logs.debug_enabled():
             log.debug("admitted", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, admission_id=aid,
-                      waited=round(admitted.waited, 6), starvation=admitted.starvation)
+                      waited=round(admitted.waited, 6), starvation=admitted.starvation,
+                      request_id=request_id)
         return codec.encode_allow(aid, c.effective.label, tenant)

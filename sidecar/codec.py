@@ -183,6 +183,8 @@ def encode_deny(spec: DenySpec) -> bytes:
 class LogEntry:
     admission_id: str
     final: bool  # False: a periodic entry of a stream still in progress
+    cls: str  # effective class, as the Check put it in the metadata
+    tenant: str
     response_code: int
 
 
@@ -202,9 +204,13 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
         kind = cp.access_log_type
         if kind not in (_END, _PERIODIC, _NOT_SET):
             continue  # upstream-side entry types are not ours to act on
+        cls_value = fields.get("class")
+        tenant_value = fields.get("tenant")
         out.append(LogEntry(
             admission_id=aid_value.string_value,
             final=kind != _PERIODIC,
+            cls=cls_value.string_value if cls_value is not None else "",
+            tenant=tenant_value.string_value if tenant_value is not None else "",
             response_code=entry.response.response_code.value,
         ))
     return out

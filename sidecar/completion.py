@@ -29,6 +29,7 @@ import grpc
 from sidecar import codec, logs
 from sidecar.admission import AdmissionController
 from sidecar.authz import PREEMPTED
+from sidecar.classes import PriorityClass
 from sidecar.scheduler import ReleaseResult
 
 log = logs.get("sidecar.completion")
@@ -60,10 +61,11 @@ class CompletionService:
                         if result is not ReleaseResult.RELEASED:
                             log.info("completion_unmatched", admission_id=entry.admission_id,
                                      reason=result.value, response_code=entry.response_code)
-                    elif not self.controller.renew(entry.admission_id):
-                        # e.g. streams admitted by a previous sidecar process: their
-                        # final entries will be counted as unknown; no need to log
-                        # every heartbeat at info.
+                    elif not self.controller.renew(entry.admission_id,
+                                                   PriorityClass.from_name(entry.cls),
+                                                   entry.tenant):
+                        # An id this process already ended (e.g. a preempted victim
+                        # still draining in Envoy): nothing to renew or adopt.
                         log.debug("renewal_unmatched", admission_id=entry.admission_id)
         finally:
             self.streams -= 1

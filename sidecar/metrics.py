@@ -71,6 +71,10 @@ class Metrics:
         self.unmatched = Counter("smg_sidecar_completion_unmatched",
                                  "Completions for unknown or already-released admissions",
                                  ["reason"], registry=r)
+        self.adopted_total = Counter("smg_sidecar_adopted",
+                                     "Streams admitted by an earlier sidecar process, found "
+                                     "still running via periodic access-log entries",
+                                     ["class"], registry=r)
         self.released = Counter("smg_sidecar_released", "Admissions ended, by reason",
                                 ["class", "reason"], registry=r)
         self.reload = Counter("smg_sidecar_config_reload", "Config reloads", ["result"],
@@ -111,6 +115,8 @@ class Metrics:
                 child.inc()
             elif isinstance(e, Admitted):
                 cls = e.admission.cls
+                if e.adopted:
+                    continue  # counted by adopted(); this process made no decision
                 self._admit_child[(cls, Outcome.ADMITTED)].inc()
                 self._wait_child[cls].observe(e.waited)
                 if e.starvation:
@@ -136,6 +142,9 @@ class Metrics:
 
     def completion_unmatched(self, reason: str) -> None:
         self.unmatched.labels(reason).inc()
+
+    def adopted(self, cls: PriorityClass) -> None:
+        self.adopted_total.labels(cls.label).inc()
 
     def set_capacity_source(self, source: str) -> None:
         for s in ("workers", "fallback", "override"):

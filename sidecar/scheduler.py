@@ -80,6 +80,7 @@ class Admitted:
     queued: bool
     starvation: bool = False
     preempted: bool = False  # admitted by preempting a lower-class request
+    adopted: bool = False  # admitted by an earlier process, found still streaming
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,7 @@ class AdmissionCore(Protocol):
     def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision: ...
     def cancel(self, id: str) -> bool: ...
     def release(self, id: str, reason: str = "completed") -> ReleaseResult: ...
+    def adopt(self, id: str, cls: PriorityClass, tenant: str) -> bool: ...
     def mark_reachable(self, id: str) -> bool: ...
     def mark_first_byte(self, id: str) -> bool: ...
     def is_admitted(self, id: str) -> bool: ...
@@ -375,6 +377,24 @@ class Scheduler:
         self._dispatch(self._clock())
         return ReleaseResult.RELEASED
 
+    def adopt(self, id: str, cls: PriorityClass, tenant: str) -> bool:
+        """Account for a request admitted by an earlier sidecar process.
+
+        After a restart, Envoy's periodic access-log entries name streams that
+        are still running. They hold real slots, so they count as in flight
+        (even past capacity, like a shrink: nothing new is admitted until they
+        drain). They cannot be preempted: their stop channel died with the old
+        process. An id this process has already ended is never adopted.
+        """
+        if id in self._admitted or id in self._ended or id in self._waiting:
+            return False
+        adm = Admission(id, cls, tenant, self._clock(), first_byte=True)
+        self._admitted[id] = adm
+        self._inflight[cls] += 1
+        self._total += 1
+        self._events.append(Admitted(adm, 0.0, queued=False, adopted=True))
+        return True
+
     def mark_reachable(self, id: str) -> bool:
         """The admission can now be preempted (a channel to stop it exists)."""
         adm = self._admitted.get(id)
@@ -581,6 +601,14 @@ class LegacyAdmission:
         self._events.append(Released(adm, reason))
         self._dispatch(self.clock())
         return ReleaseResult.RELEASED
+
+    def adopt(self, id: str, cls: PriorityClass, tenant: str) -> bool:
+        if id in self._admitted or id in self._ended or id in self._queue:
+            return False
+        adm = Admission(id, cls, tenant, self.clock(), first_byte=True)
+        self._admitted[id] = adm
+        self._events.append(Admitted(adm, 0.0, queued=False, adopted=True))
+        return True
 
     def mark_reachable(self, id: str) -> bool:
         return False  # the legacy path never preempts

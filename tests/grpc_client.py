@@ -44,7 +44,7 @@ class EnvoyStandIn:
     def check(self, headers: dict[str, str] | None = None, **kw: object) -> grpc.aio.UnaryUnaryCall:
         return self._check(check_request(headers or {}, **kw))  # type: ignore[arg-type]
 
-    async def log(self, *entries: tuple[str, str]) -> None:
+    async def log(self, *entries: tuple[str, str], cls: str = "") -> None:
         """Send ALS entries (admission_id, "end" | "periodic") on one stream."""
         msg = als_pb2.StreamAccessLogsMessage()
         msg.identifier.node.id = "test"
@@ -55,8 +55,10 @@ class EnvoyStandIn:
             cp.access_log_type = (accesslog_pb2.DownstreamEnd if kind == "end"
                                   else accesslog_pb2.DownstreamPeriodic)
             if aid:
-                cp.metadata.filter_metadata[codec.AUTHZ_NAMESPACE].fields[
-                    codec.ADMISSION_ID_KEY].string_value = aid
+                fields = cp.metadata.filter_metadata[codec.AUTHZ_NAMESPACE].fields
+                fields[codec.ADMISSION_ID_KEY].string_value = aid
+                if cls:
+                    fields["class"].string_value = cls
             e.response.response_code.value = 200
         await self._als(iter([msg]))
 

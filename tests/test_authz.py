@@ -334,3 +334,20 @@ def test_allow_template_equals_full_build(tenant: str) -> None:
         assert codec.encode_allow(aid, cls, tenant) == codec.build_allow(aid, cls, tenant)
     assert codec.encode_allow("short", "bulk", tenant) == codec.build_allow("short", "bulk",
                                                                              tenant)
+
+
+async def test_periodic_entry_adopts_a_stream_of_a_previous_process(h: Harness) -> None:
+    old = "a" * 32
+    await h.envoy.log((old, "periodic"), cls="bulk")
+    assert h.inflight == 1
+    assert h.sample("smg_sidecar_adopted_total", **{"class": "bulk"}) == 1
+    # the admit counter is this process's decisions only
+    assert h.sample("smg_scheduler_admit_total", **{"class": "bulk", "outcome": "admitted"}) == 0
+    await h.envoy.log((old, "periodic"), cls="bulk")  # a renewal now, not a second adoption
+    assert h.sample("smg_sidecar_adopted_total", **{"class": "bulk"}) == 1
+    await h.envoy.log((old, "end"), cls="bulk")
+    assert h.inflight == 0
+    await h.envoy.log((old, "periodic"), cls="bulk")  # ended here: never re-adopted
+    assert h.inflight == 0
+    await h.envoy.log(("b" * 32, "periodic"), cls="nonsense")  # no class, no adoption
+    assert h.inflight == 0

@@ -472,3 +472,34 @@ def test_preemption_candidates_only_once_reachable() -> None:
     s.mark_first_byte("b2")
     assert not s.mark_reachable("b2")  # streaming already
     assert not s.mark_reachable("nobody")
+
+
+def test_adopt_counts_running_streams_after_restart() -> None:
+    s = Scheduler(preempt_cfg(), 2, FakeClock())
+    assert s.adopt("old1", B, "t") and s.adopt("old2", B, "t")
+    assert s.inflight() == 2
+    assert not s.adopt("old1", B, "t")  # already known
+    assert isinstance(s.arrive("new", D, "t"), Queued)  # the slots are really in use
+    assert isinstance(s.arrive("i1", I, "t"), Queued)  # adopted streams are not victims
+    admitted = [e for e in s.take_events() if isinstance(e, Admitted)]
+    assert [e.admission.id for e in admitted] == ["old1", "old2"]
+    assert all(e.adopted and e.admission.first_byte for e in admitted)
+    s.release("old1")
+    assert s.is_admitted("i1")  # strict priority: interactive before the queued default
+    assert not s.adopt("old1", B, "t")  # ended here: a late periodic entry adopts nothing
+
+
+def test_adopt_may_exceed_capacity_like_a_shrink() -> None:
+    s = Scheduler(flat(), 1, FakeClock())
+    s.arrive("a", D, "t")
+    assert s.adopt("old", B, "t")
+    assert s.inflight() == 2 > s.capacity
+    s.release("a")
+    assert isinstance(s.arrive("b", D, "t"), Queued)  # still full until "old" ends
+
+
+def test_legacy_adopt() -> None:
+    core = LegacyAdmission(limit=1, queue_size=1, queue_timeout_secs=5.0, clock=FakeClock())
+    assert core.adopt("old", B, "t")
+    assert isinstance(core.arrive("a", D, "t"), Queued)
+    assert not core.adopt("old", B, "t")

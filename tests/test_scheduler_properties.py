@@ -3,7 +3,8 @@
 Invariants checked after every step (stated precisely):
 * Σinflight ≤ capacity after any step that admitted something; a step that admitted
   nothing never raises Σinflight (a shrink may leave Σinflight > capacity: those
-  requests drain, nothing new is admitted until Σinflight < capacity).
+  requests drain, nothing new is admitted until Σinflight < capacity). Adopting a
+  stream of an earlier process is the one other way past capacity, by exactly one.
 * An admission outside the starvation rule happens only when available(cls) ≥ 1, i.e. it
   never eats the unused reservation of a higher class; a starvation admission happens only
   when Σinflight < capacity.
@@ -74,6 +75,7 @@ ops = st.lists(
         st.tuples(st.just("cancel"), st.integers(0, 1000)),
         st.tuples(st.just("first_byte"), st.integers(0, 1000)),
         st.tuples(st.just("capacity"), st.integers(0, 12)),
+        st.tuples(st.just("adopt"), classes),
         st.tuples(st.just("advance"), st.sampled_from([0.1, 0.5, 1.0, 2.5, 6.0])),
     ),
     max_size=80,
@@ -144,12 +146,17 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
             s.mark_first_byte(live[arg % len(live)])
         elif op == "capacity":
             s.set_capacity(arg)
+        elif op == "adopt":
+            seq += 1
+            assert s.adopt(f"r{seq}", arg, "t")
         elif op == "advance":
             clock.advance(arg)
             s.tick()
         events = s.take_events()
         absorb(events)
-        if any(isinstance(e, Admitted) for e in events):
+        if op == "adopt":
+            assert s.inflight() == before + 1
+        elif any(isinstance(e, Admitted) for e in events):
             assert s.inflight() <= s.capacity
         else:
             assert s.inflight() <= before
