@@ -269,6 +269,11 @@ class AdmissionController:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
+        self.tick()
+
+    def tick(self) -> None:
+        """Time passed: queue timeouts, starvation, lease expiry (the timer calls this;
+        tests on a fake clock call it directly)."""
         self.core.tick()
         now = self._clock()
         while self._leases:

@@ -1,0 +1,164 @@
+"""The asyncio adapter on a fake clock: leases, cancellation, denial, exactly-once release."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+
+from sidecar.admission import AdmissionController, Denied
+from sidecar.classes import PriorityClass
+from sidecar.config import ClassConfig
+from sidecar.ratelimit import TokenBucket
+from sidecar.scheduler import Outcome, ReleaseResult, Scheduler
+from tests.clock import FakeClock
+
+D, B = PriorityClass.DEFAULT, PriorityClass.BULK
+CFG = {c: ClassConfig(0, 0.0, 2, 5.0, 100.0, False) for c in PriorityClass}
+
+
+@dataclass
+class Stats:
+    allowed: list[bool] = field(default_factory=list)
+    expired: list[PriorityClass] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    adoptions: list[PriorityClass] = field(default_factory=list)
+
+    def rate_limit(self, allowed: bool) -> None:
+        self.allowed.append(allowed)
+
+    def lease_expired(self, cls: PriorityClass) -> None:
+        self.expired.append(cls)
+
+    def completion_unmatched(self, reason: str) -> None:
+        self.unmatched.append(reason)
+
+    def adopted(self, cls: PriorityClass) -> None:
+        self.adoptions.append(cls)
+
+
+def make(capacity: int = 1, lease: float = 10.0, bucket: TokenBucket | None = None
+         ) -> tuple[AdmissionController, FakeClock, Stats]:
+    clock = FakeClock()
+    ids = (f"id{i}" for i in itertools.count())
+    stats = Stats()
+    ctl = AdmissionController(Scheduler(CFG, capacity, clock), lease_secs=lease, clock=clock,
+                              stats=stats, bucket=bucket, id_factory=lambda: next(ids))
+    return ctl, clock, stats
+
+
+async def test_lease_expires_exactly_at_ttl_and_renewal_extends() -> None:
+    ctl, clock, stats = make(capacity=2, lease=10.0)
+    a = (await ctl.admit(B, "t")).admission.id
+    b = (await ctl.admit(B, "t")).admission.id
+    clock.advance(6.0)
+    assert ctl.renew(a)
+    clock.advance(3.999)
+    ctl.tick()
+    assert ctl.core.is_admitted(b)
+    clock.advance(0.001)  # b's lease: exactly 10 s old
+    ctl.tick()
+    assert not ctl.core.is_admitted(b) and ctl.core.is_admitted(a)
+    assert stats.expired == [B]
+    clock.advance(6.0)  # a: renewed at 6 s, so it expires at 16 s
+    ctl.tick()
+    assert not ctl.core.is_admitted(a) and stats.expired == [B, B]
+    assert ctl.lease_count == 0
+    # a completion arriving after reclaim is a duplicate, counted, and changes nothing
+    assert ctl.release(a) is ReleaseResult.ALREADY_RELEASED
+    assert stats.unmatched == ["already_released"]
+    ctl.close()
+
+
+async def test_queued_waiter_is_woken_by_release_and_gets_a_lease() -> None:
+    ctl, clock, _ = make()
+    first = await ctl.admit(D, "t")
+    waiter = asyncio.ensure_future(ctl.admit(D, "t"))
+    await asyncio.sleep(0)
+    assert ctl.waiting == 1
+    clock.advance(1.5)
+    ctl.release(first.admission.id)
+    got = await asyncio.wait_for(waiter, 1)
+    assert got.queued and got.waited == pytest.approx(1.5)
+    assert ctl.lease_count == 1
+    ctl.release(got.admission.id)
+    assert ctl.lease_count == 0 and ctl.waiting == 0
+    ctl.close()
+
+
+async def test_queue_timeout_raises_denied() -> None:
+    ctl, clock, _ = make()
+    await ctl.admit(D, "t")
+    waiter = asyncio.ensure_future(ctl.admit(D, "t"))
+    await asyncio.sleep(0)
+    clock.advance(5.0)
+    ctl.tick()
+    with pytest.raises(Denied) as err:
+        await asyncio.wait_for(waiter, 1)
+    assert err.value.outcome is Outcome.REJECTED_QUEUE_TIMEOUT and not err.value.legacy
+    assert err.value.waited == pytest.approx(5.0)
+    ctl.close()
+
+
+async def test_queue_full_raises_denied_at_once() -> None:
+    ctl, _, _ = make()
+    await ctl.admit(D, "t")
+    waiters = [asyncio.ensure_future(ctl.admit(D, "t")) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(Denied) as err:
+        await ctl.admit(D, "t")
+    assert err.value.outcome is Outcome.REJECTED_QUEUE_FULL
+    for w in waiters:
+        w.cancel()
+    ctl.close()
+
+
+async def test_cancel_while_queued_removes_the_waiter() -> None:
+    ctl, _, _ = make()
+    first = await ctl.admit(D, "t")
+    waiter = asyncio.ensure_future(ctl.admit(D, "t"))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert ctl.waiting == 0 and ctl.core.snapshot().classes[D].queue_depth == 0
+    ctl.release(first.admission.id)
+    assert ctl.core.snapshot().inflight == 0  # nobody was admitted behind our back
+    ctl.close()
+
+
+async def test_cancel_in_the_same_instant_as_admission_gives_the_slot_back() -> None:
+    ctl, _, _ = make()
+    first = await ctl.admit(D, "t")
+    waiter = asyncio.ensure_future(ctl.admit(D, "t"))
+    await asyncio.sleep(0)
+    ctl.release(first.admission.id)  # resolves the waiter's future...
+    waiter.cancel()  # ...but the client left before the handler resumed
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert ctl.core.snapshot().inflight == 0 and ctl.lease_count == 0
+    ctl.close()
+
+
+async def test_rate_limit_denies_before_the_core() -> None:
+    clock = FakeClock()
+    ctl, _, stats = make(capacity=10, bucket=TokenBucket(1, 1.0, clock))
+    await ctl.admit(D, "t")
+    with pytest.raises(Denied) as err:
+        await ctl.admit(D, "t")
+    assert err.value.rate_limited and err.value.outcome is Outcome.REJECTED_QUEUE_FULL
+    assert stats.allowed == [True, False]
+    ctl.close()
+
+
+async def test_adoption_creates_a_lease() -> None:
+    ctl, clock, stats = make(lease=10.0)
+    assert ctl.renew("old", B, "t")
+    assert stats.adoptions == [B] and ctl.lease_count == 1
+    clock.advance(10.0)
+    ctl.tick()
+    assert stats.expired == [B] and ctl.core.snapshot().inflight == 0
+    assert not ctl.renew("old", B, "t")  # ended here: never adopted again
+    ctl.close()
