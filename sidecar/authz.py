@@ -84,6 +84,9 @@ def _deny_specs() -> dict[tuple[Outcome, bool, PriorityClass], codec.DenySpec]:
 DENY_SPECS = _deny_specs()
 RATE_LIMITED = codec.DenySpec(429, "scheduler_queue_full",
                               "Request rate limit exceeded; retry later", (("retry-after", "2"),))
+RATE_LIMITED_LEGACY = codec.DenySpec(429, "admission_queue_full",
+                                     "Request rate limit exceeded; retry later",
+                                     (("retry-after", "2"),))
 PREEMPTED = codec.DenySpec(503, "scheduler_preempted",
                            "Preempted by a higher-priority request before the first byte",
                            (("retry-after", "1"), ("x-smg-preempted", "true")))
@@ -100,6 +103,9 @@ class AuthzService:
         self.policy = policy
         self._deny = {k: codec.encode_deny(v) for k, v in DENY_SPECS.items()}
         self._rate_limited = codec.encode_deny(RATE_LIMITED)
+        # On the legacy path a shed request gets the legacy code, like every other
+        # legacy denial (the scheduler's code would name a queue that is not there).
+        self._rate_limited_legacy = codec.encode_deny(RATE_LIMITED_LEGACY)
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
@@ -119,8 +125,8 @@ class AuthzService:
             if d.rate_limited:
                 log.info("rejected", tenant=tenant, requested=c.requested.label,
                          effective=c.effective.label, outcome="rate_limited",
-                         request_id=request_id)
-                return self._rate_limited
+                         legacy=d.legacy, request_id=request_id)
+                return self._rate_limited_legacy if d.legacy else self._rate_limited
             log.info("rejected", tenant=tenant, requested=c.requested.label,
                      effective=c.effective.label, outcome=d.outcome.value,
                      legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id)

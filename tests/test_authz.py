@@ -224,6 +224,25 @@ async def test_rate_limit_sheds_with_queue_full(tmp_path: Path) -> None:
         await h.app.stop()
 
 
+async def test_legacy_rate_limit_uses_the_legacy_code(tmp_path: Path) -> None:
+    settings = parse_settings([
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+        "--max-concurrent-requests", "4", "--rate-limit-tokens-per-second", "0.001"])
+    app = Sidecar(settings)
+    await app.start()
+    envoy = EnvoyStandIn(app.grpc_port)
+    try:
+        ids = [admission_id(await envoy.check({})) for _ in range(4)]
+        for aid in ids:
+            await envoy.log((aid, "end"))
+        check_deny(await envoy.check({}), 429, "admission_queue_full", "2")
+        assert app.metrics.registry.get_sample_value(
+            "smg_http_rate_limit_total", {"result": "rejected"}) == 1
+    finally:
+        await envoy.close()
+        await app.stop()
+
+
 async def test_legacy_path_codes(tmp_path: Path) -> None:
     settings = parse_settings([
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
