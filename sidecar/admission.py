@@ -29,6 +29,7 @@ from sidecar.classes import PriorityClass
 from sidecar.config import ClassConfig
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
+    LEASE_EXPIRED,
     AdmissionCore,
     Admitted,
     Event,
@@ -282,7 +283,7 @@ class AdmissionController:
                 break
             cls = self._lease_class.get(aid)
             del self._leases[aid]
-            released = self.core.release(aid, "lease_expired") is ReleaseResult.RELEASED
+            released = self.core.release(aid, LEASE_EXPIRED) is ReleaseResult.RELEASED
             if released and self._stats is not None and cls is not None:
                 self._stats.lease_expired(cls)
         self._drain()

@@ -89,7 +89,13 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
     result: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
-        if key in result:
+        try:
+            duplicate = key in result
+        except TypeError:  # a list or mapping used as a key: "? [a]"
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"unusable key {key!r} (line {mark.line + 1})", mark) from None
+        if duplicate:
             mark = key_node.start_mark
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (line {mark.line + 1})", mark
@@ -117,7 +123,12 @@ def _check_type(value: object, want: type, file: str, key: str) -> Any:
         expected = "a number"
     if not ok:
         raise ConfigError(f"must be {expected}, got {value!r}", file=file, key=key)
-    return float(value) if want is float else value  # type: ignore[arg-type]
+    if want is float:
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except OverflowError:
+            raise ConfigError("number out of range", file=file, key=key) from None
+    return value
 
 
 def _merge_class(base: ClassConfig, raw: object, file: str, key: str) -> ClassConfig:

@@ -20,6 +20,8 @@ every later "first item" lookup scans past, which grows with queue churn.
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -163,7 +165,9 @@ def desired_reservations(
     out: dict[PriorityClass, int] = {}
     for cls in HIGH_TO_LOW:
         c = classes[cls]
-        share = math.ceil(round(c.reserved_per_slot * capacity, 9))
+        product = c.reserved_per_slot * capacity
+        # A share of 1 or more reserves everything (and a huge one would overflow).
+        share = capacity if product >= capacity else math.ceil(round(product, 9))
         out[cls] = min(capacity, max(c.reserved_floor, share))
     return out
 
@@ -188,20 +192,31 @@ def scaled_reservations(
     return {cls: desired[cls] * capacity // total for cls in desired}
 
 
+LEASE_EXPIRED = "lease_expired"
+
+
 class _RecentIds:
-    """Bounded memory of ended admission ids, to tell a duplicate from a stranger."""
+    """Bounded memory of ended admission ids and why they ended.
+
+    Tells a duplicate completion from a stranger, and lets a stream whose lease
+    was reclaimed (heartbeats lost, but it kept running) be adopted again.
+    """
 
     def __init__(self, maxlen: int) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str, str] = OrderedDict()
         self._maxlen = maxlen
 
-    def add(self, id: str) -> None:
-        self._ids[id] = None
+    def add(self, id: str, reason: str) -> None:
+        self._ids[id] = reason
         if len(self._ids) > self._maxlen:
             self._ids.popitem(last=False)
 
     def __contains__(self, id: object) -> bool:
         return id in self._ids
+
+    def adoptable(self, id: str) -> bool:
+        """Never seen, or ended only because its lease expired."""
+        return self._ids.get(id, LEASE_EXPIRED) == LEASE_EXPIRED
 
 
 def _first(d: OrderedDict[str, Waiter]) -> Waiter | None:
@@ -244,6 +259,10 @@ class Scheduler:
             c: OrderedDict() for c in PriorityClass
         }
         self._waiting: dict[str, Waiter] = {}
+        # Queue timeouts by deadline (a heap with lazy deletion): after a reload
+        # shortens a timeout, a newer waiter can be due before an older head.
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
         self._ended = _RecentIds(remember_ended)
         self._events: list[Event] = []
         # Classes above each class, for the reservation hold-back sum.
@@ -311,20 +330,29 @@ class Scheduler:
 
     def next_deadline(self) -> float | None:
         """When ``tick`` next has work: a queue timeout or a head turning starved."""
-        best: float | None = None
-        for cls, q in self._queues.items():
-            head = _first(q)
+        self._drop_stale_deadlines()
+        best: float | None = self._deadlines[0][0] if self._deadlines else None
+        now = self._clock()
+        for cls in LOW_TO_HIGH:
+            if cls is PriorityClass.SYSTEM:
+                break
+            head = _first(self._queues[cls])
             if head is None:
                 continue
-            t = head.deadline
-            if cls is not PriorityClass.SYSTEM:
-                starve_at = head.enqueued_at + self._cfg[cls].starvation_threshold_secs
-                # An already-starved head waits for a release, not for a timer.
-                if starve_at > self._clock():
-                    t = min(t, starve_at)
-            if best is None or t < best:
-                best = t
+            starve_at = head.enqueued_at + self._cfg[cls].starvation_threshold_secs
+            # An already-starved head waits for a release, not for a timer.
+            if starve_at > now and (best is None or starve_at < best):
+                best = starve_at
         return best
+
+    def _drop_stale_deadlines(self) -> None:
+        heap = self._deadlines
+        while heap:
+            deadline, _, id = heap[0]
+            waiter = self._waiting.get(id)
+            if waiter is not None and waiter.deadline == deadline:
+                return
+            heapq.heappop(heap)
 
     # ---------------------------------------------------------------- mutations
 
@@ -336,21 +364,16 @@ class Scheduler:
         available = self.available(cls)
         if not queue and available >= 1:
             return self._admit(id, cls, tenant, now, waited=0.0, queued=False)
-        if self._cfg[cls].can_preempt and available == 0:
+        if not queue and self._cfg[cls].can_preempt and available == 0:
             # Preempting one victim frees exactly the one slot needed; when the
             # class is over its share (available < 0) it would not, so no victim.
             victim = self._pick_victim(cls)
             if victim is not None:
                 self._preempt(victim, cls)
-                if not queue:
-                    return self._admit(
-                        id, cls, tenant, now, waited=0.0, queued=False, preempted=True
-                    )
-                # Earlier arrivals of this class keep FIFO order: the freed slot
-                # goes through dispatch and this arrival queues behind them.
-                decision = self._enqueue(id, cls, tenant, now)
-                self._dispatch(now)
-                return decision
+                return self._admit(id, cls, tenant, now, waited=0.0, queued=False,
+                                   preempted=True)
+        # Earlier arrivals of this class keep FIFO order: this one queues behind
+        # them (the dispatch above already preempted for their head if it could).
         return self._enqueue(id, cls, tenant, now)
 
     def cancel(self, id: str) -> bool:
@@ -372,7 +395,7 @@ class Scheduler:
         adm = self._admitted.get(id)
         if adm is None:
             return ReleaseResult.ALREADY_RELEASED if id in self._ended else ReleaseResult.UNKNOWN
-        self._drop(adm)
+        self._drop(adm, reason)
         self._events.append(Released(adm, reason))
         self._dispatch(self._clock())
         return ReleaseResult.RELEASED
@@ -384,9 +407,11 @@ class Scheduler:
         are still running. They hold real slots, so they count as in flight
         (even past capacity, like a shrink: nothing new is admitted until they
         drain). They cannot be preempted: their stop channel died with the old
-        process. An id this process has already ended is never adopted.
+        process. The same holds for a stream whose lease this process reclaimed
+        while it kept running (its heartbeats were lost). Any other id this
+        process has ended (completed, preempted) is never adopted again.
         """
-        if id in self._admitted or id in self._ended or id in self._waiting:
+        if id in self._admitted or id in self._waiting or not self._ended.adoptable(id):
             return False
         adm = Admission(id, cls, tenant, self._clock(), first_byte=True)
         self._admitted[id] = adm
@@ -401,6 +426,8 @@ class Scheduler:
         if adm is None or adm.first_byte:
             return False
         self._preemptible[adm.cls][id] = adm
+        # A queued head of a class that may preempt can use this victim now.
+        self._dispatch(self._clock())
         return True
 
     def mark_first_byte(self, id: str) -> bool:
@@ -455,12 +482,12 @@ class Scheduler:
         self._events.append(event)
         return event
 
-    def _drop(self, adm: Admission) -> None:
+    def _drop(self, adm: Admission, reason: str) -> None:
         del self._admitted[adm.id]
         self._preemptible[adm.cls].pop(adm.id, None)
         self._inflight[adm.cls] -= 1
         self._total -= 1
-        self._ended.add(adm.id)
+        self._ended.add(adm.id, reason)
 
     def _enqueue(self, id: str, cls: PriorityClass, tenant: str, now: float) -> Decision:
         cfg = self._cfg[cls]
@@ -472,6 +499,13 @@ class Scheduler:
         waiter = Waiter(id, cls, tenant, now, now + cfg.queue_timeout_secs)
         queue[id] = waiter
         self._waiting[id] = waiter
+        heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), id))
+        if len(self._deadlines) > 2 * len(self._waiting) + 64:
+            # Admitted and cancelled waiters leave entries behind; rebuild now and
+            # then so the heap stays proportional to the queues (amortised O(1)).
+            self._deadlines = [(w.deadline, next(self._seq), w.id)
+                               for w in self._waiting.values()]
+            heapq.heapify(self._deadlines)
         return Queued(waiter)
 
     def _pick_victim(self, by: PriorityClass) -> Admission | None:
@@ -485,7 +519,7 @@ class Scheduler:
         return None
 
     def _preempt(self, victim: Admission, by: PriorityClass) -> None:
-        self._drop(victim)
+        self._drop(victim, "preempted")
         self._events.append(Preempted(victim, by))
         self._events.append(Released(victim, "preempted"))
 
@@ -498,22 +532,43 @@ class Scheduler:
 
     def _dispatch(self, now: float) -> None:
         self._expire(now)
-        while self._admit_starved(now) or self._admit_by_priority(now):
+        if not self._waiting:
+            return  # the common case on an unloaded fleet: nothing to admit
+        while (self._admit_starved(now) or self._admit_by_priority(now)
+               or self._preempt_for_queued(now)):
             pass
 
-    def _expire(self, now: float) -> None:
+    def _preempt_for_queued(self, now: float) -> bool:
+        # A queued head of a class that may preempt takes a victim's slot directly
+        # (not through dispatch, where a starved lower class could take it). Its
+        # class has no free slot (available == 0), or dispatch would have admitted it.
         for cls in HIGH_TO_LOW:
-            queue = self._queues[cls]
-            while queue:
-                head = _first(queue)
-                assert head is not None
-                if now < head.deadline:
-                    break
-                self._pop_head(cls)
-                self._events.append(
-                    Rejected(head.id, cls, head.tenant, Outcome.REJECTED_QUEUE_TIMEOUT,
-                             now - head.enqueued_at)
-                )
+            head = _first(self._queues[cls])
+            if head is None or not self._cfg[cls].can_preempt or self.available(cls) != 0:
+                continue
+            victim = self._pick_victim(cls)
+            if victim is None:
+                continue
+            self._preempt(victim, cls)
+            self._pop_head(cls)
+            self._admit(head.id, cls, head.tenant, now, waited=now - head.enqueued_at,
+                        queued=True, preempted=True)
+            return True
+        return False
+
+    def _expire(self, now: float) -> None:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, id = heapq.heappop(heap)
+            waiter = self._waiting.get(id)
+            if waiter is None or waiter.deadline != deadline:
+                continue  # admitted or cancelled since
+            del self._waiting[id]
+            del self._queues[waiter.cls][id]
+            self._events.append(
+                Rejected(id, waiter.cls, waiter.tenant, Outcome.REJECTED_QUEUE_TIMEOUT,
+                         now - waiter.enqueued_at)
+            )
 
     def _admit_starved(self, now: float) -> bool:
         # Starvation override: lowest class first, system excluded, ignoring
@@ -597,13 +652,13 @@ class LegacyAdmission:
         adm = self._admitted.pop(id, None)
         if adm is None:
             return ReleaseResult.ALREADY_RELEASED if id in self._ended else ReleaseResult.UNKNOWN
-        self._ended.add(id)
+        self._ended.add(id, reason)
         self._events.append(Released(adm, reason))
         self._dispatch(self.clock())
         return ReleaseResult.RELEASED
 
     def adopt(self, id: str, cls: PriorityClass, tenant: str) -> bool:
-        if id in self._admitted or id in self._ended or id in self._queue:
+        if id in self._admitted or id in self._queue or not self._ended.adoptable(id):
             return False
         adm = Admission(id, cls, tenant, self.clock(), first_byte=True)
         self._admitted[id] = adm

@@ -139,7 +139,9 @@ def test_strict_errors_name_file_key_reason(text: str, key: str | None, reason: 
     assert reason in msg
 
 
-@pytest.mark.parametrize("text", ["- a\n- b\n", "42\n", "just text\n", "classes: {bulk: [\n"])
+@pytest.mark.parametrize("text", ["- a\n- b\n", "42\n", "just text\n", "classes: {bulk: [\n",
+                                  "? [a]\n: 1\n", "classes:\n  ? {x: 1}\n  : 2\n",
+                                  "classes:\n  bulk: {queue_timeout_secs: 1" + "0" * 400 + "}\n"])
 def test_non_mapping_or_broken_yaml(text: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_priority_config(text, "p.yaml")

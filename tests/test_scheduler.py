@@ -61,6 +61,12 @@ def test_capacity_100_does_not_fit_so_legacy_serves() -> None:
     assert reservations_fit(BUILTIN_CLASSES, 256)
 
 
+def test_huge_share_reserves_capacity_without_overflow() -> None:
+    cfg = flat(default={"reserved_per_slot": 1e306})
+    assert desired_reservations(cfg, 1000)[D] == 1000
+    assert sum(scaled_reservations(cfg, 1000).values()) <= 1000
+
+
 def test_share_rounding_is_decimal() -> None:
     cfg = flat(default={"reserved_per_slot": 0.1})
     assert desired_reservations(cfg, 300)[D] == 30  # 0.1*300 is 30.000000000000004 in binary
@@ -503,3 +509,65 @@ def test_legacy_adopt() -> None:
     assert core.adopt("old", B, "t")
     assert isinstance(core.arrive("a", D, "t"), Queued)
     assert not core.adopt("old", B, "t")
+
+
+def test_queued_preempting_head_uses_a_victim_that_becomes_reachable() -> None:
+    # The victims' stop channels open just after they are admitted: an interactive
+    # request queued in between must not wait for its timeout.
+    s = Scheduler(preempt_cfg(), 2, FakeClock(), preemptible_on_admit=False)
+    s.arrive("b1", B, "t")
+    s.arrive("b2", B, "t")
+    assert isinstance(s.arrive("i1", I, "t"), Queued)
+    s.take_events()
+    assert s.mark_reachable("b1")
+    events = s.take_events()
+    assert [type(e) for e in events] == [Preempted, Released, Admitted]
+    assert s.is_admitted("i1") and not s.is_admitted("b1")
+    admitted = events[2]
+    assert isinstance(admitted, Admitted) and admitted.preempted and admitted.queued
+
+
+def test_slot_freed_by_preemption_goes_to_the_preempting_class() -> None:
+    clock = FakeClock()
+    cfg = flat(interactive={"can_preempt": True, "queue_timeout_secs": 100.0},
+               bulk={"starvation_threshold_secs": 1.0, "queue_timeout_secs": 100.0})
+    s = Scheduler(cfg, 2, clock, preemptible_on_admit=False)
+    s.arrive("b1", B, "t")
+    s.arrive("b2", B, "t")
+    s.arrive("bq", B, "t")  # will be starved
+    s.arrive("i1", I, "t")
+    clock.advance(5.0)
+    s.tick()
+    s.mark_reachable("b2")
+    # b2 was preempted for the interactive head, not for the starved bulk request
+    assert s.is_admitted("i1") and not s.is_admitted("bq")
+    assert s.queued_ids(B) == ["bq"]
+
+
+def test_shorter_timeout_after_reload_expires_newer_waiters_on_time() -> None:
+    clock = FakeClock()
+    s = Scheduler(flat(bulk={"queue_timeout_secs": 300.0, "starvation_threshold_secs": 1e6}),
+                  1, clock)
+    s.arrive("x", B, "t")
+    s.arrive("old", B, "t")
+    s.update_config(flat(bulk={"queue_timeout_secs": 10.0, "starvation_threshold_secs": 1e6}))
+    clock.advance(1.0)
+    s.arrive("new", B, "t")
+    s.take_events()
+    assert s.next_deadline() == pytest.approx(clock.now + 10.0)
+    clock.advance(10.0)
+    s.tick()
+    (ev,) = s.take_events()
+    assert isinstance(ev, Rejected) and ev.id == "new"
+    assert ev.outcome is Outcome.REJECTED_QUEUE_TIMEOUT
+    assert s.queued_ids(B) == ["old"]  # the old waiter keeps its place and its deadline
+    assert s.next_deadline() == pytest.approx(clock.now - 11.0 + 300.0)
+
+
+def test_deadline_heap_stays_bounded_under_churn() -> None:
+    s = Scheduler(flat(bulk={"queue_size": 10}), 1, FakeClock())
+    s.arrive("x", B, "t")
+    for i in range(10_000):
+        s.arrive(f"w{i}", B, "t")
+        s.cancel(f"w{i}")
+    assert len(s._deadlines) <= 2 * 1 + 64 + 1

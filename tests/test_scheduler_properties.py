@@ -76,17 +76,19 @@ ops = st.lists(
         st.tuples(st.just("first_byte"), st.integers(0, 1000)),
         st.tuples(st.just("capacity"), st.integers(0, 12)),
         st.tuples(st.just("adopt"), classes),
+        st.tuples(st.just("reachable"), st.integers(0, 1000)),
         st.tuples(st.just("advance"), st.sampled_from([0.1, 0.5, 1.0, 2.5, 6.0])),
     ),
     max_size=80,
 )
 
 
-@given(cfg=configs, capacity=st.integers(0, 12), steps=ops)
+@given(cfg=configs, capacity=st.integers(0, 12), steps=ops, on_admit=st.booleans())
 def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
-                    steps: list[tuple[str, Any]]) -> None:
+                    steps: list[tuple[str, Any]], on_admit: bool) -> None:
     clock = FakeClock()
-    s = CheckedScheduler(cfg, capacity, clock)
+    # on_admit False is the sidecar's mode: candidates only once a stop channel exists.
+    s = CheckedScheduler(cfg, capacity, clock, preemptible_on_admit=on_admit)
     fifo: dict[PriorityClass, list[str]] = {c: [] for c in PriorityClass}
     queued: set[str] = set()
     admitted: list[str] = []
@@ -144,6 +146,8 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
             assert s.cancel(target)
         elif op == "first_byte" and live:
             s.mark_first_byte(live[arg % len(live)])
+        elif op == "reachable" and live:
+            s.mark_reachable(live[arg % len(live)])
         elif op == "capacity":
             s.set_capacity(arg)
         elif op == "adopt":
