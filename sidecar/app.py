@@ -117,7 +117,8 @@ class Sidecar:
         policy = TenantPolicy(s.priority.tenant_policies, s.default_max_class)
         self.authz = AuthzService(self.controller, self.metrics, s.tenant_source, policy)
         self.completion = CompletionService(self.controller)
-        self.response_path = ResponsePathService(self.controller)
+        self.response_path = ResponsePathService(
+            self.controller, on_delivery_failed=self.metrics.preemption_delivery_failed.inc)
 
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         p = codec.passthrough

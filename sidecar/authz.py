@@ -25,7 +25,8 @@ from sidecar.metrics import Metrics
 from sidecar.scheduler import Outcome
 
 ANONYMOUS = "anonymous"
-MAX_TENANT_LEN = 256
+# A tenant key longer than this is not an identity anyone configured: anonymous.
+MAX_TENANT_LEN = 1024
 
 log = logs.get("sidecar.authz")
 
@@ -51,12 +52,10 @@ def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
     else:
         payload_key, _, claim = source.name.partition(".")
         value = view.metadata_string(codec.JWT_NAMESPACE, payload_key, claim)
-    if not isinstance(value, str):
+    # Exact, as the policy lookup is exact: no trimming, no truncation.
+    if not isinstance(value, str) or not value or len(value) > MAX_TENANT_LEN:
         return ANONYMOUS
-    value = value.strip()
-    if not value:
-        return ANONYMOUS
-    return value[:MAX_TENANT_LEN]
+    return value
 
 
 def _deny_specs() -> dict[tuple[Outcome, bool, PriorityClass], codec.DenySpec]:
@@ -84,9 +83,6 @@ def _deny_specs() -> dict[tuple[Outcome, bool, PriorityClass], codec.DenySpec]:
 DENY_SPECS = _deny_specs()
 RATE_LIMITED = codec.DenySpec(429, "scheduler_queue_full",
                               "Request rate limit exceeded; retry later", (("retry-after", "2"),))
-RATE_LIMITED_LEGACY = codec.DenySpec(429, "admission_queue_full",
-                                     "Request rate limit exceeded; retry later",
-                                     (("retry-after", "2"),))
 PREEMPTED = codec.DenySpec(503, "scheduler_preempted",
                            "Preempted by a higher-priority request before the first byte",
                            (("retry-after", "1"), ("x-smg-preempted", "true")))
@@ -102,10 +98,9 @@ class AuthzService:
         self.tenant_source = tenant_source
         self.policy = policy
         self._deny = {k: codec.encode_deny(v) for k, v in DENY_SPECS.items()}
+        # The contract's flag table: the request-rate check sheds with 429
+        # scheduler_queue_full, on either admission path.
         self._rate_limited = codec.encode_deny(RATE_LIMITED)
-        # On the legacy path a shed request gets the legacy code, like every other
-        # legacy denial (the scheduler's code would name a queue that is not there).
-        self._rate_limited_legacy = codec.encode_deny(RATE_LIMITED_LEGACY)
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
@@ -126,7 +121,7 @@ class AuthzService:
                 log.info("rejected", tenant=tenant, requested=c.requested.label,
                          effective=c.effective.label, outcome="rate_limited",
                          legacy=d.legacy, request_id=request_id)
-                return self._rate_limited_legacy if d.legacy else self._rate_limited
+                return self._rate_limited
             log.info("rejected", tenant=tenant, requested=c.requested.label,
                      effective=c.effective.label, outcome=d.outcome.value,
                      legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id)

@@ -224,7 +224,7 @@ ALS_RESPONSE: bytes = als_pb2.StreamAccessLogsResponse().SerializeToString()
 
 @dataclass(frozen=True, slots=True)
 class ProcessingEvent:
-    kind: str  # "request_headers" | "response_headers" | "other"
+    kind: str  # the ProcessingRequest oneof: "request_headers", "response_headers", ...
     admission_id: str | None
 
 
@@ -232,20 +232,36 @@ def decode_processing_request(data: bytes) -> ProcessingEvent:
     req = ext_proc_pb2.ProcessingRequest.FromString(data)
     kind = req.WhichOneof("request")
     aid: str | None = None
+    if kind is None:
+        return ProcessingEvent("other", None)
     if kind == "request_headers":
         ns = req.metadata_context.filter_metadata.get(AUTHZ_NAMESPACE)
         if ns is not None and ADMISSION_ID_KEY in ns.fields:
             aid = ns.fields[ADMISSION_ID_KEY].string_value or None
         return ProcessingEvent("request_headers", aid)
-    if kind == "response_headers":
-        return ProcessingEvent("response_headers", None)
-    return ProcessingEvent("other", None)
+    return ProcessingEvent(kind, None)
 
 
 CONTINUE_REQUEST_HEADERS: bytes = ext_proc_pb2.ProcessingResponse(
     request_headers=ext_proc_pb2.HeadersResponse()).SerializeToString()
 CONTINUE_RESPONSE_HEADERS: bytes = ext_proc_pb2.ProcessingResponse(
     response_headers=ext_proc_pb2.HeadersResponse()).SerializeToString()
+
+
+_CONTINUE: dict[str, bytes] = {
+    kind: ext_proc_pb2.ProcessingResponse(**{kind: cls()}).SerializeToString()
+    for kind, cls in (("request_headers", ext_proc_pb2.HeadersResponse),
+                      ("response_headers", ext_proc_pb2.HeadersResponse),
+                      ("request_body", ext_proc_pb2.BodyResponse),
+                      ("response_body", ext_proc_pb2.BodyResponse),
+                      ("request_trailers", ext_proc_pb2.TrailersResponse),
+                      ("response_trailers", ext_proc_pb2.TrailersResponse))
+}
+
+
+def continue_for(kind: str) -> bytes:
+    """The "carry on unchanged" answer to a message of ``kind``."""
+    return _CONTINUE.get(kind, CONTINUE_REQUEST_HEADERS)
 
 
 def encode_immediate(spec: DenySpec) -> bytes:

@@ -21,8 +21,7 @@ already-released id is ignored and counted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -78,9 +77,24 @@ _IMMEDIATE_PREEMPTED = codec.encode_immediate(PREEMPTED)
 class ResponsePathService:
     """ext_proc: first-byte marking and preemption delivery."""
 
-    def __init__(self, controller: AdmissionController) -> None:
+    def __init__(self, controller: AdmissionController,
+                 on_delivery_failed: Callable[[], None] | None = None) -> None:
         self.controller = controller
         self.open_streams = 0
+        self._on_delivery_failed = on_delivery_failed
+
+    async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]
+                    ) -> codec.ProcessingEvent | None:
+        """The next message, or None once Envoy closed the stream."""
+        raw: object = await context.read()
+        if not isinstance(raw, bytes):  # grpc.aio.EOF
+            return None
+        try:
+            return codec.decode_processing_request(raw)
+        except Exception as exc:  # malformed: a clear gRPC error, not INTERNAL
+            log.warning("ext_proc_decode_failed", error=str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ProcessingRequest")
+            raise  # abort() raises; this line only satisfies the type checker
 
     async def process(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
@@ -89,32 +103,30 @@ class ResponsePathService:
         # written from the watch's callback, and the common path allocates no tasks.
         self.open_streams += 1
         aid: str | None = None
+        stopped: list[asyncio.Future[None]] = []
         try:
-            raw: object = await context.read()
-            if not isinstance(raw, bytes):  # grpc.aio.EOF: Envoy closed the stream
+            first = await self._read(context)
+            if first is None:
                 return
-            first = codec.decode_processing_request(raw)
             if first.kind != "request_headers" or first.admission_id is None:
                 # Not an admitted request (or an unexpected message): let it pass.
-                await context.write(codec.CONTINUE_REQUEST_HEADERS)
+                await context.write(codec.continue_for(first.kind))
                 return
             aid = first.admission_id
             watch = self.controller.watch_preemption(aid)
             await context.write(codec.CONTINUE_REQUEST_HEADERS)
             if watch is None:
                 return  # not in flight any more: nothing to mark or stop
-            stopped: list[asyncio.Future[None]] = []
 
             def preempt(_: asyncio.Future[None]) -> None:
                 log.info("preempted", admission_id=aid)
                 stopped.append(asyncio.ensure_future(context.write(_IMMEDIATE_PREEMPTED)))
 
             watch.add_done_callback(preempt)
-            while True:
-                raw = await context.read()
-                if not isinstance(raw, bytes):
-                    break
-                if codec.decode_processing_request(raw).kind != "response_headers":
+            while (event := await self._read(context)) is not None:
+                if event.kind != "response_headers":
+                    # Not sent in the shipped processing mode; answer rather than stall.
+                    await context.write(codec.continue_for(event.kind))
                     continue
                 if watch.done():
                     break  # preempted first: the immediate response answers for us
@@ -123,9 +135,18 @@ class ResponsePathService:
                 await context.write(codec.CONTINUE_RESPONSE_HEADERS)
                 return
             for write in stopped:
-                with contextlib.suppress(Exception):
+                try:
                     await write
+                except Exception as exc:
+                    # The slot is already given away; the victim may run on uncounted
+                    # until it ends. Say so loudly.
+                    log.warning("preemption_delivery_failed", admission_id=aid, error=str(exc))
+                    if self._on_delivery_failed is not None:
+                        self._on_delivery_failed()
         finally:
+            for write in stopped:
+                if not write.done():
+                    write.cancel()
             self.open_streams -= 1
             if aid is not None:
                 self.controller.unwatch(aid)

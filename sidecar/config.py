@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -108,6 +109,52 @@ _StrictLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
     _construct_mapping,
 )
+
+# Scalars by the YAML 1.2 core schema. PyYAML follows YAML 1.1, where `yes`/`on`
+# are booleans, `1:30` is 90, `010` is octal and `1e3` is a string; in a config
+# where a wrong type must be an error, those surprises would pass silently.
+_BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_StrictLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def _scalar(loader: _StrictLoader, node: yaml.Node) -> str:
+    value: str = loader.construct_scalar(node)  # type: ignore[arg-type]
+    return value
+
+
+def _construct_bool(loader: _StrictLoader, node: yaml.Node) -> bool:
+    return _scalar(loader, node).lower() == "true"
+
+
+def _construct_int(loader: _StrictLoader, node: yaml.Node) -> int:
+    text = _scalar(loader, node)
+    return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)
+
+
+def _construct_float(loader: _StrictLoader, node: yaml.Node) -> float:
+    text = _scalar(loader, node).lower()
+    if text.endswith(".inf"):
+        return -math.inf if text.startswith("-") else math.inf
+    if text == ".nan":
+        return math.nan
+    return float(text)
+
+
+for _tag, _ctor in ((_BOOL, _construct_bool), (_INT, _construct_int),
+                    (_FLOAT, _construct_float)):
+    _StrictLoader.add_constructor(_tag, _ctor)
 
 
 def _check_type(value: object, want: type, file: str, key: str) -> Any:

@@ -179,5 +179,5 @@ class CapacityMonitor:
             await asyncio.sleep(self.interval)
             try:
                 await self.poll_once()
-            except Exception as exc:  # keep polling whatever one round did
-                log.error("capacity_poll_failed", error=str(exc))
+            except Exception:  # keep polling whatever one round did
+                log.exception("capacity_poll_failed")

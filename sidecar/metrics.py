@@ -77,6 +77,10 @@ class Metrics:
                                      ["class"], registry=r)
         self.released = Counter("smg_sidecar_released", "Admissions ended, by reason",
                                 ["class", "reason"], registry=r)
+        self.preemption_delivery_failed = Counter(
+            "smg_sidecar_preemption_delivery_failed",
+            "Preemptions whose 503 could not be written to Envoy (the victim may run on)",
+            registry=r)
         self.reload = Counter("smg_sidecar_config_reload", "Config reloads", ["result"],
                               registry=r)
         self.config_generation = Gauge("smg_sidecar_config_generation",

@@ -60,7 +60,12 @@ class ConfigWatcher:
         if new.digest == self.current.digest:
             return False
         old = self.current
-        self._apply(new)
+        try:
+            self._apply(new)
+        except Exception as exc:  # validated above, so this is a bug: say so, keep going
+            log.exception("config_apply_failed", file=self.path)
+            self._on_error(ConfigError(f"could not apply: {exc}", file=self.path))
+            return False
         self.current = new
         log.info("config_reloaded", file=self.path, sha256=new.digest, previous_sha256=old.digest)
         return True
@@ -70,5 +75,5 @@ class ConfigWatcher:
             await asyncio.sleep(self.interval)
             try:
                 self.check()
-            except Exception as exc:  # never let one bad round stop the watcher
-                log.error("config_watch_failed", error=str(exc))
+            except Exception:  # never let one bad round stop the watcher
+                log.exception("config_watch_failed")

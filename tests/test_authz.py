@@ -224,7 +224,7 @@ async def test_rate_limit_sheds_with_queue_full(tmp_path: Path) -> None:
         await h.app.stop()
 
 
-async def test_legacy_rate_limit_uses_the_legacy_code(tmp_path: Path) -> None:
+async def test_legacy_rate_limit_sheds_as_the_contract_says(tmp_path: Path) -> None:
     settings = parse_settings([
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
         "--max-concurrent-requests", "4", "--rate-limit-tokens-per-second", "0.001"])
@@ -235,7 +235,8 @@ async def test_legacy_rate_limit_uses_the_legacy_code(tmp_path: Path) -> None:
         ids = [admission_id(await envoy.check({})) for _ in range(4)]
         for aid in ids:
             await envoy.log((aid, "end"))
-        check_deny(await envoy.check({}), 429, "admission_queue_full", "2")
+        # the flag table: "shed = 429 scheduler_queue_full", whichever path admits
+        check_deny(await envoy.check({}), 429, "scheduler_queue_full", "2")
         assert app.metrics.registry.get_sample_value(
             "smg_http_rate_limit_total", {"result": "rejected"}) == 1
     finally:
@@ -288,6 +289,8 @@ async def test_reservations_exceeding_capacity_fall_back_to_legacy(tmp_path: Pat
         ("jwt:jwt_payload.tenant", {"jwt_payload": {"tenant": "auth:gold"}}, "auth:gold"),
         ("jwt:jwt_payload.tenant", {"jwt_payload": {"tenant": 7}}, "anonymous"),
         ("jwt:jwt_payload.tenant", {}, "anonymous"),
+        ("jwt:jwt_payload.tenant", {"jwt_payload": {"tenant": " auth:gold"}}, " auth:gold"),
+        ("jwt:jwt_payload.tenant", {"jwt_payload": {"tenant": "x" * 1025}}, "anonymous"),
         ("header:x-smg-tenant", {}, "anonymous"),
     ],
 )
@@ -370,3 +373,20 @@ async def test_periodic_entry_adopts_a_stream_of_a_previous_process(h: Harness) 
     assert h.inflight == 0
     await h.envoy.log(("b" * 32, "periodic"), cls="nonsense")  # no class, no adoption
     assert h.inflight == 0
+
+
+async def test_ext_proc_rejects_garbage_and_answers_unexpected_messages(h: Harness) -> None:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    process = h.envoy.channel.stream_stream(
+        "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+        request_serializer=lambda b: b, response_deserializer=ep.ProcessingResponse.FromString)
+    call = process(iter([b"\xff\xff\xff"]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    body = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"x", end_of_stream=True))
+    replies = [r async for r in process(iter([body.SerializeToString()]))]
+    assert [r.WhichOneof("response") for r in replies] == ["request_body"]

@@ -267,3 +267,30 @@ def test_check_config_prints_table(tmp_path: Path) -> None:
     proc = _run_cli("--check-config", str(bad))
     assert proc.returncode == 1
     assert "classes.bulk.queue_timeout_secs" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("classes:\n  bulk:\n    can_preempt: yes\n", "classes.bulk.can_preempt", "boolean"),
+        ("classes:\n  bulk:\n    can_preempt: on\n", "classes.bulk.can_preempt", "boolean"),
+        ("classes:\n  bulk:\n    queue_timeout_secs: 1:30\n", "classes.bulk.queue_timeout_secs",
+         "number"),
+        ("classes:\n  bulk:\n    queue_size: 1_000\n", "classes.bulk.queue_size", "integer"),
+    ],
+)
+def test_yaml_1_1_surprises_are_type_errors(text: str, key: str, reason: str) -> None:
+    # Scalars follow the YAML 1.2 core schema: `yes` is a string, not a boolean.
+    with pytest.raises(ConfigError) as err:
+        parse_priority_config(text, "p.yaml")
+    assert err.value.key == key and reason in str(err.value)
+
+
+def test_yaml_1_2_numbers() -> None:
+    cfg = parse_priority_config(
+        "classes:\n  bulk: {queue_timeout_secs: 1e3, queue_size: 010, can_preempt: True}\n"
+        "tenant_policies:\n  no: {max_class: bulk}\n")
+    assert cfg.classes[B].queue_timeout_secs == 1000.0
+    assert cfg.classes[B].queue_size == 10  # decimal, not octal
+    assert cfg.classes[B].can_preempt is True
+    assert cfg.tenant_policies == {"no": B}  # a tenant named "no", not False

@@ -107,11 +107,31 @@ class Stack:
     async def start(self) -> None:
         await self.fleet.start()
         self.priority_path.write_text(self.config.priority_yaml)
-        self.start_sidecar()
-        await self.wait_sidecar_ready()
-        self.write_envoy_config()
-        self.start_envoy()
-        await self.wait_envoy_ready()
+        c = self.config
+        # A port free_port() found can be taken before the child binds it (by an
+        # ephemeral bind or connection in between). Retry with fresh ports, unless
+        # the caller fixed them.
+        for attempt in range(3):
+            self.start_sidecar()
+            try:
+                await self.wait_sidecar_ready()
+                break
+            except RuntimeError:
+                if attempt == 2 or c.grpc_port or c.http_port:
+                    raise
+                self.grpc_port, self.http_port = free_port(), free_port()
+        for attempt in range(3):
+            self.write_envoy_config()
+            self.start_envoy()
+            try:
+                await self.wait_envoy_ready()
+                break
+            except RuntimeError:
+                if attempt == 2 or c.listen_port or c.admin_port:
+                    raise
+                self.listen_port = free_port()
+                if not c.capacity_from_envoy:  # the sidecar already polls this admin port
+                    self.admin_port = free_port()
 
     async def stop(self) -> None:
         for proc in (self.envoy, self.sidecar):
