@@ -72,6 +72,24 @@ class Sidecar:
     def ready(self) -> bool:
         return self._serving
 
+    async def _first_reading(self) -> CapacityReading:
+        """Poll until real workers answer, for at most --startup-capacity-wait-secs.
+
+        In a pod the sidecar starts before Envoy, so with --envoy-admin-url the
+        first poll finds nothing; deciding the mode on the fallback capacity would
+        check reservations against a guess.
+        """
+        s = self.settings
+        reading = await self.monitor.poll_once()
+        deadline = time.monotonic() + s.startup_capacity_wait_secs
+        while reading.source == "fallback" and time.monotonic() < deadline:
+            await asyncio.sleep(min(s.health_interval_secs, 0.5))
+            reading = await self.monitor.poll_once()
+        if reading.source == "fallback" and s.startup_capacity_wait_secs > 0:
+            log.warning("no_healthy_worker_at_startup", waited_secs=s.startup_capacity_wait_secs,
+                        fallback_capacity=reading.capacity)
+        return reading
+
     def _build_core(self, reading: CapacityReading) -> AdmissionCore:
         s = self.settings
         classes = s.priority.classes
@@ -98,8 +116,12 @@ class Sidecar:
         if not s.default_max_class_valid:
             log.warning("unknown_default_max_class_using_default",
                         value="--priority-scheduler-default-max-class")
+        # /healthz answers from here on (the process is alive); /readyz only once
+        # admission is serving.
+        hhost, hport = _split(s.http_listen)
+        self.http_port = await self._admin.start(hhost, hport)
         # The first capacity reading decides scheduler vs. legacy (the startup check).
-        reading = await self.monitor.poll_once()
+        reading = await self._first_reading()
         self.core = self._build_core(reading)
         self.metrics.set_mode(self.core.legacy)
         self.controller = AdmissionController(
@@ -145,8 +167,6 @@ class Sidecar:
         self._grpc = server
         for name in ("", AUTHZ_SERVICE, ALS_SERVICE, EXT_PROC_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        hhost, hport = _split(s.http_listen)
-        self.http_port = await self._admin.start(hhost, hport)
         self._tasks.append(asyncio.create_task(self.monitor.run()))
         if s.priority.source is not None:
             self.watcher = ConfigWatcher(s.priority.source, s.priority,

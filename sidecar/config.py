@@ -347,6 +347,7 @@ class Settings:
     admission_lease_secs: float
     envoy_authz_timeout: float | None
     config_poll_secs: float
+    startup_capacity_wait_secs: float
     log_format: str
     log_level: str
 
@@ -419,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--config-poll-secs", type=float, default=1.0, metavar="SECS",
                     help="how often to check --priority-scheduler-config for changes "
                          "(SIGHUP checks at once)")
+    sc.add_argument("--startup-capacity-wait-secs", type=float, default=0, metavar="SECS",
+                    help="wait up to SECS for a first capacity reading from real workers "
+                         "before deciding scheduler vs. legacy admission (/healthz answers "
+                         "meanwhile, /readyz and gRPC do not); 0 = decide at once")
     sc.add_argument("--log-format", choices=("json", "console"), default=None,
                     help="log format (default: console on a terminal, json otherwise)")
     sc.add_argument("--log-level", default="info",
@@ -450,6 +455,8 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     rate = ns.rate_limit_tokens_per_second
     if rate is not None and not math.isfinite(rate):
         raise ConfigError("--rate-limit-tokens-per-second must be finite")
+    if not (math.isfinite(ns.startup_capacity_wait_secs) and ns.startup_capacity_wait_secs >= 0):
+        raise ConfigError("--startup-capacity-wait-secs must be a finite number >= 0")
     if ns.worker_capacity_override is not None and ns.worker_capacity_override < 1:
         raise ConfigError("--worker-capacity-override must be >= 1")
     for flag, v in (("--health-interval-secs", ns.health_interval_secs),
@@ -500,6 +507,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         admission_lease_secs=ns.admission_lease_secs,
         envoy_authz_timeout=authz_timeout,
         config_poll_secs=ns.config_poll_secs,
+        startup_capacity_wait_secs=float(ns.startup_capacity_wait_secs),
         log_format=log_format,
         log_level=ns.log_level,
     )

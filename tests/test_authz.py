@@ -390,3 +390,35 @@ async def test_ext_proc_rejects_garbage_and_answers_unexpected_messages(h: Harne
     body = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"x", end_of_stream=True))
     replies = [r async for r in process(iter([body.SerializeToString()]))]
     assert [r.WhichOneof("response") for r in replies] == ["request_body"]
+
+
+async def test_startup_waits_for_real_capacity_before_choosing_the_mode() -> None:
+    from sidecar.devtools.fleet import FakeWorker
+    from sidecar.devtools.stack import free_port
+    from sidecar.health import http_get
+
+    port = free_port()
+    # 100 slots: the built-in reservations (142) do not fit, so legacy admission serves.
+    # Deciding on the fallback capacity (1024) instead would wrongly pick the scheduler.
+    worker = FakeWorker(port=port, max_running_requests=100)
+    settings = parse_settings([
+        "--priority-scheduler-enabled", "--worker-urls", f"http://127.0.0.1:{port}",
+        "--startup-capacity-wait-secs", "10", "--health-interval-secs", "0.1",
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
+    app = Sidecar(settings)
+    starting = asyncio.ensure_future(app.start())
+    try:
+        while app.http_port == 0:
+            await asyncio.sleep(0.01)
+        base = f"http://127.0.0.1:{app.http_port}"
+        assert (await http_get(f"{base}/healthz", 1))[0] == 200  # alive...
+        assert (await http_get(f"{base}/readyz", 1))[0] == 503  # ...not serving yet
+        await worker.start()
+        await asyncio.wait_for(starting, 10)
+        assert app.core is not None and app.core.legacy
+        assert (await http_get(f"{base}/readyz", 1))[0] == 200
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await app.stop()
+        await worker.stop()
