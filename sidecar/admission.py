@@ -190,6 +190,7 @@ class AdmissionController:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._preempt_watch[aid] = fut
         self.core.mark_reachable(aid)
+        self._drain()  # a queued head may have preempted this very request
         return fut
 
     def unwatch(self, aid: str) -> None:

@@ -114,6 +114,12 @@ class ResponsePathService:
                 return
             aid = first.admission_id
             watch = self.controller.watch_preemption(aid)
+            if watch is not None and watch.done():
+                # A queued higher-class request took it the moment it became a
+                # candidate: answer 503 before the request ever reaches a worker.
+                log.info("preempted", admission_id=aid)
+                await context.write(_IMMEDIATE_PREEMPTED)
+                return
             await context.write(codec.CONTINUE_REQUEST_HEADERS)
             if watch is None:
                 return  # not in flight any more: nothing to mark or stop

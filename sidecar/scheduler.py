@@ -508,14 +508,18 @@ class Scheduler:
             heapq.heapify(self._deadlines)
         return Queued(waiter)
 
-    def _pick_victim(self, by: PriorityClass) -> Admission | None:
+    def _pick_victim(self, by: PriorityClass,
+                     admitted_by: float | None = None) -> Admission | None:
         # Lowest class first, then the most recently admitted (least work lost).
+        # With admitted_by, only admissions made by then: a queued head may take
+        # what it could have preempted on arrival had the victim been reachable,
+        # but not a request admitted after it queued (e.g. a starvation promotion).
         for cls in LOW_TO_HIGH:
             if cls >= by:
                 return None
-            candidates = self._preemptible[cls]
-            if candidates:
-                return next(reversed(candidates.values()))
+            for adm in reversed(self._preemptible[cls].values()):
+                if admitted_by is None or adm.admitted_at <= admitted_by:
+                    return adm
         return None
 
     def _preempt(self, victim: Admission, by: PriorityClass) -> None:
@@ -546,7 +550,7 @@ class Scheduler:
             head = _first(self._queues[cls])
             if head is None or not self._cfg[cls].can_preempt or self.available(cls) != 0:
                 continue
-            victim = self._pick_victim(cls)
+            victim = self._pick_victim(cls, admitted_by=head.enqueued_at)
             if victim is None:
                 continue
             self._preempt(victim, cls)

@@ -165,3 +165,21 @@ async def test_adoption_creates_a_lease() -> None:
     ctl.release("old")
     assert not ctl.renew("old", B, "t")  # completed here: never adopted again
     ctl.close()
+
+
+async def test_queued_interactive_preempts_once_a_victim_is_watched() -> None:
+    clock = FakeClock()
+    cfg = dict(CFG)
+    cfg[PriorityClass.INTERACTIVE] = ClassConfig(0, 0.0, 2, 5.0, 100.0, True)
+    ctl = AdmissionController(Scheduler(cfg, 1, clock, preemptible_on_admit=False),
+                              lease_secs=10.0, clock=clock)
+    bulk = await ctl.admit(B, "t")
+    queued = asyncio.ensure_future(ctl.admit(PriorityClass.INTERACTIVE, "t"))
+    await asyncio.sleep(0)
+    assert ctl.waiting == 1
+    watch = ctl.watch_preemption(bulk.admission.id)  # the bulk request's ext_proc opens
+    assert watch is not None and watch.done()  # the victim is told at once...
+    got = await asyncio.wait_for(queued, 1)  # ...and the interactive request admitted
+    assert got.preempted and got.admission.cls is PriorityClass.INTERACTIVE
+    assert ctl.release(bulk.admission.id) is ReleaseResult.ALREADY_RELEASED
+    ctl.close()

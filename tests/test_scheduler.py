@@ -571,3 +571,20 @@ def test_deadline_heap_stays_bounded_under_churn() -> None:
         s.arrive(f"w{i}", B, "t")
         s.cancel(f"w{i}")
     assert len(s._deadlines) <= 2 * 1 + 64 + 1
+
+
+def test_queued_head_does_not_undo_a_starvation_promotion() -> None:
+    clock = FakeClock()
+    cfg = flat(interactive={"can_preempt": True, "queue_timeout_secs": 100.0},
+               bulk={"starvation_threshold_secs": 2.0, "queue_timeout_secs": 100.0})
+    s = Scheduler(cfg, 1, clock, preemptible_on_admit=False)
+    s.arrive("d", D, "t")
+    s.mark_first_byte("d")  # streaming: not a victim
+    s.arrive("b", B, "t")
+    clock.advance(1.0)
+    s.arrive("i", I, "t")  # queued: no victim
+    clock.advance(1.5)  # b is starved
+    s.release("d")
+    assert s.is_admitted("b")  # the starvation rule goes first
+    s.mark_reachable("b")  # b was admitted after i queued: i may not take it back
+    assert s.is_admitted("b") and s.queued_ids(I) == ["i"]
