@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -45,6 +51,8 @@ class Metrics:
     """All metrics of one sidecar, on its own registry."""
 
     def __init__(self, *, tenant_top_n: int, registry: CollectorRegistry | None = None) -> None:
+        # Only the contract's series: no *_created timestamp per counter child.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.tenant = TenantLabels(tenant_top_n)
