@@ -124,21 +124,29 @@ class ResponsePathService:
             if watch is None:
                 return  # not in flight any more: nothing to mark or stop
 
+            # One write at a time on the stream: the preemption may come while the
+            # handler is itself writing.
+            writing = asyncio.Lock()
+
+            async def locked_write(data: bytes) -> None:
+                async with writing:
+                    await context.write(data)
+
             def preempt(_: asyncio.Future[None]) -> None:
                 log.info("preempted", admission_id=aid)
-                stopped.append(asyncio.ensure_future(context.write(_IMMEDIATE_PREEMPTED)))
+                stopped.append(asyncio.ensure_future(locked_write(_IMMEDIATE_PREEMPTED)))
 
             watch.add_done_callback(preempt)
             while (event := await self._read(context)) is not None:
+                if watch.done():
+                    break  # preempted: the immediate response answers for us
                 if event.kind != "response_headers":
                     # Not sent in the shipped processing mode; answer rather than stall.
-                    await context.write(codec.continue_for(event.kind))
+                    await locked_write(codec.continue_for(event.kind))
                     continue
-                if watch.done():
-                    break  # preempted first: the immediate response answers for us
                 watch.remove_done_callback(preempt)
                 self.controller.mark_first_byte(aid)
-                await context.write(codec.CONTINUE_RESPONSE_HEADERS)
+                await locked_write(codec.CONTINUE_RESPONSE_HEADERS)
                 return
             for write in stopped:
                 try:
