@@ -81,8 +81,17 @@ class Sidecar:
         """
         s = self.settings
         reading = await self.monitor.poll_once()
+        if not (s.worker_urls or s.envoy_admin_url):
+            return reading  # nothing to wait for: fallback or override is the answer
+
+        def settled(r: CapacityReading) -> bool:
+            # Workers often come up one by one: with the scheduler on, keep waiting
+            # while the reservations do not fit yet, since the mode is chosen once.
+            return r.source != "fallback" and (
+                not s.scheduler_enabled or reservations_fit(s.priority.classes, r.capacity))
+
         deadline = time.monotonic() + s.startup_capacity_wait_secs
-        while reading.source == "fallback" and time.monotonic() < deadline:
+        while not settled(reading) and time.monotonic() < deadline:
             await asyncio.sleep(min(s.health_interval_secs, 0.5))
             reading = await self.monitor.poll_once()
         if reading.source == "fallback" and s.startup_capacity_wait_secs > 0:
@@ -238,17 +247,28 @@ class Sidecar:
 
 async def _serve(settings: Settings) -> int:
     app = Sidecar(settings)
-    try:
-        await app.start()
-    except OSError as exc:
-        log.error("startup_failed", error=str(exc))
-        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Installed before start(): it may wait for capacity, and a SIGTERM or SIGHUP
+    # then must not kill the process the default way.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, app.reload_now)
-    await stop.wait()
+    starting = asyncio.ensure_future(app.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done() and starting.exception() is not None:
+        stopping.cancel()
+        exc = starting.exception()
+        log.error("startup_failed", error=str(exc))
+        await app.stop()
+        return 1
+    if not starting.done():  # asked to stop while still starting
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+    else:
+        await stopping
     await app.stop()
     return 0
 

@@ -127,36 +127,48 @@ class ResponsePathService:
             # One write at a time on the stream: the preemption may come while the
             # handler is itself writing.
             writing = asyncio.Lock()
+            finished = False
 
             async def locked_write(data: bytes) -> None:
                 async with writing:
                     await context.write(data)
 
-            def preempt(_: asyncio.Future[None]) -> None:
+            def preempt(_: object = None) -> None:
+                # Idempotent, and a no-op once the handler has returned: the done
+                # callback and the read loop may both get here, in either order.
+                if stopped or finished:
+                    return
                 log.info("preempted", admission_id=aid)
                 stopped.append(asyncio.ensure_future(locked_write(_IMMEDIATE_PREEMPTED)))
 
             watch.add_done_callback(preempt)
-            while (event := await self._read(context)) is not None:
-                if watch.done():
-                    break  # preempted: the immediate response answers for us
-                if event.kind != "response_headers":
-                    # Not sent in the shipped processing mode; answer rather than stall.
-                    await locked_write(codec.continue_for(event.kind))
-                    continue
-                watch.remove_done_callback(preempt)
-                self.controller.mark_first_byte(aid)
-                await locked_write(codec.CONTINUE_RESPONSE_HEADERS)
-                return
-            for write in stopped:
-                try:
-                    await write
-                except Exception as exc:
-                    # The slot is already given away; the victim may run on uncounted
-                    # until it ends. Say so loudly.
-                    log.warning("preemption_delivery_failed", admission_id=aid, error=str(exc))
-                    if self._on_delivery_failed is not None:
-                        self._on_delivery_failed()
+            try:
+                while (event := await self._read(context)) is not None:
+                    if watch.done():
+                        preempt()  # the callback may not have run yet: deliver now
+                        break
+                    if event.kind != "response_headers":
+                        # Not sent in the shipped processing mode; answer, don't stall.
+                        await locked_write(codec.continue_for(event.kind))
+                        continue
+                    watch.remove_done_callback(preempt)
+                    self.controller.mark_first_byte(aid)
+                    await locked_write(codec.CONTINUE_RESPONSE_HEADERS)
+                    return
+                # Stream closed (the request ended): a preemption not yet written has
+                # nobody left to tell, and the late callback is a no-op from here.
+                for write in stopped:
+                    try:
+                        await write
+                    except Exception as exc:
+                        # The slot is already given away; the victim may run on
+                        # uncounted until it ends. Say so loudly.
+                        log.warning("preemption_delivery_failed", admission_id=aid,
+                                    error=str(exc))
+                        if self._on_delivery_failed is not None:
+                            self._on_delivery_failed()
+            finally:
+                finished = True
         finally:
             for write in stopped:
                 if not write.done():

@@ -114,8 +114,10 @@ _StrictLoader.add_constructor(
 # are booleans, `1:30` is 90, `010` is octal and `1e3` is a string; in a config
 # where a wrong type must be an error, those surprises would pass silently.
 _BOOL, _INT, _FLOAT = (f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float"))
+_TIMESTAMP = "tag:yaml.org,2002:timestamp"  # not in the 1.2 core schema either
 _StrictLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
+    first: [(tag, rx) for tag, rx in resolvers
+            if tag not in (_BOOL, _INT, _FLOAT, _TIMESTAMP)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _StrictLoader.add_implicit_resolver(
@@ -220,7 +222,8 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
         key = f"tenant_policies.{tenant}"
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(
-                f"tenant key must be a non-empty string, got {tenant!r}", file=file, key=key
+                f"tenant key must be a non-empty string, got {tenant!r} (quote it)",
+                file=file, key=key
             )
         if not isinstance(policy, dict):
             raise ConfigError("must be a mapping with max_class", file=file, key=key)

@@ -208,6 +208,7 @@ class _RecentIds:
 
     def add(self, id: str, reason: str) -> None:
         self._ids[id] = reason
+        self._ids.move_to_end(id)  # re-ended (after a re-adoption): newest again
         if len(self._ids) > self._maxlen:
             self._ids.popitem(last=False)
 
@@ -370,8 +371,12 @@ class Scheduler:
             victim = self._pick_victim(cls)
             if victim is not None:
                 self._preempt(victim, cls)
-                return self._admit(id, cls, tenant, now, waited=0.0, queued=False,
-                                   preempted=True)
+                admitted = self._admit(id, cls, tenant, now, waited=0.0, queued=False,
+                                       preempted=True)
+                # Filling its own unused reservation lowered the hold-back for the
+                # classes below: a queued lower head may fit (or preempt) now.
+                self._dispatch(now)
+                return admitted
         # Earlier arrivals of this class keep FIFO order: this one queues behind
         # them (the dispatch above already preempted for their head if it could).
         return self._enqueue(id, cls, tenant, now)
@@ -514,6 +519,7 @@ class Scheduler:
         # With admitted_by, only admissions made by then: a queued head may take
         # what it could have preempted on arrival had the victim been reachable,
         # but not a request admitted after it queued (e.g. a starvation promotion).
+        # The scan is bounded by that class's in-flight count, not by queue length.
         for cls in LOW_TO_HIGH:
             if cls >= by:
                 return None

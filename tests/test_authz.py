@@ -398,12 +398,13 @@ async def test_startup_waits_for_real_capacity_before_choosing_the_mode() -> Non
     from sidecar.health import http_get
 
     port = free_port()
-    # 100 slots: the built-in reservations (142) do not fit, so legacy admission serves.
-    # Deciding on the fallback capacity (1024) instead would wrongly pick the scheduler.
+    # 100 slots: the built-in reservations (142) do not fit, so legacy admission serves
+    # (after waiting out the 2 s in case more workers come). Deciding on the fallback
+    # capacity (1024) instead would wrongly pick the scheduler.
     worker = FakeWorker(port=port, max_running_requests=100)
     settings = parse_settings([
         "--priority-scheduler-enabled", "--worker-urls", f"http://127.0.0.1:{port}",
-        "--startup-capacity-wait-secs", "10", "--health-interval-secs", "0.1",
+        "--startup-capacity-wait-secs", "2", "--health-interval-secs", "0.1",
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
     app = Sidecar(settings)
     starting = asyncio.ensure_future(app.start())

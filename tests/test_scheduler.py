@@ -588,3 +588,21 @@ def test_queued_head_does_not_undo_a_starvation_promotion() -> None:
     assert s.is_admitted("b")  # the starvation rule goes first
     s.mark_reachable("b")  # b was admitted after i queued: i may not take it back
     assert s.is_admitted("b") and s.queued_ids(I) == ["i"]
+
+
+def test_preempting_arrival_dispatches_classes_below() -> None:
+    # A system arrival fills its own unused reservation by preempting, which lowers
+    # the hold-back for the classes below: the queued interactive head can now
+    # preempt too, at once rather than at some later event.
+    cfg = flat(system={"reserved_floor": 3, "can_preempt": True},
+               interactive={"can_preempt": True})
+    s = Scheduler(cfg, 10, FakeClock())
+    for rid, cls in [("s1", S), ("s2", S), ("b1", B), ("b2", B)]:
+        s.arrive(rid, cls, "t")
+    s.set_capacity(4)  # full, with one system slot still held back
+    assert s.available(I) == -1
+    assert isinstance(s.arrive("i1", I, "t"), Queued)
+    assert isinstance(s.arrive("s3", S, "t"), Admitted)  # preempts b2
+    assert s.is_admitted("i1")  # ...and i1 preempted b1 in the same step
+    assert not s.is_admitted("b1") and not s.is_admitted("b2")
+    assert s.inflight() == 4
