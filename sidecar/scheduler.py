@@ -533,12 +533,13 @@ class Scheduler:
         self._events.append(Preempted(victim, by))
         self._events.append(Released(victim, "preempted"))
 
-    def _pop_head(self, cls: PriorityClass) -> Waiter:
-        queue = self._queues[cls]
-        id = next(iter(queue))
-        waiter = queue.pop(id)
-        del self._waiting[id]
-        return waiter
+    def _admit_head(self, cls: PriorityClass, now: float, *, starvation: bool = False,
+                    preempted: bool = False) -> None:
+        """Admit the head of ``cls``'s queue (FIFO: always the head)."""
+        _, waiter = self._queues[cls].popitem(last=False)
+        del self._waiting[waiter.id]
+        self._admit(waiter.id, cls, waiter.tenant, now, waited=now - waiter.enqueued_at,
+                    queued=True, starvation=starvation, preempted=preempted)
 
     def _dispatch(self, now: float) -> None:
         self._expire(now)
@@ -560,9 +561,7 @@ class Scheduler:
             if victim is None:
                 continue
             self._preempt(victim, cls)
-            self._pop_head(cls)
-            self._admit(head.id, cls, head.tenant, now, waited=now - head.enqueued_at,
-                        queued=True, preempted=True)
+            self._admit_head(cls, now, preempted=True)
             return True
         return False
 
@@ -591,9 +590,7 @@ class Scheduler:
             head = _first(self._queues[cls])
             threshold = self._cfg[cls].starvation_threshold_secs
             if head is not None and now - head.enqueued_at >= threshold:
-                self._pop_head(cls)
-                self._admit(head.id, cls, head.tenant, now, waited=now - head.enqueued_at,
-                            queued=True, starvation=True)
+                self._admit_head(cls, now, starvation=True)
                 return True
         return False
 
@@ -606,9 +603,7 @@ class Scheduler:
                 continue
             if self.available(cls) < 1:
                 return False
-            self._pop_head(cls)
-            self._admit(head.id, cls, head.tenant, now, waited=now - head.enqueued_at,
-                        queued=True)
+            self._admit_head(cls, now)
             return True
         return False
 

@@ -12,13 +12,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sidecar.devtools.fleet import FakeWorker, Fleet, wait_for
+from sidecar.devtools.httpclient import Response
 
 TEST_TIMEOUT = 15.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -32,16 +32,6 @@ def bounded(fn: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]
         await asyncio.wait_for(fn(*args, **kwargs), TEST_TIMEOUT)
 
     return wrapper
-
-
-@dataclass
-class Response:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
 
 
 class RawClient:
