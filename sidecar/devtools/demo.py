@@ -60,8 +60,9 @@ async def burst(stack: Stack) -> None:
     counts = Counter(results)
     for (cls, outcome), n in sorted(counts.items()):
         print(f"  {cls:<12} {outcome:<28} x{n}")
-    print(f"  (done in {time.monotonic() - t0:.1f} s: interactive goes ahead of queued bulk "
-          "and uses its reservation; bulk fills its share and queue, the rest is shed)")
+    print(f"  (done in {time.monotonic() - t0:.1f} s: interactive goes ahead of queued bulk, "
+          "uses its reservation and may preempt bulk that has not answered yet (503 "
+          "scheduler_preempted); bulk fills its share and queue, the rest is shed)")
 
 
 async def main_async(args: argparse.Namespace) -> int:
