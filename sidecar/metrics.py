@@ -21,6 +21,9 @@ from prometheus_client.registry import Collector
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import Admitted, Event, Outcome, Preempted, Rejected, Released, Snapshot
 
+# Only the contract's series: no *_created timestamp per counter child.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                       60, 120, 300)
 
@@ -51,8 +54,6 @@ class Metrics:
     """All metrics of one sidecar, on its own registry."""
 
     def __init__(self, *, tenant_top_n: int, registry: CollectorRegistry | None = None) -> None:
-        # Only the contract's series: no *_created timestamp per counter child.
-        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.tenant = TenantLabels(tenant_top_n)
