@@ -102,7 +102,6 @@ class AdmissionController:
         # Expiry order equals renewal order (expiry = now + a fixed TTL), so an
         # OrderedDict with move_to_end keeps the earliest expiry at the front.
         self._leases: OrderedDict[str, float] = OrderedDict()
-        self._lease_class: dict[str, PriorityClass] = {}
         self._preempt_watch: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -231,7 +230,6 @@ class AdmissionController:
                 if isinstance(e, Admitted):
                     aid = e.admission.id
                     self._leases[aid] = now + self._lease_secs
-                    self._lease_class[aid] = e.admission.cls
                     fut = self._waiters.get(aid)
                     if fut is not None and not fut.done():
                         fut.set_result(e)
@@ -241,7 +239,8 @@ class AdmissionController:
                         fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
                 elif isinstance(e, Released):
                     self._leases.pop(e.admission.id, None)
-                    self._lease_class.pop(e.admission.id, None)
+                    if e.reason == LEASE_EXPIRED and self._stats is not None:
+                        self._stats.lease_expired(e.admission.cls)
                 elif isinstance(e, Preempted):
                     self._signal_preempted(e.victim.id)
             for listener in self._listeners:
@@ -282,9 +281,6 @@ class AdmissionController:
             aid, expiry = next(iter(self._leases.items()))
             if expiry > now:
                 break
-            cls = self._lease_class.get(aid)
             del self._leases[aid]
-            released = self.core.release(aid, LEASE_EXPIRED) is ReleaseResult.RELEASED
-            if released and self._stats is not None and cls is not None:
-                self._stats.lease_expired(cls)
+            self.core.release(aid, LEASE_EXPIRED)  # counted from its Released event
         self._drain()

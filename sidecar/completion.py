@@ -39,35 +39,30 @@ class CompletionService:
 
     def __init__(self, controller: AdmissionController) -> None:
         self.controller = controller
-        self.streams = 0
 
     async def stream_access_logs(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> bytes:
         # Do not release anything when a stream closes: Envoy keeps one stream per
         # worker thread and may close one at any time; leases cover a real crash.
-        self.streams += 1
-        try:
-            async for data in requests:
-                try:
-                    entries = codec.decode_access_logs(data)
-                except Exception as exc:
-                    log.warning("access_log_decode_failed", error=str(exc))
-                    continue
-                for entry in entries:
-                    if entry.final:
-                        result = self.controller.release(entry.admission_id, "completed")
-                        if result is not ReleaseResult.RELEASED:
-                            log.info("completion_unmatched", admission_id=entry.admission_id,
-                                     reason=result.value, response_code=entry.response_code)
-                    elif not self.controller.renew(entry.admission_id,
-                                                   PriorityClass.from_name(entry.cls),
-                                                   entry.tenant):
-                        # An id this process already ended (e.g. a preempted victim
-                        # still draining in Envoy): nothing to renew or adopt.
-                        log.debug("renewal_unmatched", admission_id=entry.admission_id)
-        finally:
-            self.streams -= 1
+        async for data in requests:
+            try:
+                entries = codec.decode_access_logs(data)
+            except Exception as exc:
+                log.warning("access_log_decode_failed", error=str(exc))
+                continue
+            for entry in entries:
+                if entry.final:
+                    result = self.controller.release(entry.admission_id, "completed")
+                    if result is not ReleaseResult.RELEASED:
+                        log.info("completion_unmatched", admission_id=entry.admission_id,
+                                 reason=result.value, response_code=entry.response_code)
+                elif not self.controller.renew(entry.admission_id,
+                                               PriorityClass.from_name(entry.cls),
+                                               entry.tenant):
+                    # An id this process already ended (e.g. a preempted victim
+                    # still draining in Envoy): nothing to renew or adopt.
+                    log.debug("renewal_unmatched", admission_id=entry.admission_id)
         return codec.ALS_RESPONSE
 
 
@@ -80,7 +75,6 @@ class ResponsePathService:
     def __init__(self, controller: AdmissionController,
                  on_delivery_failed: Callable[[], None] | None = None) -> None:
         self.controller = controller
-        self.open_streams = 0
         self._on_delivery_failed = on_delivery_failed
 
     async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]
@@ -101,7 +95,6 @@ class ResponsePathService:
     ) -> None:
         # read()/write() rather than an async generator: the preemption can then be
         # written from the watch's callback, and the common path allocates no tasks.
-        self.open_streams += 1
         aid: str | None = None
         stopped: list[asyncio.Future[None]] = []
         try:
@@ -173,6 +166,5 @@ class ResponsePathService:
             for write in stopped:
                 if not write.done():
                     write.cancel()
-            self.open_streams -= 1
             if aid is not None:
                 self.controller.unwatch(aid)
