@@ -8,10 +8,22 @@ import pytest
 
 from sidecar.devtools.fleet import wait_for
 from sidecar.devtools.httpclient import Exchange, chat_body, request
+from sidecar.devtools.stack import Stack
 from tests.conftest import StackFactory, settle
 from tests.test_e2e import PRIORITY, SECRET, token, until
 
 pytestmark = pytest.mark.e2e
+
+
+async def bulk_streams(stack: Stack, n: int) -> list[Exchange]:
+    """Open ``n`` streaming bulk requests and wait for their response headers."""
+    out = []
+    for _ in range(n):
+        ex = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
+                                 headers={"x-smg-priority": "bulk"})
+        await ex.read_head()
+        out.append(ex)
+    return out
 
 
 async def test_envoy_killed_leases_expire_then_accounting_resumes(
@@ -20,12 +32,7 @@ async def test_envoy_killed_leases_expire_then_accounting_resumes(
     for w in stack.fleet.workers:
         w.stream_interval = 0.2
         w.tokens = 200  # long streams
-    streams = []
-    for _ in range(2):
-        ex = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
-                                 headers={"x-smg-priority": "bulk"})
-        await ex.read_head()
-        streams.append(ex)
+    streams = await bulk_streams(stack, 2)
     await until(stack, 'm.get(\'smg_scheduler_inflight{class="bulk"}\') == 2')
     # periodic access-log entries keep the leases alive past their TTL
     await asyncio.sleep(1.8)
@@ -77,12 +84,7 @@ async def test_worker_dies_mid_stream(make_stack: StackFactory) -> None:
     victim.tokens = 100
     stack.fleet.workers[1].stream_interval = 0.2
     stack.fleet.workers[1].tokens = 100
-    exchanges = []
-    for _ in range(2):
-        ex = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
-                                 headers={"x-smg-priority": "bulk"})
-        await ex.read_head()
-        exchanges.append(ex)
+    exchanges = await bulk_streams(stack, 2)
     await wait_for(lambda: victim.running == 1, 5)
     await victim.stop()  # the worker process dies
     await until(stack, "m['smg_sidecar_capacity'] == 2", timeout=3)
