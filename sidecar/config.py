@@ -1,6 +1,6 @@
 """Configuration: the CLI flags and the strict ``priority.yaml`` loader.
 
-Flag names, YAML keys and defaults are public interface (see CONTRACT.md);
+Flag names, YAML keys and defaults are public interface (docs/reference.md);
 they match ``smg`` exactly. Every error names the file, the key path and the
 reason, and is raised before anything listens.
 """

@@ -228,7 +228,7 @@ def _first(d: OrderedDict[str, Waiter]) -> Waiter | None:
 
 
 class Scheduler:
-    """The priority scheduler (see CONTRACT.md, "Admission algorithm")."""
+    """The priority scheduler (docs/reference.md, "The admission algorithm")."""
 
     legacy = False
 
