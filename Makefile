@@ -27,10 +27,10 @@ $(ENVOY_VENV)/.installed:
 	touch $@
 
 lint: install
-	$(VENV)/bin/ruff check sidecar tests bench envoy k8s
+	$(VENV)/bin/ruff check sidecar devtools tests bench envoy k8s
 
 typecheck: install
-	$(VENV)/bin/mypy --strict sidecar
+	$(VENV)/bin/mypy --strict sidecar devtools
 
 pytest: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m pytest -q $(PYTEST_ARGS)
@@ -45,7 +45,7 @@ fuzz: install
 		tests/test_scheduler_properties.py
 
 run: install envoy
-	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m sidecar.devtools.demo
+	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.demo
 
 bench: install envoy
 	$(PY) -m pip install --quiet -e '.[dev,bench]'

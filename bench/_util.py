@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 # Re-exported for the benchmarks: one implementation shared with the test stack.
-from sidecar.devtools.stack import free_port as free_port
-from sidecar.devtools.stack import terminate as terminate
+from devtools.proc import die_with_parent
+from devtools.stack import free_port as free_port
+from devtools.stack import terminate as terminate
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).resolve().parent / "out"
@@ -42,7 +43,8 @@ def spawn(argv: Sequence[str], log: Path | None = None) -> subprocess.Popen[byte
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(list(argv), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                            cwd=REPO, env=env, start_new_session=True)
+                            cwd=REPO, env=env, start_new_session=True,
+                            preexec_fn=die_with_parent())
 
 
 def wait_tcp(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
@@ -65,7 +67,7 @@ def run_client(module: str, spec: dict[str, object], timeout: float) -> dict[str
     argv = [sys.executable, "-m", module, "--client", json.dumps(spec)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cp = subprocess.run(argv, capture_output=True, cwd=REPO, env=env, timeout=timeout,
-                        check=False)
+                        check=False, preexec_fn=die_with_parent())
     lines = cp.stdout.decode().strip().splitlines()
     if cp.returncode != 0 or not lines:
         raise RuntimeError(f"client failed ({cp.returncode}): {cp.stderr.decode()[-2000:]}")
@@ -87,7 +89,7 @@ async def run_client_async(module: str, spec: dict[str, object], timeout: float
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *argv, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env)
+        stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env, preexec_fn=die_with_parent())
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:

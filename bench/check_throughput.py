@@ -36,8 +36,8 @@ from google.rpc import code_pb2
 
 from bench._util import cpu_seconds, free_port, pct, run_client, spawn, terminate, wait_tcp
 from bench.codec import check_request_bytes
+from devtools.httpclient import get as http_get
 from sidecar import codec
-from sidecar.health import http_get
 
 CHECK = "/envoy.service.auth.v3.Authorization/Check"
 ALS = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"

@@ -1,6 +1,6 @@
 """End to end through a real Envoy: Envoy + no-op authz vs. Envoy + the sidecar.
 
-Both stacks are ``sidecar.devtools.stack.Stack`` (same rendered Envoy config, same
+Both stacks are ``devtools.stack.Stack`` (same rendered Envoy config, same
 fake workers in this process with ~0 service time, Envoy --concurrency 1); in the
 baseline the authz/ALS cluster points at ``bench.noop`` instead of the sidecar.
 The HTTP/1.1 load client (keep-alive, asyncio) runs in its own process. Preemption
@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from bench._util import pct, run_client_async, wait_tcp
-from sidecar.devtools.stack import Stack, StackConfig
+from devtools.stack import Stack, StackConfig
 
 
 class NoopStack(Stack):

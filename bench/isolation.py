@@ -20,8 +20,8 @@ from collections import Counter
 from typing import Any
 
 from bench._util import out_path, pct, run_client_async
-from sidecar.devtools.demo import make_token
-from sidecar.devtools.stack import Stack, StackConfig
+from devtools.demo import make_token
+from devtools.stack import Stack, StackConfig
 
 SECRET = "bench-secret"
 SERVICE = 0.05

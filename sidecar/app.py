@@ -240,6 +240,7 @@ class Sidecar:
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         await self._admin.stop()
+        await self.monitor.close()
         if self.controller is not None:
             self.controller.close()
         log.info("stopped")

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import aiohttp
 
 from sidecar import logs
 
@@ -31,64 +32,47 @@ class CapacityReading:
     total: int
 
 
-async def http_get(url: str, timeout: float) -> tuple[int, bytes]:
-    """A minimal HTTP/1.1 GET (no dependency for two tiny probes)."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or "127.0.0.1"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    path = parts.path or "/"
-    if parts.query:
-        path += "?" + parts.query
-
-    async def go() -> tuple[int, bytes]:
-        reader, writer = await asyncio.open_connection(
-            host, port, ssl=parts.scheme == "https" or None)
-        try:
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                         "Connection: close\r\nAccept: application/json\r\n\r\n".encode())
-            await writer.drain()
-            raw = await reader.read(-1)
-        finally:
-            writer.close()
-        head, _, body = raw.partition(b"\r\n\r\n")
-        status_line = head.split(b"\r\n", 1)[0].split()
-        status = int(status_line[1]) if len(status_line) >= 2 else 0
-        if b"transfer-encoding: chunked" in head.lower():
-            body = _dechunk(body)
-        return status, body
-
-    return await asyncio.wait_for(go(), timeout)
+PROBE_BODY_LIMIT = 64 << 10  # /health, /server_info: a few hundred bytes in practice
+CLUSTERS_BODY_LIMIT = 16 << 20  # Envoy's /clusters JSON grows with the number of hosts
 
 
-def _dechunk(body: bytes) -> bytes:
-    out = bytearray()
-    while body:
-        size_line, _, rest = body.partition(b"\r\n")
-        size = int(size_line.split(b";")[0] or b"0", 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        body = rest[size + 2:]
-    return bytes(out)
+async def http_get(session: aiohttp.ClientSession, url: str, timeout: float,
+                   limit: int = PROBE_BODY_LIMIT) -> tuple[int, bytes]:
+    """GET ``url``: the status and at most ``limit`` bytes of body, within ``timeout`` s.
+
+    A longer body is cut at ``limit`` (a JSON body then fails to parse: ValueError).
+    Raises aiohttp.ClientError, OSError, TimeoutError or ValueError.
+    """
+    async with asyncio.timeout(timeout), session.get(url) as resp:
+        body = bytearray()
+        while len(body) < limit and (data := await resp.content.read(limit - len(body))):
+            body += data
+        return resp.status, bytes(body)
 
 
-async def probe_worker(base_url: str, timeout: float) -> int | None:
+def new_session() -> aiohttp.ClientSession:
+    """A session for probes: keep-alive to each worker, no proxy from the environment."""
+    return aiohttp.ClientSession(headers={"Accept": "application/json"}, trust_env=False)
+
+
+async def probe_worker(session: aiohttp.ClientSession, base_url: str,
+                       timeout: float) -> int | None:
     """The worker's capacity if healthy, else ``None``."""
     base = base_url.rstrip("/")
     try:
-        status, _ = await http_get(f"{base}/health", timeout)
-    except (OSError, TimeoutError, ValueError):
+        status, _ = await http_get(session, f"{base}/health", timeout)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
         return None
     if status != 200:
         return None
     try:
-        status, body = await http_get(f"{base}/server_info", timeout)
+        status, body = await http_get(session, f"{base}/server_info", timeout)
         if status == 200:
             info = json.loads(body)
             value = info.get("max_running_requests") if isinstance(info, dict) else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-    except (OSError, TimeoutError, ValueError):
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
         pass
     return DEFAULT_WORKER_CAPACITY
 
@@ -139,16 +123,30 @@ class CapacityMonitor:
         self.override = override
         self.on_change = on_change
         self.last: CapacityReading | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """Created on first use: aiohttp sessions belong to the running event loop."""
+        if self._session is None:
+            self._session = new_session()
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def _workers(self) -> list[str]:
         if self.envoy_admin_url is None:
             return self.worker_urls
         url = self.envoy_admin_url.rstrip("/") + "/clusters?format=json"
         try:
-            status, body = await http_get(url, self.timeout)
+            status, body = await http_get(self.session, url, self.timeout,
+                                           CLUSTERS_BODY_LIMIT)
             if status == 200:
                 return routable_hosts(json.loads(body), self.envoy_cluster)
-        except (OSError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             log.warning("envoy_admin_unreachable", url=url, error=str(exc))
         return []
 
@@ -156,7 +154,7 @@ class CapacityMonitor:
         if self.override is not None:
             return CapacityReading(self.override, "override", 0, 0)
         urls = await self._workers()
-        results = await asyncio.gather(*(probe_worker(u, self.timeout) for u in urls))
+        results = await asyncio.gather(*(probe_worker(self.session, u, self.timeout) for u in urls))
         healthy = [r for r in results if r is not None]
         if not healthy:
             return CapacityReading(self.fallback, "fallback", 0, len(urls))

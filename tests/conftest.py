@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.devtools.stack import Stack, StackConfig
+from devtools.stack import Stack, StackConfig
 
 StackFactory = Callable[..., Awaitable[Stack]]
 

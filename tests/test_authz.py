@@ -393,9 +393,9 @@ async def test_ext_proc_rejects_garbage_and_answers_unexpected_messages(h: Harne
 
 
 async def test_startup_waits_for_real_capacity_before_choosing_the_mode() -> None:
-    from sidecar.devtools.fleet import FakeWorker
-    from sidecar.devtools.stack import free_port
-    from sidecar.health import http_get
+    from devtools.fleet import FakeWorker
+    from devtools.httpclient import get as http_get
+    from devtools.stack import free_port
 
     port = free_port()
     # 100 slots: the built-in reservations (142) do not fit, so legacy admission serves

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
-from sidecar.devtools.demo import make_token
-from sidecar.devtools.fleet import wait_for
-from sidecar.devtools.httpclient import Exchange, Response, chat_body, request
-from sidecar.devtools.stack import Stack
+from devtools.demo import make_token
+from devtools.fleet import wait_for
+from devtools.httpclient import Exchange, Response, chat_body, request
+from devtools.stack import Stack
 from tests.conftest import StackFactory, settle
 
 pytestmark = pytest.mark.e2e
@@ -47,13 +48,11 @@ def assert_denied(r: Response, status: int, code: str, retry_after: str | None) 
     assert body["error"]["message"]
 
 
-async def hold(stack: Stack, seconds: float, priority: str = "default",
-               stream: bool = False) -> Exchange:
-    """Start a request the worker takes ``seconds`` to answer; return its exchange."""
+async def hold(stack: Stack, gate: str, priority: str = "default") -> Exchange:
+    """Start a request the worker holds until the test opens ``gate``
+    (``stack.fleet.gates.open(gate)``); return its exchange."""
     return await Exchange.send(stack.listen_port,
-                               headers={"x-smg-priority": priority,
-                                        "x-fake-service-time": str(seconds)},
-                               body=chat_body(stream))
+                               headers={"x-smg-priority": priority, "x-fake-gate": gate})
 
 
 async def inflight(stack: Stack) -> float:
@@ -61,16 +60,31 @@ async def inflight(stack: Stack) -> float:
     return sum(v for k, v in m.items() if k.startswith("smg_scheduler_inflight{"))
 
 
-async def until(stack: Stack, cond: str, timeout: float = 5.0) -> None:
-    """Poll the metrics until ``cond`` (a Python expression over ``m``) holds."""
+Metrics = dict[str, float]
+
+
+async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 5.0) -> Metrics:
+    """Poll the sidecar's metrics until ``cond(metrics)`` holds; return them."""
     deadline = time.monotonic() + timeout
     while True:
         m = await stack.metrics()
-        if eval(cond, {"m": m, "sum": sum}):
-            return
+        if cond(m):
+            return m
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {cond}")
+            raise AssertionError(f"timed out; last metrics: {m}")
         await asyncio.sleep(0.05)
+
+
+def inflight_is(cls: str, n: int) -> Callable[[Metrics], bool]:
+    return lambda m: m.get(f'smg_scheduler_inflight{{class="{cls}"}}', 0) == n
+
+
+def queued_is(cls: str, n: int) -> Callable[[Metrics], bool]:
+    return lambda m: m.get(f'smg_scheduler_queue_depth{{class="{cls}"}}', 0) == n
+
+
+def capacity_is(n: int) -> Callable[[Metrics], bool]:
+    return lambda m: m.get("smg_sidecar_capacity") == n
 
 
 async def test_admitted_non_streaming_reaches_worker_and_releases(make_stack: StackFactory) -> None:
@@ -95,7 +109,7 @@ async def test_admitted_streaming_releases_at_end(make_stack: StackFactory) -> N
     await ex.read_head()
     assert ex.status == 200 and ex.headers["content-type"].startswith("text/event-stream")
     body = (await asyncio.wait_for(ex.read_body(), 10)).decode()
-    ex.close()
+    await ex.close()
     assert body.count("data: ") == 6 and "data: [DONE]" in body
     m = await settle(stack)
     # anonymous tenant: interactive clamps to the default ceiling
@@ -108,17 +122,18 @@ async def test_queue_full_429_and_timeout_503(make_stack: StackFactory) -> None:
     # no periodic access-log entries in this test: only final ones are counted below
     stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1,
                              flush_interval_secs=60, lease_secs=120)
-    busy = await hold(stack, 2.0)
-    await until(stack, 'm.get(\'smg_scheduler_inflight{class="default"}\') == 1')
+    busy = await hold(stack, "busy")
+    await until(stack, inflight_is("default", 1))
     queued = asyncio.ensure_future(request(stack.listen_port))
-    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="default"}\') == 1')
+    await until(stack, queued_is("default", 1))
     full = await request(stack.listen_port)
     assert_denied(full, 429, "scheduler_queue_full", "2")
     timed_out = await asyncio.wait_for(queued, 5)
     assert_denied(timed_out, 503, "scheduler_queue_timeout", "2")
+    stack.fleet.gates.open("busy")
     await busy.read_head()
     assert busy.status == 200
-    busy.close()
+    await busy.close()
     m = await settle(stack)
     assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_full"}'] == 1
     assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_timeout"}'] == 1
@@ -172,14 +187,14 @@ async def test_preemption_of_bulk_by_interactive(make_stack: StackFactory) -> No
                              jwt_secret=SECRET)
     gold = {"authorization": f"Bearer {token('auth:gold')}"}
     victim = await Exchange.send(stack.listen_port, body=chat_body(),
-                                 headers={"x-smg-priority": "bulk", "x-fake-service-time": "5"})
+                                 headers={"x-smg-priority": "bulk", "x-fake-gate": "never"})
     worker = stack.fleet.workers[0]
     await wait_for(lambda: worker.running == 1, 5)
     r = await request(stack.listen_port, headers={"x-smg-priority": "interactive", **gold})
     assert r.status == 200
     await victim.read_head()
     body = await victim.read_body()
-    victim.close()
+    await victim.close()
     resp = Response(victim.status, victim.headers, body)
     assert_denied(resp, 503, "scheduler_preempted", "1")
     assert resp.headers["x-smg-preempted"] == "true"
@@ -190,7 +205,7 @@ async def test_preemption_of_bulk_by_interactive(make_stack: StackFactory) -> No
     assert m['smg_scheduler_admit_total{class="bulk",outcome="preempted"}'] == 1
     # the victim's own access-log entry arrives after its slot was freed: counted, ignored
     unmatched = 'smg_sidecar_completion_unmatched_total{reason="already_released"}'
-    await until(stack, f"m.get('{unmatched}', 0) == 1")
+    await until(stack, lambda m: m.get(unmatched, 0) == 1)
 
 
 async def test_streaming_request_is_not_preempted_after_first_byte(
@@ -198,17 +213,17 @@ async def test_streaming_request_is_not_preempted_after_first_byte(
     stack = await make_stack(priority_yaml=PREEMPT, workers=1, max_running_requests=1,
                              jwt_secret=SECRET)
     gold = {"authorization": f"Bearer {token('auth:gold')}"}
-    worker = stack.fleet.workers[0]
-    worker.stream_interval = 0.3
     streaming = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
-                                    headers={"x-smg-priority": "bulk"})
+                                    headers={"x-smg-priority": "bulk",
+                                             "x-fake-stream-gate": "rest"})
     await streaming.read_head()
     assert streaming.status == 200
     queued = asyncio.ensure_future(
         request(stack.listen_port, headers={"x-smg-priority": "interactive", **gold}))
-    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="interactive"}\') == 1')
+    await until(stack, queued_is("interactive", 1))
+    stack.fleet.gates.open("rest")  # the stream goes on; its slot is not preemptible
     body = await asyncio.wait_for(streaming.read_body(), 10)
-    streaming.close()
+    await streaming.close()
     assert b"[DONE]" in body
     r = await asyncio.wait_for(queued, 10)
     assert r.status == 200
@@ -221,19 +236,19 @@ async def test_client_disconnect_while_queued_and_while_streaming(
         make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1)
     worker = stack.fleet.workers[0]
-    worker.stream_interval = 0.2
     streaming = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
-                                    headers={"x-smg-priority": "bulk"})
+                                    headers={"x-smg-priority": "bulk",
+                                             "x-fake-stream-gate": "never"})
     await streaming.read_head()
     first = await streaming.read_chunk()
     assert first.startswith(b"data: ")
     waiting = await Exchange.send(stack.listen_port, headers={"x-smg-priority": "bulk"})
-    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="bulk"}\') == 1')
-    waiting.abort()  # gone while queued
-    await until(stack, 'm.get(\'smg_scheduler_admit_total{class="bulk",'
-                       'outcome="client_cancelled"}\') == 1')
-    streaming.abort()  # gone mid-stream: the access log releases the slot
-    await until(stack, 'm.get(\'smg_scheduler_inflight{class="bulk"}\') == 0')
+    await until(stack, queued_is("bulk", 1))
+    await waiting.abort()  # gone while queued
+    await until(stack, lambda m: m.get(
+        'smg_scheduler_admit_total{class="bulk",outcome="client_cancelled"}') == 1)
+    await streaming.abort()  # gone mid-stream: the access log releases the slot
+    await until(stack, inflight_is("bulk", 0))
     await wait_for(lambda: worker.records[0].outcome == "cancelled", 5)
     m = await settle(stack)
     assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 1
@@ -243,43 +258,44 @@ async def test_client_disconnect_while_queued_and_while_streaming(
 
 async def test_worker_health_drives_capacity(make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PRIORITY, workers=2, max_running_requests=3)
-    await until(stack, "m['smg_sidecar_capacity'] == 6")
+    await until(stack, capacity_is(6))
     stack.fleet.workers[1].healthy = False
-    await until(stack, "m['smg_sidecar_capacity'] == 3", timeout=3)
+    await until(stack, capacity_is(3), timeout=3)
     assert (await stack.metrics())["smg_sidecar_healthy_workers"] == 1
     stack.fleet.workers[0].healthy = False
     # no healthy worker: the --max-concurrent-requests fallback (unset -> 1024)
-    await until(stack, "m['smg_sidecar_capacity'] == 1024", timeout=3)
+    await until(stack, capacity_is(1024), timeout=3)
     assert (await stack.metrics())['smg_sidecar_capacity_source{source="fallback"}'] == 1
     stack.fleet.workers[0].healthy = True
     stack.fleet.workers[1].healthy = True
-    await until(stack, "m['smg_sidecar_capacity'] == 6", timeout=3)
+    await until(stack, capacity_is(6), timeout=3)
 
 
 async def test_capacity_from_envoy_admin_follows_routable_hosts(
         make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PRIORITY, workers=2, max_running_requests=3,
                              capacity_from_envoy=True)
-    await until(stack, "m['smg_sidecar_capacity'] == 6")
+    await until(stack, capacity_is(6))
     stack.fleet.workers[0].healthy = False  # Envoy's active health check ejects it
-    await until(stack, "m['smg_sidecar_capacity'] == 3", timeout=5)
+    await until(stack, capacity_is(3), timeout=5)
     stack.fleet.workers[0].healthy = True
-    await until(stack, "m['smg_sidecar_capacity'] == 6", timeout=5)
+    await until(stack, capacity_is(6), timeout=5)
 
 
 async def test_queued_requests_drain_when_capacity_grows(make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PRIORITY, workers=2, max_running_requests=1)
     stack.fleet.workers[1].healthy = False
-    await until(stack, "m['smg_sidecar_capacity'] == 1", timeout=3)
-    busy = await hold(stack, 3.0, "bulk")
-    await until(stack, 'm.get(\'smg_scheduler_inflight{class="bulk"}\') == 1')
+    await until(stack, capacity_is(1), timeout=3)
+    busy = await hold(stack, "busy", "bulk")
+    await until(stack, inflight_is("bulk", 1))
     queued = asyncio.ensure_future(request(stack.listen_port, headers={"x-smg-priority": "bulk"}))
-    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="bulk"}\') == 1')
+    await until(stack, queued_is("bulk", 1))
     stack.fleet.workers[1].healthy = True
     r = await asyncio.wait_for(queued, 5)  # dispatched by the capacity change, not the release
     assert r.status == 200
+    stack.fleet.gates.open("busy")
     await busy.read_head()
-    busy.close()
+    await busy.close()
     await settle(stack)
 
 

@@ -6,21 +6,22 @@ import asyncio
 
 import pytest
 
-from sidecar.devtools.fleet import wait_for
-from sidecar.devtools.httpclient import Exchange, chat_body, request
-from sidecar.devtools.stack import Stack
+from devtools.fleet import wait_for
+from devtools.httpclient import Exchange, chat_body, request
+from devtools.stack import Stack
 from tests.conftest import StackFactory, settle
-from tests.test_e2e import PRIORITY, SECRET, token, until
+from tests.test_e2e import PRIORITY, SECRET, capacity_is, inflight_is, queued_is, token, until
 
 pytestmark = pytest.mark.e2e
 
 
-async def bulk_streams(stack: Stack, n: int) -> list[Exchange]:
-    """Open ``n`` streaming bulk requests and wait for their response headers."""
+async def bulk_streams(stack: Stack, n: int, gate: str = "never") -> list[Exchange]:
+    """Open ``n`` streaming bulk requests and wait for their response headers; each
+    holds its slot after the first token until the test opens ``gate``."""
     out = []
     for _ in range(n):
         ex = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
-                                 headers={"x-smg-priority": "bulk"})
+                                 headers={"x-smg-priority": "bulk", "x-fake-stream-gate": gate})
         await ex.read_head()
         out.append(ex)
     return out
@@ -29,21 +30,16 @@ async def bulk_streams(stack: Stack, n: int) -> list[Exchange]:
 async def test_envoy_killed_leases_expire_then_accounting_resumes(
         make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PRIORITY, flush_interval_secs=0.3, lease_secs=1.2)
-    for w in stack.fleet.workers:
-        w.stream_interval = 0.2
-        w.tokens = 200  # long streams
-    streams = await bulk_streams(stack, 2)
-    await until(stack, 'm.get(\'smg_scheduler_inflight{class="bulk"}\') == 2')
+    streams = await bulk_streams(stack, 2)  # held open until aborted
+    await until(stack, inflight_is("bulk", 2))
     # periodic access-log entries keep the leases alive past their TTL
     await asyncio.sleep(1.8)
     assert (await stack.metric("smg_scheduler_inflight", **{"class": "bulk"})) == 2
     stack.kill_envoy()  # SIGKILL: no final access-log entry will ever come
     for ex in streams:
-        ex.abort()
-    await until(stack, 'm.get(\'smg_scheduler_inflight{class="bulk"}\') == 0', timeout=5)
+        await ex.abort()
+    await until(stack, inflight_is("bulk", 0), timeout=5)
     assert await stack.metric("smg_sidecar_lease_expired_total", **{"class": "bulk"}) == 2
-    for w in stack.fleet.workers:
-        w.tokens = 3
     stack.start_envoy()
     await stack.wait_envoy_ready()
     for _ in range(3):
@@ -55,22 +51,18 @@ async def test_envoy_killed_leases_expire_then_accounting_resumes(
 
 async def test_sidecar_restart_under_load_converges(make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PRIORITY, flush_interval_secs=0.3)
-    for w in stack.fleet.workers:
-        w.stream_interval = 0.1
-        w.tokens = 30
-    ex = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
-                             headers={"x-smg-priority": "bulk"})
-    await ex.read_head()
+    [ex] = await bulk_streams(stack, 1, gate="finish")
     stack.kill_sidecar()
     assert (await request(stack.listen_port)).status == 503  # fail closed
     stack.start_sidecar()
     await stack.wait_sidecar_ready()
     # The new process starts empty and learns of the running stream from Envoy's
     # periodic access-log entries: it holds a real slot, so it counts as in flight.
-    await until(stack, 'm.get(\'smg_sidecar_adopted_total{class="bulk"}\') == 1', timeout=5)
+    await until(stack, lambda m: m.get('smg_sidecar_adopted_total{class="bulk"}') == 1, timeout=5)
     assert await stack.metric("smg_scheduler_inflight", **{"class": "bulk"}) == 1
+    stack.fleet.gates.open("finish")
     await asyncio.wait_for(ex.read_body(), 10)  # the old stream finishes undisturbed
-    ex.close()
+    await ex.close()
     assert (await request(stack.listen_port)).status == 200
     m = await settle(stack)  # ...and its final entry releases it: no phantom in-flight
     assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 1
@@ -78,19 +70,15 @@ async def test_sidecar_restart_under_load_converges(make_stack: StackFactory) ->
 
 async def test_worker_dies_mid_stream(make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PRIORITY, workers=2, max_running_requests=2)
-    await until(stack, "m['smg_sidecar_capacity'] == 4")
+    await until(stack, capacity_is(4))
     victim = stack.fleet.workers[0]
-    victim.stream_interval = 0.2
-    victim.tokens = 100
-    stack.fleet.workers[1].stream_interval = 0.2
-    stack.fleet.workers[1].tokens = 100
-    exchanges = await bulk_streams(stack, 2)
+    exchanges = await bulk_streams(stack, 2)  # held open until aborted
     await wait_for(lambda: victim.running == 1, 5)
     await victim.stop()  # the worker process dies
-    await until(stack, "m['smg_sidecar_capacity'] == 2", timeout=3)
-    await until(stack, 'm.get(\'smg_scheduler_inflight{class="bulk"}\') == 1', timeout=5)
+    await until(stack, capacity_is(2), timeout=3)
+    await until(stack, inflight_is("bulk", 1), timeout=5)
     for ex in exchanges:
-        ex.abort()
+        await ex.abort()
     await settle(stack)
 
 
@@ -106,20 +94,21 @@ async def test_forged_admission_id_header_releases_nothing(make_stack: StackFact
     stack = await make_stack(priority_yaml=FORGE, workers=1, max_running_requests=1)
     worker = stack.fleet.workers[0]
     holder = await Exchange.send(stack.listen_port, body=chat_body(),
-                                 headers={"x-fake-service-time": "2"})
+                                 headers={"x-fake-gate": "holder"})
     await wait_for(lambda: worker.running == 1, 5)
     real_id = worker.records[0].admission_id
     assert real_id
     # Denied requests carrying the victim's id (queue fills, then 429s) and an admitted one.
     queued = asyncio.ensure_future(request(stack.listen_port,
                                            headers={"x-smg-admission-id": real_id}))
-    await until(stack, 'm.get(\'smg_scheduler_queue_depth{class="default"}\') == 1')
+    await until(stack, queued_is("default", 1))
     for _ in range(5):
         r = await request(stack.listen_port, headers={"x-smg-admission-id": real_id})
         assert r.status == 429
     assert (await stack.metric("smg_scheduler_inflight", **{"class": "default"})) == 1
+    stack.fleet.gates.open("holder")
     await holder.read_head()
-    holder.close()
+    await holder.close()
     assert (await asyncio.wait_for(queued, 5)).status == 200
     # the worker saw each request's own id, never the forged one twice
     ids = [rec.admission_id for rec in worker.records]
@@ -163,9 +152,9 @@ async def test_client_gone_before_first_byte_releases_and_cancels_worker(
     stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=2)
     worker = stack.fleet.workers[0]
     ex = await Exchange.send(stack.listen_port, body=chat_body(),
-                             headers={"x-smg-priority": "bulk", "x-fake-service-time": "5"})
+                             headers={"x-smg-priority": "bulk", "x-fake-gate": "never"})
     await wait_for(lambda: worker.running == 1, 5)
-    ex.abort()  # admitted, at the worker, no response byte yet
+    await ex.abort()  # admitted, at the worker, no response byte yet
     await wait_for(lambda: worker.records[0].outcome == "cancelled", 5)
     m = await settle(stack)
     assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 1

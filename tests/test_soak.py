@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from sidecar.devtools.httpclient import Exchange, chat_body
+from devtools.httpclient import Exchange, chat_body
 from tests.conftest import StackFactory, settle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak]
@@ -52,14 +52,14 @@ async def test_soak(make_stack: StackFactory) -> None:
             try:
                 if rng.random() < 0.05:
                     await asyncio.sleep(rng.random() * 0.02)
-                    ex.abort()
+                    await ex.abort()
                     disconnects += 1
                     continue
                 await asyncio.wait_for(ex.read_head(), 10)
                 await asyncio.wait_for(ex.read_body(), 10)
                 statuses[ex.status] = statuses.get(ex.status, 0) + 1
             finally:
-                ex.close()
+                await ex.close()
 
     async def flapper() -> None:
         while sent < TOTAL and time.monotonic() - started < BUDGET_SECS:

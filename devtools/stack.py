@@ -25,11 +25,13 @@ from types import ModuleType
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from devtools.fleet import Fleet
+from devtools.httpclient import HTTP_ERRORS
+from devtools.httpclient import get as http_get
+from devtools.proc import die_with_parent
 from sidecar.config import parse_priority_config
-from sidecar.devtools.fleet import Fleet
-from sidecar.health import http_get
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -164,7 +166,8 @@ class Stack:
         with open(self.sidecar_log, "ab") as log:
             self.sidecar = subprocess.Popen(self.sidecar_argv(), stdout=log, stderr=log,
                                             stdin=subprocess.DEVNULL, env=env, cwd=REPO,
-                                            start_new_session=True)
+                                            start_new_session=True,
+                                            preexec_fn=die_with_parent())
 
     def kill_sidecar(self) -> None:
         if self.sidecar is not None:
@@ -177,7 +180,7 @@ class Stack:
         while time.monotonic() < deadline:
             if self.sidecar is not None and self.sidecar.poll() is not None:
                 raise RuntimeError(f"sidecar exited: {self.sidecar_log.read_text()[-2000:]}")
-            with contextlib.suppress(OSError, TimeoutError, ValueError):
+            with contextlib.suppress(*HTTP_ERRORS):
                 status, _ = await http_get(f"http://127.0.0.1:{self.http_port}/readyz", 0.5)
                 if status == 200:
                     return
@@ -199,9 +202,11 @@ class Stack:
         argv = [envoy_binary(), "-c", str(self.envoy_config), "--concurrency",
                 str(self.config.envoy_concurrency), "-l", "warning", "--disable-hot-restart"]
         with open(self.envoy_log, "ab") as log:
-            # A session of its own: a shell's job control must not signal Envoy.
+            # A session of its own: a shell's job control must not signal Envoy;
+            # it dies with this process all the same (devtools.proc).
             self.envoy = subprocess.Popen(argv, stdout=log, stderr=log,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=die_with_parent())
 
     def kill_envoy(self) -> None:
         if self.envoy is not None:
@@ -215,7 +220,7 @@ class Stack:
         while time.monotonic() < deadline:
             if self.envoy is not None and self.envoy.poll() is not None:
                 raise RuntimeError(f"envoy exited: {self.envoy_log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError, TimeoutError, ValueError):
+            with contextlib.suppress(*HTTP_ERRORS):
                 status, body = await http_get(
                     f"{admin}/stats?filter=^cluster\\.workers\\.membership_healthy$", 0.5)
                 healthy = body.decode().strip().rpartition(" ")[2]

@@ -6,6 +6,9 @@ shedding by class; then it serves until Ctrl-C.
 
 The demo's Envoy accepts HS256 JWTs signed with the secret ``demo-secret`` and
 takes the tenant from their ``tenant`` claim (``--token TENANT`` prints one).
+
+Whatever stops it (Ctrl-C, SIGTERM or SIGHUP at any moment, a closed stdout, even
+SIGKILL) the sidecar and Envoy go with it: see ``devtools.proc``.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from sidecar.devtools.httpclient import request
-from sidecar.devtools.stack import Stack, StackConfig
+from devtools.httpclient import request
+from devtools.proc import exit_on_signals, print_safely
+from devtools.stack import Stack, StackConfig
 
 DEMO_SECRET = "demo-secret"
 PRIORITY = (Path(__file__).parent / "demo-priority.yaml").read_text()
@@ -51,7 +55,7 @@ async def burst(stack: Stack) -> None:
         return cls, str(r.status) + (f" {r.headers.get('x-smg-error-code')}"
                                     if r.status != 200 else " ok")
 
-    print("\nburst: 24 bulk + 6 interactive requests at once (capacity 8, 1.5 s each) ...")
+    print_safely("\nburst: 24 bulk + 6 interactive requests at once (capacity 8, 1.5 s each) ...")
     jobs = [one("bulk") for _ in range(24)]
     await asyncio.sleep(0)
     jobs += [one("interactive") for _ in range(6)]
@@ -59,28 +63,27 @@ async def burst(stack: Stack) -> None:
     results = await asyncio.gather(*jobs)
     counts = Counter(results)
     for (cls, outcome), n in sorted(counts.items()):
-        print(f"  {cls:<12} {outcome:<28} x{n}")
-    print(f"  (done in {time.monotonic() - t0:.1f} s: interactive goes ahead of queued bulk, "
-          "uses its reservation and may preempt bulk that has not answered yet (503 "
-          "scheduler_preempted); bulk fills its share and queue, the rest is shed)")
+        print_safely(f"  {cls:<12} {outcome:<28} x{n}")
+    print_safely(f"  (done in {time.monotonic() - t0:.1f} s: interactive goes ahead of queued "
+                 "bulk, uses its reservation and may preempt bulk that has not answered yet "
+                 "(503 scheduler_preempted); bulk fills its share and queue, the rest is shed)")
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    config = StackConfig(
+def demo_config() -> StackConfig:
+    return StackConfig(
         workers=2, max_running_requests=4, service_time=0.2, priority_yaml=PRIORITY,
         listen_port=10000, admin_port=9901, grpc_port=9001, http_port=9090,
         worker_base_port=8081, jwt_secret=DEMO_SECRET, flush_interval_secs=2.0,
         lease_secs=15.0, health_interval_secs=1.0, envoy_concurrency=2,
         sidecar_args=["--log-format", "console"])
-    stack = Stack(config)
-    try:
-        await stack.start()
-    except (OSError, RuntimeError, TimeoutError) as exc:
-        print(f"demo failed to start: {exc}", file=sys.stderr)
-        await stack.stop()
-        return 1
+
+
+async def show(stack: Stack, args: argparse.Namespace) -> None:
+    """Start-up, banner, burst, then serve until stopped (cancelled)."""
+    await stack.start()
+    config = stack.config
     token = make_token("auth:acme")
-    print(f"""
+    print_safely(f"""
 priority-gate demo is up.
   Envoy      http://127.0.0.1:{stack.listen_port}   (admin http://127.0.0.1:{stack.admin_port})
   sidecar    metrics http://127.0.0.1:{stack.http_port}/metrics   logs {stack.sidecar_log}
@@ -98,20 +101,39 @@ Try:
     if not args.no_burst:
         await burst(stack)
     if args.exit_after_burst:
-        await stack.stop()
-        return 0
-    print("\nserving; Ctrl-C stops everything.")
+        return
+    print_safely("\nserving; Ctrl-C stops everything.")
+    await asyncio.Event().wait()
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    stack = Stack(demo_config())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # From here on every stop signal ends the demo the same way, start-up included.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("stopping ...")
-    await stack.stop()
-    return 0
+    running = asyncio.ensure_future(show(stack, args))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            running.result()  # raises what start-up raised
+            return 0
+        print_safely("stopping ...")
+        return 0
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"demo failed to start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for task in (running, stopping):
+            task.cancel()
+        await asyncio.gather(running, stopping, return_exceptions=True)
+        await stack.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_signals()  # until the event loop installs its own handlers
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--no-burst", action="store_true", help="skip the start-up burst")
@@ -119,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", metavar="TENANT", help="print a demo JWT for TENANT and exit")
     args = p.parse_args(argv)
     if args.token:
-        print(make_token(args.token))
+        print_safely(make_token(args.token))
         return 0
     return asyncio.run(main_async(args))
 

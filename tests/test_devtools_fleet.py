@@ -1,4 +1,4 @@
-"""Tests for the fake LLM worker fleet, through real loopback sockets."""
+"""Tests for the fake LLM worker fleet (devtools/fleet.py), through real loopback sockets."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -17,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.devtools.fleet import FakeWorker, Fleet, wait_for
-from sidecar.devtools.httpclient import Response
+from devtools.fleet import FakeWorker, Fleet, wait_for
+from devtools.httpclient import Response
 
 TEST_TIMEOUT = 15.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -233,7 +234,8 @@ async def test_keep_alive_serves_several_requests_per_connection() -> None:
         second = await client.request("POST", "/v1/chat/completions", STREAM_CHAT)
         third = await client.request("GET", "/health")
         assert [first.status, second.status, third.status] == [200, 200, 200]
-        assert first.headers["connection"] == "keep-alive"
+        # HTTP/1.1 is persistent unless a side says otherwise: no header needed
+        assert first.headers.get("connection", "keep-alive") == "keep-alive"
         assert sse_events(second.body)[-1] == "[DONE]"
         await wait_for(lambda: worker.finished == 2, 2)
 
@@ -251,8 +253,8 @@ async def test_http_1_0_closes_by_default() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", worker.port)
         writer.write(b"GET /health HTTP/1.0\r\n\r\n")
         data = await reader.read()  # returns once the server closes
-        assert data.startswith(b"HTTP/1.1 200 OK\r\n")
-        assert b"connection: close" in data
+        assert re.match(rb"HTTP/1\.[01] 200 OK\r\n", data)
+        assert data.endswith(b'{"status": "ok"}')
         writer.close()
 
 
@@ -391,15 +393,16 @@ async def test_bad_requests_get_400() -> None:
     async with FakeWorker() as worker:
         client = await RawClient.connect(worker)
         client.writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 5\r\n\r\nnope!"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\n\r\nnope!"
         )
         resp = await client.read_response()
         assert resp.status == 400
+        assert "invalid JSON body" in resp.json()["error"]
         await client.close()
 
         reader, writer = await asyncio.open_connection("127.0.0.1", worker.port)
         writer.write(b"garbage\r\n\r\n")
-        assert (await reader.read()).startswith(b"HTTP/1.1 400 ")
+        assert re.match(rb"HTTP/1\.[01] 400 ", await reader.read())
         writer.close()
         assert worker.records == []
 
@@ -411,7 +414,8 @@ async def test_chunked_request_body_is_accepted() -> None:
         client = await RawClient.connect(worker)
         body = json.dumps(STREAM_CHAT).encode()
         client.writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
             + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
         )
         resp = await client.read_response()
@@ -485,7 +489,7 @@ async def test_fleet_starts_named_workers_on_distinct_ports() -> None:
 async def test_cli_serves_until_sigterm() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sidecar.devtools.fleet",
+        sys.executable, "-m", "devtools.fleet",
         "--workers", "2", "--base-port", "0", "--max-running-requests", "3",
         stdout=asyncio.subprocess.PIPE, env=env, cwd=REPO_ROOT,
     )
@@ -508,3 +512,57 @@ async def test_cli_serves_until_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.asyncio
+@bounded
+async def test_gate_holds_a_request_until_the_test_opens_it() -> None:
+    async with Fleet(2, service_time=0) as fleet:
+        worker = fleet.workers[1]
+        client = await RawClient.connect(worker)
+        await client.send("POST", "/v1/chat/completions", CHAT, {"x-fake-gate": "g"})
+        await wait_for(lambda: worker.running == 1, 2)
+        held = asyncio.ensure_future(client.read_response())
+        await asyncio.sleep(0.1)  # a response would arrive well within this
+        assert not held.done() and worker.running == 1
+        fleet.gates.open("g")  # the fleet's gates are every worker's
+        assert (await held).status == 200
+        assert worker.finished == 1
+        # an open gate stays open: later requests on it pass at once
+        resp = await client.request("POST", "/v1/chat/completions", CHAT, {"x-fake-gate": "g"})
+        assert resp.status == 200
+        await client.close()
+
+
+@pytest.mark.asyncio
+@bounded
+async def test_stream_gate_holds_after_the_first_token() -> None:
+    async with FakeWorker(service_time=0, tokens=3, stream_interval=0) as worker:
+        client = await RawClient.connect(worker)
+        await client.send("POST", "/v1/chat/completions", STREAM_CHAT,
+                          {"x-fake-stream-gate": "s"})
+        status, _ = await client.read_head()
+        assert status == 200
+        assert b"tok0" in await client.read_chunk()
+        second = asyncio.ensure_future(client.read_chunk())
+        await asyncio.sleep(0.1)
+        assert not second.done() and worker.running == 1
+        opened = await request(worker, "POST", "/admin/gates", {"open": "s"})
+        assert (opened.status, opened.json()) == (200, {"opened": "s"})
+        assert b"tok1" in await second
+        await wait_for(lambda: worker.finished == 1, 2)
+        bad = await request(worker, "POST", "/admin/gates", {"open": 3})
+        assert bad.status == 400
+        await client.close()
+
+
+@pytest.mark.asyncio
+@bounded
+async def test_client_gone_while_held_at_a_gate_is_recorded_cancelled() -> None:
+    async with FakeWorker(service_time=0) as worker:
+        client = await RawClient.connect(worker)
+        await client.send("POST", "/v1/chat/completions", CHAT, {"x-fake-gate": "never"})
+        await wait_for(lambda: worker.running == 1, 2)
+        await client.close()
+        await wait_for(lambda: worker.cancelled == 1, 2)
+        assert worker.running == 0

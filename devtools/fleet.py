@@ -1,0 +1,525 @@
+"""A fleet of fake LLM workers for the sidecar's tests and demo (aiohttp servers).
+
+Each ``FakeWorker`` is a real HTTP server. Handler cancellation is on, so a
+client that hangs up *while* a request is still being "computed" (what Envoy
+does when the sidecar or the end user gives up on a request) cancels the
+handler, and the worker records it as cancelled. The worker records what it
+really saw (headers, outcome, timing) so tests can assert on admission
+behaviour from the upstream's point of view.
+
+Tests hold a request at the worker with a *gate* rather than a long service
+time: ``x-fake-gate: NAME`` holds the response until the gate is opened,
+``x-fake-stream-gate: NAME`` holds a stream after its first token.
+``Fleet.gates.open(NAME)`` (or ``POST /admin/gates`` with ``{"open": NAME}``)
+releases every request waiting on it, now and later.
+
+Run ``python -m devtools.fleet --help`` for the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["running", "finished", "cancelled"]
+JSONObject = dict[str, Any]
+
+SERVER_HEADER = "fake-llm-worker"
+SERVICE_TIME_HEADER = "x-fake-service-time"
+GATE_HEADER = "x-fake-gate"
+STREAM_GATE_HEADER = "x-fake-stream-gate"
+_FIELD_LIMIT = 1 << 20  # generous: Envoy and the sidecar may add long headers
+
+
+@dataclass
+class RequestRecord:
+    """What one completion request looked like when it reached the worker."""
+
+    request_id: str | None
+    admission_id: str | None
+    priority_class: str | None
+    headers: dict[str, str]
+    stream: bool
+    started_at: float
+    ended_at: float | None = None
+    outcome: Outcome = "running"
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds between arrival and completion/cancellation (None while running)."""
+        return None if self.ended_at is None else self.ended_at - self.started_at
+
+    def to_json(self) -> JSONObject:
+        """The record as served by /admin/stats (headers left out to keep it short)."""
+        data = asdict(self)
+        del data["headers"]
+        data["duration"] = self.duration
+        return data
+
+
+class Gates:
+    """Named one-shot gates a test opens to let held requests go on."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+
+    def _event(self, name: str) -> asyncio.Event:
+        return self._events.setdefault(name, asyncio.Event())
+
+    def open(self, name: str) -> None:
+        """Release every request held on ``name``, and those that arrive later."""
+        self._event(name).set()
+
+    async def wait(self, name: str) -> None:
+        await self._event(name).wait()
+
+
+def _json_object(body: bytes) -> JSONObject:
+    """Parse a request body that must be a JSON object; an empty body counts as {}."""
+    if not body.strip():
+        return {}
+    try:
+        value = json.loads(body)
+    except ValueError as exc:
+        raise ValueError(f"invalid JSON body: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("JSON body must be an object")
+    return value
+
+
+def _json(status: int, payload: JSONObject, **headers: str) -> web.Response:
+    return web.Response(status=status, body=json.dumps(payload).encode(),
+                        content_type="application/json", headers=headers or None)
+
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _url(host: str, port: int) -> str:
+    """A URL clients can actually connect to, even for wildcard binds."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+class FakeWorker:
+    """A fake OpenAI-compatible LLM worker that records every completion it serves.
+
+    ``healthy``, ``service_time``, ``stream_interval``, ``tokens`` and
+    ``max_running_requests`` may be changed at any time; they are read per request.
+    The worker never enforces ``max_running_requests`` itself: it only reports it
+    via /server_info (as SGLang does) so tests can check the sidecar respects it,
+    e.g. with ``peak_running``.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_running_requests: int | None = 4,
+        service_time: float = 0.05,
+        tokens: int = 5,
+        stream_interval: float = 0.01,
+        name: str | None = None,
+        gates: Gates | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_running_requests = max_running_requests
+        self.service_time = service_time
+        self.tokens = tokens
+        self.stream_interval = stream_interval
+        self.healthy = True
+        self.records: list[RequestRecord] = []
+        self.gates = gates if gates is not None else Gates()
+        self._name = name
+        self._runner: web.AppRunner | None = None
+        self._running = 0
+        self._peak_running = 0
+        self._ids = itertools.count(1)
+        self._routes: dict[tuple[str, str], _Handler] = {
+            ("GET", "/health"): self._health,
+            ("GET", "/server_info"): self._server_info,
+            ("POST", "/v1/chat/completions"): self._chat_completions,
+            ("GET", "/admin/stats"): self._admin_stats,
+            ("POST", "/admin/health"): self._admin_health,
+            ("POST", "/admin/reset"): self._admin_reset,
+            ("POST", "/admin/gates"): self._admin_gates,
+        }
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind and start serving; ``port`` holds the real port afterwards."""
+        if self._runner is not None:
+            raise RuntimeError(f"worker {self.name} already started")
+        app = web.Application()
+        # One catch-all route: unknown paths and methods get this worker's JSON 404.
+        app.router.add_route("*", "/{path:.*}", self._dispatch)
+        runner = web.AppRunner(
+            # shutdown_timeout: stop() aborts in-flight requests (0 would mean "wait forever").
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.01,
+            max_line_size=_FIELD_LIMIT, max_field_size=_FIELD_LIMIT)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Stop listening and abort open connections (in-flight requests become cancelled)."""
+        if self._runner is None:
+            return
+        runner, self._runner = self._runner, None
+        await runner.cleanup()
+
+    async def __aenter__(self) -> FakeWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # -- observation -------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name if self._name is not None else f"worker-{self.port}"
+
+    @property
+    def url(self) -> str:
+        return _url(self.host, self.port)
+
+    @property
+    def started(self) -> int:
+        return len(self.records)
+
+    @property
+    def finished(self) -> int:
+        return sum(1 for r in self.records if r.outcome == "finished")
+
+    @property
+    def cancelled(self) -> int:
+        return sum(1 for r in self.records if r.outcome == "cancelled")
+
+    @property
+    def running(self) -> int:
+        """Completions in progress right now (not affected by ``reset``)."""
+        return self._running
+
+    @property
+    def peak_running(self) -> int:
+        """Highest ``running`` seen since start or the last ``reset``."""
+        return self._peak_running
+
+    def stats(self) -> JSONObject:
+        return {
+            "name": self.name,
+            "started": self.started,
+            "finished": self.finished,
+            "cancelled": self.cancelled,
+            "running": self.running,
+            "peak_running": self.peak_running,
+            "requests": [r.to_json() for r in self.records],
+        }
+
+    def reset(self) -> None:
+        """Forget past requests (those still running keep running, unrecorded)."""
+        self.records = []
+        self._peak_running = self._running
+
+    # -- endpoints -----------------------------------------------------------
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        handler = self._routes.get((request.method, request.path), self._not_found)
+        response = await handler(request)
+        response.headers.setdefault("Server", SERVER_HEADER)
+        return response
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        if self.healthy:
+            return _json(200, {"status": "ok"})
+        return _json(503, {"status": "unhealthy"})
+
+    async def _server_info(self, request: web.Request) -> web.StreamResponse:
+        info: JSONObject = {"name": self.name}
+        if self.max_running_requests is not None:
+            info["max_running_requests"] = self.max_running_requests
+        return _json(200, info)
+
+    async def _admin_stats(self, request: web.Request) -> web.StreamResponse:
+        return _json(200, self.stats())
+
+    async def _admin_health(self, request: web.Request) -> web.StreamResponse:
+        try:
+            healthy = _json_object(await request.read()).get("healthy")
+        except ValueError as exc:
+            return _json(400, {"error": str(exc)})
+        if not isinstance(healthy, bool):
+            return _json(400, {"error": 'body must be {"healthy": true|false}'})
+        self.healthy = healthy
+        return _json(200, {"healthy": healthy})
+
+    async def _admin_reset(self, request: web.Request) -> web.StreamResponse:
+        self.reset()
+        return _json(200, {"status": "reset"})
+
+    async def _admin_gates(self, request: web.Request) -> web.StreamResponse:
+        try:
+            name = _json_object(await request.read()).get("open")
+        except ValueError as exc:
+            return _json(400, {"error": str(exc)})
+        if not isinstance(name, str) or not name:
+            return _json(400, {"error": 'body must be {"open": "GATE"}'})
+        self.gates.open(name)
+        return _json(200, {"opened": name})
+
+    async def _not_found(self, request: web.Request) -> web.StreamResponse:
+        return _json(404, {"error": f"no route for {request.method} {request.path}"})
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            payload = _json_object(await request.read())
+            service_time = self._service_time_for(request)
+        except ValueError as exc:
+            return _json(400, {"error": str(exc)})
+        stream = payload.get("stream") is True
+        record = RequestRecord(
+            request_id=request.headers.get("x-request-id"),
+            admission_id=request.headers.get("x-smg-admission-id"),
+            priority_class=request.headers.get("x-smg-effective-class"),
+            headers={k.lower(): v for k, v in request.headers.items()},
+            stream=stream,
+            started_at=time.time(),
+        )
+        self.records.append(record)
+        self._running += 1
+        self._peak_running = max(self._peak_running, self._running)
+        # Cancelled unless we get to the last byte: a client hang-up cancels this
+        # handler (CancelledError) or fails a write (ConnectionError).
+        outcome: Outcome = "cancelled"
+        try:
+            completion_id = f"chatcmpl-{self.name}-{next(self._ids)}"
+            model = str(payload.get("model", "fake-model"))
+            await asyncio.sleep(service_time)
+            if gate := request.headers.get(GATE_HEADER):
+                await self.gates.wait(gate)
+            if stream:
+                response = await self._serve_stream(request, completion_id, model)
+            else:
+                response = self._whole(completion_id, model)
+            outcome = "finished"
+            return response
+        except ConnectionError:
+            return web.Response(status=499)  # never sent: the peer is gone
+        finally:
+            self._running -= 1
+            record.outcome = outcome
+            record.ended_at = time.time()
+
+    def _service_time_for(self, request: web.Request) -> float:
+        raw = request.headers.get(SERVICE_TIME_HEADER)
+        if raw is None:
+            return self.service_time
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"bad {SERVICE_TIME_HEADER} {raw!r}") from None
+        if not value >= 0:  # also rejects NaN
+            raise ValueError(f"bad {SERVICE_TIME_HEADER} {raw!r}")
+        return value
+
+    def _whole(self, completion_id: str, model: str) -> web.Response:
+        """Non-streaming completion, answered in one go."""
+        body = {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(self._words())},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 0, "completion_tokens": self.tokens,
+                      "total_tokens": self.tokens},
+            "worker": self.name,
+        }
+        return _json(200, body, **{"x-fake-worker": self.name})
+
+    async def _serve_stream(
+        self, request: web.Request, completion_id: str, model: str
+    ) -> web.StreamResponse:
+        """SSE completion: headers and first token now (time to first byte), then
+        one token every ``stream_interval`` s, then ``[DONE]``."""
+        response = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "Server": SERVER_HEADER,
+            "x-fake-worker": self.name,
+        })
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        words = self._words()
+        for i, word in enumerate(words):
+            if i == 1 and (gate := request.headers.get(STREAM_GATE_HEADER)):
+                await self.gates.wait(gate)
+            if i > 0:
+                await asyncio.sleep(self.stream_interval)
+            chunk = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "delta": {"content": word},
+                    "finish_reason": "stop" if i == len(words) - 1 else None,
+                }],
+                "worker": self.name,
+            }
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _words(self) -> list[str]:
+        return [f"tok{i} " for i in range(self.tokens)]
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float) -> None:
+    """Poll ``predicate`` every 10 ms until true; raise TimeoutError after ``timeout`` s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() >= deadline:
+            raise TimeoutError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.01)
+
+
+class Fleet:
+    """``n`` fake workers named w1..wn; extra kwargs go to every ``FakeWorker``.
+
+    With ``base_port`` set, worker i listens on ``base_port + i``; otherwise
+    each gets an ephemeral port.
+    """
+
+    def __init__(
+        self, n: int = 2, *, host: str = "127.0.0.1", base_port: int = 0, **worker_kwargs: Any
+    ) -> None:
+        self.gates = Gates()  # shared: a test need not know which worker got a request
+        self.workers = [
+            FakeWorker(host, base_port + i if base_port else 0, name=f"w{i + 1}",
+                       gates=self.gates, **worker_kwargs)
+            for i in range(n)
+        ]
+
+    async def start(self) -> None:
+        """Start all workers; if one fails to bind, stop the others and re-raise."""
+        try:
+            for worker in self.workers:
+                await worker.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(w.stop() for w in self.workers))
+
+    async def __aenter__(self) -> Fleet:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(w.host, w.port) for w in self.workers]
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m devtools.fleet", description="Run a fleet of fake LLM workers."
+    )
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--base-port", type=int, default=8081,
+                        help="first worker's port (0: ephemeral ports)")
+    parser.add_argument("--max-running-requests", type=int, default=4,
+                        help="reported in /server_info; <= 0 omits the field")
+    parser.add_argument("--service-time", type=float, default=0.05,
+                        help="seconds before the response (time to first byte)")
+    parser.add_argument("--tokens", type=int, default=5)
+    parser.add_argument("--stream-interval", type=float, default=0.01)
+    return parser.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    max_running = args.max_running_requests if args.max_running_requests > 0 else None
+    fleet = Fleet(
+        args.workers,
+        host=args.host,
+        base_port=args.base_port,
+        max_running_requests=max_running,
+        service_time=args.service_time,
+        tokens=args.tokens,
+        stream_interval=args.stream_interval,
+    )
+    try:
+        await fleet.start()
+    except OSError as exc:
+        print(f"error: cannot start fleet: {exc}", file=sys.stderr)
+        return 1
+    for worker in fleet.workers:
+        print(f"worker {worker.name} listening on {worker.url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await fleet.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: serve until SIGINT/SIGTERM; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    return asyncio.run(_serve(_parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
