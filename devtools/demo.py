@@ -69,13 +69,16 @@ async def burst(stack: Stack) -> None:
                  "(503 scheduler_preempted); bulk fills its share and queue, the rest is shed)")
 
 
-def demo_config() -> StackConfig:
-    return StackConfig(
+def demo_config(free_ports: bool = False) -> StackConfig:
+    """The demo's stack; ``free_ports`` (for tests) picks ephemeral ports instead."""
+    config = StackConfig(
         workers=2, max_running_requests=4, service_time=0.2, priority_yaml=PRIORITY,
-        listen_port=10000, admin_port=9901, grpc_port=9001, http_port=9090,
-        worker_base_port=8081, jwt_secret=DEMO_SECRET, flush_interval_secs=2.0,
-        lease_secs=15.0, health_interval_secs=1.0, envoy_concurrency=2,
-        sidecar_args=["--log-format", "console"])
+        jwt_secret=DEMO_SECRET, flush_interval_secs=2.0, lease_secs=15.0,
+        health_interval_secs=1.0, envoy_concurrency=2, sidecar_args=["--log-format", "console"])
+    if not free_ports:
+        config.listen_port, config.admin_port = 10000, 9901
+        config.grpc_port, config.http_port, config.worker_base_port = 9001, 9090, 8081
+    return config
 
 
 async def show(stack: Stack, args: argparse.Namespace) -> None:
@@ -107,7 +110,7 @@ Try:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    stack = Stack(demo_config())
+    stack = Stack(demo_config(args.free_ports))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # From here on every stop signal ends the demo the same way, start-up included.
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-burst", action="store_true", help="skip the start-up burst")
     p.add_argument("--exit-after-burst", action="store_true", help="stop after the burst")
     p.add_argument("--token", metavar="TENANT", help="print a demo JWT for TENANT and exit")
+    p.add_argument("--free-ports", action="store_true",
+                   help="ephemeral ports instead of the fixed ones (tests)")
     args = p.parse_args(argv)
     if args.token:
         print_safely(make_token(args.token))
