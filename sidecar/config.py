@@ -3,6 +3,16 @@
 Flag names, YAML keys and defaults are public interface (docs/reference.md);
 they match ``smg`` exactly. Every error names the file, the key path and the
 reason, and is raised before anything listens.
+
+A config file is untrusted input that is parsed again on every reload, so the
+loader is bounded: files over :data:`MAX_CONFIG_BYTES` (1 MiB, Kubernetes' own
+ConfigMap limit) are refused before parsing, anchors and aliases are refused
+(a priority.yaml never needs them, and they are how a 380-byte "billion laughs"
+file expands to gigabytes), nesting is capped at :data:`MAX_DEPTH` and numbers
+at :data:`MAX_NUMBER_CHARS` characters. Error messages quote at most
+:data:`QUOTE_CHARS` characters of any value, and a YAML syntax error reports
+its position, not the text around it: the path may point at a file that is
+not ours to print (a symlink to ``/etc/shadow``).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import hashlib
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -20,14 +31,46 @@ import yaml
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass, parse_default_max_class
 
+MAX_CONFIG_BYTES = 1024 * 1024
+"""Largest priority.yaml accepted (a ConfigMap cannot hold more); refused before parsing."""
+MAX_DEPTH = 32
+"""Deepest nesting accepted; priority.yaml needs 4 (classes.bulk.queue_size is 3)."""
+MAX_NUMBER_CHARS = 64
+"""Longest number literal accepted, far below Python's 4,300-digit int limit."""
+QUOTE_CHARS = 80
+"""At most this much of any value is quoted in an error message."""
+
+
+def clip(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, an ellipsis marking the cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def quote(value: object) -> str:
+    """A value for an error message: its repr, at most :data:`QUOTE_CHARS` long."""
+    return clip(repr(value))
+
+
+# Key names and tenant ids look like this; a line of /etc/shadow parsed as a key
+# ("root:$6$<hash>:...") does not, and is shown as "?".
+_KEYLIKE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@/+=-]*\Z")
+
+
+def key_segment(key: object) -> str:
+    """One key of a key path, as an error message may show it."""
+    text = str(key) if isinstance(key, str | int) and not isinstance(key, bool) else ""
+    return text if len(text) <= QUOTE_CHARS and _KEYLIKE.match(text) else "?"
+
 
 class ConfigError(Exception):
     """A configuration problem: ``file: key.path: reason``."""
 
     def __init__(self, reason: str, *, file: str | None = None, key: str | None = None) -> None:
+        # Bounded whatever the caller passed: these end up in one log line.
         self.file = file
-        self.key = key
-        self.reason = reason
+        self.key = None if key is None else clip(key, 2 * QUOTE_CHARS)
+        self.reason = clip(reason, 4 * QUOTE_CHARS)
+        file, key, reason = self.file, self.key, self.reason
         where = ": ".join(p for p in (file, key) if p)
         super().__init__(f"{where}: {reason}" if where else reason)
 
@@ -78,11 +121,47 @@ class PriorityConfig:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys.
+    """SafeLoader that refuses duplicate mapping keys, anchors, aliases and deep nesting.
 
     PyYAML keeps the last duplicate silently; a duplicated class section is a
-    typo the operator wants to hear about, like an unknown key.
+    typo the operator wants to hear about, like an unknown key. The other
+    checks run while composing, before anything is expanded or constructed,
+    and name the key path where they stopped.
     """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._paths: list[str] = []  # key path of each node being composed
+
+    def _path_to(self, parent: yaml.Node | None, index: object) -> str:
+        base = self._paths[-1] if self._paths else ""
+        if isinstance(index, yaml.ScalarNode):  # a mapping value: its key
+            seg = key_segment(index.value)
+        elif isinstance(index, int):  # a sequence item
+            return f"{base}[{index}]"
+        elif parent is None or index is None:  # the root, or a mapping key
+            return base
+        else:  # a value under a non-scalar key
+            seg = "?"
+        return f"{base}.{seg}" if base else seg
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        where = self._path_to(parent, index)
+        line = f"(line {event.start_mark.line + 1})"
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise ConfigError(f"anchors and aliases are not allowed {line}", key=where)
+        if len(self._paths) >= MAX_DEPTH:
+            raise ConfigError(f"nested deeper than {MAX_DEPTH} levels {line}", key=where)
+        self._paths.append(where)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._paths.pop()
+        if node is not None and node.tag in (_INT, _FLOAT) and len(node.value) > MAX_NUMBER_CHARS:
+            raise ConfigError(f"number longer than {MAX_NUMBER_CHARS} characters {line}",
+                              key=where)
+        return node
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -142,7 +221,11 @@ def _construct_bool(loader: _StrictLoader, node: yaml.Node) -> bool:
 
 def _construct_int(loader: _StrictLoader, node: yaml.Node) -> int:
     text = _scalar(loader, node)
-    return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)
+    try:
+        return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)
+    except ValueError:  # an explicit `!!int` on something else
+        raise yaml.constructor.ConstructorError(
+            None, None, "not an integer", node.start_mark) from None
 
 
 def _construct_float(loader: _StrictLoader, node: yaml.Node) -> float:
@@ -151,7 +234,11 @@ def _construct_float(loader: _StrictLoader, node: yaml.Node) -> float:
         return -math.inf if text.startswith("-") else math.inf
     if text == ".nan":
         return math.nan
-    return float(text)
+    try:
+        return float(text)
+    except ValueError:  # an explicit `!!float` on something else
+        raise yaml.constructor.ConstructorError(
+            None, None, "not a number", node.start_mark) from None
 
 
 for _tag, _ctor in ((_BOOL, _construct_bool), (_INT, _construct_int),
@@ -171,7 +258,7 @@ def _check_type(value: object, want: type, file: str, key: str) -> Any:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         expected = "a number"
     if not ok:
-        raise ConfigError(f"must be {expected}, got {value!r}", file=file, key=key)
+        raise ConfigError(f"must be {expected}, got {quote(value)}", file=file, key=key)
     if want is float:
         try:
             return float(value)  # type: ignore[arg-type]
@@ -184,10 +271,11 @@ def _merge_class(base: ClassConfig, raw: object, file: str, key: str) -> ClassCo
     if raw is None:
         return base
     if not isinstance(raw, dict):
-        raise ConfigError(f"must be a mapping of class fields, got {raw!r}", file=file, key=key)
+        raise ConfigError(f"must be a mapping of class fields, got {quote(raw)}", file=file,
+                          key=key)
     updates: dict[str, Any] = {}
     for name, value in raw.items():
-        sub = f"{key}.{name}"
+        sub = f"{key}.{key_segment(name)}"
         want = _CLASS_FIELDS.get(name) if isinstance(name, str) else None
         if want is None:
             known = ", ".join(_CLASS_FIELDS)
@@ -219,10 +307,10 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
         raise ConfigError("must be a mapping of tenant -> policy", file=file, key="tenant_policies")
     out: dict[str, PriorityClass] = {}
     for tenant, policy in raw.items():
-        key = f"tenant_policies.{tenant}"
+        key = f"tenant_policies.{key_segment(tenant)}"
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(
-                f"tenant key must be a non-empty string, got {tenant!r} (quote it)",
+                f"tenant key must be a non-empty string, got {quote(tenant)} (quote it)",
                 file=file, key=key
             )
         if not isinstance(policy, dict):
@@ -230,7 +318,7 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
         for name in policy:
             if name != "max_class":
                 raise ConfigError(
-                    "unknown key (expected: max_class)", file=file, key=f"{key}.{name}"
+                    "unknown key (expected: max_class)", file=file, key=f"{key}.{key_segment(name)}"
                 )
         if "max_class" not in policy:
             raise ConfigError("missing required key", file=file, key=f"{key}.max_class")
@@ -239,7 +327,7 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
         if cls is None:
             names = ", ".join(c.label for c in HIGH_TO_LOW)
             raise ConfigError(
-                f"unknown class {value!r} (expected one of: {names})",
+                f"unknown class {quote(value)} (expected one of: {names})",
                 file=file,
                 key=f"{key}.max_class",
             )
@@ -247,12 +335,43 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
     return out
 
 
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    """PyYAML's message without the file text it quotes: problem and position only.
+
+    A syntax error in a file that is not YAML at all (a symlink to a secret)
+    would otherwise print the offending line. Quoted fragments stay only if
+    they are one character (``found character '\\t'``) or look like a key.
+    """
+    if isinstance(exc, yaml.MarkedYAMLError):
+
+        def bound(m: re.Match[str]) -> str:
+            q = m.group(0)
+            return q if len(q) <= 6 or key_segment(q[1:-1]) != "?" else "'...'"
+
+        text = " ".join(_QUOTED.sub(bound, p) for p in (exc.context, exc.problem) if p)
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"invalid YAML: {text or 'malformed'}{where}"
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"invalid YAML: {exc.reason} at character {exc.position}"
+    return f"invalid YAML ({type(exc).__name__})"
+
+
 def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
     """Parse and validate a ``priority.yaml`` document (field-wise merge over defaults)."""
+    if len(text) > MAX_CONFIG_BYTES or len(text.encode()) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"larger than {MAX_CONFIG_BYTES} bytes, the limit", file=file)
     try:
         doc = yaml.load(text, Loader=_StrictLoader)
+    except ConfigError as exc:  # refused while composing: no file name there yet
+        raise ConfigError(exc.reason, file=file, key=exc.key) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {exc}".replace("\n", " "), file=file) from exc
+        raise ConfigError(_yaml_error(exc), file=file) from None
+    except Exception as exc:  # any other failure is still a bad file, said once
+        raise ConfigError(f"cannot be parsed ({type(exc).__name__})", file=file) from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -262,7 +381,7 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
     for top in doc:
         if top not in ("classes", "tenant_policies"):
             raise ConfigError(
-                "unknown key (expected: classes, tenant_policies)", file=file, key=str(top)
+                "unknown key (expected: classes, tenant_policies)", file=file, key=key_segment(top)
             )
     classes = dict(BUILTIN_CLASSES)
     raw_classes = doc.get("classes")
@@ -270,7 +389,7 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
         if not isinstance(raw_classes, dict):
             raise ConfigError("must be a mapping of class name -> fields", file=file, key="classes")
         for name, body in raw_classes.items():
-            key = f"classes.{name}"
+            key = f"classes.{key_segment(name)}"
             cls = PriorityClass.from_name(name) if isinstance(name, str) else None
             if cls is None:
                 names = ", ".join(c.label for c in HIGH_TO_LOW)
@@ -283,18 +402,47 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
     return PriorityConfig(classes=classes, tenant_policies=policies, source=file, digest=digest)
 
 
+def read_config_file(path: str) -> bytes:
+    """The bytes of ``path``: a regular file of at most :data:`MAX_CONFIG_BYTES`.
+
+    Never reads more than the limit plus one byte, whatever the file's size
+    says, and never blocks on a FIFO or a device the path may point at.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=path) from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError("not a regular file", file=path)
+        too_big = ConfigError(f"larger than {MAX_CONFIG_BYTES} bytes, the limit; not parsed",
+                              file=path)
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise too_big
+        try:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"cannot read: {exc.strerror}", file=path) from None
+    if len(data) > MAX_CONFIG_BYTES:  # grew after the stat
+        raise too_big
+    return data
+
+
+def parse_priority_file(data: bytes, file: str) -> PriorityConfig:
+    """Decode and parse the bytes :func:`read_config_file` returned."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text: {exc.reason} at byte {exc.start}", file=file) from None
+    return parse_priority_config(text, file=file)
+
+
 def load_priority_config(path: str | None) -> PriorityConfig:
     """Load ``--priority-scheduler-config``; unset means built-in defaults."""
     if path is None:
         return PriorityConfig()
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", file=path) from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"not UTF-8 text: {exc.reason}", file=path) from exc
-    return parse_priority_config(text, file=path)
+    return parse_priority_file(read_config_file(path), path)
 
 
 # --------------------------------------------------------------------------- CLI
