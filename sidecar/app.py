@@ -226,9 +226,14 @@ class Sidecar:
     def _reload_failed(self, exc: ConfigError) -> None:
         self.metrics.reload.labels("error").inc()
 
-    def reload_now(self) -> bool:
-        """SIGHUP: check the config file at once."""
-        return self.watcher.check(force=True) if self.watcher is not None else False
+    async def reload_now(self) -> bool:
+        """Check the config file at once (what SIGHUP asks the watcher for)."""
+        return await self.watcher.check(force=True) if self.watcher is not None else False
+
+    def request_reload(self) -> None:
+        """SIGHUP: wake the watcher for a forced check."""
+        if self.watcher is not None:
+            self.watcher.request_check()
 
     async def stop(self) -> None:
         self._serving = False
@@ -254,7 +259,7 @@ async def _serve(settings: Settings) -> int:
     # then must not kill the process the default way.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, app.reload_now)
+    loop.add_signal_handler(signal.SIGHUP, app.request_reload)
     starting = asyncio.ensure_future(app.start())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)

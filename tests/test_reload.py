@@ -140,9 +140,9 @@ async def test_reload_now_is_what_sighup_calls(
     app.watcher.interval = 3600  # only the forced check can see the change
     await asyncio.sleep(0.2)
     (Path(os.path.realpath(cm.path))).write_text(CONFIG_B)
-    assert app.reload_now() is True
+    assert await app.reload_now() is True
     assert value(app, "smg_sidecar_config_generation") == 2
-    assert app.reload_now() is False  # unchanged content: nothing to apply
+    assert await app.reload_now() is False  # unchanged content: nothing to apply
 
 
 async def test_reload_keeps_the_envoy_timeout_rule(tmp_path: Path) -> None:

@@ -1,0 +1,343 @@
+"""Hostile config files: none may stall, exhaust or leak; each takes the one-line error path.
+
+Each file is tried three ways: at start-up (exit 2, one line on stderr), with
+``--check-config`` (exit 1, one line) and on a live reload (old config kept,
+``config_reload_rejected`` logged, ``smg_sidecar_config_reload_total{result="error"}``).
+The command-line runs get the pod's 512 MiB memory limit as an address-space limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from sidecar.app import Sidecar
+from sidecar.config import MAX_CONFIG_BYTES, parse_settings
+from tests.test_reload import CONFIG_A, CONFIG_B, ConfigMapDir, eventually, value
+
+SECRET = "$6$Zq9sEcReT$hUnTeR2hashhashhashhashhash"
+
+# The classic "billion laughs": 9 levels of 9 aliases, a billion strings from 380 bytes.
+ALIAS_BOMB = "\n".join(
+    ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    + [f"{c}: &{c} [{','.join(['*' + p] * 9)}]"
+       for p, c in zip("abcdefgh", "bcdefghi", strict=True)]
+) + "\n"
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A hostile file, how to write it, and what its one-line error must say."""
+
+    write: Callable[[Path], None]
+    reason: str
+    key: str | None = None
+
+
+def _text(text: str) -> Callable[[Path], None]:
+    return lambda p: p.write_text(text)
+
+
+def _sixty_megabytes(p: Path) -> None:
+    line = b"  bulk: {queue_size: 1}  # " + b"x" * 100 + b"\n"
+    with p.open("wb") as fh:
+        fh.write(b"classes:\n")
+        fh.write(line * (60 * 1024 * 1024 // len(line)))
+
+
+def _shadow(p: Path) -> None:
+    # What /etc/shadow looks like; each line is a YAML mapping key with a null value.
+    p.write_text(f"root:{SECRET}:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n")
+
+
+BAD = {
+    "alias_bomb": Bad(_text(ALIAS_BOMB), "anchors and aliases are not allowed", "a"),
+    "big_int": Bad(_text("classes:\n  bulk:\n    queue_size: " + "1" * 4301 + "\n"),
+                   "number longer than 64 characters", "classes.bulk.queue_size"),
+    "deep_nesting": Bad(_text("classes: " + "[" * 5000 + "]" * 5000 + "\n"),
+                        "nested deeper than 32 levels", "classes[0]"),
+    "sixty_mb": Bad(_sixty_megabytes, f"larger than {MAX_CONFIG_BYTES} bytes"),
+    "not_yaml_secret": Bad(_text(f"password: {SECRET}: x\nuser: admin\n"),
+                           "invalid YAML: mapping values are not allowed here at line 1"),
+    "shadow_like": Bad(_shadow, "unknown key (expected: classes, tenant_policies)", "?"),
+}
+
+
+def _assert_one_line(line: str, path: Path, bad: Bad) -> None:
+    assert str(path) in line and bad.reason in line, line
+    if bad.key is not None:
+        assert f"{path}: {bad.key}" in line, line
+    assert SECRET not in line and "lol" not in line and "1111111111" not in line, line
+    assert len(line) < 400, len(line)
+
+
+def _limit_memory() -> None:
+    # The pod's 512 Mi limit, as address space (the alias bomb used 1.1-1.4 GB).
+    resource.setrlimit(resource.RLIMIT_AS, (512 * 1024 * 1024, 512 * 1024 * 1024))
+
+
+def _cli(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True,
+                          text=True, timeout=60, preexec_fn=_limit_memory)
+    return proc, time.monotonic() - start
+
+
+def _config_path(tmp_path: Path, name: str) -> Path:
+    """The hostile file, behind a symlink as a ConfigMap mount (or a hostile path) has it."""
+    target = tmp_path / f"{name}.data"
+    BAD[name].write(target)
+    link = tmp_path / "priority.yaml"
+    link.symlink_to(target)
+    return link
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_start_up_refuses_in_one_line(tmp_path: Path, name: str) -> None:
+    path = _config_path(tmp_path, name)
+    proc, took = _cli("--priority-scheduler-enabled", "--priority-scheduler-config", str(path),
+                      "--grpc-listen", "127.0.0.1:1", "--http-listen", "127.0.0.1:1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("priority-sidecar: config error: ")
+    _assert_one_line(lines[0], path, BAD[name])
+    assert took < 15, took
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_check_config_refuses_in_one_line(tmp_path: Path, name: str) -> None:
+    path = _config_path(tmp_path, name)
+    proc, took = _cli("--check-config", str(path))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    _assert_one_line(lines[0], path, BAD[name])
+    assert took < 15, took
+
+
+def test_a_fifo_or_device_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero"):
+        proc, _ = _cli("--check-config", path)
+        assert proc.returncode == 1
+        assert proc.stderr.strip() == f"priority-sidecar: config error: {path}: not a regular file"
+
+
+# ----------------------------------------------------------------------------- reload
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[tuple[Sidecar, ConfigMapDir]]:
+    cm = ConfigMapDir(tmp_path)
+    app = Sidecar(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
+        "--worker-capacity-override", "1", "--config-poll-secs", "0.05",
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
+    await app.start()
+    yield app, cm
+    await app.stop()
+
+
+class LoopLag:
+    """Largest delay of a 10 ms ticker: how long the event loop was not serving."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(0.01)
+            self.worst = max(self.worst, loop.time() - before - 0.01)
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.ensure_future(self._tick())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+def _rejections(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == "config_reload_rejected"]
+
+
+def _swap_bad(cm: ConfigMapDir, name: str) -> None:
+    """Like ConfigMapDir.swap, with the hostile file written by its own writer."""
+    cm.n += 1
+    version = cm.root / f"..2026_12_02_{cm.n}"
+    version.mkdir()
+    BAD[name].write(version / "priority.yaml")
+    tmp = cm.root / "..data_tmp"
+    os.symlink(version.name, tmp)
+    os.replace(tmp, cm.root / "..data")
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+async def test_reload_rejects_and_keeps_the_old_config(
+        running: tuple[Sidecar, ConfigMapDir], name: str) -> None:
+    app, cm = running
+    assert app.watcher is not None
+    kept = app.watcher.current.digest
+    with capture_logs() as logs, LoopLag() as lag:
+        _swap_bad(cm, name)
+        await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
+                                       result="error") == 1, timeout=5)
+    assert lag.worst < 0.5, lag.worst
+    assert value(app, "smg_sidecar_config_generation") == 1
+    assert value(app, "smg_sidecar_config_reload_total", result="ok") == 0
+    assert app.watcher.current.digest == kept
+    [rejected] = _rejections(logs)
+    bad = BAD[name]
+    assert bad.reason in rejected["reason"] and rejected["kept_sha256"] == kept
+    assert rejected["file"] == cm.path
+    assert rejected["key"] is None if bad.key is None else rejected["key"].startswith(bad.key)
+    for entry in logs:  # every line it logged is short and holds no file content
+        line = json.dumps(entry, default=str)
+        assert len(line) < 1000 and SECRET not in line and "lol" not in line, line
+    # Still watching: a good file is applied afterwards.
+    cm.swap(CONFIG_B)
+    await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
+
+
+async def test_in_place_write_is_applied_only_once_it_reads_the_same_twice(
+        tmp_path: Path) -> None:
+    path = tmp_path / "priority.yaml"
+    path.write_text(CONFIG_A)
+    app = Sidecar(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", str(path),
+        "--worker-capacity-override", "1", "--config-poll-secs", "3600",
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]))
+    await app.start()
+    try:
+        w = app.watcher
+        assert w is not None
+        # `cat > priority.yaml`, caught between its writes: the first half is
+        # valid on its own (it drops the tenant policy), so it must not apply.
+        cut = CONFIG_B.index("tenant_policies:")
+        with path.open("w") as fh:
+            fh.write(CONFIG_B[:cut])
+            fh.flush()
+            assert await w.check() is False  # poll 1: seen once
+            fh.write(CONFIG_B[cut:])
+        assert await w.check() is False  # poll 2: changed since poll 1
+        assert value(app, "smg_sidecar_config_generation") == 1
+        assert await w.check() is True  # poll 3: same as poll 2
+        assert set(w.current.tenant_policies) == {"auth:vip"}
+        assert value(app, "smg_sidecar_config_generation") == 2
+        assert value(app, "smg_sidecar_config_reload_total", result="error") == 0
+
+        # SIGHUP reads twice, half a second apart: a write finishing in between is
+        # not applied by it, and the next polls pick up the finished file.
+        with path.open("w") as fh:
+            fh.write(CONFIG_A[:-40])
+            fh.flush()
+            forced = asyncio.ensure_future(app.reload_now())
+            await eventually(lambda: w._seen is not None)
+            fh.write(CONFIG_A[-40:])
+        assert await forced is False
+        assert value(app, "smg_sidecar_config_generation") == 2
+        assert await w.check() is True
+        assert w.current.tenant_policies == {}
+        assert value(app, "smg_sidecar_config_reload_total", result="error") == 0
+    finally:
+        await app.stop()
+
+
+async def test_sighup_wakes_the_watcher(running: tuple[Sidecar, ConfigMapDir]) -> None:
+    app, cm = running
+    assert app.watcher is not None
+    app.watcher.interval = 3600
+    await asyncio.sleep(0.1)  # let the watcher enter its long wait
+    cm.swap(CONFIG_B)
+    app.request_reload()
+    await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2, timeout=3)
+
+
+def _tenants(n: int) -> str:
+    return "tenant_policies:\n" + "".join(
+        f'  "auth:t{i:07d}": {{max_class: interactive}}\n' for i in range(n))
+
+
+async def test_a_parse_over_its_deadline_is_rejected_and_never_doubled(
+        running: tuple[Sidecar, ConfigMapDir]) -> None:
+    app, cm = running
+    w = app.watcher
+    assert w is not None
+    big = _tenants(20_000)  # valid, near the size cap: about a second or two to parse
+    assert len(big) < MAX_CONFIG_BYTES
+    w.deadline = 0.05
+    with capture_logs() as logs, LoopLag() as lag:
+        cm.swap(big)
+        await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
+                                       result="error") == 1, timeout=5)
+        [rejected] = _rejections(logs)
+        assert "reload deadline" in rejected["reason"]
+        # The parse thread cannot be stopped; until it ends no second one starts.
+        assert w._worker is not None and not w._worker.done()
+        assert await app.reload_now() is False
+        assert any(e["event"] == "config_reload_busy" for e in logs)
+        await eventually(lambda: w._worker is not None and w._worker.done(), timeout=30)
+    # Parsing in a thread left the loop serving; on the loop this parse stalls it
+    # for seconds. The lag left is the parser's garbage collection under a busy CPU.
+    assert lag.worst < 1.0, lag.worst
+    w.deadline = 30
+    assert await app.reload_now() is True
+    assert len(w.current.tenant_policies) == 20_000
+    assert value(app, "smg_sidecar_config_reload_total", result="error") == 1
+
+
+def test_sighup_to_the_process_applies_a_finished_file(tmp_path: Path) -> None:
+    cm = ConfigMapDir(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "--priority-scheduler-enabled",
+         "--priority-scheduler-config", cm.path, "--worker-capacity-override", "1",
+         "--config-poll-secs", "3600", "--grpc-listen", "127.0.0.1:0",
+         "--http-listen", "127.0.0.1:0", "--log-format", "json"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 30
+        for line in proc.stderr:  # the first lines are start-up; "started" names the port
+            assert time.monotonic() < deadline
+            event = json.loads(line)
+            if event["event"] == "started":
+                break
+        metrics = f"http://{event['http']}/metrics"
+
+        def generation() -> float:
+            with urllib.request.urlopen(metrics, timeout=5) as r:
+                text = r.read().decode()
+            return float(text.split("\nsmg_sidecar_config_generation ")[1].split()[0])
+
+        assert generation() == 1
+        cm.swap(CONFIG_B)
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while generation() != 2:
+            assert time.monotonic() < deadline, "SIGHUP did not reload"
+            time.sleep(0.05)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
