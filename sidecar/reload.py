@@ -47,8 +47,9 @@ from sidecar.config import (
 log = logs.get("sidecar.reload")
 
 RELOAD_DEADLINE_SECS = 10.0
-"""Longest a reload may take to read and parse. A valid 1 MiB file parses in
-about 2 s on one busy core; real ones are a few KiB and take milliseconds."""
+"""Longest a reload may take to read and parse. The largest file the loader's
+caps allow parses in about 2 s on a busy core (30 MB of memory); real ones
+are a few KiB and take milliseconds."""
 SIGHUP_SETTLE_SECS = 0.5
 """SIGHUP's second read comes this long after the first (or one poll interval, if shorter)."""
 
