@@ -26,7 +26,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from sidecar.app import Sidecar
-from sidecar.config import MAX_CONFIG_BYTES, MAX_NODES, parse_settings
+from sidecar.config import (
+    MAX_CONFIG_BYTES,
+    MAX_NODES,
+    ConfigError,
+    parse_priority_config,
+    parse_settings,
+)
 from tests.test_reload import CONFIG_A, CONFIG_B, ConfigMapDir, eventually, value
 
 SECRET = "$6$Zq9sEcReT$hUnTeR2hashhashhashhashhash"
@@ -106,6 +112,31 @@ def _config_path(tmp_path: Path, name: str) -> Path:
     link = tmp_path / "priority.yaml"
     link.symlink_to(target)
     return link
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    # Explicit tags on the wrong text: once a ValueError or AttributeError traceback.
+    ("classes:\n  bulk:\n    queue_size: !!int twelve\n",
+     "f.yaml: invalid YAML: not an integer at line 3, column 17"),
+    ("classes: !!float x\n", "f.yaml: invalid YAML: not a number at line 1, column 10"),
+    ("classes: !!timestamp x\n", "f.yaml: cannot be parsed (AttributeError)"),
+    # A one-character quote stays, a tag or a key that is not a plain name does not.
+    ("classes:\n\tbulk: 1\n", "f.yaml: invalid YAML: while scanning for the next token "
+     "found character '\\t' that cannot start any token at line 2, column 1"),
+    (f"classes: !{SECRET} x\n", "f.yaml: invalid YAML: could not determine a constructor "
+     "for the tag '...' at line 1, column 10"),
+    (f"root:{SECRET}::\nroot:{SECRET}::\n",
+     "f.yaml: invalid YAML: duplicate key '...' (line 2) at line 2, column 1"),
+    ("classes: 1\nclasses: 2\n",
+     "f.yaml: invalid YAML: duplicate key 'classes' (line 2) at line 2, column 1"),
+    # A value is quoted, to 80 characters.
+    ("classes:\n  bulk:\n    queue_size: '" + "x" * 10_000 + "'\n",
+     "f.yaml: classes.bulk.queue_size: must be an integer, got '" + "x" * 78 + "\u2026"),
+])
+def test_errors_quote_nothing_unbounded(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_priority_config(text, "f.yaml")
+    assert str(err.value) == message
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
