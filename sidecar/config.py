@@ -35,7 +35,7 @@ from sidecar.classes import HIGH_TO_LOW, PriorityClass, parse_default_max_class
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest priority.yaml accepted (a ConfigMap cannot hold more); refused before parsing."""
 MAX_DEPTH = 32
-"""Deepest nesting accepted; priority.yaml needs 4 (classes.bulk.queue_size is 3)."""
+"""Deepest nesting accepted; a priority.yaml uses 4 (document, classes, a class, a field)."""
 MAX_NODES = 50_000
 """Most YAML nodes (scalars, lists, mappings) accepted: a 1 MiB flow list of numbers
 has 500,000 and took 360 MB and 14 s to parse. A tenant policy costs 4 nodes,
@@ -75,9 +75,8 @@ class ConfigError(Exception):
         self.file = file
         self.key = None if key is None else clip(key, 2 * QUOTE_CHARS)
         self.reason = clip(reason, 4 * QUOTE_CHARS)
-        file, key, reason = self.file, self.key, self.reason
-        where = ": ".join(p for p in (file, key) if p)
-        super().__init__(f"{where}: {reason}" if where else reason)
+        where = ": ".join(p for p in (self.file, self.key) if p)
+        super().__init__(f"{where}: {self.reason}" if where else self.reason)
 
 
 @dataclass(frozen=True, slots=True)
