@@ -235,8 +235,10 @@ async def test_reload_rejects_and_keeps_the_old_config(
     with capture_logs() as logs, LoopLag() as lag:
         _swap_bad(cm, name)
         await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
-                                       result="error") == 1, timeout=5)
-    assert lag.worst < 0.5, lag.worst
+                                       result="error") == 1, timeout=15)
+    # Most are refused in milliseconds; 50,000 values take a second or two to
+    # compose, in a thread, with only the parser's garbage collection in the way.
+    assert lag.worst < 1.0, lag.worst
     assert value(app, "smg_sidecar_config_generation") == 1
     assert value(app, "smg_sidecar_config_reload_total", result="ok") == 0
     assert app.watcher.current.digest == kept
