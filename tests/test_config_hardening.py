@@ -299,14 +299,19 @@ async def test_in_place_write_is_applied_only_once_it_reads_the_same_twice(
         await app.stop()
 
 
-async def test_sighup_wakes_the_watcher(running: tuple[Sidecar, ConfigMapDir]) -> None:
-    app, cm = running
-    assert app.watcher is not None
-    app.watcher.interval = 3600
-    await asyncio.sleep(0.1)  # let the watcher enter its long wait
-    cm.swap(CONFIG_B)
-    app.request_reload()
-    await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2, timeout=3)
+async def test_sighup_wakes_the_watcher(tmp_path: Path) -> None:
+    cm = ConfigMapDir(tmp_path)
+    app = Sidecar(parse_settings([  # polls never come: only SIGHUP can see the change
+        "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
+        "--worker-capacity-override", "1", "--config-poll-secs", "3600",
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]))
+    await app.start()
+    try:
+        cm.swap(CONFIG_B)
+        app.request_reload()  # what the SIGHUP handler calls
+        await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2, timeout=3)
+    finally:
+        await app.stop()
 
 
 def _tenants(n: int) -> str:
