@@ -5,10 +5,12 @@ from dataclasses import replace
 import pytest
 
 from sidecar.classes import PriorityClass
-from sidecar.config import BUILTIN_CLASSES, ClassConfig
 from sidecar.ratelimit import TokenBucket, build_bucket
 from sidecar.scheduler import (
+    BUILTIN_CLASSES,
     Admitted,
+    ClassSettings,
+    Decision,
     LegacyAdmission,
     Outcome,
     Preempted,
@@ -27,9 +29,9 @@ S, I, D, B = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEF
               PriorityClass.BULK)
 
 
-def flat(**per_class: dict[str, object]) -> dict[PriorityClass, ClassConfig]:
+def flat(**per_class: dict[str, object]) -> dict[PriorityClass, ClassSettings]:
     """No reservations, generous queues, unless overridden per class."""
-    base = ClassConfig(reserved_floor=0, reserved_per_slot=0.0, queue_size=10,
+    base = ClassSettings(reserved_floor=0, reserved_per_slot=0.0, queue_size=10,
                        queue_timeout_secs=10.0, starvation_threshold_secs=5.0, can_preempt=False)
     out = {c: base for c in PriorityClass}
     for name, fields in per_class.items():
@@ -273,16 +275,23 @@ def test_starvation_does_not_bypass_when_strict_would_admit_anyway() -> None:
 # ---------------------------------------------------------------- preemption
 
 
-def preempt_cfg() -> dict[PriorityClass, ClassConfig]:
+def preempt_cfg() -> dict[PriorityClass, ClassSettings]:
     return flat(interactive={"can_preempt": True}, system={"can_preempt": True})
+
+
+def arrive_reachable(s: Scheduler, id: str, cls: PriorityClass) -> Decision:
+    """Arrive, and open the stop channel at once if admitted, as the sidecar's ext_proc does."""
+    decision = s.arrive(id, cls, "t")
+    s.mark_preemptible(id)
+    return decision
 
 
 def test_preempts_most_recent_lowest_class_without_first_byte() -> None:
     s = Scheduler(preempt_cfg(), 4, FakeClock())
-    s.arrive("d1", D, "t")
-    s.arrive("b1", B, "t")
-    s.arrive("b2", B, "t")
-    s.arrive("b3", B, "t")
+    arrive_reachable(s, "d1", D)
+    arrive_reachable(s, "b1", B)
+    arrive_reachable(s, "b2", B)
+    arrive_reachable(s, "b3", B)
     s.mark_first_byte("b3")  # streaming already: not preemptible
     s.take_events()
     d = s.arrive("i1", I, "t")
@@ -299,16 +308,16 @@ def test_preempts_most_recent_lowest_class_without_first_byte() -> None:
 
 def test_preemption_takes_lowest_class_before_recency() -> None:
     s = Scheduler(preempt_cfg(), 2, FakeClock())
-    s.arrive("b1", B, "t")
-    s.arrive("d1", D, "t")  # more recent but a higher class than b1
+    arrive_reachable(s, "b1", B)
+    arrive_reachable(s, "d1", D)  # more recent but a higher class than b1
     s.arrive("s1", S, "t")
     assert not s.is_admitted("b1") and s.is_admitted("d1")
 
 
 def test_preemption_only_strictly_lower_and_at_most_one() -> None:
     s = Scheduler(preempt_cfg(), 2, FakeClock())
-    s.arrive("i1", I, "t")
-    s.arrive("i2", I, "t")
+    arrive_reachable(s, "i1", I)
+    arrive_reachable(s, "i2", I)
     assert isinstance(s.arrive("i3", I, "t"), Queued)  # same class: no victim
     s.take_events()
     assert isinstance(s.arrive("s1", S, "t"), Admitted)  # one interactive preempted
@@ -318,7 +327,7 @@ def test_preemption_only_strictly_lower_and_at_most_one() -> None:
 
 def test_no_preemption_without_permission_or_victim() -> None:
     s = Scheduler(preempt_cfg(), 1, FakeClock())
-    s.arrive("b1", B, "t")
+    arrive_reachable(s, "b1", B)
     assert isinstance(s.arrive("d1", D, "t"), Queued)  # default cannot preempt
     s.mark_first_byte("b1")
     assert isinstance(s.arrive("i1", I, "t"), Queued)  # victim already streaming
@@ -336,6 +345,7 @@ def test_preemption_keeps_fifo_within_class() -> None:
     s.arrive("b4", B, "t")
     s.release("b2")  # i... nothing queued in I; b3 admitted
     assert s.is_admitted("b3")
+    s.mark_preemptible("b3")
     # now b3 has no first byte; a new interactive arrival with i2 queued ahead
     s.take_events()
     assert isinstance(s.arrive("i2", I, "t"), Admitted)  # preempts b3, I queue empty
@@ -344,7 +354,7 @@ def test_preemption_keeps_fifo_within_class() -> None:
 def test_no_preemption_when_over_capacity_after_shrink() -> None:
     s = Scheduler(preempt_cfg(), 3, FakeClock())
     for i in range(3):
-        s.arrive(f"b{i}", B, "t")
+        arrive_reachable(s, f"b{i}", B)
     s.set_capacity(1)
     assert isinstance(s.arrive("i1", I, "t"), Queued)  # one victim would not make room
     assert s.inflight() == 3  # in-flight requests drain, not cancelled
@@ -468,16 +478,16 @@ def test_bucket_only_with_positive_rate_and_limit() -> None:
 
 
 def test_preemption_candidates_only_once_reachable() -> None:
-    s = Scheduler(preempt_cfg(), 2, FakeClock(), preemptible_on_admit=False)
+    s = Scheduler(preempt_cfg(), 2, FakeClock())
     s.arrive("b1", B, "t")
     s.arrive("b2", B, "t")
     assert isinstance(s.arrive("i1", I, "t"), Queued)  # no stop channel: no victim
-    assert s.mark_reachable("b1")
+    assert s.mark_preemptible("b1")
     assert isinstance(s.arrive("i2", I, "t"), Queued)  # FIFO: i1 takes the freed slot
     assert s.is_admitted("i1") and not s.is_admitted("b1")
     s.mark_first_byte("b2")
-    assert not s.mark_reachable("b2")  # streaming already
-    assert not s.mark_reachable("nobody")
+    assert not s.mark_preemptible("b2")  # streaming already
+    assert not s.mark_preemptible("nobody")
 
 
 def test_adopt_counts_running_streams_after_restart() -> None:
@@ -514,12 +524,12 @@ def test_legacy_adopt() -> None:
 def test_queued_preempting_head_uses_a_victim_that_becomes_reachable() -> None:
     # The victims' stop channels open just after they are admitted: an interactive
     # request queued in between must not wait for its timeout.
-    s = Scheduler(preempt_cfg(), 2, FakeClock(), preemptible_on_admit=False)
+    s = Scheduler(preempt_cfg(), 2, FakeClock())
     s.arrive("b1", B, "t")
     s.arrive("b2", B, "t")
     assert isinstance(s.arrive("i1", I, "t"), Queued)
     s.take_events()
-    assert s.mark_reachable("b1")
+    assert s.mark_preemptible("b1")
     events = s.take_events()
     assert [type(e) for e in events] == [Preempted, Released, Admitted]
     assert s.is_admitted("i1") and not s.is_admitted("b1")
@@ -531,14 +541,14 @@ def test_slot_freed_by_preemption_goes_to_the_preempting_class() -> None:
     clock = FakeClock()
     cfg = flat(interactive={"can_preempt": True, "queue_timeout_secs": 100.0},
                bulk={"starvation_threshold_secs": 1.0, "queue_timeout_secs": 100.0})
-    s = Scheduler(cfg, 2, clock, preemptible_on_admit=False)
+    s = Scheduler(cfg, 2, clock)
     s.arrive("b1", B, "t")
     s.arrive("b2", B, "t")
     s.arrive("bq", B, "t")  # will be starved
     s.arrive("i1", I, "t")
     clock.advance(5.0)
     s.tick()
-    s.mark_reachable("b2")
+    s.mark_preemptible("b2")
     # b2 was preempted for the interactive head, not for the starved bulk request
     assert s.is_admitted("i1") and not s.is_admitted("bq")
     assert s.queued_ids(B) == ["bq"]
@@ -570,14 +580,14 @@ def test_deadline_heap_stays_bounded_under_churn() -> None:
     for i in range(10_000):
         s.arrive(f"w{i}", B, "t")
         s.cancel(f"w{i}")
-    assert len(s._deadlines) <= 2 * 1 + 64 + 1
+    assert s._queues.heap_size <= 2 * 1 + 64 + 1
 
 
 def test_queued_head_does_not_undo_a_starvation_promotion() -> None:
     clock = FakeClock()
     cfg = flat(interactive={"can_preempt": True, "queue_timeout_secs": 100.0},
                bulk={"starvation_threshold_secs": 2.0, "queue_timeout_secs": 100.0})
-    s = Scheduler(cfg, 1, clock, preemptible_on_admit=False)
+    s = Scheduler(cfg, 1, clock)
     s.arrive("d", D, "t")
     s.mark_first_byte("d")  # streaming: not a victim
     s.arrive("b", B, "t")
@@ -586,7 +596,7 @@ def test_queued_head_does_not_undo_a_starvation_promotion() -> None:
     clock.advance(1.5)  # b is starved
     s.release("d")
     assert s.is_admitted("b")  # the starvation rule goes first
-    s.mark_reachable("b")  # b was admitted after i queued: i may not take it back
+    s.mark_preemptible("b")  # b was admitted after i queued: i may not take it back
     assert s.is_admitted("b") and s.queued_ids(I) == ["i"]
 
 
@@ -598,7 +608,7 @@ def test_preempting_arrival_dispatches_classes_below() -> None:
                interactive={"can_preempt": True})
     s = Scheduler(cfg, 10, FakeClock())
     for rid, cls in [("s1", S), ("s2", S), ("b1", B), ("b2", B)]:
-        s.arrive(rid, cls, "t")
+        arrive_reachable(s, rid, cls)
     s.set_capacity(4)  # full, with one system slot still held back
     assert s.available(I) == -1
     assert isinstance(s.arrive("i1", I, "t"), Queued)

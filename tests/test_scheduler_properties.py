@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.config import ClassConfig
 from sidecar.scheduler import (
     Admitted,
+    ClassSettings,
     Outcome,
     Preempted,
     Queued,
@@ -57,7 +57,7 @@ class CheckedScheduler(Scheduler):
 
 
 class_config = st.builds(
-    ClassConfig,
+    ClassSettings,
     reserved_floor=st.integers(0, 4),
     reserved_per_slot=st.sampled_from([0.0, 0.1, 0.25, 0.5]),
     queue_size=st.integers(0, 4),
@@ -84,7 +84,7 @@ ops = st.lists(
 
 
 @given(cfg=configs, capacity=st.integers(0, 12), steps=ops, on_admit=st.booleans())
-def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
+def test_invariants(cfg: dict[PriorityClass, ClassSettings], capacity: int,
                     steps: list[tuple[str, Any]], on_admit: bool) -> None:
     clock = FakeClock()
     # on_admit False is the sidecar's mode: candidates only once a stop channel exists.
@@ -147,7 +147,7 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
         elif op == "first_byte" and live:
             s.mark_first_byte(live[arg % len(live)])
         elif op == "reachable" and live:
-            s.mark_reachable(live[arg % len(live)])
+            s.mark_preemptible(live[arg % len(live)])
         elif op == "capacity":
             s.set_capacity(arg)
         elif op == "adopt":
@@ -188,7 +188,7 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(1, 4000), shrink_to=st.integers(0, 4000))
 def test_reservations_after_any_capacity_change(capacity: int, shrink_to: int) -> None:
-    from sidecar.config import BUILTIN_CLASSES
+    from sidecar.scheduler import BUILTIN_CLASSES
 
     s = Scheduler(BUILTIN_CLASSES, capacity, FakeClock())
     s.set_capacity(shrink_to)
