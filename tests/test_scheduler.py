@@ -5,11 +5,14 @@ from dataclasses import replace
 import pytest
 
 from sidecar.classes import PriorityClass
+from sidecar.metrics import Metrics
 from sidecar.ratelimit import TokenBucket, build_bucket
 from sidecar.scheduler import (
     BUILTIN_CLASSES,
+    TRANSITIONS,
     Admitted,
     ClassSettings,
+    ClassSnapshot,
     Decision,
     LegacyAdmission,
     Outcome,
@@ -19,6 +22,9 @@ from sidecar.scheduler import (
     Released,
     ReleaseResult,
     Scheduler,
+    Snapshot,
+    State,
+    capacity_pressure,
     desired_reservations,
     reservations_fit,
     scaled_reservations,
@@ -405,6 +411,51 @@ def test_snapshot() -> None:
     assert snap.classes[B].queue_limit == 1024
 
 
+# ---------------------------------------------------------------- capacity pressure
+
+
+def snap(capacity: int, **per_class: tuple[int, int, int, int]) -> Snapshot:
+    """Per class (inflight, queue_depth, queue_limit, reserved); unnamed classes idle."""
+    classes = {c: ClassSnapshot(0, 0, 10, 0) for c in PriorityClass}
+    for name, values in per_class.items():
+        cls = PriorityClass.from_name(name)
+        assert cls is not None
+        classes[cls] = ClassSnapshot(*values)
+    return Snapshot(capacity, sum(c.inflight for c in classes.values()), classes)
+
+
+def test_capacity_pressure_worked_numbers() -> None:
+    # Capacity 256 with the built-in reservations 32/128/26/0.
+    s = snap(256, system=(0, 0, 64, 32), interactive=(100, 0, 256, 128),
+             default=(40, 0, 512, 26), bulk=(50, 10, 1024, 0))
+    assert capacity_pressure(s, S) == 0.0  # inside its reservation, queue empty
+    assert capacity_pressure(s, I) == 0.0
+    # default: 14 beyond its own 26, over what system and interactive leave: 256-32-128 = 96
+    assert capacity_pressure(s, D) == pytest.approx(14 / 96)
+    # bulk: 50 beyond 0, over 256-32-128-26 = 70; its queue fill 10/1024 is lower
+    assert capacity_pressure(s, B) == pytest.approx(50 / 70)
+
+
+def test_capacity_pressure_queue_fill_and_bounds() -> None:
+    assert capacity_pressure(snap(8, bulk=(0, 3, 4, 0)), B) == pytest.approx(0.75)
+    assert capacity_pressure(snap(8, bulk=(0, 9, 4, 0)), B) == 1.0  # never above 1
+    assert capacity_pressure(snap(8, bulk=(0, 5, 0, 0)), B) == 0.0  # limit 0: no fill term
+    # Nothing left above (capacity 0 after a shrink): divide by 1, capped at 1.
+    assert capacity_pressure(snap(0, bulk=(3, 0, 4, 0)), B) == 1.0
+    assert capacity_pressure(snap(10, system=(0, 0, 4, 10), bulk=(0, 0, 4, 0)), B) == 0.0
+
+
+def test_metrics_report_the_contract_capacity_pressure() -> None:
+    s = Scheduler(BUILTIN_CLASSES, 256, FakeClock())
+    for i in range(40):
+        s.arrive(f"d{i}", D, "t")
+    metrics = Metrics(tenant_top_n=32)
+    metrics.watch(s.snapshot)
+    value = metrics.registry.get_sample_value("smg_scheduler_class_capacity_pressure",
+                                              {"class": "default"})
+    assert value == pytest.approx(14 / 96) == capacity_pressure(s.snapshot(), D)
+
+
 # ---------------------------------------------------------------- legacy
 
 
@@ -488,6 +539,27 @@ def test_preemption_candidates_only_once_reachable() -> None:
     s.mark_first_byte("b2")
     assert not s.mark_preemptible("b2")  # streaming already
     assert not s.mark_preemptible("nobody")
+
+
+def test_state_of_follows_the_lifecycle_table() -> None:
+    s = Scheduler(preempt_cfg(), 1, FakeClock())
+    s.arrive("b1", B, "t")
+    assert s.state_of("b1") is State.ADMITTED  # the sidecar's mode: no stop channel yet
+    assert s.mark_preemptible("b1") and s.state_of("b1") is State.PREEMPTIBLE
+    assert isinstance(s.arrive("d1", D, "t"), Queued) and s.state_of("d1") is State.QUEUED
+    assert s.mark_first_byte("b1") and s.state_of("b1") is State.STARTED
+    assert not s.mark_preemptible("b1")  # STARTED has no way back
+    s.release("b1")
+    assert s.state_of("b1") is None and s.state_of("d1") is State.ADMITTED
+    assert set(TRANSITIONS) == set(State)
+
+
+def test_preemptible_on_admit_makes_every_admission_a_candidate_at_once() -> None:
+    s = Scheduler(preempt_cfg(), 1, FakeClock(), preemptible_on_admit=True)
+    s.arrive("b1", B, "t")
+    assert s.state_of("b1") is State.PREEMPTIBLE
+    d = s.arrive("i1", I, "t")
+    assert isinstance(d, Admitted) and d.preempted and not s.is_admitted("b1")
 
 
 def test_adopt_counts_running_streams_after_restart() -> None:
