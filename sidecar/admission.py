@@ -5,9 +5,10 @@ that a gRPC handler can hold open while its request is queued, and that undoes
 itself when the call is cancelled (the client went away). It owns the two
 things that keep slot accounting exact whatever fails:
 
-* **Leases.** Every admission has a lease; completion entries renew it and the
-  final one releases it. A lease that is not renewed in time is reclaimed, so a
-  lost completion cannot leak a slot forever.
+* **Leases** (:class:`~sidecar.scheduler.leases.Leases`). Every admission has a
+  lease; completion entries renew it and the final one releases it. A lease that
+  is not renewed in time is reclaimed, so a lost completion cannot leak a slot
+  forever.
 * **Idempotent release by admission id.** The core ignores a second release
   and counts it; nothing here keeps a second copy of "who is in flight".
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -46,6 +46,7 @@ from sidecar.scheduler import (
     ReleaseReason,
     ReleaseResult,
 )
+from sidecar.scheduler.leases import Leases
 
 
 class Denied(Exception):
@@ -98,16 +99,13 @@ class AdmissionController:
         id_factory: Callable[[], str] = new_admission_id,
     ) -> None:
         self.core = core
-        self._lease_secs = lease_secs
         self._bucket = bucket
         self._listeners = list(listeners)
         self._stats = stats
         self._clock = clock
         self._new_id = id_factory
         self._waiters: dict[str, asyncio.Future[Admitted]] = {}
-        # Expiry order equals renewal order (expiry = now + a fixed TTL), so an
-        # OrderedDict with move_to_end keeps the earliest expiry at the front.
-        self._leases: OrderedDict[str, float] = OrderedDict()
+        self._leases = Leases(lease_secs)
         # The stop signal of every admission with an open stop channel.
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -171,16 +169,13 @@ class AdmissionController:
         when the entry names its class, so capacity in use is known again within
         one flush interval. False if it was neither renewed nor adopted.
         """
-        if aid not in self._leases:
+        if not self._leases.renew(aid, self._clock()):
             if cls is None or not self.core.adopt(aid, cls, tenant):
                 return False
             self._apply_events()  # its Admitted event creates the lease
             log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
             if self._stats is not None:
                 self._stats.adopted(cls)
-            return True
-        self._leases[aid] = self._clock() + self._lease_secs
-        self._leases.move_to_end(aid)
         return True
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
@@ -241,7 +236,7 @@ class AdmissionController:
             for e in events:
                 if isinstance(e, Admitted):
                     aid = e.admission.id
-                    self._leases[aid] = now + self._lease_secs
+                    self._leases.grant(aid, now)
                     fut = self._waiters.get(aid)
                     if fut is not None and not fut.done():
                         fut.set_result(e)
@@ -250,7 +245,7 @@ class AdmissionController:
                     if fut is not None and not fut.done():
                         fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
                 elif isinstance(e, Released):
-                    self._leases.pop(e.admission.id, None)
+                    self._leases.drop(e.admission.id)
                     if e.reason == LEASE_EXPIRED and self._stats is not None:
                         self._stats.lease_expired(e.admission.cls)
                 elif isinstance(e, Preempted):
@@ -266,8 +261,8 @@ class AdmissionController:
 
     def _arm_timer(self) -> None:
         due = self.core.next_deadline()
-        if self._leases:
-            lease_due = next(iter(self._leases.values()))
+        lease_due = self._leases.next_expiry()
+        if lease_due is not None:
             due = lease_due if due is None else min(due, lease_due)
         if due is None:
             return
@@ -287,11 +282,6 @@ class AdmissionController:
     def tick(self) -> None:
         """Time passed: queue timeouts, starvation promotions, lease expiry."""
         self.core.tick()
-        now = self._clock()
-        while self._leases:
-            aid, expiry = next(iter(self._leases.items()))
-            if expiry > now:
-                break
-            del self._leases[aid]
+        for aid in self._leases.pop_expired(self._clock()):
             self.core.release(aid, LEASE_EXPIRED)  # counted from its Released event
         self._apply_events()

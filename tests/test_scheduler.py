@@ -13,6 +13,7 @@ from sidecar.scheduler import (
     ClassSettings,
     ClassSnapshot,
     Decision,
+    Leases,
     LegacyAdmission,
     Outcome,
     Preempted,
@@ -453,6 +454,22 @@ def test_metrics_report_the_contract_capacity_pressure() -> None:
     value = metrics.registry.get_sample_value("smg_scheduler_class_capacity_pressure",
                                               {"class": "default"})
     assert value == pytest.approx(14 / 96) == capacity_pressure(s.snapshot(), D)
+
+
+# ---------------------------------------------------------------- leases
+
+
+def test_leases_expire_at_ttl_in_renewal_order() -> None:
+    leases = Leases(10.0)
+    leases.grant("a", 0.0)
+    leases.grant("b", 1.0)
+    assert leases.next_expiry() == 10.0
+    assert leases.renew("a", 5.0) and not leases.renew("stranger", 5.0)
+    assert leases.next_expiry() == 11.0  # b is now the earliest
+    assert leases.pop_expired(10.999) == []
+    assert leases.pop_expired(11.0) == ["b"]  # due exactly at its TTL
+    leases.drop("a")
+    assert len(leases) == 0 and leases.next_expiry() is None and "a" not in leases
 
 
 # ---------------------------------------------------------------- legacy

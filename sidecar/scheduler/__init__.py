@@ -8,6 +8,7 @@ One concept per module:
   state/transition table, its records and the events that report each move.
 * :mod:`~sidecar.scheduler.reservations` — how many slots each class holds back.
 * :mod:`~sidecar.scheduler.queues` — the class queues and their timeouts.
+* :mod:`~sidecar.scheduler.leases` — reclaiming slots whose completion was lost.
 * :mod:`~sidecar.scheduler.priority` — :class:`Scheduler`, the contract's
   priority scheduler.
 * :mod:`~sidecar.scheduler.legacy` — :class:`LegacyAdmission`, the legacy
@@ -29,6 +30,7 @@ from sidecar.scheduler.interface import (
     Snapshot,
     capacity_pressure,
 )
+from sidecar.scheduler.leases import Leases
 from sidecar.scheduler.legacy import LegacyAdmission
 from sidecar.scheduler.lifecycle import (
     LEASE_EXPIRED,
@@ -69,6 +71,7 @@ __all__ = [
     "Clock",
     "Decision",
     "Event",
+    "Leases",
     "LegacyAdmission",
     "Outcome",
     "Preempted",

@@ -29,15 +29,24 @@ PREEMPTIBLE    yes    yes     ``mark_first_byte`` (response headers, or the stre
                               queue with no free slot → preempted [Preempted, Released];
                               ``release`` → a released state [Released].
 STARTED        yes    no      ``release`` → a released state [Released].
-released:      no     no      ``completed`` (the final access-log entry), ``cancelled`` (the
+released:      no     no      ``preempted`` (above), ``completed`` (the final access-log
+                              entry, whatever ended the request), ``cancelled`` (the
                               client left in the instant it was admitted), ``lease_expired``
-                              (no access-log entry within the lease). Only lease_expired has a
-                              way back: ``adopt`` → STARTED, for a stream that kept running
-                              while its heartbeats were lost. Every other end is final.
+                              (no access-log entry within the lease, see :mod:`.leases`).
+                              Only lease_expired has a way back: ``adopt`` → STARTED, for a
+                              stream that kept running while its heartbeats were lost. Every
+                              other end is final.
 =============  =====  ======  ===================================================================
 
 With ``Scheduler(preemptible_on_admit=True)`` (not the sidecar's mode) an
 admission enters PREEMPTIBLE directly instead of ADMITTED.
+
+The adapter's calls, by the arrow they drive: ``AdmissionController.admit`` →
+``arrive`` (and ``cancel``, or ``release(cancelled)``, when the Check is
+cancelled); ``open_stop_channel`` → ``mark_preemptible``; ``mark_first_byte``
+and ``close_stop_channel`` → ``mark_first_byte``; ``release`` → ``release``;
+``renew_or_adopt`` → a lease renewal, or ``adopt``; ``tick`` → the core's
+``tick`` and ``release(lease_expired)`` for every lease due.
 
 :data:`TRANSITIONS` is this table as data; the property tests check every
 move the core makes against it. A slot is held exactly in ADMITTED,
