@@ -36,6 +36,7 @@ class ConfigError(Exception):
 
 # The YAML keys of a class section and their types: the core's fields, in order.
 _CLASS_FIELDS: dict[str, type] = typing.get_type_hints(ClassSettings)
+_CLASS_NAMES = ", ".join(c.label for c in HIGH_TO_LOW)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,9 +231,8 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
         value = policy["max_class"]
         cls = PriorityClass.from_name(value) if isinstance(value, str) else None
         if cls is None:
-            names = ", ".join(c.label for c in HIGH_TO_LOW)
             raise ConfigError(
-                f"unknown class {value!r} (expected one of: {names})",
+                f"unknown class {value!r} (expected one of: {_CLASS_NAMES})",
                 file=file,
                 key=f"{key}.max_class",
             )
@@ -268,9 +268,8 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
             key = f"classes.{name}"
             cls = PriorityClass.from_name(name) if isinstance(name, str) else None
             if cls is None:
-                names = ", ".join(c.label for c in HIGH_TO_LOW)
                 raise ConfigError(
-                    f"unknown class (expected one of: {names})", file=file, key=key
+                    f"unknown class (expected one of: {_CLASS_NAMES})", file=file, key=key
                 )
             classes[cls] = _merge_class(BUILTIN_CLASSES[cls], body, file, key)
     policies = _parse_policies(doc.get("tenant_policies"), file)
