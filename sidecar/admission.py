@@ -18,7 +18,7 @@ for the earliest deadline after every state change.
 The calls here are the arrows of the admission's state table
 (:mod:`sidecar.scheduler.lifecycle`): ``admit`` (arrive, cancel), ``release``,
 ``renew_or_adopt``, ``open_stop_channel`` (→ PREEMPTIBLE), ``mark_first_byte``
-and ``close_stop_channel`` (→ STARTED), and ``tick`` (timeouts, lease expiry).
+and ``close_stop_channel`` (→ STREAMING), and ``tick`` (timeouts, lease expiry).
 """
 
 from __future__ import annotations
@@ -195,12 +195,12 @@ class AdmissionController:
         return fut
 
     def mark_first_byte(self, aid: str) -> bool:
-        """→ STARTED: the response started, so the request can no longer be preempted."""
+        """→ STREAMING: the response started, so the request can no longer be preempted."""
         self._stop_signals.pop(aid, None)
         return self.core.mark_first_byte(aid)
 
     def close_stop_channel(self, aid: str) -> None:
-        """→ STARTED: the stop channel closed, so nothing could deliver a preemption."""
+        """→ STREAMING: the stop channel closed, so nothing could deliver a preemption."""
         self._stop_signals.pop(aid, None)
         self.core.mark_first_byte(aid)
 

@@ -537,8 +537,8 @@ def test_state_of_follows_the_lifecycle_table() -> None:
     assert s.state_of("b1") is State.ADMITTED  # the sidecar's mode: no stop channel yet
     assert s.mark_preemptible("b1") and s.state_of("b1") is State.PREEMPTIBLE
     assert isinstance(s.arrive("d1", D, "t"), Queued) and s.state_of("d1") is State.QUEUED
-    assert s.mark_first_byte("b1") and s.state_of("b1") is State.STARTED
-    assert not s.mark_preemptible("b1")  # STARTED has no way back
+    assert s.mark_first_byte("b1") and s.state_of("b1") is State.STREAMING
+    assert not s.mark_preemptible("b1")  # STREAMING has no way back
     s.release("b1")
     assert s.state_of("b1") is None and s.state_of("d1") is State.ADMITTED
     assert set(TRANSITIONS) == set(State)

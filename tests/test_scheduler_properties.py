@@ -114,7 +114,7 @@ def test_invariants(cfg: dict[PriorityClass, ClassSettings], capacity: int,
         for e in events:
             if isinstance(e, Admitted):
                 aid = e.admission.id
-                move(aid, State.STARTED if e.adopted else on_admit_state)
+                move(aid, State.STREAMING if e.adopted else on_admit_state)
                 assert aid not in decided, "second decision"
                 decided[aid] = "admitted"
                 if e.queued:
@@ -168,7 +168,7 @@ def test_invariants(cfg: dict[PriorityClass, ClassSettings], capacity: int,
         elif op == "first_byte" and live:
             target = live[arg % len(live)]
             if s.mark_first_byte(target):
-                move(target, State.STARTED)
+                move(target, State.STREAMING)
         elif op == "reachable" and live:
             target = live[arg % len(live)]
             was = state[target]

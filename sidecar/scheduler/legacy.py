@@ -2,7 +2,7 @@
 
 Serves when the scheduler is off, or when the reservations do not fit the
 capacity at start-up. It never preempts, so an admission goes ADMITTED →
-STARTED → released (see :mod:`sidecar.scheduler.lifecycle`).
+STREAMING → released (see :mod:`sidecar.scheduler.lifecycle`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class LegacyAdmission:
     def adopt(self, id: str, cls: PriorityClass, tenant: str) -> bool:
         if id in self._admitted or id in self._queue or not self._ended.adoptable(id):
             return False
-        adm = Admission(id, cls, tenant, self.clock(), State.STARTED)
+        adm = Admission(id, cls, tenant, self.clock(), State.STREAMING)
         self._admitted[id] = adm
         self._events.append(Admitted(adm, 0.0, queued=False, adopted=True))
         return True
@@ -97,9 +97,9 @@ class LegacyAdmission:
 
     def mark_first_byte(self, id: str) -> bool:
         adm = self._admitted.get(id)
-        if adm is None or adm.state is State.STARTED:
+        if adm is None or adm.state is State.STREAMING:
             return False
-        adm.state = State.STARTED
+        adm.state = State.STREAMING
         return True
 
     def is_admitted(self, id: str) -> bool:

@@ -14,7 +14,7 @@ state          slot?  victim  leaves by: call (what triggers it in the sidecar) 
                               decision) when its class queue has room; else →
                               rejected_queue_full [Rejected].
                               ``adopt`` (an access-log entry for a stream an earlier process
-                              admitted) → STARTED [Admitted, ``adopted``].
+                              admitted) → STREAMING [Admitted, ``adopted``].
 QUEUED         no     no      dispatch (inside ``release``, ``tick``, ``set_capacity``,
                               ``update_config``, ``mark_preemptible``, ``arrive``, ``cancel``)
                               → ADMITTED [Admitted, ``queued``];
@@ -22,18 +22,18 @@ QUEUED         no     no      dispatch (inside ``release``, ``tick``, ``set_capa
                               ``cancel`` (the client left) → client_cancelled [Rejected].
 ADMITTED       yes    no      ``mark_preemptible`` (its ext_proc stream opened: a channel to
                               stop it exists) → PREEMPTIBLE;
-                              ``mark_first_byte`` (stream closed first) → STARTED;
+                              ``mark_first_byte`` (stream closed first) → STREAMING;
                               ``release`` → a released state [Released].
 PREEMPTIBLE    yes    yes     ``mark_first_byte`` (response headers, or the stream closed) →
-                              STARTED; a higher class that may preempt arrives or heads its
+                              STREAMING; a higher class that may preempt arrives or heads its
                               queue with no free slot → preempted [Preempted, Released];
                               ``release`` → a released state [Released].
-STARTED        yes    no      ``release`` → a released state [Released].
+STREAMING      yes    no      ``release`` → a released state [Released].
 released:      no     no      ``preempted`` (above), ``completed`` (the final access-log
                               entry, whatever ended the request), ``cancelled`` (the
                               client left in the instant it was admitted), ``lease_expired``
                               (no access-log entry within the lease, see :mod:`.leases`).
-                              Only lease_expired has a way back: ``adopt`` → STARTED, for a
+                              Only lease_expired has a way back: ``adopt`` → STREAMING, for a
                               stream that kept running while its heartbeats were lost. Every
                               other end is final.
 =============  =====  ======  ===================================================================
@@ -50,7 +50,7 @@ and ``close_stop_channel`` → ``mark_first_byte``; ``release`` → ``release``;
 
 :data:`TRANSITIONS` is this table as data; the property tests check every
 move the core makes against it. A slot is held exactly in ADMITTED,
-PREEMPTIBLE and STARTED, and every admission leaves them by exactly one
+PREEMPTIBLE and STREAMING, and every admission leaves them by exactly one
 :class:`Released` event.
 """
 
@@ -71,7 +71,7 @@ class State(enum.Enum):
     QUEUED = "queued"
     ADMITTED = "admitted"
     PREEMPTIBLE = "preemptible"
-    STARTED = "started"
+    STREAMING = "streaming"
     REJECTED_QUEUE_FULL = "rejected_queue_full"
     REJECTED_QUEUE_TIMEOUT = "rejected_queue_timeout"
     CLIENT_CANCELLED = "client_cancelled"
@@ -81,18 +81,18 @@ class State(enum.Enum):
     LEASE_EXPIRED = "lease_expired"
 
 
-HOLDS_A_SLOT = frozenset({State.ADMITTED, State.PREEMPTIBLE, State.STARTED})
+HOLDS_A_SLOT = frozenset({State.ADMITTED, State.PREEMPTIBLE, State.STREAMING})
 _RELEASED = frozenset({State.COMPLETED, State.CANCELLED, State.LEASE_EXPIRED})
 
 TRANSITIONS: Mapping[State, frozenset[State]] = {
     State.NEW: frozenset({State.ADMITTED, State.PREEMPTIBLE, State.QUEUED,
-                          State.REJECTED_QUEUE_FULL, State.STARTED}),
+                          State.REJECTED_QUEUE_FULL, State.STREAMING}),
     State.QUEUED: frozenset({State.ADMITTED, State.PREEMPTIBLE, State.REJECTED_QUEUE_TIMEOUT,
                              State.CLIENT_CANCELLED}),
-    State.ADMITTED: frozenset({State.PREEMPTIBLE, State.STARTED, *_RELEASED}),
-    State.PREEMPTIBLE: frozenset({State.STARTED, State.PREEMPTED, *_RELEASED}),
-    State.STARTED: _RELEASED,
-    State.LEASE_EXPIRED: frozenset({State.STARTED}),
+    State.ADMITTED: frozenset({State.PREEMPTIBLE, State.STREAMING, *_RELEASED}),
+    State.PREEMPTIBLE: frozenset({State.STREAMING, State.PREEMPTED, *_RELEASED}),
+    State.STREAMING: _RELEASED,
+    State.LEASE_EXPIRED: frozenset({State.STREAMING}),
     State.REJECTED_QUEUE_FULL: frozenset(),
     State.REJECTED_QUEUE_TIMEOUT: frozenset(),
     State.CLIENT_CANCELLED: frozenset(),
@@ -135,7 +135,7 @@ class ReleaseResult(enum.StrEnum):
 
 @dataclass(slots=True, eq=False)
 class Admission:
-    """A request holding one slot (ADMITTED, PREEMPTIBLE or STARTED)."""
+    """A request holding one slot (ADMITTED, PREEMPTIBLE or STREAMING)."""
 
     id: str
     cls: PriorityClass
@@ -146,7 +146,7 @@ class Admission:
     @property
     def first_byte(self) -> bool:
         """Past the point of preemption: its response started (or its stop channel closed)."""
-        return self.state is State.STARTED
+        return self.state is State.STREAMING
 
 
 @dataclass(slots=True, eq=False)
@@ -204,7 +204,7 @@ class Preempted:
 
 @dataclass(frozen=True, slots=True)
 class Released:
-    """A slot given back: the one way out of ADMITTED, PREEMPTIBLE and STARTED."""
+    """A slot given back: the one way out of ADMITTED, PREEMPTIBLE and STREAMING."""
 
     admission: Admission
     reason: ReleaseReason

@@ -208,7 +208,7 @@ class Scheduler:
         return ReleaseResult.RELEASED
 
     def adopt(self, id: str, cls: PriorityClass, tenant: str) -> bool:
-        """new or lease_expired → STARTED: a request admitted by an earlier sidecar process.
+        """new or lease_expired → STREAMING: a request admitted by an earlier sidecar process.
 
         After a restart, Envoy's periodic access-log entries name streams that
         are still running. They hold real slots, so they count as in flight
@@ -220,7 +220,7 @@ class Scheduler:
         """
         if id in self._admitted or id in self._waiting or not self._ended.adoptable(id):
             return False
-        adm = Admission(id, cls, tenant, self._clock(), State.STARTED)
+        adm = Admission(id, cls, tenant, self._clock(), State.STREAMING)
         self._admitted[id] = adm
         self._inflight[cls] += 1
         self._total += 1
@@ -233,7 +233,7 @@ class Scheduler:
         False if ``id`` holds no slot or its response already started.
         """
         adm = self._admitted.get(id)
-        if adm is None or adm.state is State.STARTED:
+        if adm is None or adm.state is State.STREAMING:
             return False
         adm.state = State.PREEMPTIBLE
         self._preemptible[adm.cls][id] = adm
@@ -242,11 +242,11 @@ class Scheduler:
         return True
 
     def mark_first_byte(self, id: str) -> bool:
-        """ADMITTED/PREEMPTIBLE → STARTED: it can no longer be preempted."""
+        """ADMITTED/PREEMPTIBLE → STREAMING: it can no longer be preempted."""
         adm = self._admitted.get(id)
-        if adm is None or adm.state is State.STARTED:
+        if adm is None or adm.state is State.STREAMING:
             return False
-        adm.state = State.STARTED
+        adm.state = State.STREAMING
         self._preemptible[adm.cls].pop(id, None)
         return True
 
