@@ -58,8 +58,8 @@ class CompletionService:
                         log.info("completion_unmatched", admission_id=entry.admission_id,
                                  reason=result.value, response_code=entry.response_code)
                 elif not self.controller.renew_or_adopt(entry.admission_id,
-                                               PriorityClass.from_name(entry.cls),
-                                               entry.tenant):
+                                                        PriorityClass.from_name(entry.cls),
+                                                        entry.tenant):
                     # An id this process already ended (e.g. a preempted victim
                     # still draining in Envoy): nothing to renew or adopt.
                     log.debug("renewal_unmatched", admission_id=entry.admission_id)
