@@ -57,7 +57,7 @@ class Scheduler:
         remember_ended: int = 100_000,
         preemptible_on_admit: bool = False,
     ) -> None:
-        self._admitted_state = State.PREEMPTIBLE if preemptible_on_admit else State.ADMITTED
+        self._preemptible_on_admit = preemptible_on_admit
         self._cfg: dict[PriorityClass, ClassSettings] = dict(classes)
         self._clock = clock
         self._capacity = max(0, capacity)
@@ -71,6 +71,7 @@ class Scheduler:
         self._queues = ClassQueues()
         self._fifo = self._queues.fifo
         self._waiting = self._queues.waiting
+        self._deadlines = self._queues.deadlines
         self._ended = EndedIds(remember_ended)
         self._events: list[Event] = []
         self._reserved: dict[PriorityClass, int] = scaled_reservations(self._cfg, self._capacity)
@@ -283,9 +284,10 @@ class Scheduler:
         starvation: bool = False,
         preempted: bool = False,
     ) -> Admitted:
-        adm = Admission(id, cls, tenant, now, self._admitted_state)
+        adm = Admission(id, cls, tenant, now)
         self._admitted[id] = adm
-        if adm.state is State.PREEMPTIBLE:
+        if self._preemptible_on_admit:
+            adm.state = State.PREEMPTIBLE
             self._preemptible[cls][id] = adm
         self._inflight[cls] += 1
         self._total += 1
@@ -340,9 +342,11 @@ class Scheduler:
                     queued=True, starvation=starvation, preempted=preempted)
 
     def _dispatch(self, now: float) -> None:
+        if not self._waiting:
+            return  # the common case on an unloaded fleet: nothing to expire or admit
         self._expire(now)
         if not self._waiting:
-            return  # the common case on an unloaded fleet: nothing to admit
+            return
         while (self._admit_starved(now) or self._admit_by_priority(now)
                or self._preempt_for_queued(now)):
             pass
@@ -365,6 +369,9 @@ class Scheduler:
 
     def _expire(self, now: float) -> None:
         """QUEUED → rejected_queue_timeout for every waiter past its deadline."""
+        heap = self._deadlines
+        if not heap or heap[0][0] > now:
+            return  # checked here: a call per dispatch is measurable
         for waiter in self._queues.pop_expired(now):
             self._events.append(
                 Rejected(waiter.id, waiter.cls, waiter.tenant, Outcome.REJECTED_QUEUE_TIMEOUT,

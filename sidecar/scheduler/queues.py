@@ -28,9 +28,10 @@ def first(queue: OrderedDict[str, Waiter]) -> Waiter | None:
 class ClassQueues:
     """Every QUEUED request: by class in arrival order, by id, and by deadline.
 
-    ``fifo`` and ``waiting`` are read directly by the scheduler (its hot
-    path); change them only through the methods here, which keep the three
-    views in step.
+    ``fifo``, ``waiting`` and ``deadlines`` are read directly by the scheduler
+    (its hot path: a method call per dispatch is measurable); change them only
+    through the methods here, which keep the three views in step. Each is the
+    same object for the life of the queues.
     """
 
     def __init__(self) -> None:
@@ -40,20 +41,20 @@ class ClassQueues:
         self.waiting: dict[str, Waiter] = {}
         # Queue timeouts by deadline (a heap with lazy deletion): after a reload
         # shortens a timeout, a newer waiter can be due before an older head.
-        self._deadlines: list[tuple[float, int, str]] = []
+        self.deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
 
     def push(self, waiter: Waiter) -> None:
         """Append at the tail of its class queue."""
         self.fifo[waiter.cls][waiter.id] = waiter
         self.waiting[waiter.id] = waiter
-        heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter.id))
-        if len(self._deadlines) > 2 * len(self.waiting) + 64:
+        heapq.heappush(self.deadlines, (waiter.deadline, next(self._seq), waiter.id))
+        if len(self.deadlines) > 2 * len(self.waiting) + 64:
             # Admitted and cancelled waiters leave entries behind; rebuild now and
             # then so the heap stays proportional to the queues (amortised O(1)).
-            self._deadlines = [(w.deadline, next(self._seq), w.id)
-                               for w in self.waiting.values()]
-            heapq.heapify(self._deadlines)
+            self.deadlines[:] = [(w.deadline, next(self._seq), w.id)
+                                 for w in self.waiting.values()]
+            heapq.heapify(self.deadlines)
 
     def pop_head(self, cls: PriorityClass) -> Waiter:
         """Take the head of ``cls``'s queue (FIFO: always the head)."""
@@ -70,7 +71,7 @@ class ClassQueues:
 
     def pop_expired(self, now: float) -> Sequence[Waiter]:
         """Take out every waiter whose deadline is ``now`` or earlier, earliest first."""
-        heap = self._deadlines
+        heap = self.deadlines
         if not heap or heap[0][0] > now:
             return _NOTHING
         expired: list[Waiter] = []
@@ -86,7 +87,7 @@ class ClassQueues:
 
     def next_timeout(self) -> float | None:
         """The earliest deadline of a waiter still queued."""
-        heap = self._deadlines
+        heap = self.deadlines
         while heap:
             deadline, _, id = heap[0]
             waiter = self.waiting.get(id)
@@ -95,7 +96,3 @@ class ClassQueues:
             heapq.heappop(heap)
         return None
 
-    @property
-    def heap_size(self) -> int:
-        """Entries in the deadline heap, stale ones included (bounded by ``push``)."""
-        return len(self._deadlines)
