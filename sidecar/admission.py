@@ -5,14 +5,20 @@ that a gRPC handler can hold open while its request is queued, and that undoes
 itself when the call is cancelled (the client went away). It owns the two
 things that keep slot accounting exact whatever fails:
 
-* **Leases.** Every admission has a lease; completion entries renew it and the
-  final one releases it. A lease that is not renewed in time is reclaimed, so a
-  lost completion cannot leak a slot forever.
+* **Leases** (:class:`~sidecar.scheduler.leases.Leases`). Every admission has a
+  lease; completion entries renew it and the final one releases it. A lease that
+  is not renewed in time is reclaimed, so a lost completion cannot leak a slot
+  forever.
 * **Idempotent release by admission id.** The core ignores a second release
   and counts it; nothing here keeps a second copy of "who is in flight".
 
 One timer covers queue timeouts, starvation aging and lease expiry: it is armed
 for the earliest deadline after every state change.
+
+The calls here are the arrows of the admission's state table
+(:mod:`sidecar.scheduler.lifecycle`): ``admit`` (arrive, cancel), ``release``,
+``renew_or_adopt``, ``open_stop_channel`` (→ PREEMPTIBLE), ``mark_first_byte``
+and ``close_stop_channel`` (→ STREAMING), and ``tick`` (timeouts, lease expiry).
 """
 
 from __future__ import annotations
@@ -20,26 +26,27 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from sidecar import logs
 from sidecar.classes import PriorityClass
-from sidecar.config import ClassConfig
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     LEASE_EXPIRED,
     AdmissionCore,
     Admitted,
+    ClassSettings,
     Event,
     Outcome,
     Preempted,
     Queued,
     Rejected,
     Released,
+    ReleaseReason,
     ReleaseResult,
 )
+from sidecar.scheduler.leases import Leases
 
 
 class Denied(Exception):
@@ -92,17 +99,15 @@ class AdmissionController:
         id_factory: Callable[[], str] = new_admission_id,
     ) -> None:
         self.core = core
-        self._lease_secs = lease_secs
         self._bucket = bucket
         self._listeners = list(listeners)
         self._stats = stats
         self._clock = clock
         self._new_id = id_factory
         self._waiters: dict[str, asyncio.Future[Admitted]] = {}
-        # Expiry order equals renewal order (expiry = now + a fixed TTL), so an
-        # OrderedDict with move_to_end keeps the earliest expiry at the front.
-        self._leases: OrderedDict[str, float] = OrderedDict()
-        self._preempt_watch: dict[str, asyncio.Future[None]] = {}
+        self._leases = Leases(lease_secs)
+        # The stop signal of every admission with an open stop channel.
+        self._stop_signals: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
 
@@ -127,7 +132,7 @@ class AdmissionController:
         if isinstance(decision, Queued):
             fut = asyncio.get_running_loop().create_future()
             self._waiters[aid] = fut
-        self._drain()
+        self._apply_events()
         if isinstance(decision, Admitted):
             return decision
         if isinstance(decision, Rejected):
@@ -137,74 +142,76 @@ class AdmissionController:
             return await fut
         except asyncio.CancelledError:
             if self.core.cancel(aid):
-                self._drain()
+                self._apply_events()
             elif self.core.is_admitted(aid):
                 # Admitted in the same loop iteration as the cancel: give it back.
-                self.release(aid, "cancelled")
+                self.release(aid, ReleaseReason.CANCELLED)
             raise
         finally:
             self._waiters.pop(aid, None)
 
-    def release(self, aid: str, reason: str = "completed") -> ReleaseResult:
+    def release(self, aid: str,
+                reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
         """End an admission; a second or unknown release is counted and ignored."""
         result = self.core.release(aid, reason)
         if result is ReleaseResult.RELEASED:
-            self._drain()
+            self._apply_events()
         elif self._stats is not None:
             self._stats.completion_unmatched(result.value)
         return result
 
-    def renew(self, aid: str, cls: PriorityClass | None = None, tenant: str = "") -> bool:
-        """A periodic completion entry: the request is still streaming.
+    def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
+                       tenant: str = "") -> bool:
+        """A periodic completion entry: the request is still streaming; renew its lease.
 
-        An id this process never admitted (it restarted while the stream ran)
-        is adopted when the entry names its class, so capacity in use is known
-        again within one flush interval.
+        An id this process holds no lease for (it restarted while the stream
+        ran, or reclaimed the lease while the stream kept running) is adopted
+        when the entry names its class, so capacity in use is known again within
+        one flush interval. False if it was neither renewed nor adopted.
         """
-        if aid not in self._leases:
+        if not self._leases.renew(aid, self._clock()):
             if cls is None or not self.core.adopt(aid, cls, tenant):
                 return False
-            self._drain()  # the Admitted event creates the lease
+            self._apply_events()  # its Admitted event creates the lease
             log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
             if self._stats is not None:
                 self._stats.adopted(cls)
-            return True
-        self._leases[aid] = self._clock() + self._lease_secs
-        self._leases.move_to_end(aid)
         return True
 
-    def mark_first_byte(self, aid: str) -> bool:
-        self._preempt_watch.pop(aid, None)
-        return self.core.mark_first_byte(aid)
+    def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
+        """ADMITTED → PREEMPTIBLE: a channel to stop ``aid`` exists (its ext_proc stream).
 
-    def watch_preemption(self, aid: str) -> asyncio.Future[None] | None:
-        """A channel to stop ``aid`` exists: make it a candidate and return the signal.
-
-        Returns a future resolved if the request is preempted, or ``None`` if the
-        id is not in flight (unknown, finished, or already preempted). Only
-        watched admissions are candidates, so every victim has a watcher.
+        Returns the stop signal: a future resolved if the request is preempted,
+        or ``None`` if the id is not in flight (unknown, finished, or already
+        preempted). Only admissions with an open stop channel are candidates, so
+        every victim has someone to tell.
         """
         if not self.core.is_admitted(aid):
             return None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._preempt_watch[aid] = fut
-        self.core.mark_reachable(aid)
-        self._drain()  # a queued head may have preempted this very request
+        self._stop_signals[aid] = fut
+        self.core.mark_preemptible(aid)
+        self._apply_events()  # a queued head may have preempted this very request
         return fut
 
-    def unwatch(self, aid: str) -> None:
-        """The stop channel closed: the request can no longer be preempted."""
-        self._preempt_watch.pop(aid, None)
+    def mark_first_byte(self, aid: str) -> bool:
+        """→ STREAMING: the response started, so the request can no longer be preempted."""
+        self._stop_signals.pop(aid, None)
+        return self.core.mark_first_byte(aid)
+
+    def close_stop_channel(self, aid: str) -> None:
+        """→ STREAMING: the stop channel closed, so nothing could deliver a preemption."""
+        self._stop_signals.pop(aid, None)
         self.core.mark_first_byte(aid)
 
     def set_capacity(self, capacity: int) -> None:
         self.core.set_capacity(capacity)
-        self._drain()
+        self._apply_events()
 
-    def update_config(self, classes: Mapping[PriorityClass, ClassConfig]) -> None:
+    def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
         """Hot reload: new class knobs for new decisions (queued requests keep their place)."""
         self.core.update_config(classes)
-        self._drain()
+        self._apply_events()
 
     @property
     def lease_count(self) -> int:
@@ -221,7 +228,7 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ internals
 
-    def _drain(self) -> None:
+    def _apply_events(self) -> None:
         """Apply the core's events: wake waiters, track leases, signal victims."""
         events = self.core.take_events()
         if events:
@@ -229,7 +236,7 @@ class AdmissionController:
             for e in events:
                 if isinstance(e, Admitted):
                     aid = e.admission.id
-                    self._leases[aid] = now + self._lease_secs
+                    self._leases.grant(aid, now)
                     fut = self._waiters.get(aid)
                     if fut is not None and not fut.done():
                         fut.set_result(e)
@@ -238,7 +245,7 @@ class AdmissionController:
                     if fut is not None and not fut.done():
                         fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
                 elif isinstance(e, Released):
-                    self._leases.pop(e.admission.id, None)
+                    self._leases.drop(e.admission.id)
                     if e.reason == LEASE_EXPIRED and self._stats is not None:
                         self._stats.lease_expired(e.admission.cls)
                 elif isinstance(e, Preempted):
@@ -248,14 +255,14 @@ class AdmissionController:
         self._arm_timer()
 
     def _signal_preempted(self, aid: str) -> None:
-        fut = self._preempt_watch.pop(aid, None)
+        fut = self._stop_signals.pop(aid, None)
         if fut is not None and not fut.done():
             fut.set_result(None)
 
     def _arm_timer(self) -> None:
         due = self.core.next_deadline()
-        if self._leases:
-            lease_due = next(iter(self._leases.values()))
+        lease_due = self._leases.next_expiry()
+        if lease_due is not None:
             due = lease_due if due is None else min(due, lease_due)
         if due is None:
             return
@@ -273,14 +280,8 @@ class AdmissionController:
         self.tick()
 
     def tick(self) -> None:
-        """Time passed: queue timeouts, starvation, lease expiry (the timer calls this;
-        tests on a fake clock call it directly)."""
+        """Time passed: queue timeouts, starvation promotions, lease expiry."""
         self.core.tick()
-        now = self._clock()
-        while self._leases:
-            aid, expiry = next(iter(self._leases.items()))
-            if expiry > now:
-                break
-            del self._leases[aid]
+        for aid in self._leases.pop_expired(self._clock()):
             self.core.release(aid, LEASE_EXPIRED)  # counted from its Released event
-        self._drain()
+        self._apply_events()

@@ -29,7 +29,7 @@ from sidecar import codec, logs
 from sidecar.admission import AdmissionController
 from sidecar.authz import PREEMPTED
 from sidecar.classes import PriorityClass
-from sidecar.scheduler import ReleaseResult
+from sidecar.scheduler import ReleaseReason, ReleaseResult
 
 log = logs.get("sidecar.completion")
 
@@ -53,13 +53,13 @@ class CompletionService:
                 continue
             for entry in entries:
                 if entry.final:
-                    result = self.controller.release(entry.admission_id, "completed")
+                    result = self.controller.release(entry.admission_id, ReleaseReason.COMPLETED)
                     if result is not ReleaseResult.RELEASED:
                         log.info("completion_unmatched", admission_id=entry.admission_id,
                                  reason=result.value, response_code=entry.response_code)
-                elif not self.controller.renew(entry.admission_id,
-                                               PriorityClass.from_name(entry.cls),
-                                               entry.tenant):
+                elif not self.controller.renew_or_adopt(entry.admission_id,
+                                                        PriorityClass.from_name(entry.cls),
+                                                        entry.tenant):
                     # An id this process already ended (e.g. a preempted victim
                     # still draining in Envoy): nothing to renew or adopt.
                     log.debug("renewal_unmatched", admission_id=entry.admission_id)
@@ -106,7 +106,7 @@ class ResponsePathService:
                 await context.write(codec.continue_for(first.kind))
                 return
             aid = first.admission_id
-            watch = self.controller.watch_preemption(aid)
+            watch = self.controller.open_stop_channel(aid)
             if watch is not None and watch.done():
                 # A queued higher-class request took it the moment it became a
                 # candidate: answer 503 before the request ever reaches a worker.
@@ -167,4 +167,4 @@ class ResponsePathService:
                 if not write.done():
                     write.cancel()
             if aid is not None:
-                self.controller.unwatch(aid)
+                self.controller.close_stop_channel(aid)

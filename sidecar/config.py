@@ -24,13 +24,15 @@ import math
 import os
 import re
 import stat
+import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass, parse_default_max_class
+from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
 
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest priority.yaml accepted (a ConfigMap cannot hold more); refused before parsing."""
@@ -79,41 +81,16 @@ class ConfigError(Exception):
         super().__init__(f"{where}: {self.reason}" if where else self.reason)
 
 
-@dataclass(frozen=True, slots=True)
-class ClassConfig:
-    """Per-class knobs (YAML ``classes.<name>``)."""
-
-    reserved_floor: int
-    reserved_per_slot: float
-    queue_size: int
-    queue_timeout_secs: float
-    starvation_threshold_secs: float
-    can_preempt: bool
-
-
-BUILTIN_CLASSES: Mapping[PriorityClass, ClassConfig] = {
-    PriorityClass.SYSTEM: ClassConfig(32, 0.0, 64, 30.0, 5.0, True),
-    PriorityClass.INTERACTIVE: ClassConfig(128, 0.25, 256, 30.0, 5.0, True),
-    PriorityClass.DEFAULT: ClassConfig(0, 0.10, 512, 60.0, 30.0, False),
-    PriorityClass.BULK: ClassConfig(0, 0.0, 1024, 300.0, 120.0, False),
-}
-
-_CLASS_FIELDS: dict[str, type] = {
-    "reserved_floor": int,
-    "reserved_per_slot": float,
-    "queue_size": int,
-    "queue_timeout_secs": float,
-    "starvation_threshold_secs": float,
-    "can_preempt": bool,
-}
-assert set(_CLASS_FIELDS) == {f.name for f in fields(ClassConfig)}
+# The YAML keys of a class section and their types: the core's fields, in order.
+_CLASS_FIELDS: dict[str, type] = typing.get_type_hints(ClassSettings)
+_CLASS_NAMES = ", ".join(c.label for c in HIGH_TO_LOW)
 
 
 @dataclass(frozen=True, slots=True)
 class PriorityConfig:
     """The effective per-class table and tenant ceilings."""
 
-    classes: Mapping[PriorityClass, ClassConfig] = field(
+    classes: Mapping[PriorityClass, ClassSettings] = field(
         default_factory=lambda: dict(BUILTIN_CLASSES)
     )
     tenant_policies: Mapping[str, PriorityClass] = field(default_factory=dict)
@@ -125,7 +102,8 @@ class PriorityConfig:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys, anchors, aliases and deep nesting.
+    """SafeLoader that refuses duplicate mapping keys (naming their key path),
+    anchors, aliases and deep nesting.
 
     PyYAML keeps the last duplicate silently; a duplicated class section is a
     typo the operator wants to hear about, like an unknown key. The other
@@ -137,6 +115,8 @@ class _StrictLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._paths: list[str] = []  # key path of each node being composed
         self._nodes = 0
+        # Keys of the mappings being built, outermost first: the path of an error.
+        self.key_path: list[str] = []
 
     def _path_to(self, parent: yaml.Node | None, index: object) -> str:
         base = self._paths[-1] if self._paths else ""
@@ -172,23 +152,35 @@ class _StrictLoader(yaml.SafeLoader):
         return node
 
 
+class _BadKey(yaml.constructor.ConstructorError):
+    """A duplicate or unusable mapping key, with the key path it sits at."""
+
+    def __init__(self, reason: str, key_path: str, mark: yaml.Mark) -> None:
+        super().__init__(None, None, reason, mark)
+        self.reason = reason
+        self.key_path = key_path
+
+
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     loader.flatten_mapping(node)
     result: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
+        mark = key_node.start_mark
         try:
             duplicate = key in result
         except TypeError:  # a list or mapping used as a key: "? [a]"
-            mark = key_node.start_mark
-            raise yaml.constructor.ConstructorError(
-                None, None, f"unusable key {key!r} (line {mark.line + 1})", mark) from None
+            raise _BadKey(f"unusable key {key_segment(key)!r} (line {mark.line + 1})",
+                          ".".join(loader.key_path), mark) from None
         if duplicate:
-            mark = key_node.start_mark
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (line {mark.line + 1})", mark
-            )
-        result[key] = loader.construct_object(value_node, deep=True)
+            raise _BadKey(f"duplicate key {key_segment(key)!r} (line {mark.line + 1})",
+                          ".".join([*loader.key_path, key_segment(key)]), mark)
+        # deep=True builds the value now, so the path is right for anything inside it.
+        loader.key_path.append(key_segment(key))
+        try:
+            result[key] = loader.construct_object(value_node, deep=True)
+        finally:
+            loader.key_path.pop()
     return result
 
 
@@ -275,7 +267,7 @@ def _check_type(value: object, want: type, file: str, key: str) -> Any:
     return value
 
 
-def _merge_class(base: ClassConfig, raw: object, file: str, key: str) -> ClassConfig:
+def _merge_class(base: ClassSettings, raw: object, file: str, key: str) -> ClassSettings:
     if raw is None:
         return base
     if not isinstance(raw, dict):
@@ -294,7 +286,7 @@ def _merge_class(base: ClassConfig, raw: object, file: str, key: str) -> ClassCo
     return merged
 
 
-def _validate_class(c: ClassConfig, file: str, key: str) -> None:
+def _validate_class(c: ClassSettings, file: str, key: str) -> None:
     if c.reserved_floor < 0:
         raise ConfigError("must be >= 0", file=file, key=f"{key}.reserved_floor")
     if not math.isfinite(c.reserved_per_slot) or c.reserved_per_slot < 0:
@@ -333,9 +325,8 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
         value = policy["max_class"]
         cls = PriorityClass.from_name(value) if isinstance(value, str) else None
         if cls is None:
-            names = ", ".join(c.label for c in HIGH_TO_LOW)
             raise ConfigError(
-                f"unknown class {quote(value)} (expected one of: {names})",
+                f"unknown class {quote(value)} (expected one of: {_CLASS_NAMES})",
                 file=file,
                 key=f"{key}.max_class",
             )
@@ -376,6 +367,8 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
         doc = yaml.load(text, Loader=_StrictLoader)
     except ConfigError as exc:  # refused while composing: no file name there yet
         raise ConfigError(exc.reason, file=file, key=exc.key) from None
+    except _BadKey as exc:
+        raise ConfigError(exc.reason, file=file, key=exc.key_path or None) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(_yaml_error(exc), file=file) from None
     except Exception as exc:  # any other failure is still a bad file, said once
@@ -400,9 +393,8 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
             key = f"classes.{key_segment(name)}"
             cls = PriorityClass.from_name(name) if isinstance(name, str) else None
             if cls is None:
-                names = ", ".join(c.label for c in HIGH_TO_LOW)
                 raise ConfigError(
-                    f"unknown class (expected one of: {names})", file=file, key=key
+                    f"unknown class (expected one of: {_CLASS_NAMES})", file=file, key=key
                 )
             classes[cls] = _merge_class(BUILTIN_CLASSES[cls], body, file, key)
     policies = _parse_policies(doc.get("tenant_policies"), file)
@@ -512,9 +504,14 @@ class Settings:
 
     @property
     def fallback_capacity(self) -> int:
-        """Capacity while no healthy worker is known (scheduler mode)."""
+        """Capacity while no healthy worker is known (scheduler mode).
+
+        ``--max-concurrent-requests`` read as a 16-bit count, as smg does: 0..65535
+        as given (0: no capacity until a worker is healthy); -1 (unset) or any
+        value a 16-bit count cannot hold means 1024.
+        """
         m = self.max_concurrent_requests
-        return m if m > 0 else 1024
+        return m if 0 <= m <= 65535 else 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -538,8 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     lg = p.add_argument_group("legacy admission (same flags as smg)")
     lg.add_argument("--max-concurrent-requests", type=int, default=-1, metavar="N",
                     help="legacy: concurrency cap (<=0: none). Scheduler on: capacity while no "
-                         "healthy worker is known (-1 or out of range -> 1024); 0 also removes "
-                         "the token bucket")
+                         "healthy worker is known (0..65535 as given; -1 or above 65535 -> "
+                         "1024); 0 also removes the token bucket")
     lg.add_argument("--queue-size", type=int, default=100, metavar="N",
                     help="legacy queue depth (unused by the scheduler)")
     lg.add_argument("--queue-timeout-secs", type=float, default=60, metavar="SECS",

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import Admitted, Event, Outcome, Preempted, Rejected, Released, Snapshot
+from sidecar.scheduler.interface import capacity_pressure
 
 # Only the contract's series: no *_created timestamp per counter child.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -196,10 +197,7 @@ class _SnapshotCollector(Collector):
             depth.add_metric([cls.label], c.queue_depth)
             limit.add_metric([cls.label], c.queue_limit)
             reserved.add_metric([cls.label], c.reserved)
-            fill = c.queue_depth / c.queue_limit if c.queue_limit else 0.0
-            room = snap.capacity - c.reserved
-            beyond = (c.inflight - c.reserved) / room if room > 0 else 0.0
-            pressure.add_metric([cls.label], min(1.0, max(0.0, fill, beyond)))
+            pressure.add_metric([cls.label], capacity_pressure(snap, cls))
         util = GaugeMetricFamily("smg_scheduler_utilization", "Sum of in-flight / capacity")
         util.add_metric([], snap.inflight / snap.capacity if snap.capacity else 0.0)
         cap = GaugeMetricFamily("smg_sidecar_capacity", "Live capacity (slots)")

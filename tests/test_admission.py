@@ -10,13 +10,12 @@ import pytest
 
 from sidecar.admission import AdmissionController, Denied
 from sidecar.classes import PriorityClass
-from sidecar.config import ClassConfig
 from sidecar.ratelimit import TokenBucket
-from sidecar.scheduler import Outcome, ReleaseResult, Scheduler
+from sidecar.scheduler import ClassSettings, Outcome, ReleaseResult, Scheduler
 from tests.clock import FakeClock
 
 D, B = PriorityClass.DEFAULT, PriorityClass.BULK
-CFG = {c: ClassConfig(0, 0.0, 2, 5.0, 100.0, False) for c in PriorityClass}
+CFG = {c: ClassSettings(0, 0.0, 2, 5.0, 100.0, False) for c in PriorityClass}
 
 
 @dataclass
@@ -54,7 +53,7 @@ async def test_lease_expires_exactly_at_ttl_and_renewal_extends() -> None:
     a = (await ctl.admit(B, "t")).admission.id
     b = (await ctl.admit(B, "t")).admission.id
     clock.advance(6.0)
-    assert ctl.renew(a)
+    assert ctl.renew_or_adopt(a)
     clock.advance(3.999)
     ctl.tick()
     assert ctl.core.is_admitted(b)
@@ -155,29 +154,29 @@ async def test_rate_limit_denies_before_the_core() -> None:
 
 async def test_adoption_creates_a_lease() -> None:
     ctl, clock, stats = make(lease=10.0)
-    assert ctl.renew("old", B, "t")
+    assert ctl.renew_or_adopt("old", B, "t")
     assert stats.adoptions == [B] and ctl.lease_count == 1
     clock.advance(10.0)
     ctl.tick()
     assert stats.expired == [B] and ctl.core.snapshot().inflight == 0
     # Its lease was reclaimed but Envoy says it still runs: counted again.
-    assert ctl.renew("old", B, "t") and stats.adoptions == [B, B]
+    assert ctl.renew_or_adopt("old", B, "t") and stats.adoptions == [B, B]
     ctl.release("old")
-    assert not ctl.renew("old", B, "t")  # completed here: never adopted again
+    assert not ctl.renew_or_adopt("old", B, "t")  # completed here: never adopted again
     ctl.close()
 
 
 async def test_queued_interactive_preempts_once_a_victim_is_watched() -> None:
     clock = FakeClock()
     cfg = dict(CFG)
-    cfg[PriorityClass.INTERACTIVE] = ClassConfig(0, 0.0, 2, 5.0, 100.0, True)
-    ctl = AdmissionController(Scheduler(cfg, 1, clock, preemptible_on_admit=False),
+    cfg[PriorityClass.INTERACTIVE] = ClassSettings(0, 0.0, 2, 5.0, 100.0, True)
+    ctl = AdmissionController(Scheduler(cfg, 1, clock),
                               lease_secs=10.0, clock=clock)
     bulk = await ctl.admit(B, "t")
     queued = asyncio.ensure_future(ctl.admit(PriorityClass.INTERACTIVE, "t"))
     await asyncio.sleep(0)
     assert ctl.waiting == 1
-    watch = ctl.watch_preemption(bulk.admission.id)  # the bulk request's ext_proc opens
+    watch = ctl.open_stop_channel(bulk.admission.id)  # the bulk request's ext_proc opens
     assert watch is not None and watch.done()  # the victim is told at once...
     got = await asyncio.wait_for(queued, 1)  # ...and the interactive request admitted
     assert got.preempted and got.admission.cls is PriorityClass.INTERACTIVE

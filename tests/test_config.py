@@ -125,7 +125,13 @@ def test_int_accepted_for_float_fields() -> None:
         ("classes:\n  bulk:\n    queue_size: -1\n", "classes.bulk.queue_size", ">= 0"),
         ("classes:\n  bulk: 3\n", "classes.bulk", "mapping"),
         ("classes: [bulk]\n", "classes", "mapping"),
-        ("classes:\n  bulk: {}\n  bulk: {}\n", None, "duplicate key 'bulk'"),
+        ("classes:\n  bulk: {}\n  bulk: {}\n", "classes.bulk", "duplicate key 'bulk'"),
+        ("classes: {}\nclasses: {}\n", "classes", "duplicate key 'classes'"),
+        ("classes:\n  bulk:\n    queue_size: 1\n    queue_size: 2\n",
+         "classes.bulk.queue_size", "duplicate key 'queue_size' (line 4)"),
+        ("tenant_policies:\n  acme: {max_class: bulk}\n  acme: {max_class: system}\n",
+         "tenant_policies.acme", "duplicate key 'acme'"),
+        ("classes:\n  ? [bulk]\n  : {}\n", "classes", "unusable key"),
     ],
 )
 def test_strict_errors_name_file_key_reason(text: str, key: str | None, reason: str) -> None:
@@ -175,6 +181,18 @@ def test_cli_defaults() -> None:
     assert s.worker_urls == ()
     assert s.worker_capacity_override is None
     assert s.tenant_source == TenantSource("header", "x-smg-tenant")
+
+
+@pytest.mark.parametrize(
+    ("flag", "capacity"),
+    [("0", 0), ("1", 1), ("256", 256), ("65535", 65535), ("65536", 1024), ("70000", 1024),
+     ("-1", 1024), ("-5", 1024)],
+)
+def test_max_concurrent_requests_is_a_16_bit_fallback_capacity(flag: str, capacity: int) -> None:
+    # Scheduler on: the capacity while no worker is healthy, read as a 16-bit count.
+    s = parse_settings(["--priority-scheduler-enabled", "--max-concurrent-requests", flag])
+    assert s.fallback_capacity == capacity
+    assert s.max_concurrent_requests == int(flag)  # the legacy path keeps the value as given
 
 
 def test_help_lists_every_contract_flag() -> None:

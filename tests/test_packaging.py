@@ -27,7 +27,7 @@ def test_wheel_holds_only_the_sidecar_package(tmp_path: Path) -> None:
     product = {n for n in names if not n.startswith("priority_gate-")}
     assert product, names
     assert all(n.startswith("sidecar/") for n in product), sorted(product)
-    modules = {Path(n).stem for n in product}
+    modules = {Path(n).stem for n in product} | {Path(n).parent.name for n in product}
     assert {"main", "app", "scheduler", "health", "adminhttp"} <= modules
     for dev_only in ("fleet", "stack", "demo", "httpclient", "proc", "devtools", "conftest"):
         assert dev_only not in modules and not any(f"/{dev_only}/" in n for n in names)

@@ -5,10 +5,15 @@ from dataclasses import replace
 import pytest
 
 from sidecar.classes import PriorityClass
-from sidecar.config import BUILTIN_CLASSES, ClassConfig
-from sidecar.ratelimit import TokenBucket, build_bucket
+from sidecar.metrics import Metrics
 from sidecar.scheduler import (
+    BUILTIN_CLASSES,
+    TRANSITIONS,
     Admitted,
+    ClassSettings,
+    ClassSnapshot,
+    Decision,
+    Leases,
     LegacyAdmission,
     Outcome,
     Preempted,
@@ -17,6 +22,9 @@ from sidecar.scheduler import (
     Released,
     ReleaseResult,
     Scheduler,
+    Snapshot,
+    State,
+    capacity_pressure,
     desired_reservations,
     reservations_fit,
     scaled_reservations,
@@ -27,9 +35,9 @@ S, I, D, B = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEF
               PriorityClass.BULK)
 
 
-def flat(**per_class: dict[str, object]) -> dict[PriorityClass, ClassConfig]:
+def flat(**per_class: dict[str, object]) -> dict[PriorityClass, ClassSettings]:
     """No reservations, generous queues, unless overridden per class."""
-    base = ClassConfig(reserved_floor=0, reserved_per_slot=0.0, queue_size=10,
+    base = ClassSettings(reserved_floor=0, reserved_per_slot=0.0, queue_size=10,
                        queue_timeout_secs=10.0, starvation_threshold_secs=5.0, can_preempt=False)
     out = {c: base for c in PriorityClass}
     for name, fields in per_class.items():
@@ -273,16 +281,23 @@ def test_starvation_does_not_bypass_when_strict_would_admit_anyway() -> None:
 # ---------------------------------------------------------------- preemption
 
 
-def preempt_cfg() -> dict[PriorityClass, ClassConfig]:
+def preempt_cfg() -> dict[PriorityClass, ClassSettings]:
     return flat(interactive={"can_preempt": True}, system={"can_preempt": True})
+
+
+def arrive_reachable(s: Scheduler, id: str, cls: PriorityClass) -> Decision:
+    """Arrive, and open the stop channel at once if admitted, as the sidecar's ext_proc does."""
+    decision = s.arrive(id, cls, "t")
+    s.mark_preemptible(id)
+    return decision
 
 
 def test_preempts_most_recent_lowest_class_without_first_byte() -> None:
     s = Scheduler(preempt_cfg(), 4, FakeClock())
-    s.arrive("d1", D, "t")
-    s.arrive("b1", B, "t")
-    s.arrive("b2", B, "t")
-    s.arrive("b3", B, "t")
+    arrive_reachable(s, "d1", D)
+    arrive_reachable(s, "b1", B)
+    arrive_reachable(s, "b2", B)
+    arrive_reachable(s, "b3", B)
     s.mark_first_byte("b3")  # streaming already: not preemptible
     s.take_events()
     d = s.arrive("i1", I, "t")
@@ -299,16 +314,16 @@ def test_preempts_most_recent_lowest_class_without_first_byte() -> None:
 
 def test_preemption_takes_lowest_class_before_recency() -> None:
     s = Scheduler(preempt_cfg(), 2, FakeClock())
-    s.arrive("b1", B, "t")
-    s.arrive("d1", D, "t")  # more recent but a higher class than b1
+    arrive_reachable(s, "b1", B)
+    arrive_reachable(s, "d1", D)  # more recent but a higher class than b1
     s.arrive("s1", S, "t")
     assert not s.is_admitted("b1") and s.is_admitted("d1")
 
 
 def test_preemption_only_strictly_lower_and_at_most_one() -> None:
     s = Scheduler(preempt_cfg(), 2, FakeClock())
-    s.arrive("i1", I, "t")
-    s.arrive("i2", I, "t")
+    arrive_reachable(s, "i1", I)
+    arrive_reachable(s, "i2", I)
     assert isinstance(s.arrive("i3", I, "t"), Queued)  # same class: no victim
     s.take_events()
     assert isinstance(s.arrive("s1", S, "t"), Admitted)  # one interactive preempted
@@ -318,7 +333,7 @@ def test_preemption_only_strictly_lower_and_at_most_one() -> None:
 
 def test_no_preemption_without_permission_or_victim() -> None:
     s = Scheduler(preempt_cfg(), 1, FakeClock())
-    s.arrive("b1", B, "t")
+    arrive_reachable(s, "b1", B)
     assert isinstance(s.arrive("d1", D, "t"), Queued)  # default cannot preempt
     s.mark_first_byte("b1")
     assert isinstance(s.arrive("i1", I, "t"), Queued)  # victim already streaming
@@ -336,6 +351,7 @@ def test_preemption_keeps_fifo_within_class() -> None:
     s.arrive("b4", B, "t")
     s.release("b2")  # i... nothing queued in I; b3 admitted
     assert s.is_admitted("b3")
+    s.mark_preemptible("b3")
     # now b3 has no first byte; a new interactive arrival with i2 queued ahead
     s.take_events()
     assert isinstance(s.arrive("i2", I, "t"), Admitted)  # preempts b3, I queue empty
@@ -344,7 +360,7 @@ def test_preemption_keeps_fifo_within_class() -> None:
 def test_no_preemption_when_over_capacity_after_shrink() -> None:
     s = Scheduler(preempt_cfg(), 3, FakeClock())
     for i in range(3):
-        s.arrive(f"b{i}", B, "t")
+        arrive_reachable(s, f"b{i}", B)
     s.set_capacity(1)
     assert isinstance(s.arrive("i1", I, "t"), Queued)  # one victim would not make room
     assert s.inflight() == 3  # in-flight requests drain, not cancelled
@@ -395,6 +411,67 @@ def test_snapshot() -> None:
     assert snap.classes[B].queue_limit == 1024
 
 
+# ---------------------------------------------------------------- capacity pressure
+
+
+def snap(capacity: int, **per_class: tuple[int, int, int, int]) -> Snapshot:
+    """Per class (inflight, queue_depth, queue_limit, reserved); unnamed classes idle."""
+    classes = {c: ClassSnapshot(0, 0, 10, 0) for c in PriorityClass}
+    for name, values in per_class.items():
+        cls = PriorityClass.from_name(name)
+        assert cls is not None
+        classes[cls] = ClassSnapshot(*values)
+    return Snapshot(capacity, sum(c.inflight for c in classes.values()), classes)
+
+
+def test_capacity_pressure_worked_numbers() -> None:
+    # Capacity 256 with the built-in reservations 32/128/26/0.
+    s = snap(256, system=(0, 0, 64, 32), interactive=(100, 0, 256, 128),
+             default=(40, 0, 512, 26), bulk=(50, 10, 1024, 0))
+    assert capacity_pressure(s, S) == 0.0  # inside its reservation, queue empty
+    assert capacity_pressure(s, I) == 0.0
+    # default: 14 beyond its own 26, over what system and interactive leave: 256-32-128 = 96
+    assert capacity_pressure(s, D) == pytest.approx(14 / 96)
+    # bulk: 50 beyond 0, over 256-32-128-26 = 70; its queue fill 10/1024 is lower
+    assert capacity_pressure(s, B) == pytest.approx(50 / 70)
+
+
+def test_capacity_pressure_queue_fill_and_bounds() -> None:
+    assert capacity_pressure(snap(8, bulk=(0, 3, 4, 0)), B) == pytest.approx(0.75)
+    assert capacity_pressure(snap(8, bulk=(0, 9, 4, 0)), B) == 1.0  # never above 1
+    assert capacity_pressure(snap(8, bulk=(0, 5, 0, 0)), B) == 0.0  # limit 0: no fill term
+    # Nothing left above (capacity 0 after a shrink): divide by 1, capped at 1.
+    assert capacity_pressure(snap(0, bulk=(3, 0, 4, 0)), B) == 1.0
+    assert capacity_pressure(snap(10, system=(0, 0, 4, 10), bulk=(0, 0, 4, 0)), B) == 0.0
+
+
+def test_metrics_report_the_contract_capacity_pressure() -> None:
+    s = Scheduler(BUILTIN_CLASSES, 256, FakeClock())
+    for i in range(40):
+        s.arrive(f"d{i}", D, "t")
+    metrics = Metrics(tenant_top_n=32)
+    metrics.watch(s.snapshot)
+    value = metrics.registry.get_sample_value("smg_scheduler_class_capacity_pressure",
+                                              {"class": "default"})
+    assert value == pytest.approx(14 / 96) == capacity_pressure(s.snapshot(), D)
+
+
+# ---------------------------------------------------------------- leases
+
+
+def test_leases_expire_at_ttl_in_renewal_order() -> None:
+    leases = Leases(10.0)
+    leases.grant("a", 0.0)
+    leases.grant("b", 1.0)
+    assert leases.next_expiry() == 10.0
+    assert leases.renew("a", 5.0) and not leases.renew("stranger", 5.0)
+    assert leases.next_expiry() == 11.0  # b is now the earliest
+    assert leases.pop_expired(10.999) == []
+    assert leases.pop_expired(11.0) == ["b"]  # due exactly at its TTL
+    leases.drop("a")
+    assert len(leases) == 0 and leases.next_expiry() is None and "a" not in leases
+
+
 # ---------------------------------------------------------------- legacy
 
 
@@ -441,43 +518,38 @@ def test_legacy_cancel() -> None:
     assert core.snapshot().inflight == 0
 
 
-# ---------------------------------------------------------------- token bucket
-
-
-def test_token_bucket() -> None:
-    clock = FakeClock()
-    bucket = TokenBucket(2, 1.0, clock)
-    assert bucket.try_take() and bucket.try_take()
-    assert not bucket.try_take()
-    clock.advance(0.5)
-    assert not bucket.try_take()
-    clock.advance(0.5)
-    assert bucket.try_take()
-    clock.advance(100)
-    assert bucket.tokens <= 2
-    assert bucket.try_take() and bucket.try_take() and not bucket.try_take()
-
-
-def test_bucket_only_with_positive_rate_and_limit() -> None:
-    clock = FakeClock()
-    assert build_bucket(10, None, clock) is None
-    assert build_bucket(10, 0, clock) is None
-    assert build_bucket(0, 5, clock) is None  # --max-concurrent-requests 0 removes it
-    assert build_bucket(-1, 5, clock) is None
-    assert build_bucket(10, 5, clock) is not None
-
-
 def test_preemption_candidates_only_once_reachable() -> None:
-    s = Scheduler(preempt_cfg(), 2, FakeClock(), preemptible_on_admit=False)
+    s = Scheduler(preempt_cfg(), 2, FakeClock())
     s.arrive("b1", B, "t")
     s.arrive("b2", B, "t")
     assert isinstance(s.arrive("i1", I, "t"), Queued)  # no stop channel: no victim
-    assert s.mark_reachable("b1")
+    assert s.mark_preemptible("b1")
     assert isinstance(s.arrive("i2", I, "t"), Queued)  # FIFO: i1 takes the freed slot
     assert s.is_admitted("i1") and not s.is_admitted("b1")
     s.mark_first_byte("b2")
-    assert not s.mark_reachable("b2")  # streaming already
-    assert not s.mark_reachable("nobody")
+    assert not s.mark_preemptible("b2")  # streaming already
+    assert not s.mark_preemptible("nobody")
+
+
+def test_state_of_follows_the_lifecycle_table() -> None:
+    s = Scheduler(preempt_cfg(), 1, FakeClock())
+    s.arrive("b1", B, "t")
+    assert s.state_of("b1") is State.ADMITTED  # the sidecar's mode: no stop channel yet
+    assert s.mark_preemptible("b1") and s.state_of("b1") is State.PREEMPTIBLE
+    assert isinstance(s.arrive("d1", D, "t"), Queued) and s.state_of("d1") is State.QUEUED
+    assert s.mark_first_byte("b1") and s.state_of("b1") is State.STREAMING
+    assert not s.mark_preemptible("b1")  # STREAMING has no way back
+    s.release("b1")
+    assert s.state_of("b1") is None and s.state_of("d1") is State.ADMITTED
+    assert set(TRANSITIONS) == set(State)
+
+
+def test_preemptible_on_admit_makes_every_admission_a_candidate_at_once() -> None:
+    s = Scheduler(preempt_cfg(), 1, FakeClock(), preemptible_on_admit=True)
+    s.arrive("b1", B, "t")
+    assert s.state_of("b1") is State.PREEMPTIBLE
+    d = s.arrive("i1", I, "t")
+    assert isinstance(d, Admitted) and d.preempted and not s.is_admitted("b1")
 
 
 def test_adopt_counts_running_streams_after_restart() -> None:
@@ -514,12 +586,12 @@ def test_legacy_adopt() -> None:
 def test_queued_preempting_head_uses_a_victim_that_becomes_reachable() -> None:
     # The victims' stop channels open just after they are admitted: an interactive
     # request queued in between must not wait for its timeout.
-    s = Scheduler(preempt_cfg(), 2, FakeClock(), preemptible_on_admit=False)
+    s = Scheduler(preempt_cfg(), 2, FakeClock())
     s.arrive("b1", B, "t")
     s.arrive("b2", B, "t")
     assert isinstance(s.arrive("i1", I, "t"), Queued)
     s.take_events()
-    assert s.mark_reachable("b1")
+    assert s.mark_preemptible("b1")
     events = s.take_events()
     assert [type(e) for e in events] == [Preempted, Released, Admitted]
     assert s.is_admitted("i1") and not s.is_admitted("b1")
@@ -531,14 +603,14 @@ def test_slot_freed_by_preemption_goes_to_the_preempting_class() -> None:
     clock = FakeClock()
     cfg = flat(interactive={"can_preempt": True, "queue_timeout_secs": 100.0},
                bulk={"starvation_threshold_secs": 1.0, "queue_timeout_secs": 100.0})
-    s = Scheduler(cfg, 2, clock, preemptible_on_admit=False)
+    s = Scheduler(cfg, 2, clock)
     s.arrive("b1", B, "t")
     s.arrive("b2", B, "t")
     s.arrive("bq", B, "t")  # will be starved
     s.arrive("i1", I, "t")
     clock.advance(5.0)
     s.tick()
-    s.mark_reachable("b2")
+    s.mark_preemptible("b2")
     # b2 was preempted for the interactive head, not for the starved bulk request
     assert s.is_admitted("i1") and not s.is_admitted("bq")
     assert s.queued_ids(B) == ["bq"]
@@ -570,14 +642,14 @@ def test_deadline_heap_stays_bounded_under_churn() -> None:
     for i in range(10_000):
         s.arrive(f"w{i}", B, "t")
         s.cancel(f"w{i}")
-    assert len(s._deadlines) <= 2 * 1 + 64 + 1
+    assert len(s._queues.deadlines) <= 2 * 1 + 64 + 1
 
 
 def test_queued_head_does_not_undo_a_starvation_promotion() -> None:
     clock = FakeClock()
     cfg = flat(interactive={"can_preempt": True, "queue_timeout_secs": 100.0},
                bulk={"starvation_threshold_secs": 2.0, "queue_timeout_secs": 100.0})
-    s = Scheduler(cfg, 1, clock, preemptible_on_admit=False)
+    s = Scheduler(cfg, 1, clock)
     s.arrive("d", D, "t")
     s.mark_first_byte("d")  # streaming: not a victim
     s.arrive("b", B, "t")
@@ -586,7 +658,7 @@ def test_queued_head_does_not_undo_a_starvation_promotion() -> None:
     clock.advance(1.5)  # b is starved
     s.release("d")
     assert s.is_admitted("b")  # the starvation rule goes first
-    s.mark_reachable("b")  # b was admitted after i queued: i may not take it back
+    s.mark_preemptible("b")  # b was admitted after i queued: i may not take it back
     assert s.is_admitted("b") and s.queued_ids(I) == ["i"]
 
 
@@ -598,7 +670,7 @@ def test_preempting_arrival_dispatches_classes_below() -> None:
                interactive={"can_preempt": True})
     s = Scheduler(cfg, 10, FakeClock())
     for rid, cls in [("s1", S), ("s2", S), ("b1", B), ("b2", B)]:
-        s.arrive(rid, cls, "t")
+        arrive_reachable(s, rid, cls)
     s.set_capacity(4)  # full, with one system slot still held back
     assert s.available(I) == -1
     assert isinstance(s.arrive("i1", I, "t"), Queued)

@@ -13,6 +13,8 @@ Invariants checked after every step (stated precisely):
   nothing.
 * Queue depth ≤ queue_size for every class.
 * Every arrival gets exactly one decision: admitted, or rejected (full, timeout, cancel).
+* Every move of every request is an arrow of the lifecycle table (``TRANSITIONS``), and
+  the core's ``state_of`` agrees with the states those moves lead to.
 """
 
 from __future__ import annotations
@@ -24,17 +26,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.config import ClassConfig
 from sidecar.scheduler import (
+    TRANSITIONS,
     Admitted,
+    ClassSettings,
     Outcome,
     Preempted,
     Queued,
     Rejected,
     Released,
+    ReleaseReason,
     ReleaseResult,
     Scheduler,
+    State,
 )
+from sidecar.scheduler.lifecycle import HOLDS_A_SLOT
 from tests.clock import FakeClock
 
 settings.register_profile("ci", max_examples=2000, deadline=None,
@@ -57,7 +63,7 @@ class CheckedScheduler(Scheduler):
 
 
 class_config = st.builds(
-    ClassConfig,
+    ClassSettings,
     reserved_floor=st.integers(0, 4),
     reserved_per_slot=st.sampled_from([0.0, 0.1, 0.25, 0.5]),
     queue_size=st.integers(0, 4),
@@ -84,7 +90,7 @@ ops = st.lists(
 
 
 @given(cfg=configs, capacity=st.integers(0, 12), steps=ops, on_admit=st.booleans())
-def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
+def test_invariants(cfg: dict[PriorityClass, ClassSettings], capacity: int,
                     steps: list[tuple[str, Any]], on_admit: bool) -> None:
     clock = FakeClock()
     # on_admit False is the sidecar's mode: candidates only once a stop channel exists.
@@ -95,12 +101,20 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
     live: list[str] = []
     released: dict[str, int] = {}
     decided: dict[str, str] = {}
+    state: dict[str, State] = {}
     seq = 0
+    on_admit_state = State.PREEMPTIBLE if on_admit else State.ADMITTED
+
+    def move(rid: str, new: State) -> None:
+        old = state.get(rid, State.NEW)
+        assert new in TRANSITIONS[old], f"{rid}: {old.name} -> {new.name} is not in the table"
+        state[rid] = new
 
     def absorb(events: list[Any]) -> None:
         for e in events:
             if isinstance(e, Admitted):
                 aid = e.admission.id
+                move(aid, State.STREAMING if e.adopted else on_admit_state)
                 assert aid not in decided, "second decision"
                 decided[aid] = "admitted"
                 if e.queued:
@@ -111,6 +125,7 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
                 admitted.append(aid)
                 live.append(aid)
             elif isinstance(e, Rejected):
+                move(e.id, State(e.outcome.value))
                 assert e.id not in decided, "second decision"
                 decided[e.id] = e.outcome.value
                 if e.id in queued:
@@ -119,9 +134,14 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
                     if e.outcome is Outcome.REJECTED_QUEUE_TIMEOUT:
                         assert e.waited >= cfg[e.cls].queue_timeout_secs - 1e-9
             elif isinstance(e, Released):
+                if e.reason is ReleaseReason.PREEMPTED:  # its Preempted event moved it
+                    assert state[e.admission.id] is State.PREEMPTED
+                else:
+                    move(e.admission.id, State(e.reason.value))
                 released[e.admission.id] = released.get(e.admission.id, 0) + 1
                 live.remove(e.admission.id)
             elif isinstance(e, Preempted):
+                move(e.victim.id, State.PREEMPTED)
                 assert e.victim.cls < e.by_class and not e.victim.first_byte
 
     for op, arg in steps:
@@ -131,6 +151,7 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
             rid = f"r{seq}"
             d = s.arrive(rid, arg, "t")
             if isinstance(d, Queued):
+                move(rid, State.QUEUED)
                 fifo[arg].append(rid)
                 queued.add(rid)
         elif op == "release" and live:
@@ -145,9 +166,14 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
             target = sorted(queued)[arg % len(queued)]
             assert s.cancel(target)
         elif op == "first_byte" and live:
-            s.mark_first_byte(live[arg % len(live)])
+            target = live[arg % len(live)]
+            if s.mark_first_byte(target):
+                move(target, State.STREAMING)
         elif op == "reachable" and live:
-            s.mark_reachable(live[arg % len(live)])
+            target = live[arg % len(live)]
+            was = state[target]
+            if s.mark_preemptible(target) and was is not State.PREEMPTIBLE:
+                move(target, State.PREEMPTIBLE)
         elif op == "capacity":
             s.set_capacity(arg)
         elif op == "adopt":
@@ -168,6 +194,9 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
             assert s.queue_depth(c) <= cfg[c].queue_size
             assert s.queued_ids(c) == fifo[c]
         assert sum(s.inflight(c) for c in PriorityClass) == s.inflight() == len(live)
+        for rid, where in state.items():
+            live_state = where is State.QUEUED or where in HOLDS_A_SLOT
+            assert s.state_of(rid) == (where if live_state else None)
 
     # Drain: time passes until every queue empties; releases end every admission once.
     for _ in range(1000):
@@ -183,12 +212,13 @@ def test_invariants(cfg: dict[PriorityClass, ClassConfig], capacity: int,
     assert all(n == 1 for n in released.values())
     assert set(released) == set(admitted)
     assert seq == len(decided)
+    assert all(not TRANSITIONS[where] for where in state.values()), "a request did not end"
 
 
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(1, 4000), shrink_to=st.integers(0, 4000))
 def test_reservations_after_any_capacity_change(capacity: int, shrink_to: int) -> None:
-    from sidecar.config import BUILTIN_CLASSES
+    from sidecar.scheduler import BUILTIN_CLASSES
 
     s = Scheduler(BUILTIN_CLASSES, capacity, FakeClock())
     s.set_capacity(shrink_to)

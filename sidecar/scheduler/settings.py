@@ -1,0 +1,47 @@
+"""Per-class settings, as the core takes them: a plain value, no YAML, no flags.
+
+``sidecar.config`` builds these from ``priority.yaml`` (field-wise over
+:data:`BUILTIN_CLASSES`); the core never imports the configuration module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sidecar.classes import PriorityClass
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSettings:
+    """One class's knobs (YAML ``classes.<name>``; the field names are the YAML keys)."""
+
+    reserved_floor: int
+    """Slots held back for the class whatever the capacity."""
+    reserved_per_slot: float
+    """Share of capacity held back: ``max(floor, ceil(share * capacity))``."""
+    queue_size: int
+    """Queued requests at most; one more is refused with 429 (0: never queue)."""
+    queue_timeout_secs: float
+    """Longest wait in the queue before 408."""
+    starvation_threshold_secs: float
+    """A queue head waiting this long is admitted ignoring reservations (not ``system``)."""
+    can_preempt: bool
+    """Whether an arrival of this class may stop a lower-class request before its first byte."""
+
+
+BUILTIN_CLASSES: Mapping[PriorityClass, ClassSettings] = {
+    PriorityClass.SYSTEM: ClassSettings(
+        reserved_floor=32, reserved_per_slot=0.0, queue_size=64, queue_timeout_secs=30.0,
+        starvation_threshold_secs=5.0, can_preempt=True),
+    PriorityClass.INTERACTIVE: ClassSettings(
+        reserved_floor=128, reserved_per_slot=0.25, queue_size=256, queue_timeout_secs=30.0,
+        starvation_threshold_secs=5.0, can_preempt=True),
+    PriorityClass.DEFAULT: ClassSettings(
+        reserved_floor=0, reserved_per_slot=0.10, queue_size=512, queue_timeout_secs=60.0,
+        starvation_threshold_secs=30.0, can_preempt=False),
+    PriorityClass.BULK: ClassSettings(
+        reserved_floor=0, reserved_per_slot=0.0, queue_size=1024, queue_timeout_secs=300.0,
+        starvation_threshold_secs=120.0, can_preempt=False),
+}
+"""The contract's built-in class table (what an empty ``priority.yaml`` means)."""
