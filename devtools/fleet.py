@@ -13,6 +13,14 @@ time: ``x-fake-gate: NAME`` holds the response until the gate is opened,
 ``Fleet.gates.open(NAME)`` (or ``POST /admin/gates`` with ``{"open": NAME}``)
 releases every request waiting on it, now and later.
 
+A worker can impersonate an inference engine (``engine=``): it then serves that
+engine's liveness, capacity and metrics endpoints with the same paths, field
+names, nesting and metric names as the real server (the fixtures below cite
+where each shape comes from), so the sidecar's engine rules are tested against
+what it will meet. ``batch_limit`` makes the worker behave like an engine with a
+full batch: at most that many completions run, the rest wait in the worker's
+own FIFO queue and are reported as waiting.
+
 Run ``python -m devtools.fleet --help`` for the CLI.
 """
 
@@ -43,6 +51,87 @@ GATE_HEADER = "x-fake-gate"
 STREAM_GATE_HEADER = "x-fake-stream-gate"
 _FIELD_LIMIT = 1 << 20  # generous: Envoy and the sidecar may add long headers
 
+# engine names (as --worker-engine spells them); "generic" = this project's own shape.
+ENGINES = ("generic", "sglang", "vllm", "tgi", "llamacpp")
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def sglang_server_info(per_rank: int | None, ranks: int, cli_cap: int | None) -> JSONObject:
+    """SGLang ``GET /server_info``: ``{**asdict(server_args), **scheduler_info,
+    "internal_states": [...], "version"}`` (sgl-project/sglang
+    python/sglang/srt/entrypoints/http_server.py ``get_server_info``). The top-level
+    ``max_running_requests`` is the CLI argument (null by default); the effective cap is
+    ``internal_states[i].effective_max_running_requests_per_dp``, one entry per DP rank
+    (docs.sglang.io basic_usage/native_api, managers/scheduler.py ``get_internal_state``).
+    """
+    states: list[JSONObject] = [
+        {"memory_usage": {"weight": 15.0, "kvcache": 2.5, "token_capacity": 20480},
+         "effective_max_running_requests_per_dp": per_rank,
+         "last_gen_throughput": 0.0}
+        for _ in range(ranks)]
+    return {"model_path": MODEL, "tp_size": 1, "dp_size": ranks,
+            "max_running_requests": cli_cap, "max_total_num_tokens": 20480,
+            "internal_states": states, "version": "0.5.2"}
+
+
+def sglang_loads(per_rank: int | None, ranks: int, running: int, waiting: int) -> JSONObject:
+    """SGLang ``GET /v1/loads``: per-DP ``loads[]`` (sgl-project/sglang
+    python/sglang/srt/entrypoints/v1_loads.py; field names as in lightseekorg/smg
+    crates/protocols/src/worker.rs ``SchedulerLoadSnapshot``). Load goes to rank 0."""
+    return {"loads": [
+        {"dp_rank": i, "num_running_reqs": running if i == 0 else 0,
+         "num_waiting_reqs": waiting if i == 0 else 0,
+         "num_total_reqs": (running + waiting) if i == 0 else 0,
+         "num_used_tokens": 0, "max_total_num_tokens": 20480, "token_usage": 0.0,
+         "max_running_requests": per_rank}
+        for i in range(ranks)]}
+
+
+def vllm_server_info(max_num_seqs: int | None, dp: int) -> JSONObject:
+    """vLLM ``GET /server_info?config_format=json``, served only with VLLM_SERVER_DEV_MODE=1:
+    ``{"vllm_config": PydanticVllmConfig.dump_python(...), "vllm_env", "system_env"}``
+    (vllm-project/vllm vllm/entrypoints/serve/dev/server_info/api_router.py); the cap is
+    SchedulerConfig.max_num_seqs, per data-parallel rank."""
+    return {"vllm_config": {
+        "model_config": {"model": MODEL, "max_model_len": 8192},
+        "scheduler_config": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192},
+        "parallel_config": {"data_parallel_size": dp, "tensor_parallel_size": 1}},
+        "vllm_env": {}, "system_env": {}}
+
+
+def tgi_info(max_concurrent: int | None) -> JSONObject:
+    """TGI ``GET /info`` (huggingface/text-generation-inference router/src/lib.rs ``Info``;
+    ``max_concurrent_requests`` is the router's concurrency limit, schema example 128)."""
+    return {"model_id": MODEL, "model_sha": None, "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": max_concurrent, "max_best_of": 2,
+            "max_stop_sequences": 4, "max_input_tokens": 4095, "max_total_tokens": 4096,
+            "validation_workers": 2, "max_client_batch_size": 4,
+            "router": "text-generation-router", "version": "3.1.0"}
+
+
+def llamacpp_props(total_slots: int | None) -> JSONObject:
+    """llama.cpp ``GET /props``: ``total_slots`` = ``--parallel`` (ggml-org/llama.cpp
+    tools/server/README.md)."""
+    return {"default_generation_settings": {"n_ctx": 4096, "temperature": 0.8},
+            "total_slots": total_slots, "model_path": "/models/llama-3.1-8b.gguf",
+            "chat_template": "", "is_sleeping": False}
+
+
+# llama.cpp's reply on every path while the model loads (tools/server/README.md, /health).
+LLAMACPP_LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+
+def prometheus_gauges(gauges: list[tuple[str, str, float]]) -> str:
+    """Prometheus text for ``(name, labels, value)`` gauges, HELP/TYPE once per name."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for name, labels, value in gauges:
+        if name not in seen:
+            seen.add(name)
+            out += [f"# HELP {name} {name}", f"# TYPE {name} gauge"]
+        out.append(f"{name}{{{labels}}} {value!r}" if labels else f"{name} {value!r}")
+    return "\n".join(out) + "\n"
+
 
 @dataclass
 class RequestRecord:
@@ -56,6 +145,7 @@ class RequestRecord:
     started_at: float
     ended_at: float | None = None
     outcome: Outcome = "running"
+    service_started_at: float | None = None  # left the worker's own queue (batch_limit)
 
     @property
     def duration(self) -> float | None:
@@ -122,11 +212,21 @@ def _url(host: str, port: int) -> str:
 class FakeWorker:
     """A fake OpenAI-compatible LLM worker that records every completion it serves.
 
-    ``healthy``, ``service_time``, ``stream_interval``, ``tokens`` and
-    ``max_running_requests`` may be changed at any time; they are read per request.
-    The worker never enforces ``max_running_requests`` itself: it only reports it
-    via /server_info (as SGLang does) so tests can check the sidecar respects it,
-    e.g. with ``peak_running``.
+    ``healthy``, ``service_time``, ``stream_interval``, ``tokens``,
+    ``max_running_requests`` and the engine knobs may be changed at any time; they
+    are read per request. ``max_running_requests`` is the cap the worker *reports*
+    (per DP rank for SGLang; None = not reported, e.g. SGLang's null, vLLM outside
+    dev mode); the worker enforces a cap only with ``batch_limit`` (its *real*
+    batch size), so tests can check the sidecar respects what it was told, e.g.
+    with ``peak_running``.
+
+    Engine knobs: ``engine`` (see :data:`ENGINES`); ``dp_ranks`` (SGLang, vLLM);
+    ``sglang_cli_cap`` (SGLang's top-level ``max_running_requests``, null by
+    default); ``serve_loads`` (SGLang's ``/v1/loads``); ``legacy_paths`` (an older
+    SGLang serving only ``/get_server_info``);
+    ``dev_mode`` (vLLM: serve ``/server_info``); ``loading`` (503 on every path, as
+    llama.cpp while it loads); ``capacity_delay`` / ``capacity_status`` /
+    ``capacity_body`` (a slow, failing or hostile capacity endpoint).
     """
 
     def __init__(
@@ -140,7 +240,12 @@ class FakeWorker:
         stream_interval: float = 0.01,
         name: str | None = None,
         gates: Gates | None = None,
+        engine: str = "generic",
+        dp_ranks: int = 1,
+        batch_limit: int | None = None,
     ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r} (expected one of {ENGINES})")
         self.host = host
         self.port = port
         self.max_running_requests = max_running_requests
@@ -148,6 +253,19 @@ class FakeWorker:
         self.tokens = tokens
         self.stream_interval = stream_interval
         self.healthy = True
+        self.engine = engine
+        self.dp_ranks = dp_ranks
+        self.sglang_cli_cap: int | None = None
+        self.legacy_paths = False
+        self.serve_loads = True  # SGLang's /v1/loads ("some builds serve it")
+        self.dev_mode = False
+        self.loading = False
+        self.capacity_delay = 0.0
+        self.capacity_status = 200
+        self.capacity_body: bytes | None = None
+        self.batch_limit = batch_limit
+        self._waiting = 0
+        self._slots = asyncio.Condition()
         self.records: list[RequestRecord] = []
         self.gates = gates if gates is not None else Gates()
         self._name = name
@@ -157,7 +275,6 @@ class FakeWorker:
         self._ids = itertools.count(1)
         self._routes: dict[tuple[str, str], _Handler] = {
             ("GET", "/health"): self._health,
-            ("GET", "/server_info"): self._server_info,
             ("POST", "/v1/chat/completions"): self._chat_completions,
             ("GET", "/admin/stats"): self._admin_stats,
             ("POST", "/admin/health"): self._admin_health,
@@ -253,7 +370,10 @@ class FakeWorker:
     # -- endpoints -----------------------------------------------------------
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
-        handler = self._routes.get((request.method, request.path), self._not_found)
+        if self.loading and not request.path.startswith("/admin/"):
+            return _json(503, LLAMACPP_LOADING)
+        key = (request.method, request.path)
+        handler = self._routes.get(key) or self._engine_routes().get(key, self._not_found)
         response = await handler(request)
         response.headers.setdefault("Server", SERVER_HEADER)
         return response
@@ -263,11 +383,99 @@ class FakeWorker:
             return _json(200, {"status": "ok"})
         return _json(503, {"status": "unhealthy"})
 
+    # -- engine impersonation ------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Completions waiting in this worker's own queue (``batch_limit`` reached)."""
+        return self._waiting
+
+    def _engine_routes(self) -> dict[tuple[str, str], _Handler]:
+        """The engine's own endpoints: what is absent here answers 404, as on the real one."""
+        e = self.engine
+        routes: dict[tuple[str, str], _Handler]
+        if e == "sglang":
+            info = "/get_server_info" if self.legacy_paths else "/server_info"
+            routes = {("GET", info): self._sglang_info, ("GET", "/metrics"): self._metrics}
+            if self.serve_loads:
+                routes[("GET", "/v1/loads")] = self._sglang_loads
+            return routes
+        if e == "vllm":
+            routes = {("GET", "/metrics"): self._metrics}
+            if self.dev_mode:
+                routes[("GET", "/server_info")] = self._vllm_info
+            return routes
+        if e == "tgi":
+            return {("GET", "/info"): self._tgi_info, ("GET", "/metrics"): self._metrics}
+        if e == "llamacpp":
+            return {("GET", "/props"): self._llamacpp_props, ("GET", "/metrics"): self._metrics}
+        return {("GET", "/server_info"): self._server_info}
+
+    async def _capacity_reply(self, payload: JSONObject) -> web.StreamResponse:
+        if self.capacity_delay > 0:
+            await asyncio.sleep(self.capacity_delay)
+        if self.capacity_status != 200:
+            return _json(self.capacity_status, {"error": "capacity endpoint failing"})
+        if self.capacity_body is not None:
+            return web.Response(status=200, body=self.capacity_body,
+                                content_type="application/json")
+        return _json(200, payload)
+
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
         info: JSONObject = {"name": self.name}
         if self.max_running_requests is not None:
             info["max_running_requests"] = self.max_running_requests
-        return _json(200, info)
+        return await self._capacity_reply(info)
+
+    async def _sglang_info(self, request: web.Request) -> web.StreamResponse:
+        return await self._capacity_reply(sglang_server_info(
+            self.max_running_requests, self.dp_ranks, self.sglang_cli_cap))
+
+    async def _sglang_loads(self, request: web.Request) -> web.StreamResponse:
+        return _json(200, sglang_loads(self.max_running_requests, self.dp_ranks,
+                                       self._running, self._waiting))
+
+    async def _vllm_info(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("config_format") != "json":
+            return _json(200, {"vllm_config": f"model='{MODEL}', max_num_seqs=..."})
+        return await self._capacity_reply(vllm_server_info(self.max_running_requests,
+                                                           self.dp_ranks))
+
+    async def _tgi_info(self, request: web.Request) -> web.StreamResponse:
+        return await self._capacity_reply(tgi_info(self.max_running_requests))
+
+    async def _llamacpp_props(self, request: web.Request) -> web.StreamResponse:
+        return await self._capacity_reply(llamacpp_props(self.max_running_requests))
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        """The engine's /metrics, with its real metric names for running and waiting."""
+        run, wait = float(self._running), float(self._waiting)
+        labels = f'model_name="{MODEL}"'
+        e = self.engine
+        if e == "vllm":
+            # vllm-project/vllm vllm/v1/metrics/loggers.py; labels model_name, engine.
+            # num_requests_waiting_by_reason is the prefix-match trap.
+            lab = f'engine="0",{labels}'
+            gauges = [("vllm:num_requests_running", lab, run),
+                      ("vllm:num_requests_waiting", lab, wait),
+                      ("vllm:num_requests_waiting_by_reason", f'{lab},reason="capacity"', 7.0),
+                      ("vllm:kv_cache_usage_perc", lab, 0.1)]
+        elif e == "sglang":
+            # sgl-project/sglang docs/references/production_metrics.md (--enable-metrics)
+            gauges = [("sglang:num_running_reqs", labels, run),
+                      ("sglang:num_queue_reqs", labels, wait),
+                      ("sglang:token_usage", labels, 0.1)]
+        elif e == "tgi":
+            # huggingface.co/docs/text-generation-inference/reference/metrics
+            gauges = [("tgi_batch_current_size", "", run), ("tgi_queue_size", "", wait),
+                      ("tgi_batch_current_max_tokens", "", 0.0)]
+        else:
+            # ggml-org/llama.cpp tools/server/README.md (--metrics)
+            gauges = [("llamacpp:requests_processing", "", run),
+                      ("llamacpp:requests_deferred", "", wait),
+                      ("llamacpp:n_busy_slots_per_decode", "", 1.0)]
+        return web.Response(status=200, text=prometheus_gauges(gauges),
+                            content_type="text/plain")
 
     async def _admin_stats(self, request: web.Request) -> web.StreamResponse:
         return _json(200, self.stats())
@@ -315,7 +523,20 @@ class FakeWorker:
             started_at=time.time(),
         )
         self.records.append(record)
-        self._running += 1
+        # An engine with a full batch queues the request FIFO, whatever its priority.
+        in_slot = False
+        self._waiting += 1
+        try:
+            async with self._slots:
+                await self._slots.wait_for(
+                    lambda: self.batch_limit is None or self._running < self.batch_limit)
+                self._running += 1
+                in_slot = True
+        finally:
+            self._waiting -= 1
+            if not in_slot:
+                record.outcome, record.ended_at = "cancelled", time.time()
+        record.service_started_at = time.time()
         self._peak_running = max(self._peak_running, self._running)
         # Cancelled unless we get to the last byte: a client hang-up cancels this
         # handler (CancelledError) or fails a write (ConnectionError).
@@ -338,6 +559,8 @@ class FakeWorker:
             self._running -= 1
             record.outcome = outcome
             record.ended_at = time.time()
+            async with self._slots:
+                self._slots.notify_all()
 
     def _service_time_for(self, request: web.Request) -> float:
         raw = request.headers.get(SERVICE_TIME_HEADER)
@@ -478,6 +701,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="reported in /server_info; <= 0 omits the field")
     parser.add_argument("--service-time", type=float, default=0.05,
                         help="seconds before the response (time to first byte)")
+    parser.add_argument("--engine", choices=ENGINES, default="generic",
+                        help="impersonate this engine's endpoints and metric names")
+    parser.add_argument("--batch-limit", type=int, default=None,
+                        help="run at most N completions at once; the rest wait FIFO")
     parser.add_argument("--tokens", type=int, default=5)
     parser.add_argument("--stream-interval", type=float, default=0.01)
     return parser.parse_args(argv)
@@ -493,6 +720,8 @@ async def _serve(args: argparse.Namespace) -> int:
         service_time=args.service_time,
         tokens=args.tokens,
         stream_interval=args.stream_interval,
+        engine=args.engine,
+        batch_limit=args.batch_limit,
     )
     try:
         await fleet.start()

@@ -20,7 +20,8 @@ from sidecar.admission import AdmissionController
 from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings
-from sidecar.health import CapacityMonitor, CapacityReading
+from sidecar.capacity import CapacityReading, per_worker
+from sidecar.health import CapacityMonitor
 from sidecar.metrics import Metrics
 from sidecar.ratelimit import build_bucket
 from sidecar.reload import ConfigWatcher
@@ -57,6 +58,9 @@ class Sidecar:
             fallback=settings.fallback_capacity,
             override=settings.worker_capacity_override,
             on_change=self._on_capacity,
+            engine=settings.worker_engine,
+            default_cap=settings.worker_max_running_requests,
+            saturation_guard=settings.saturation_guard,
         )
         self.core: AdmissionCore | None = None
         self.controller: AdmissionController | None = None
@@ -117,6 +121,7 @@ class Sidecar:
     def _on_capacity(self, reading: CapacityReading) -> None:
         self.metrics.set_capacity_source(reading.source)
         self.metrics.healthy_workers.set(reading.healthy)
+        self.metrics.worker_capacity(per_worker(reading))
         if self.controller is not None:
             self.controller.set_capacity(reading.capacity)
 

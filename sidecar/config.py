@@ -494,6 +494,9 @@ class Settings:
     envoy_cluster: str
     health_interval_secs: float
     health_timeout_secs: float
+    worker_engine: str
+    worker_max_running_requests: int
+    saturation_guard: bool
     tenant_source: TenantSource
     admission_lease_secs: float
     envoy_authz_timeout: float | None
@@ -563,6 +566,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="worker health poll interval")
     sc.add_argument("--health-timeout-secs", type=float, default=0.5, metavar="SECS",
                     help="per-probe timeout")
+    sc.add_argument("--worker-engine", default="auto",
+                    choices=("auto", "sglang", "vllm", "tgi", "llamacpp", "generic"),
+                    help="how to read each worker's capacity (every worker); auto recognises "
+                         "the engine from what it serves")
+    sc.add_argument("--worker-max-running-requests", type=int, default=64, metavar="N",
+                    help="capacity of a healthy worker whose engine exposes no cap (vLLM "
+                         "outside dev mode: set it to --max-num-seqs)")
+    sc.add_argument("--saturation-guard", action="store_true", default=False,
+                    help="a worker reporting waiting requests counts for min(cap, running) "
+                         "until its queue is empty, so the backlog waits in the class queues")
     sc.add_argument("--tenant-source", default="header:x-smg-tenant", metavar="SOURCE",
                     help="trusted tenant identity: header:NAME (a header Envoy strips from "
                          "clients and sets itself), principal (mTLS peer), or "
@@ -615,6 +628,8 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         raise ConfigError("--startup-capacity-wait-secs must be a finite number >= 0")
     if ns.worker_capacity_override is not None and ns.worker_capacity_override < 1:
         raise ConfigError("--worker-capacity-override must be >= 1")
+    if ns.worker_max_running_requests < 1:
+        raise ConfigError("--worker-max-running-requests must be >= 1")
     for flag, v in (("--health-interval-secs", ns.health_interval_secs),
                     ("--health-timeout-secs", ns.health_timeout_secs),
                     ("--admission-lease-secs", ns.admission_lease_secs),
@@ -659,6 +674,9 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         envoy_cluster=ns.envoy_cluster,
         health_interval_secs=ns.health_interval_secs,
         health_timeout_secs=ns.health_timeout_secs,
+        worker_engine=ns.worker_engine,
+        worker_max_running_requests=ns.worker_max_running_requests,
+        saturation_guard=ns.saturation_guard,
         tenant_source=TenantSource.parse(ns.tenant_source),
         admission_lease_secs=ns.admission_lease_secs,
         envoy_authz_timeout=authz_timeout,

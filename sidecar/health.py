@@ -1,52 +1,91 @@
-"""Health-driven capacity.
+"""Health-driven capacity: probing the workers (the I/O around sidecar.capacity).
 
 The worker set comes from ``--worker-urls`` or from Envoy's admin API
 (``/clusters?format=json``: only hosts Envoy will route to, so admission and
-routing agree, outlier ejection included). Each worker is probed: ``GET
-/health`` for liveness and ``GET /server_info`` for ``max_running_requests``
-(64 when a healthy worker does not report it). Capacity is the sum over healthy
-workers; with none healthy, the fallback capacity applies.
+routing agree, outlier ejection included). Each worker is probed every
+interval: ``GET /health`` for liveness (200 = healthy; llama.cpp's 503 while
+loading = not yet), then the engine's own capacity endpoint
+(``--worker-engine``, see :data:`ENGINES`), and with ``--saturation-guard``
+one saturation request (running / waiting counts). What capacity to count
+from those results is decided by :class:`sidecar.capacity.CapacityPolicy`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
-from collections.abc import Callable, Sequence
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import logs
+from sidecar.capacity import CapacityPolicy, CapacityReading, ProbeStatus, WorkerProbe
 
-DEFAULT_WORKER_CAPACITY = 64
+__all__ = [
+    "DEFAULT_WORKER_CAPACITY",
+    "ENGINES",
+    "CapacityMonitor",
+    "CapacityReading",
+    "WorkerProber",
+    "http_get",
+    "new_session",
+    "probe_worker",
+]
+
+DEFAULT_WORKER_CAPACITY = 64  # the contract's count for a healthy worker that reports none
+MAX_WORKER_CAPACITY = 1 << 20  # a larger claim is not a real engine's cap: ignored
+ENGINES = ("auto", "sglang", "vllm", "tgi", "llamacpp", "generic")
 
 log = logs.get("sidecar.health")
 
-
-@dataclass(frozen=True, slots=True)
-class CapacityReading:
-    capacity: int
-    source: str  # "workers" | "fallback" | "override"
-    healthy: int
-    total: int
-
-
-PROBE_BODY_LIMIT = 64 << 10  # /health, /server_info: a few hundred bytes in practice
+PROBE_BODY_LIMIT = 1 << 20  # capacity endpoints: a few KiB in practice; larger is not parsed
+METRICS_BODY_LIMIT = 4 << 20  # /metrics with many histograms; larger is not parsed
 CLUSTERS_BODY_LIMIT = 16 << 20  # Envoy's /clusters JSON grows with the number of hosts
+
+# errnos that say the sidecar itself could not make the request (not the worker's fault).
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+                          errno.EADDRNOTAVAIL, errno.EAGAIN})
+
+# Saturation signals per engine: (running, waiting) metric names, exact (a prefix match
+# would also take vllm:num_requests_waiting_by_reason). SGLang >= 0.5.4 may use "sglang_".
+SATURATION_METRICS: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "vllm": (("vllm:num_requests_running",), ("vllm:num_requests_waiting",)),
+    "sglang": (("sglang:num_running_reqs", "sglang_num_running_reqs"),
+               ("sglang:num_queue_reqs", "sglang_num_queue_reqs")),
+    "tgi": (("tgi_batch_current_size",), ("tgi_queue_size",)),
+    "llamacpp": (("llamacpp:requests_processing",), ("llamacpp:requests_deferred",)),
+}
+
+
+class BodyTooLarge(ValueError):
+    pass
+
+
+class NotFound(Exception):
+    """The endpoint does not exist on this worker (404/405): a different engine."""
 
 
 async def http_get(session: aiohttp.ClientSession, url: str, timeout: float,
                    limit: int = PROBE_BODY_LIMIT) -> tuple[int, bytes]:
-    """GET ``url``: the status and at most ``limit`` bytes of body, within ``timeout`` s.
+    """GET ``url``: the status and its body, within ``timeout`` s.
 
-    A longer body is cut at ``limit`` (a JSON body then fails to parse: ValueError).
-    Raises aiohttp.ClientError, OSError, TimeoutError or ValueError.
+    A body longer than ``limit`` bytes raises :class:`BodyTooLarge` (a ValueError)
+    without being read further. Raises aiohttp.ClientError, OSError, TimeoutError
+    or ValueError.
     """
     async with asyncio.timeout(timeout), session.get(url) as resp:
+        if resp.content_length is not None and resp.content_length > limit:
+            raise BodyTooLarge(f"body of {resp.content_length} bytes > {limit}")
         body = bytearray()
-        while len(body) < limit and (data := await resp.content.read(limit - len(body))):
+        while data := await resp.content.read(limit + 1 - len(body)):
             body += data
+            if len(body) > limit:
+                raise BodyTooLarge(f"body over {limit} bytes")
         return resp.status, bytes(body)
 
 
@@ -55,26 +94,355 @@ def new_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(headers={"Accept": "application/json"}, trust_env=False)
 
 
-async def probe_worker(session: aiohttp.ClientSession, base_url: str,
-                       timeout: float) -> int | None:
-    """The worker's capacity if healthy, else ``None``."""
-    base = base_url.rstrip("/")
-    try:
-        status, _ = await http_get(session, f"{base}/health", timeout)
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+PROBE_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, ValueError, RecursionError)
+
+
+def is_local_failure(exc: BaseException) -> bool:
+    """Did the sidecar fail to make the request (timeout, out of fds...), rather than
+    the worker answer badly or refuse the connection?"""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, TimeoutError):
+            return True
+        code = getattr(e, "errno", None)
+        if code in LOCAL_ERRNOS:
+            return True
+        os_error = getattr(e, "os_error", None)  # aiohttp.ClientConnectorError
+        if isinstance(os_error, OSError) and os_error.errno in LOCAL_ERRNOS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def positive_int(value: object) -> int | None:
+    """A plausible cap: a positive finite integer (an integral float passes), else None."""
+    if isinstance(value, bool):
         return None
-    if status != 200:
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            return None
+        value = int(value)
+    if isinstance(value, int) and 0 < value <= MAX_WORKER_CAPACITY:
+        return value
+    return None
+
+
+def _dict(value: object) -> dict[str, object] | None:
+    return value if isinstance(value, dict) else None
+
+
+def _field(value: object, name: str) -> object:
+    """``value[name]`` if ``value`` is a JSON object, else None."""
+    return value.get(name) if isinstance(value, dict) else None
+
+
+def _has(value: object, name: str) -> bool:
+    return isinstance(value, dict) and name in value
+
+
+# ----------------------------------------------------------- per-engine readers
+# Each returns the cap found in a parsed JSON body, or None (with the reason).
+
+def sglang_cap(info: object) -> tuple[int | None, str]:
+    """SGLang ``/server_info``: Σ internal_states[].effective_max_running_requests_per_dp
+    (one entry per DP rank), else a positive top-level max_running_requests (the CLI arg,
+    null unless given)."""
+    d = _dict(info)
+    if d is None:
+        return None, "not a JSON object"
+    states = d.get("internal_states")
+    if isinstance(states, list) and states:
+        caps = [positive_int(_field(s, "effective_max_running_requests_per_dp"))
+                for s in states]
+        if all(c is not None for c in caps):
+            return sum(c for c in caps if c is not None), ""
+        reason = "internal_states[].effective_max_running_requests_per_dp not all positive ints"
+    else:
+        reason = "no internal_states"
+    top = positive_int(d.get("max_running_requests"))
+    if top is not None:
+        return top, ""
+    return None, reason + " and no positive max_running_requests"
+
+
+def sglang_loads_cap(body: object) -> tuple[int | None, str]:
+    """SGLang ``/v1/loads``: Σ loads[].max_running_requests."""
+    d = _dict(body)
+    loads = d.get("loads") if d is not None else None
+    if not isinstance(loads, list) or not loads:
+        return None, "no loads[]"
+    caps = [positive_int(_field(x, "max_running_requests")) for x in loads]
+    if all(c is not None for c in caps):
+        return sum(c for c in caps if c is not None), ""
+    return None, "loads[].max_running_requests not all positive ints"
+
+
+def vllm_cap(info: object) -> tuple[int | None, str]:
+    """vLLM dev-mode ``/server_info?config_format=json``: vllm_config.scheduler_config
+    .max_num_seqs (per data-parallel rank) × parallel_config.data_parallel_size."""
+    cfg = _dict(_field(info, "vllm_config"))
+    if cfg is None:
+        return None, "no vllm_config object"
+    seqs = positive_int(_field(cfg.get("scheduler_config"), "max_num_seqs"))
+    if seqs is None:
+        return None, "vllm_config.scheduler_config.max_num_seqs not a positive int"
+    dp = positive_int(_field(cfg.get("parallel_config"), "data_parallel_size"))
+    return seqs * (dp or 1), ""
+
+
+def field_cap(name: str) -> Callable[[object], tuple[int | None, str]]:
+    def read(body: object) -> tuple[int | None, str]:
+        d = _dict(body)
+        if d is None:
+            return None, "not a JSON object"
+        value = positive_int(d.get(name))
+        if value is None:
+            return None, f"{name} is {d.get(name)!r}, not a positive int"
+        return value, ""
+    return read
+
+
+_SGLANG_MARKERS = ("internal_states", "tp_size", "dp_size", "model_path")
+
+
+def recognise_server_info(info: object) -> str | None:
+    """Which engine served this ``/server_info`` body (None: none we know)."""
+    d = _dict(info)
+    if d is None:
         return None
-    try:
-        status, body = await http_get(session, f"{base}/server_info", timeout)
-        if status == 200:
-            info = json.loads(body)
-            value = info.get("max_running_requests") if isinstance(info, dict) else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        pass
-    return DEFAULT_WORKER_CAPACITY
+    if "vllm_config" in d:
+        return "vllm"
+    if any(k in d for k in _SGLANG_MARKERS):
+        return "sglang"
+    if "max_running_requests" in d:
+        return "generic"
+    return None
+
+
+def prometheus_sums(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Σ of each named metric's samples in a Prometheus text body (exact names only).
+
+    Only the lines of the wanted metrics are handed to the parser, so a large
+    /metrics body costs one scan, not a full parse.
+    """
+    wanted = set(names)
+    lines = [ln for ln in text.splitlines()
+             if ln and ln[0] != "#" and ln.split("{", 1)[0].split(" ", 1)[0] in wanted]
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for s in fam.samples:
+            if s.name in wanted:
+                sums[s.name] = sums.get(s.name, 0.0) + s.value
+    return sums
+
+
+def _count(value: float | None) -> int | None:
+    if value is None or not math.isfinite(value) or value < 0:
+        return None
+    return int(value)
+
+
+@dataclass
+class _WorkerState:
+    engine: str | None = None  # recognised engine (auto), None = detect on next healthy probe
+    loads_missing: bool = False  # SGLang without /v1/loads: saturation from /metrics
+
+
+class WorkerProber:
+    """Probes workers by engine; remembers per worker what ``auto`` recognised."""
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession], *, engine: str,
+                 timeout: float, saturation_guard: bool) -> None:
+        self._session = session
+        self.engine = engine
+        self.timeout = timeout
+        self.saturation_guard = saturation_guard
+        self.state: dict[str, _WorkerState] = {}
+        self._logged: set[tuple[str, ...]] = set()
+
+    def log_once(self, event: str, key: tuple[str, ...], **kw: object) -> None:
+        if (event, *key) in self._logged:
+            return
+        if len(self._logged) > 10_000:  # bounded: a churning fleet must not grow it forever
+            self._logged.clear()
+        self._logged.add((event, *key))
+        log.warning(event, **kw)
+
+    async def _get_json(self, url: str) -> object:
+        status, body = await http_get(self._session(), url, self.timeout)
+        if status in (404, 405):
+            raise NotFound(url)
+        if status != 200:
+            raise aiohttp.ClientResponseError(None, (), status=status,  # type: ignore[arg-type]
+                                              message=f"HTTP {status} from {url}")
+        return json.loads(body)
+
+    async def probe(self, base_url: str) -> WorkerProbe:
+        base = base_url.rstrip("/")
+        try:
+            status, _ = await http_get(self._session(), f"{base}/health", self.timeout)
+        except PROBE_ERRORS as exc:
+            self.state.pop(base, None)
+            kind = ProbeStatus.INCONCLUSIVE if is_local_failure(exc) else ProbeStatus.UNHEALTHY
+            return WorkerProbe(base_url, kind)
+        if status != 200:  # llama.cpp answers 503 while loading: detect again afterwards
+            self.state.pop(base, None)
+            return WorkerProbe(base_url, ProbeStatus.UNHEALTHY)
+        st = self.state.setdefault(base, _WorkerState())
+        engine, cap = await self._capacity(base, st)
+        running = waiting = None
+        if self.saturation_guard and engine in SATURATION_METRICS:
+            running, waiting = await self._saturation(base, engine, st)
+        return WorkerProbe(base_url, ProbeStatus.HEALTHY, engine, cap, running, waiting)
+
+    async def _capacity(self, base: str, st: _WorkerState,
+                        redetected: bool = False) -> tuple[str, int | None]:
+        if self.engine != "auto":
+            st.engine = self.engine
+        elif st.engine is None:
+            st.engine = await self._detect(base)
+            if st.engine is None:
+                return "auto", None  # detection could not finish: counted by the safe rule
+            log.info("worker_engine_detected", worker=base, engine=st.engine)
+        engine = st.engine
+        try:
+            cap, reason = await self._read_cap(base, engine)
+        except NotFound:
+            if self.engine == "auto" and not redetected:
+                # The engine's own endpoint is gone: another engine after a restart.
+                st.engine = None
+                return await self._capacity(base, st, redetected=True)
+            cap, reason = None, "capacity endpoint not found"
+        except PROBE_ERRORS as exc:
+            cap, reason = None, f"{type(exc).__name__}: {exc}"[:200]
+        if cap is None:
+            if engine == "vllm":
+                self.log_once("vllm_capacity_not_exposed", (base,), worker=base,
+                              hint="vLLM exposes max_num_seqs only in dev mode; pass "
+                                   "--worker-max-running-requests N (its --max-num-seqs)")
+            else:
+                self.log_once("worker_capacity_unreadable", (base, engine, reason), worker=base,
+                              engine=engine, reason=reason,
+                              rule="last cap read from it, else --worker-max-running-requests")
+        return engine, cap
+
+    async def _read_cap(self, base: str, engine: str) -> tuple[int | None, str]:
+        if engine == "sglang":
+            try:
+                info = await self._get_json(f"{base}/server_info")
+            except NotFound:
+                info = await self._get_json(f"{base}/get_server_info")  # older SGLang
+            cap, reason = sglang_cap(info)
+            if cap is not None:
+                return cap, ""
+            try:
+                loads_cap, loads_reason = sglang_loads_cap(
+                    await self._get_json(f"{base}/v1/loads"))
+            except NotFound:
+                return None, reason
+            return loads_cap, f"{reason}; /v1/loads: {loads_reason}"
+        if engine == "vllm":
+            try:
+                return vllm_cap(await self._get_json(f"{base}/server_info?config_format=json"))
+            except NotFound:
+                return None, "no /server_info (vLLM dev mode off)"
+        if engine == "tgi":
+            return field_cap("max_concurrent_requests")(await self._get_json(f"{base}/info"))
+        if engine == "llamacpp":
+            return field_cap("total_slots")(await self._get_json(f"{base}/props"))
+        return field_cap("max_running_requests")(await self._get_json(f"{base}/server_info"))
+
+    async def _detect(self, base: str) -> str | None:
+        """Recognise the engine from what it serves; None if a probe could not finish.
+
+        Order: the endpoint three engines share first (``/server_info``: SGLang, vLLM
+        in dev mode, generic, told apart by their fields), then SGLang's older name,
+        then the fields only TGI (``/info``) and llama.cpp (``/props``) serve, and
+        vLLM's metric names last: ``/metrics`` is the largest body and the only
+        marker a vLLM outside dev mode has. Anything else is generic.
+        """
+        probes: list[tuple[str, Callable[[object], str | None]]] = [
+            ("/server_info?config_format=json", recognise_server_info),
+            ("/get_server_info", lambda b: "sglang" if recognise_server_info(b) else None),
+            ("/info", lambda b: "tgi" if _has(b, "max_concurrent_requests") else None),
+            ("/props", lambda b: "llamacpp" if _has(b, "total_slots") else None),
+        ]
+        for path, recognise in probes:
+            try:
+                found = recognise(await self._get_json(base + path))
+            except NotFound:
+                continue
+            except PROBE_ERRORS as exc:
+                if is_local_failure(exc):
+                    return None
+                continue  # an error or a non-JSON body: not this engine
+            if found is not None:
+                return found
+        try:
+            status, body = await http_get(self._session(), f"{base}/metrics", self.timeout,
+                                          METRICS_BODY_LIMIT)
+            if status == 200 and any(ln.startswith("vllm:")
+                                     for ln in body.decode("utf-8", "replace").splitlines()):
+                return "vllm"
+        except PROBE_ERRORS as exc:
+            if is_local_failure(exc):
+                return None
+        return "generic"
+
+    async def _saturation(self, base: str, engine: str,
+                          st: _WorkerState) -> tuple[int | None, int | None]:
+        """(running, waiting) from one request, or (None, None) if not readable."""
+        try:
+            if engine == "sglang" and not st.loads_missing:
+                try:
+                    body = _dict(await self._get_json(f"{base}/v1/loads"))
+                except NotFound:
+                    st.loads_missing = True  # read /metrics from the next round on
+                    return None, None
+                loads = body.get("loads") if body is not None else None
+                if isinstance(loads, list) and loads and all(isinstance(x, dict) for x in loads):
+                    running = [_count(_num(x.get("num_running_reqs"))) for x in loads]
+                    waiting = [_count(_num(x.get("num_waiting_reqs"))) for x in loads]
+                    if None not in running and None not in waiting:
+                        return (sum(r for r in running if r is not None),
+                                sum(w for w in waiting if w is not None))
+                return None, None
+            running_names, waiting_names = SATURATION_METRICS[engine]
+            status, raw = await http_get(self._session(), f"{base}/metrics", self.timeout,
+                                         METRICS_BODY_LIMIT)
+            if status != 200:
+                return None, None
+            sums = prometheus_sums(raw.decode("utf-8", "replace"),
+                                   (*running_names, *waiting_names))
+        except PROBE_ERRORS as exc:
+            self.log_once("worker_saturation_unreadable", (base,), worker=base,
+                          error=f"{type(exc).__name__}: {exc}"[:200])
+            return None, None
+
+        def pick(names: tuple[str, ...]) -> int | None:
+            found = [sums[n] for n in names if n in sums]
+            return _count(sum(found)) if found else None
+
+        return pick(running_names), pick(waiting_names)
+
+
+def _num(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+async def probe_worker(session: aiohttp.ClientSession, base_url: str, timeout: float,
+                       engine: str = "generic") -> int | None:
+    """One-off probe: the worker's capacity if healthy (the default when not read), else None."""
+    prober = WorkerProber(lambda: session, engine=engine, timeout=timeout,
+                          saturation_guard=False)
+    p = await prober.probe(base_url)
+    if p.status is not ProbeStatus.HEALTHY:
+        return None
+    return p.cap if p.cap is not None else DEFAULT_WORKER_CAPACITY
 
 
 def routable_hosts(clusters_json: object, cluster: str) -> list[str]:
@@ -113,6 +481,10 @@ class CapacityMonitor:
         fallback: int,
         override: int | None,
         on_change: Callable[[CapacityReading], None],
+        engine: str = "auto",
+        default_cap: int = DEFAULT_WORKER_CAPACITY,
+        saturation_guard: bool = False,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.worker_urls = list(worker_urls)
         self.envoy_admin_url = envoy_admin_url
@@ -124,6 +496,11 @@ class CapacityMonitor:
         self.on_change = on_change
         self.last: CapacityReading | None = None
         self._session: aiohttp.ClientSession | None = None
+        self.policy = CapacityPolicy(fallback=fallback, default_cap=default_cap,
+                                     saturation_guard=saturation_guard,
+                                     clock=clock or time.monotonic)
+        self.prober = WorkerProber(lambda: self.session, engine=engine, timeout=timeout,
+                                   saturation_guard=saturation_guard)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -137,7 +514,8 @@ class CapacityMonitor:
             await self._session.close()
             self._session = None
 
-    async def _workers(self) -> list[str]:
+    async def _workers(self) -> list[str] | None:
+        """The worker set; None when Envoy's admin API could not be read (set unknown)."""
         if self.envoy_admin_url is None:
             return self.worker_urls
         url = self.envoy_admin_url.rstrip("/") + "/clusters?format=json"
@@ -146,27 +524,36 @@ class CapacityMonitor:
                                            CLUSTERS_BODY_LIMIT)
             if status == 200:
                 return routable_hosts(json.loads(body), self.envoy_cluster)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            log.warning("envoy_admin_unreachable", url=url, error=str(exc))
-        return []
+            log.warning("envoy_admin_unreachable", url=url, status=status)
+        except PROBE_ERRORS as exc:
+            log.warning("envoy_admin_unreachable", url=url, error=str(exc)[:200])
+        return None
 
     async def read(self) -> CapacityReading:
         if self.override is not None:
             return CapacityReading(self.override, "override", 0, 0)
         urls = await self._workers()
-        results = await asyncio.gather(*(probe_worker(self.session, u, self.timeout) for u in urls))
-        healthy = [r for r in results if r is not None]
-        if not healthy:
-            return CapacityReading(self.fallback, "fallback", 0, len(urls))
-        return CapacityReading(sum(healthy), "workers", len(healthy), len(urls))
+        if urls is None:
+            return self.policy.decide(None)
+        probes = await asyncio.gather(*(self.prober.probe(u) for u in urls))
+        return self.policy.decide(probes)
 
     async def poll_once(self) -> CapacityReading:
         reading = await self.read()
-        if reading != self.last:
+        was_held = self.last is not None and self.last.held
+        if reading.held and not was_held:
+            log.warning("capacity_held", capacity=reading.capacity, workers=reading.total,
+                        reason="no probe could complete (a sidecar-side failure: local "
+                               "timeout, out of file descriptors); last reading kept")
+        elif was_held and not reading.held:
+            log.info("capacity_hold_ended", held_secs=round(self.policy.last_hold_secs, 3))
+        changed = reading != self.last
+        if changed:
             log.info("capacity_changed", capacity=reading.capacity, source=reading.source,
                      healthy_workers=reading.healthy, workers=reading.total,
                      previous=self.last.capacity if self.last else None)
-            self.last = reading
+        self.last = reading
+        if changed:
             self.on_change(reading)
         return reading
 

@@ -6,7 +6,7 @@ collector reads the core's snapshot), so they are never stale.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -105,6 +105,8 @@ class Metrics:
                                      registry=r)
         self.mode = Gauge("smg_sidecar_admission_mode",
                           "Admission path in force (1 = active)", ["mode"], registry=r)
+        self._worker_capacity: Mapping[tuple[str, str], int] = {}
+        r.register(_WorkerCapacityCollector(lambda: self._worker_capacity))
         # Label children resolved once: labels() costs a lock and a tuple per call,
         # and these run on every admission.
         self._admit_child = {(cls, outcome): self.admit.labels(cls.label, outcome.value)
@@ -164,6 +166,11 @@ class Metrics:
         for s in ("workers", "fallback", "override"):
             self.capacity_source.labels(s).set(1 if s == source else 0)
 
+    def worker_capacity(self, per_worker: Mapping[tuple[str, str], int]) -> None:
+        """Per healthy worker, ``{(worker, engine): capacity counted}``; replaces the last set
+        (a worker gone or unhealthy loses its series)."""
+        self._worker_capacity = dict(per_worker)
+
     def set_mode(self, legacy: bool) -> None:
         self.mode.labels("scheduler").set(0 if legacy else 1)
         self.mode.labels("legacy").set(1 if legacy else 0)
@@ -171,6 +178,21 @@ class Metrics:
     def watch(self, snapshot: Callable[[], Snapshot]) -> None:
         """Register the scrape-time gauges over ``snapshot``."""
         self.registry.register(_SnapshotCollector(snapshot))
+
+
+class _WorkerCapacityCollector(Collector):
+    """Read at scrape time, so a scrape never sees a half-replaced worker set."""
+
+    def __init__(self, current: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self._current = current
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily("smg_sidecar_worker_capacity",
+                                "Capacity each healthy worker counts for (after the "
+                                "saturation guard)", labels=["worker", "engine"])
+        for (worker, engine), cap in sorted(self._current().items()):
+            fam.add_metric([worker, engine], cap)
+        yield fam
 
 
 class _SnapshotCollector(Collector):

@@ -1,0 +1,138 @@
+"""What capacity to count, given one round of worker probes and what came before.
+
+Pure logic, no I/O: :mod:`sidecar.health` probes the workers and hands the
+results here. The rules (docs/reference.md, "Capacity"):
+
+- a healthy worker counts for the cap read this round; if it could not be read
+  (timeout, error, malformed value), for the last cap read from it; only a
+  worker never read counts as the default (``--worker-max-running-requests``);
+- with the saturation guard on, a healthy worker that reports waiting requests
+  counts for ``min(cap, running)`` until its waiting count is back to 0;
+- a probe that could not be completed because of the sidecar itself (a local
+  timeout, EMFILE and the like) is *inconclusive*. When every probe of a round
+  is inconclusive, the previous reading holds: the sidecar's own trouble says
+  nothing about the workers. In a round where some probes do complete, an
+  inconclusive one counts as unhealthy (the sidecar evidently can probe);
+- no healthy worker known (start-up, or workers really answering unhealthy or
+  refusing connections) -> the fallback capacity, but never more than the last
+  capacity read from workers once one was seen.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+class ProbeStatus(enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # the worker answered non-200, refused or reset the connection
+    INCONCLUSIVE = "inconclusive"  # the probe could not complete for local reasons
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProbe:
+    """One worker's probe result for one round."""
+
+    url: str
+    status: ProbeStatus
+    engine: str = "generic"
+    cap: int | None = None  # read this round; None = not readable
+    running: int | None = None  # saturation signals (None = not read)
+    waiting: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCapacity:
+    url: str
+    engine: str
+    capacity: int  # what the worker counts for (after the saturation guard)
+    saturated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityReading:
+    capacity: int
+    source: str  # "workers" | "fallback" | "override"
+    healthy: int
+    total: int
+    workers: tuple[WorkerCapacity, ...] = ()
+    held: bool = field(default=False, compare=False)  # a held reading equals the one it holds
+
+
+class CapacityPolicy:
+    """Turns probe rounds into capacity readings; remembers what it must."""
+
+    def __init__(self, *, fallback: int, default_cap: int, saturation_guard: bool,
+                 clock: Callable[[], float]) -> None:
+        self.fallback = fallback
+        self.default_cap = default_cap
+        self.saturation_guard = saturation_guard
+        self.clock = clock
+        self.last_cap: dict[str, int] = {}  # url -> last cap read from it
+        self.last_good: int | None = None  # last capacity counted from workers
+        self.last: CapacityReading | None = None
+        self.held_since: float | None = None  # start of the current all-inconclusive spell
+        self.last_hold_secs = 0.0  # length of the last hold, once it ended
+
+    def worker_cap(self, probe: WorkerProbe) -> int:
+        """The cap a healthy worker counts for (before the saturation guard)."""
+        if probe.cap is not None:
+            self.last_cap[probe.url] = probe.cap
+            return probe.cap
+        return self.last_cap.get(probe.url, self.default_cap)
+
+    def fallback_capacity(self) -> int:
+        if self.last_good is None:
+            return self.fallback
+        return min(self.fallback, self.last_good)
+
+    def held_for(self) -> float:
+        """Seconds the current reading has been held (0 when not holding)."""
+        return 0.0 if self.held_since is None else self.clock() - self.held_since
+
+    def decide(self, probes: Sequence[WorkerProbe] | None) -> CapacityReading:
+        """The reading for one round; ``None`` = the worker set itself is unknown
+        this round for a local reason (e.g. Envoy's admin API could not be read)."""
+        if probes is None or (probes and all(
+                p.status is ProbeStatus.INCONCLUSIVE for p in probes)):
+            if self.last is not None and self.last.source == "workers":
+                if self.held_since is None:
+                    self.held_since = self.clock()
+                return CapacityReading(self.last.capacity, self.last.source, self.last.healthy,
+                                       self.last.total, self.last.workers, held=True)
+            return self._remember(self._fallback(0 if probes is None else len(probes)))
+        if self.held_since is not None:
+            self.last_hold_secs = self.clock() - self.held_since
+            self.held_since = None
+        counted: list[WorkerCapacity] = []
+        for p in probes:
+            if p.status is not ProbeStatus.HEALTHY:
+                continue
+            cap = self.worker_cap(p)
+            saturated = (self.saturation_guard and p.waiting is not None and p.waiting > 0
+                         and p.running is not None)
+            if saturated:
+                assert p.running is not None
+                counted.append(WorkerCapacity(p.url, p.engine, min(cap, p.running), True))
+            else:
+                counted.append(WorkerCapacity(p.url, p.engine, cap))
+        if not counted:
+            return self._remember(self._fallback(len(probes)))
+        total = sum(w.capacity for w in counted)
+        self.last_good = total
+        return self._remember(CapacityReading(total, "workers", len(counted), len(probes),
+                                              tuple(counted)))
+
+    def _fallback(self, total: int) -> CapacityReading:
+        return CapacityReading(self.fallback_capacity(), "fallback", 0, total)
+
+    def _remember(self, reading: CapacityReading) -> CapacityReading:
+        self.last = reading
+        return reading
+
+
+def per_worker(reading: CapacityReading) -> Mapping[tuple[str, str], int]:
+    """``{(worker, engine): capacity}`` for the per-worker gauge."""
+    return {(w.url, w.engine): w.capacity for w in reading.workers}
