@@ -226,7 +226,8 @@ class FakeWorker:
     SGLang serving only ``/get_server_info``);
     ``dev_mode`` (vLLM: serve ``/server_info``); ``loading`` (503 on every path, as
     llama.cpp while it loads); ``capacity_delay`` / ``capacity_status`` /
-    ``capacity_body`` (a slow, failing or hostile capacity endpoint).
+    ``capacity_body`` (a slow, failing or hostile capacity endpoint);
+    ``health_delay`` (a slow ``/health``).
     """
 
     def __init__(
@@ -261,6 +262,7 @@ class FakeWorker:
         self.dev_mode = False
         self.loading = False
         self.capacity_delay = 0.0
+        self.health_delay = 0.0
         self.capacity_status = 200
         self.capacity_body: bytes | None = None
         self.batch_limit = batch_limit
@@ -379,6 +381,8 @@ class FakeWorker:
         return response
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
+        if self.health_delay > 0:
+            await asyncio.sleep(self.health_delay)
         if self.healthy:
             return _json(200, {"status": "ok"})
         return _json(503, {"status": "unhealthy"})

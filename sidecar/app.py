@@ -18,9 +18,9 @@ from sidecar import codec, logs
 from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController
 from sidecar.authz import AuthzService, TenantPolicy
+from sidecar.capacity import CapacityReading, per_worker
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings
-from sidecar.capacity import CapacityReading, per_worker
 from sidecar.health import CapacityMonitor
 from sidecar.metrics import Metrics
 from sidecar.ratelimit import build_bucket

@@ -66,6 +66,10 @@ class BodyTooLarge(ValueError):
     pass
 
 
+class BadStatus(ValueError):
+    """The endpoint answered with an error status."""
+
+
 class NotFound(Exception):
     """The endpoint does not exist on this worker (404/405): a different engine."""
 
@@ -275,8 +279,7 @@ class WorkerProber:
         if status in (404, 405):
             raise NotFound(url)
         if status != 200:
-            raise aiohttp.ClientResponseError(None, (), status=status,  # type: ignore[arg-type]
-                                              message=f"HTTP {status} from {url}")
+            raise BadStatus(f"HTTP {status} from {url}")
         return json.loads(body)
 
     async def probe(self, base_url: str) -> WorkerProbe:
