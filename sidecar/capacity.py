@@ -7,7 +7,13 @@ results here. The rules (docs/reference.md, "Capacity"):
   (timeout, error, malformed value), for the last cap read from it; only a
   worker never read counts as the default (``--worker-max-running-requests``);
 - with the saturation guard on, a healthy worker that reports waiting requests
-  counts for ``min(cap, running)`` until its waiting count is back to 0;
+  counts for ``min(cap, running)``: what it showed it can really run (a lower
+  reading lowers the count by at most an eighth per round, since a batch turning
+  over shows fewer running for an instant). Once its waiting count is back to 0
+  it grows back towards its cap by an eighth (at least one slot) per round with
+  nothing waiting, rather than jumping back: a jump refills the engine's FIFO
+  queue at once and interactive requests wait behind bulk again (measured in
+  bench/saturation.py);
 - a probe that could not be completed because of the sidecar itself (a local
   timeout, EMFILE and the like) is *inconclusive*. When every probe of a round
   is inconclusive, the previous reading holds: the sidecar's own trouble says
@@ -71,6 +77,7 @@ class CapacityPolicy:
         self.saturation_guard = saturation_guard
         self.clock = clock
         self.last_cap: dict[str, int] = {}  # url -> last cap read from it
+        self.learned: dict[str, int] = {}  # url -> count found by the saturation guard
         self.last_good: int | None = None  # last capacity counted from workers
         self.last: CapacityReading | None = None
         self.held_since: float | None = None  # start of the current all-inconclusive spell
@@ -82,6 +89,29 @@ class CapacityPolicy:
             self.last_cap[probe.url] = probe.cap
             return probe.cap
         return self.last_cap.get(probe.url, self.default_cap)
+
+    def guarded(self, p: WorkerProbe, cap: int) -> int | None:
+        """The saturation guard's count for a healthy worker (None: not limited)."""
+        if not self.saturation_guard or p.running is None or p.waiting is None:
+            return self.learned.get(p.url)
+        learned = self.learned.get(p.url)
+        if p.waiting > 0:
+            # What it runs while work waits is its real batch. A reading taken as a
+            # batch turns over shows fewer running for an instant, so a lower reading
+            # lowers the count by at most an eighth per round; a higher one counts at once.
+            floor = 0 if learned is None else learned - _step(learned)
+            self.learned[p.url] = min(cap, max(p.running, floor))
+            return self.learned[p.url]
+        if learned is None:
+            return None
+        # Nothing waits: grow, whether or not it is busy (growing only while it runs at
+        # the count would never let a class below a reservation of that size back in).
+        learned += _step(learned)
+        if learned >= cap:
+            del self.learned[p.url]
+            return None
+        self.learned[p.url] = learned
+        return learned
 
     def fallback_capacity(self) -> int:
         if self.last_good is None:
@@ -109,15 +139,12 @@ class CapacityPolicy:
         counted: list[WorkerCapacity] = []
         for p in probes:
             if p.status is not ProbeStatus.HEALTHY:
+                self.learned.pop(p.url, None)  # a restart may bring another batch size
                 continue
             cap = self.worker_cap(p)
-            saturated = (self.saturation_guard and p.waiting is not None and p.waiting > 0
-                         and p.running is not None)
-            if saturated:
-                assert p.running is not None
-                counted.append(WorkerCapacity(p.url, p.engine, min(cap, p.running), True))
-            else:
-                counted.append(WorkerCapacity(p.url, p.engine, cap))
+            guarded = self.guarded(p, cap)
+            counted.append(WorkerCapacity(p.url, p.engine, min(cap, guarded)
+                                          if guarded is not None else cap, guarded is not None))
         if not counted:
             return self._remember(self._fallback(len(probes)))
         total = sum(w.capacity for w in counted)
@@ -131,6 +158,11 @@ class CapacityPolicy:
     def _remember(self, reading: CapacityReading) -> CapacityReading:
         self.last = reading
         return reading
+
+
+def _step(count: int) -> int:
+    """How far the guard moves a count in one round: an eighth, at least one slot."""
+    return max(1, count // 8)
 
 
 def per_worker(reading: CapacityReading) -> Mapping[tuple[str, str], int]:

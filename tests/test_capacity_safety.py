@@ -90,11 +90,35 @@ def test_saturation_guard_counts_running_while_requests_wait() -> None:
                   WorkerProbe("b", H, cap=8, running=8, waiting=0)])
     assert r.capacity == 4 + 8
     assert [(w.capacity, w.saturated) for w in r.workers] == [(4, True), (8, False)]
-    # Unknown signals and a guard that is off leave the cap alone.
-    assert p.decide([WorkerProbe("a", H, cap=16)]).capacity == 16
-    assert policy().decide([WorkerProbe("a", H, cap=16, running=4, waiting=9)]).capacity == 16
     # min(cap, running): running above the cap does not raise it.
-    assert p.decide([WorkerProbe("a", H, cap=16, running=40, waiting=1)]).capacity == 16
+    assert p.decide([WorkerProbe("c", H, cap=16, running=40, waiting=1)]).capacity == 16
+    # A guard that is off leaves the cap alone.
+    assert policy().decide([WorkerProbe("a", H, cap=16, running=4, waiting=9)]).capacity == 16
+
+
+def test_saturation_guard_grows_back_gradually_once_the_queue_drains() -> None:
+    p = policy(guard=True)
+
+    def count(running: int, waiting: int) -> int:
+        return p.decide([WorkerProbe("a", H, cap=16, running=running, waiting=waiting)]).capacity
+
+    assert count(4, 12) == 4
+    assert count(4, 3) == 4
+    assert count(4, 0) == 5  # nothing waits: one more (an eighth, at least one slot)
+    assert count(5, 0) == 6
+    assert count(5, 1) == 5  # the 6th waited: back to what it runs
+    assert count(1, 3) == 4  # a batch turning over: down by one step, not to 1
+    assert count(5, 2) == 5  # a higher reading while work waits counts at once
+    assert [count(0, 0) for _ in range(7)] == [6, 7, 8, 9, 10, 11, 12]  # idle: grows too
+    assert count(0, 0) == 13
+    assert count(0, 0) == 14
+    assert count(0, 0) == 15
+    assert count(0, 0) == 16  # back at its cap: no longer limited
+    assert p.learned == {}
+    # An unhealthy spell forgets what was learned (a restart may change the batch size).
+    assert count(3, 5) == 3
+    p.decide([WorkerProbe("a", U)])
+    assert p.decide([WorkerProbe("a", H, cap=16)]).capacity == 16
 
 
 # ------------------------------------------------------ the I/O: real fake workers
