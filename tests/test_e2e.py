@@ -263,9 +263,11 @@ async def test_worker_health_drives_capacity(make_stack: StackFactory) -> None:
     await until(stack, capacity_is(3), timeout=3)
     assert (await stack.metrics())["smg_sidecar_healthy_workers"] == 1
     stack.fleet.workers[0].healthy = False
-    # no healthy worker: the --max-concurrent-requests fallback (unset -> 1024)
-    await until(stack, capacity_is(1024), timeout=3)
-    assert (await stack.metrics())['smg_sidecar_capacity_source{source="fallback"}'] == 1
+    # no healthy worker: the --max-concurrent-requests fallback (unset -> 1024), but never
+    # above the last capacity read from workers (issue 15.1): 3
+    await until(stack, lambda m: m['smg_sidecar_capacity_source{source="fallback"}'] == 1,
+                timeout=3)
+    assert (await stack.metrics())["smg_sidecar_capacity"] == 3
     stack.fleet.workers[0].healthy = True
     stack.fleet.workers[1].healthy = True
     await until(stack, capacity_is(6), timeout=3)
