@@ -16,12 +16,13 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from devtools.fleet import FakeWorker, prometheus_gauges, wait_for
+from devtools.fleet import FakeWorker, prometheus_gauges, sglang_server_info, wait_for
 from sidecar.app import Sidecar
 from sidecar.capacity import ProbeStatus
 from sidecar.config import parse_settings
 from sidecar.health import (
     DEFAULT_WORKER_CAPACITY,
+    SATURATION_METRICS,
     CapacityMonitor,
     WorkerProber,
     new_session,
@@ -326,3 +327,59 @@ async def test_each_engine_reports_running_and_waiting(session: aiohttp.ClientSe
         finally:
             w.gates.open("go")
             await asyncio.gather(*tasks)
+
+
+def test_newer_sglang_metric_prefix_is_read_too() -> None:
+    running, waiting = SATURATION_METRICS["sglang"]
+    text = prometheus_gauges([("sglang_num_running_reqs", 'model_name="m"', 3.0),
+                              ("sglang_num_queue_reqs", 'model_name="m"', 2.0)])
+    assert prometheus_sums(text, [*running, *waiting]) == {
+        "sglang_num_running_reqs": 3.0, "sglang_num_queue_reqs": 2.0}
+
+
+async def test_sglang_top_level_effective_cap_is_not_the_total(
+        session: aiohttp.ClientSession) -> None:
+    """A proposed top-level effective_max_running_requests is the minimum across ranks:
+    the total is still the sum over internal_states."""
+    async with FakeWorker(engine="sglang", max_running_requests=128, dp_ranks=2) as w:
+        info = sglang_server_info(128, 2, None)
+        info["effective_max_running_requests"] = 128
+        w.capacity_body = json.dumps(info).encode()
+        assert (await prober(session, "auto").probe(w.url)).cap == 256
+
+
+async def test_envoy_admin_hosts_follow_the_same_rules() -> None:
+    """Hosts found through --envoy-admin-url are recognised and read like --worker-urls;
+    an admin API that stops answering holds the last reading."""
+    from aiohttp import web
+
+    async with FakeWorker(engine="tgi", max_running_requests=96) as w:
+        clusters = {"cluster_statuses": [{"name": "workers", "host_statuses": [{
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": w.port}},
+            "health_status": {"eds_health_status": "HEALTHY"}}]}]}
+        up = {"ok": True}
+
+        async def handler(request: web.Request) -> web.Response:
+            if not up["ok"]:
+                return web.Response(status=503)
+            return web.json_response(clusters)
+
+        app = web.Application()
+        app.router.add_get("/clusters", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        m = CapacityMonitor(worker_urls=[], envoy_admin_url=f"http://127.0.0.1:{port}",
+                            envoy_cluster="workers", interval=1.0, timeout=T, fallback=1024,
+                            override=None, on_change=lambda r: None)
+        try:
+            r = await m.poll_once()
+            assert (r.capacity, r.workers[0].engine) == (96, "tgi")
+            up["ok"] = False
+            r = await m.poll_once()
+            assert (r.capacity, r.source, r.held) == (96, "workers", True)
+        finally:
+            await m.close()
+            await runner.cleanup()
