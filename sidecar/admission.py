@@ -26,18 +26,17 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
 
 from sidecar import logs
 from sidecar.classes import PriorityClass
+from sidecar.metrics import NullRecorder, Recorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     LEASE_EXPIRED,
     AdmissionCore,
     Admitted,
     ClassSettings,
-    Event,
     Outcome,
     Preempted,
     Queued,
@@ -61,21 +60,6 @@ class Denied(Exception):
         self.rate_limited = rate_limited
 
 
-class Listener(Protocol):
-    """Sees every core event (metrics, logs)."""
-
-    def on_events(self, events: Iterable[Event]) -> None: ...
-
-
-class ControllerStats(Protocol):
-    """Counters the controller reports besides core events."""
-
-    def rate_limit(self, allowed: bool) -> None: ...
-    def lease_expired(self, cls: PriorityClass) -> None: ...
-    def completion_unmatched(self, reason: str) -> None: ...
-    def adopted(self, cls: PriorityClass) -> None: ...
-
-
 log = logs.get("sidecar.admission")
 
 
@@ -93,15 +77,13 @@ class AdmissionController:
         *,
         lease_secs: float,
         bucket: TokenBucket | None = None,
-        listeners: Iterable[Listener] = (),
-        stats: ControllerStats | None = None,
+        metrics: Recorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         id_factory: Callable[[], str] = new_admission_id,
     ) -> None:
         self.core = core
         self._bucket = bucket
-        self._listeners = list(listeners)
-        self._stats = stats
+        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self._clock = clock
         self._new_id = id_factory
         self._waiters: dict[str, asyncio.Future[Admitted]] = {}
@@ -121,8 +103,7 @@ class AdmissionController:
         """
         if self._bucket is not None:
             allowed = self._bucket.try_take()
-            if self._stats is not None:
-                self._stats.rate_limit(allowed)
+            self._metrics.rate_limit(allowed)
             if not allowed:
                 raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=self.core.legacy,
                              rate_limited=True)
@@ -156,8 +137,8 @@ class AdmissionController:
         result = self.core.release(aid, reason)
         if result is ReleaseResult.RELEASED:
             self._apply_events()
-        elif self._stats is not None:
-            self._stats.completion_unmatched(result.value)
+        else:
+            self._metrics.completion_unmatched(result.value)
         return result
 
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
@@ -174,8 +155,6 @@ class AdmissionController:
                 return False
             self._apply_events()  # its Admitted event creates the lease
             log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
-            if self._stats is not None:
-                self._stats.adopted(cls)
         return True
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
@@ -246,12 +225,9 @@ class AdmissionController:
                         fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
                 elif isinstance(e, Released):
                     self._leases.drop(e.admission.id)
-                    if e.reason == LEASE_EXPIRED and self._stats is not None:
-                        self._stats.lease_expired(e.admission.cls)
                 elif isinstance(e, Preempted):
                     self._signal_preempted(e.victim.id)
-            for listener in self._listeners:
-                listener.on_events(events)
+            self._metrics.on_events(events)
         self._arm_timer()
 
     def _signal_preempted(self, aid: str) -> None:

@@ -1,7 +1,8 @@
 """Wiring: settings -> core -> controller -> gRPC + admin HTTP + capacity polling.
 
-:class:`Sidecar` is the whole process as an object, so tests can run it in
-their own event loop; :func:`run` is what the command line calls.
+Build, then serve: :func:`build_runtime` returns a complete :class:`Runtime`
+(every part built, nothing filled in later), :meth:`Runtime.serve` starts it.
+Tests run it in their own event loop; :func:`run` is what the command line calls.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from sidecar import codec, logs
 from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController
 from sidecar.authz import AuthzService, TenantPolicy
-from sidecar.capacity import CapacityReading, per_worker
+from sidecar.capacity import CapacityReading
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings
 from sidecar.health import CapacityMonitor
@@ -45,120 +46,132 @@ def _split(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class Sidecar:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.metrics = Metrics(tenant_top_n=settings.tenant_metric_top_n)
-        self.monitor = CapacityMonitor(
-            worker_urls=settings.worker_urls,
-            envoy_admin_url=settings.envoy_admin_url,
-            envoy_cluster=settings.envoy_cluster,
-            interval=settings.health_interval_secs,
-            timeout=settings.health_timeout_secs,
-            fallback=settings.fallback_capacity,
-            override=settings.worker_capacity_override,
-            on_change=self._on_capacity,
-            engine=settings.worker_engine,
-            default_cap=settings.worker_max_running_requests,
-            saturation_guard=settings.saturation_guard,
-        )
-        self.core: AdmissionCore | None = None
-        self.controller: AdmissionController | None = None
-        self.grpc_port = 0
-        self.http_port = 0
-        self._grpc: grpc.aio.Server | None = None
-        self._admin = AdminServer(self.metrics.registry, self.ready)
-        self._tasks: list[asyncio.Task[None]] = []
-        self._serving = False
-        self.generation = 1
-        self.watcher: ConfigWatcher | None = None
+async def build_runtime(settings: Settings) -> Runtime:
+    """Build the whole sidecar; nothing serves admission until :meth:`Runtime.serve`.
 
-    def ready(self) -> bool:
-        return self._serving
-
-    async def _first_reading(self) -> CapacityReading:
-        """Poll until real workers answer, for at most --startup-capacity-wait-secs.
-
-        In a pod the sidecar starts before Envoy, so with --envoy-admin-url the
-        first poll finds nothing; deciding the mode on the fallback capacity would
-        check reservations against a guess.
-        """
-        s = self.settings
-        reading = await self.monitor.poll_once()
-        if not (s.worker_urls or s.envoy_admin_url):
-            return reading  # nothing to wait for: fallback or override is the answer
-
-        def settled(r: CapacityReading) -> bool:
-            # Workers often come up one by one: with the scheduler on, keep waiting
-            # while the reservations do not fit yet, since the mode is chosen once.
-            return r.source != "fallback" and (
-                not s.scheduler_enabled or reservations_fit(s.priority.classes, r.capacity))
-
-        deadline = time.monotonic() + s.startup_capacity_wait_secs
-        while not settled(reading) and time.monotonic() < deadline:
-            await asyncio.sleep(min(s.health_interval_secs, 0.5))
-            reading = await self.monitor.poll_once()
-        if reading.source == "fallback" and s.startup_capacity_wait_secs > 0:
-            log.warning("no_healthy_worker_at_startup", waited_secs=s.startup_capacity_wait_secs,
-                        fallback_capacity=reading.capacity)
-        return reading
-
-    def _build_core(self, reading: CapacityReading) -> AdmissionCore:
-        s = self.settings
-        classes = s.priority.classes
-        if s.scheduler_enabled:
-            if reservations_fit(classes, reading.capacity):
-                return Scheduler(classes, reading.capacity, time.monotonic,
-                                 preemptible_on_admit=False)
-            desired = desired_reservations(classes, reading.capacity)
-            log.warning("reservations_exceed_capacity_using_legacy_admission",
-                        capacity=reading.capacity, reserved_total=sum(desired.values()),
-                        reserved={c.label: n for c, n in desired.items()})
-        limit = s.max_concurrent_requests if s.max_concurrent_requests > 0 else None
-        return LegacyAdmission(limit=limit, queue_size=s.queue_size,
-                               queue_timeout_secs=s.queue_timeout_secs, clock=time.monotonic)
-
-    def _on_capacity(self, reading: CapacityReading) -> None:
-        self.metrics.set_capacity_source(reading.source)
-        self.metrics.healthy_workers.set(reading.healthy)
-        self.metrics.worker_capacity(per_worker(reading))
-        if self.controller is not None:
-            self.controller.set_capacity(reading.capacity)
-
-    async def start(self) -> None:
-        s = self.settings
-        if not s.default_max_class_valid:
-            log.warning("unknown_default_max_class_using_default",
-                        value="--priority-scheduler-default-max-class")
-        # /healthz answers from here on (the process is alive); /readyz only once
-        # admission is serving.
-        hhost, hport = _split(s.http_listen)
-        self.http_port = await self._admin.start(hhost, hport)
+    The admin server starts first and answers ``/healthz`` (the process is
+    alive) while the first capacity reading may take up to
+    ``--startup-capacity-wait-secs``; ``/readyz`` stays 503 until ``serve()``.
+    If the build fails or is cancelled, what it started is stopped again.
+    """
+    s = settings
+    if not s.default_max_class_valid:
+        log.warning("unknown_default_max_class_using_default",
+                    flag="--priority-scheduler-default-max-class")
+    metrics = Metrics(tenant_top_n=s.tenant_metric_top_n)
+    serving = asyncio.Event()
+    admin = AdminServer(metrics.registry, serving.is_set)
+    hhost, hport = _split(s.http_listen)
+    http_port = await admin.start(hhost, hport)
+    monitor = CapacityMonitor(
+        worker_urls=s.worker_urls,
+        envoy_admin_url=s.envoy_admin_url,
+        envoy_cluster=s.envoy_cluster,
+        interval=s.health_interval_secs,
+        timeout=s.health_timeout_secs,
+        fallback=s.fallback_capacity,
+        override=s.worker_capacity_override,
+        # Until the runtime exists, readings only feed metrics; it takes them over.
+        on_change=metrics.capacity_read,
+        engine=s.worker_engine,
+        default_cap=s.worker_max_running_requests,
+        saturation_guard=s.saturation_guard,
+    )
+    try:
         # The first capacity reading decides scheduler vs. legacy (the startup check).
-        reading = await self._first_reading()
-        self.core = self._build_core(reading)
-        self.metrics.set_mode(self.core.legacy)
+        reading = await _first_reading(s, monitor)
+        return Runtime(s, metrics=metrics, admin=admin, http_port=http_port, serving=serving,
+                       monitor=monitor, reading=reading)
+    except BaseException:
+        await monitor.close()
+        await admin.stop()
+        raise
+
+
+async def _first_reading(s: Settings, monitor: CapacityMonitor) -> CapacityReading:
+    """Poll until real workers answer, for at most --startup-capacity-wait-secs.
+
+    In a pod the sidecar starts before Envoy, so with --envoy-admin-url the
+    first poll finds nothing; deciding the mode on the fallback capacity would
+    check reservations against a guess.
+    """
+    reading = await monitor.poll_once()
+    if not (s.worker_urls or s.envoy_admin_url):
+        return reading  # nothing to wait for: fallback or override is the answer
+
+    def settled(r: CapacityReading) -> bool:
+        # Workers often come up one by one: with the scheduler on, keep waiting
+        # while the reservations do not fit yet, since the mode is chosen once.
+        return r.source != "fallback" and (
+            not s.scheduler_enabled or reservations_fit(s.priority.classes, r.capacity))
+
+    deadline = time.monotonic() + s.startup_capacity_wait_secs
+    while not settled(reading) and time.monotonic() < deadline:
+        await asyncio.sleep(min(s.health_interval_secs, 0.5))
+        reading = await monitor.poll_once()
+    if reading.source == "fallback" and s.startup_capacity_wait_secs > 0:
+        log.warning("no_healthy_worker_at_startup", waited_secs=s.startup_capacity_wait_secs,
+                    fallback_capacity=reading.capacity)
+    return reading
+
+
+def _build_core(s: Settings, reading: CapacityReading) -> AdmissionCore:
+    classes = s.priority.classes
+    if s.scheduler_enabled:
+        if reservations_fit(classes, reading.capacity):
+            return Scheduler(classes, reading.capacity, time.monotonic,
+                             preemptible_on_admit=False)
+        desired = desired_reservations(classes, reading.capacity)
+        log.warning("reservations_exceed_capacity_using_legacy_admission",
+                    capacity=reading.capacity, reserved_total=sum(desired.values()),
+                    reserved={c.label: n for c, n in desired.items()})
+    limit = s.max_concurrent_requests if s.max_concurrent_requests > 0 else None
+    return LegacyAdmission(limit=limit, queue_size=s.queue_size,
+                           queue_timeout_secs=s.queue_timeout_secs, clock=time.monotonic)
+
+
+class Runtime:
+    """The whole sidecar, complete from construction; :func:`build_runtime` makes it.
+
+    Everything is built here, synchronously, from the first capacity reading:
+    core, controller, the three gRPC services, the gRPC server (port bound, not
+    yet started) and the config watcher. :meth:`serve` starts serving,
+    :meth:`stop` ends it.
+    """
+
+    def __init__(self, settings: Settings, *, metrics: Metrics, admin: AdminServer,
+                 http_port: int, serving: asyncio.Event, monitor: CapacityMonitor,
+                 reading: CapacityReading) -> None:
+        s = self.settings = settings
+        self.metrics = metrics
+        self.monitor = monitor
+        self.reading = reading
+        self.http_port = http_port
+        self._admin = admin
+        self._serving = serving  # the admin server's /readyz reads it
+        self.generation = 1
+        self._tasks: list[asyncio.Task[None]] = []
+
+        self.core = _build_core(s, reading)
         self.controller = AdmissionController(
             self.core,
             lease_secs=s.admission_lease_secs,
             bucket=build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
                                 time.monotonic),
-            listeners=[self.metrics],
-            stats=self.metrics,
+            metrics=metrics,
         )
-        core = self.core
-        self.metrics.watch(core.snapshot)
-        self.metrics.config_generation.set(1)
-        self.metrics.config_info.labels(s.priority.digest).set(1)
-        policy = TenantPolicy(s.priority.tenant_policies, s.default_max_class)
-        self.authz = AuthzService(self.controller, self.metrics, s.tenant_source, policy)
+        # From here on a new capacity reading also resizes admission.
+        monitor.on_change = self._on_capacity
+        metrics.started(legacy=self.core.legacy, snapshot=self.core.snapshot,
+                        config_digest=s.priority.digest)
+        self.authz = AuthzService(self.controller, metrics, s.tenant_source,
+                                  TenantPolicy(s.priority.tenant_policies, s.default_max_class))
         self.completion = CompletionService(self.controller)
-        self.response_path = ResponsePathService(
-            self.controller, on_delivery_failed=self.metrics.preemption_delivery_failed.inc)
+        self.response_path = ResponsePathService(self.controller, metrics)
 
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         p = codec.passthrough
-        server.add_generic_rpc_handlers([
+        self._grpc.add_generic_rpc_handlers([
             grpc.method_handlers_generic_handler(AUTHZ_SERVICE, {
                 "Check": grpc.unary_unary_rpc_method_handler(
                     self.authz.check, request_deserializer=p, response_serializer=p)}),
@@ -171,29 +184,34 @@ class Sidecar:
                     self.response_path.process, request_deserializer=p,
                     response_serializer=p)}),
         ])
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         host, port = _split(s.grpc_listen)
-        self.grpc_port = server.add_insecure_port(f"{host}:{port}")
+        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot bind --grpc-listen {s.grpc_listen}")
-        await server.start()
-        self._grpc = server
+
+        # None: no config file, so nothing to watch.
+        self.watcher = None if s.priority.source is None else ConfigWatcher(
+            s.priority.source, s.priority, interval=s.config_poll_secs,
+            apply=self._apply_config, on_error=self._reload_failed,
+            validate=self._validate_reload)
+
+    async def serve(self) -> None:
+        s = self.settings
+        await self._grpc.start()
         for name in ("", AUTHZ_SERVICE, ALS_SERVICE, EXT_PROC_SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self.monitor.run()))
-        if s.priority.source is not None:
-            self.watcher = ConfigWatcher(s.priority.source, s.priority,
-                                         interval=s.config_poll_secs,
-                                         apply=self._apply_config, on_error=self._reload_failed,
-                                         validate=self._validate_reload)
+        if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
-        self._serving = True
+        self._serving.set()
         log.info(
             "started",
-            grpc=f"{host}:{self.grpc_port}", http=f"{hhost}:{self.http_port}",
-            mode="legacy" if core.legacy else "scheduler",
-            capacity=reading.capacity, capacity_source=reading.source,
+            grpc=f"{_split(s.grpc_listen)[0]}:{self.grpc_port}",
+            http=f"{_split(s.http_listen)[0]}:{self.http_port}",
+            mode="legacy" if self.core.legacy else "scheduler",
+            capacity=self.reading.capacity, capacity_source=self.reading.source,
             config=s.priority.source or "builtin", config_sha256=s.priority.digest,
             tenant_source=f"{s.tenant_source.kind}:{s.tenant_source.name}".rstrip(":"),
             lease_secs=s.admission_lease_secs,
@@ -204,9 +222,12 @@ class Sidecar:
                      hint="Envoy's ext_authz timeout must exceed it; pass "
                           "--envoy-authz-timeout to have start-up check it")
 
+    def _on_capacity(self, reading: CapacityReading) -> None:
+        self.metrics.capacity_read(reading)
+        self.controller.set_capacity(reading.capacity)
+
     def _apply_config(self, cfg: PriorityConfig) -> None:
         """A valid new config: new knobs and tenant ceilings for new decisions."""
-        assert self.core is not None and self.controller is not None
         # Queued requests keep their place; in-flight ones are untouched;
         # reservations are recomputed at the live capacity.
         self.controller.update_config(cfg.classes)
@@ -215,10 +236,7 @@ class Sidecar:
                         hint="class knobs apply only to the scheduler; tenant ceilings apply")
         self.authz.policy = TenantPolicy(cfg.tenant_policies, self.settings.default_max_class)
         self.generation += 1
-        self.metrics.config_generation.set(self.generation)
-        self.metrics.config_info.clear()
-        self.metrics.config_info.labels(cfg.digest).set(1)
-        self.metrics.reload.labels("ok").inc()
+        self.metrics.config_reloaded(self.generation, cfg.digest)
 
     def _validate_reload(self, cfg: PriorityConfig) -> None:
         """The start-up rule holds on reload too: Envoy must outwait every queue."""
@@ -229,7 +247,7 @@ class Sidecar:
                 f"--envoy-authz-timeout {limit:g}s", file=cfg.source)
 
     def _reload_failed(self, exc: ConfigError) -> None:
-        self.metrics.reload.labels("error").inc()
+        self.metrics.config_reload_failed()
 
     async def reload_now(self) -> bool:
         """Check the config file at once (what SIGHUP asks the watcher for)."""
@@ -241,46 +259,51 @@ class Sidecar:
             self.watcher.request_check()
 
     async def stop(self) -> None:
-        self._serving = False
+        """Stop serving and release everything (also after a failed or skipped serve())."""
+        self._serving.clear()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        if self._grpc is not None:
-            await self._grpc.stop(grace=1.0)
+        await self._grpc.stop(grace=1.0)
         await self._admin.stop()
         await self.monitor.close()
-        if self.controller is not None:
-            self.controller.close()
+        self.controller.close()
         log.info("stopped")
 
 
 async def _serve(settings: Settings) -> int:
-    app = Sidecar(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    # Installed before start(): it may wait for capacity, and a SIGTERM or SIGHUP
-    # then must not kill the process the default way.
+    # Installed before the build: it may wait for capacity, and a SIGTERM or SIGHUP
+    # then must not kill the process the default way (nothing to reload yet).
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, app.request_reload)
-    starting = asyncio.ensure_future(app.start())
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)
+    building = asyncio.ensure_future(build_runtime(settings))
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if starting.done() and starting.exception() is not None:
-        stopping.cancel()
-        exc = starting.exception()
-        log.error("startup_failed", error=str(exc))
-        await app.stop()
-        return 1
-    if not starting.done():  # asked to stop while still starting
-        starting.cancel()
+    await asyncio.wait({building, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not building.done():  # asked to stop while still building
+        building.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await starting
-    else:
-        await stopping
-    await app.stop()
+            await building  # build_runtime stops what it started
+        return 0
+    if building.exception() is not None:
+        stopping.cancel()
+        log.error("startup_failed", error=str(building.exception()))
+        return 1
+    runtime = building.result()
+    try:
+        await runtime.serve()
+    except Exception as exc:
+        stopping.cancel()
+        log.error("startup_failed", error=str(exc))
+        await runtime.stop()
+        return 1
+    loop.add_signal_handler(signal.SIGHUP, runtime.request_reload)
+    await stopping
+    await runtime.stop()
     return 0
 
 

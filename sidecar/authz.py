@@ -6,7 +6,8 @@ its Check call open; when Envoy cancels the call (client gone, Envoy timeout)
 the waiter is removed and counted as ``client_cancelled``.
 
 Wired on ``grpc.aio`` with generic handlers and bytes in/out: the codec
-adapter decodes, and every denial is a response serialised once at start-up.
+adapter decodes, and every denial is a row of :mod:`sidecar.responses`
+serialised once at start-up.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from sidecar import codec, logs
+from sidecar import codec, logs, responses
 from sidecar.admission import AdmissionController, Denied
 from sidecar.classes import HIGH_TO_LOW, PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
-from sidecar.metrics import Metrics
+from sidecar.metrics import Recorder
 from sidecar.scheduler import Outcome
 
 ANONYMOUS = "anonymous"
@@ -58,49 +59,17 @@ def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
     return value
 
 
-def _deny_specs() -> dict[tuple[Outcome, bool, PriorityClass], codec.DenySpec]:
-    retry2 = (("retry-after", "2"),)
-    specs: dict[tuple[Outcome, bool, PriorityClass], codec.DenySpec] = {}
-    for cls in HIGH_TO_LOW:
-        c = cls.label
-        specs[(Outcome.REJECTED_QUEUE_FULL, False, cls)] = codec.DenySpec(
-            429, "scheduler_queue_full",
-            f"The '{c}' priority queue is full; retry later", retry2)
-        specs[(Outcome.REJECTED_QUEUE_TIMEOUT, False, cls)] = codec.DenySpec(
-            503, "scheduler_queue_timeout",
-            f"Timed out waiting in the '{c}' priority queue", retry2)
-        specs[(Outcome.CLIENT_CANCELLED, False, cls)] = codec.DenySpec(
-            499, "scheduler_client_cancelled", "Client closed the request while queued")
-        specs[(Outcome.REJECTED_QUEUE_FULL, True, cls)] = codec.DenySpec(
-            429, "admission_queue_full", "Too many concurrent requests; queue is full", retry2)
-        specs[(Outcome.REJECTED_QUEUE_TIMEOUT, True, cls)] = codec.DenySpec(
-            503, "admission_queue_timeout", "Timed out waiting for a concurrency slot", retry2)
-        specs[(Outcome.CLIENT_CANCELLED, True, cls)] = codec.DenySpec(
-            499, "scheduler_client_cancelled", "Client closed the request while queued")
-    return specs
-
-
-DENY_SPECS = _deny_specs()
-RATE_LIMITED = codec.DenySpec(429, "scheduler_queue_full",
-                              "Request rate limit exceeded; retry later", (("retry-after", "2"),))
-PREEMPTED = codec.DenySpec(503, "scheduler_preempted",
-                           "Preempted by a higher-priority request before the first byte",
-                           (("retry-after", "1"), ("x-smg-preempted", "true")))
-
-
 class AuthzService:
     """The Check handler."""
 
-    def __init__(self, controller: AdmissionController, metrics: Metrics,
+    def __init__(self, controller: AdmissionController, metrics: Recorder,
                  tenant_source: TenantSource, policy: TenantPolicy) -> None:
         self.controller = controller
         self.metrics = metrics
         self.tenant_source = tenant_source
         self.policy = policy
-        self._deny = {k: codec.encode_deny(v) for k, v in DENY_SPECS.items()}
-        # The contract's flag table: the request-rate check sheds with 429
-        # scheduler_queue_full, on either admission path.
-        self._rate_limited = codec.encode_deny(RATE_LIMITED)
+        self._deny = {(r, cls): codec.encode_deny(responses.reply(r, cls))
+                      for r in responses.Rejection for cls in HIGH_TO_LOW}
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
@@ -117,16 +86,16 @@ class AuthzService:
         try:
             admitted = await self.controller.admit(c.effective, tenant)
         except Denied as d:
-            if d.rate_limited:
-                log.info("rejected", tenant=tenant, requested=c.requested.label,
-                         effective=c.effective.label, outcome="rate_limited",
-                         legacy=d.legacy, request_id=request_id)
-                return self._rate_limited
+            rejection = responses.for_denial(d.outcome, legacy=d.legacy,
+                                             rate_limited=d.rate_limited)
             log.info("rejected", tenant=tenant, requested=c.requested.label,
-                     effective=c.effective.label, outcome=d.outcome.value,
+                     effective=c.effective.label,
+                     outcome="rate_limited" if d.rate_limited else d.outcome.value,
                      legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id)
-            return self._deny[(d.outcome, d.legacy, c.effective)]
+            return self._deny[(rejection, c.effective)]
         except asyncio.CancelledError:
+            # Envoy cancelled the call: the client is gone, so there is nobody to send
+            # a 499 to. The core counted it as client_cancelled (see sidecar.responses).
             log.info("rejected", tenant=tenant, requested=c.requested.label,
                      effective=c.effective.label, outcome=Outcome.CLIENT_CANCELLED.value,
                      request_id=request_id)

@@ -9,14 +9,14 @@ so the library could be swapped here alone. ``envoy-data-plane`` stays the
 project's reference decoder: the conformance tests decode every response this
 module builds with it and check the fields.
 
-Responses that do not depend on the request (every denial, ext_proc CONTINUE)
-are serialised once at start-up and reused as bytes.
+It only encodes: what a denial says is :mod:`sidecar.responses`. Responses
+that do not depend on the request (every denial, ext_proc CONTINUE) are
+serialised once at start-up and reused as bytes.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from envoy.config.core.v3 import base_pb2
@@ -27,6 +27,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
+
+from sidecar.responses import Reply
 
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 JWT_NAMESPACE = "envoy.filters.http.jwt_authn"
@@ -135,41 +137,15 @@ def build_allow(admission_id: str, effective_class: str, tenant: str) -> bytes:
     return out
 
 
-def error_body(status: int, code: str, message: str) -> str:
-    """The gateway's JSON error body, byte for byte."""
-    return json.dumps(
-        {"error": {"type": _REASON.get(status, "Error"), "code": code, "message": message,
-                   "param": None}},
-        separators=(",", ":"),
-    )
-
-
-_REASON = {429: "Too Many Requests", 503: "Service Unavailable", 499: "Client Closed Request"}
-
-
-@dataclass(frozen=True, slots=True)
-class DenySpec:
-    status: int
-    code: str
-    message: str
-    headers: Sequence[tuple[str, str]] = ()
-
-    def all_headers(self) -> list[tuple[str, str]]:
-        return [("x-smg-error-code", self.code), ("content-type", "application/json"),
-                *self.headers]
-
-    def body(self) -> str:
-        return error_body(self.status, self.code, self.message)
-
-
-def encode_deny(spec: DenySpec) -> bytes:
+def encode_deny(reply: Reply) -> bytes:
+    """A Check denial: Envoy sends ``reply`` to the client as it stands."""
     resp = external_auth_pb2.CheckResponse(
         # PERMISSION_DENIED: any non-OK status denies; Envoy sends denied_response.
         status=status_pb2.Status(code=code_pb2.PERMISSION_DENIED),
         denied_response=external_auth_pb2.DeniedHttpResponse(
-            status=http_status_pb2.HttpStatus(code=spec.status),
-            headers=[_header(k, v) for k, v in spec.all_headers()],
-            body=spec.body(),
+            status=http_status_pb2.HttpStatus(code=reply.status),
+            headers=[_header(k, v) for k, v in reply.headers],
+            body=reply.body,
         ),
     )
     out: bytes = resp.SerializeToString()
@@ -264,18 +240,19 @@ def continue_for(kind: str) -> bytes:
     return _CONTINUE.get(kind, CONTINUE_REQUEST_HEADERS)
 
 
-def encode_immediate(spec: DenySpec) -> bytes:
+def encode_immediate(reply: Reply) -> bytes:
+    """An unsolicited ext_proc answer: Envoy sends ``reply`` and resets the upstream."""
     headers = [
         base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE)
-        for k, v in spec.all_headers()
+        for k, v in reply.headers
     ]
     resp = ext_proc_pb2.ProcessingResponse(
         immediate_response=ext_proc_pb2.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=spec.status),
+            status=http_status_pb2.HttpStatus(code=reply.status),
             headers=ext_proc_pb2.HeaderMutation(set_headers=headers),
-            body=spec.body().encode(),
-            details=spec.code,
+            body=reply.body.encode(),
+            details=reply.code,
         )
     )
     out: bytes = resp.SerializeToString()

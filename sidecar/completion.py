@@ -21,14 +21,15 @@ already-released id is ignored and counted.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
 from sidecar import codec, logs
 from sidecar.admission import AdmissionController
-from sidecar.authz import PREEMPTED
 from sidecar.classes import PriorityClass
+from sidecar.metrics import NullRecorder, Recorder
+from sidecar.responses import Rejection, reply
 from sidecar.scheduler import ReleaseReason, ReleaseResult
 
 log = logs.get("sidecar.completion")
@@ -66,16 +67,16 @@ class CompletionService:
         return codec.ALS_RESPONSE
 
 
-_IMMEDIATE_PREEMPTED = codec.encode_immediate(PREEMPTED)
+_IMMEDIATE_PREEMPTED = codec.encode_immediate(reply(Rejection.PREEMPTED))
 
 
 class ResponsePathService:
     """ext_proc: first-byte marking and preemption delivery."""
 
     def __init__(self, controller: AdmissionController,
-                 on_delivery_failed: Callable[[], None] | None = None) -> None:
+                 metrics: Recorder | None = None) -> None:
         self.controller = controller
-        self._on_delivery_failed = on_delivery_failed
+        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
 
     async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]
                     ) -> codec.ProcessingEvent | None:
@@ -158,8 +159,7 @@ class ResponsePathService:
                         # uncounted until it ends. Say so loudly.
                         log.warning("preemption_delivery_failed", admission_id=aid,
                                     error=str(exc))
-                        if self._on_delivery_failed is not None:
-                            self._on_delivery_failed()
+                        self._metrics.preemption_undelivered()
             finally:
                 finished = True
         finally:

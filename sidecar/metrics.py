@@ -1,12 +1,45 @@
 """Prometheus metrics, names and labels exactly as the contract lists them.
 
-Counters are fed from core events; gauges are computed when scraped (a
-collector reads the core's snapshot), so they are never stale.
+Metrics are fed by one route, the :class:`Recorder` verbs; nothing else
+touches a counter or gauge. Who calls which verb:
+
+=========================  ====================  =========================================
+verb                       caller                metrics
+=========================  ====================  =========================================
+``on_events``              admission controller  ``smg_scheduler_admit_total``,
+                           (every core event)    ``smg_scheduler_queue_wait_seconds``,
+                                                 ``smg_scheduler_starvation_promotion_total``,
+                                                 ``smg_scheduler_preemption_total``,
+                                                 ``smg_sidecar_released_total``,
+                                                 ``smg_sidecar_lease_expired_total``,
+                                                 ``smg_sidecar_adopted_total``
+``rate_limit``             admission controller  ``smg_http_rate_limit_total``
+``completion_unmatched``   admission controller  ``smg_sidecar_completion_unmatched_total``
+``classified``             authz (Check)         ``smg_scheduler_clamp_total``,
+                                                 ``smg_scheduler_unknown_priority_value_total``
+``preemption_undelivered`` completion (ext_proc) ``smg_sidecar_preemption_delivery_failed_total``
+``capacity_read``          app (health monitor)  ``smg_sidecar_capacity_source``,
+                                                 ``smg_sidecar_healthy_workers``
+``started``                app (build)           ``smg_sidecar_admission_mode``,
+                                                 ``smg_sidecar_config_generation``,
+                                                 ``smg_sidecar_config_info``, and the
+                                                 scrape-time gauges below
+``config_reloaded``        app (reload)          ``smg_sidecar_config_generation``,
+                                                 ``smg_sidecar_config_info``,
+                                                 ``smg_sidecar_config_reload_total{ok}``
+``config_reload_failed``   app (reload)          ``smg_sidecar_config_reload_total{error}``
+=========================  ====================  =========================================
+
+Gauges of the admission state (``smg_scheduler_inflight``, ``_queue_depth``,
+``_queue_size_limit``, ``_class_capacity_pressure``, ``_utilization``,
+``smg_sidecar_reserved_slots``, ``smg_sidecar_capacity``) are computed when
+scraped from the core's snapshot, so they are never stale.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,8 +51,18 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from sidecar.capacity import CapacityReading, per_worker
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.scheduler import Admitted, Event, Outcome, Preempted, Rejected, Released, Snapshot
+from sidecar.scheduler import (
+    Admitted,
+    Event,
+    Outcome,
+    Preempted,
+    Rejected,
+    Released,
+    ReleaseReason,
+    Snapshot,
+)
 from sidecar.scheduler.interface import capacity_pressure
 
 # Only the contract's series: no *_created timestamp per counter child.
@@ -51,133 +94,214 @@ class TenantLabels:
         return self.OTHER
 
 
+class Recorder(Protocol):
+    """The named verbs: the only way anything in the sidecar feeds a metric.
+
+    :class:`Metrics` is the implementation; :class:`NullRecorder` records nothing
+    (tests and benchmarks that drive one part alone).
+    """
+
+    def on_events(self, events: Iterable[Event]) -> None:
+        """The core's events: admit outcomes, queue waits, starvation, preemptions,
+        releases (lease expiry included) and adoptions."""
+
+    def rate_limit(self, allowed: bool) -> None:
+        """One request-rate check before admission."""
+
+    def completion_unmatched(self, reason: str) -> None:
+        """A release for an unknown or already-released admission (``ReleaseResult``)."""
+
+    def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
+                   unknown: bool) -> None:
+        """A Check whose header value was unknown or whose class was clamped."""
+
+    def preemption_undelivered(self) -> None:
+        """A preemption whose 503 could not be written to Envoy."""
+
+    def capacity_read(self, reading: CapacityReading) -> None:
+        """A changed capacity reading: where capacity comes from, workers counted
+        healthy, and what each healthy worker counts for."""
+
+    def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
+                config_digest: str) -> None:
+        """Admission is built: its mode, the scrape-time gauges over ``snapshot``,
+        and the start-up config (generation 1)."""
+
+    def config_reloaded(self, generation: int, digest: str) -> None:
+        """A new config is in force."""
+
+    def config_reload_failed(self) -> None:
+        """A changed config file was refused; the old config stays."""
+
+
+class NullRecorder:
+    """Records nothing."""
+
+    def on_events(self, events: Iterable[Event]) -> None:
+        pass
+
+    def rate_limit(self, allowed: bool) -> None:
+        pass
+
+    def completion_unmatched(self, reason: str) -> None:
+        pass
+
+    def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
+                   unknown: bool) -> None:
+        pass
+
+    def preemption_undelivered(self) -> None:
+        pass
+
+    def capacity_read(self, reading: CapacityReading) -> None:
+        pass
+
+    def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
+                config_digest: str) -> None:
+        pass
+
+    def config_reloaded(self, generation: int, digest: str) -> None:
+        pass
+
+    def config_reload_failed(self) -> None:
+        pass
+
+
 class Metrics:
-    """All metrics of one sidecar, on its own registry."""
+    """All metrics of one sidecar, on its own registry, fed only through the
+    :class:`Recorder` verbs (the Prometheus objects are private)."""
 
     def __init__(self, *, tenant_top_n: int, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.tenant = TenantLabels(tenant_top_n)
-        self.admit = Counter("smg_scheduler_admit", "Admission decisions by class and outcome",
-                             ["class", "outcome"], registry=r)
-        self.queue_wait = Histogram("smg_scheduler_queue_wait_seconds",
-                                    "Time admitted requests waited in their class queue",
-                                    ["class"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
-        self.preemption = Counter("smg_scheduler_preemption", "Preemptions",
-                                  ["victim_class", "by_class"], registry=r)
-        self.clamp = Counter("smg_scheduler_clamp", "Requests clamped to their tenant ceiling",
-                             ["tenant", "requested_class", "effective_class"], registry=r)
-        self.unknown_priority = Counter("smg_scheduler_unknown_priority_value",
-                                        "Unrecognised x-smg-priority values", ["tenant"],
-                                        registry=r)
-        self.starvation = Counter("smg_scheduler_starvation_promotion",
-                                  "Queue heads admitted by the starvation rule", ["class"],
-                                  registry=r)
-        self.rate_limit_total = Counter("smg_http_rate_limit", "Request-rate check results",
-                                        ["result"], registry=r)
-        self.lease_expired_total = Counter("smg_sidecar_lease_expired",
-                                           "Admissions reclaimed because their lease expired",
-                                           ["class"], registry=r)
-        self.unmatched = Counter("smg_sidecar_completion_unmatched",
-                                 "Completions for unknown or already-released admissions",
-                                 ["reason"], registry=r)
-        self.adopted_total = Counter("smg_sidecar_adopted",
-                                     "Streams admitted by an earlier sidecar process, found "
-                                     "still running via periodic access-log entries",
-                                     ["class"], registry=r)
-        self.released = Counter("smg_sidecar_released", "Admissions ended, by reason",
-                                ["class", "reason"], registry=r)
-        self.preemption_delivery_failed = Counter(
+        self._tenant = TenantLabels(tenant_top_n)
+        self._admit = Counter("smg_scheduler_admit", "Admission decisions by class and outcome",
+                              ["class", "outcome"], registry=r)
+        self._queue_wait = Histogram("smg_scheduler_queue_wait_seconds",
+                                     "Time admitted requests waited in their class queue",
+                                     ["class"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        self._preemption = Counter("smg_scheduler_preemption", "Preemptions",
+                                   ["victim_class", "by_class"], registry=r)
+        self._clamp = Counter("smg_scheduler_clamp", "Requests clamped to their tenant ceiling",
+                              ["tenant", "requested_class", "effective_class"], registry=r)
+        self._unknown_priority = Counter("smg_scheduler_unknown_priority_value",
+                                         "Unrecognised x-smg-priority values", ["tenant"],
+                                         registry=r)
+        self._starvation = Counter("smg_scheduler_starvation_promotion",
+                                   "Queue heads admitted by the starvation rule", ["class"],
+                                   registry=r)
+        self._rate_limit = Counter("smg_http_rate_limit", "Request-rate check results",
+                                   ["result"], registry=r)
+        self._lease_expired = Counter("smg_sidecar_lease_expired",
+                                      "Admissions reclaimed because their lease expired",
+                                      ["class"], registry=r)
+        self._unmatched = Counter("smg_sidecar_completion_unmatched",
+                                  "Completions for unknown or already-released admissions",
+                                  ["reason"], registry=r)
+        self._adopted = Counter("smg_sidecar_adopted",
+                                "Streams admitted by an earlier sidecar process, found "
+                                "still running via periodic access-log entries",
+                                ["class"], registry=r)
+        self._released = Counter("smg_sidecar_released", "Admissions ended, by reason",
+                                 ["class", "reason"], registry=r)
+        self._preemption_undelivered = Counter(
             "smg_sidecar_preemption_delivery_failed",
             "Preemptions whose 503 could not be written to Envoy (the victim may run on)",
             registry=r)
-        self.reload = Counter("smg_sidecar_config_reload", "Config reloads", ["result"],
-                              registry=r)
-        self.config_generation = Gauge("smg_sidecar_config_generation",
-                                       "Generation of the config in force (1 = startup)",
-                                       registry=r)
-        self.config_info = Gauge("smg_sidecar_config_info", "Config in force (hash label)",
-                                 ["sha256"], registry=r)
-        self.capacity_source = Gauge("smg_sidecar_capacity_source",
-                                     "Where capacity comes from (1 = in force)", ["source"],
-                                     registry=r)
-        self.healthy_workers = Gauge("smg_sidecar_healthy_workers", "Workers counted healthy",
-                                     registry=r)
-        self.mode = Gauge("smg_sidecar_admission_mode",
-                          "Admission path in force (1 = active)", ["mode"], registry=r)
+        self._reload = Counter("smg_sidecar_config_reload", "Config reloads", ["result"],
+                               registry=r)
+        self._config_generation = Gauge("smg_sidecar_config_generation",
+                                        "Generation of the config in force (1 = startup)",
+                                        registry=r)
+        self._config_info = Gauge("smg_sidecar_config_info", "Config in force (hash label)",
+                                  ["sha256"], registry=r)
+        self._capacity_source = Gauge("smg_sidecar_capacity_source",
+                                      "Where capacity comes from (1 = in force)", ["source"],
+                                      registry=r)
+        self._healthy_workers = Gauge("smg_sidecar_healthy_workers",
+                                      "Workers counted healthy", registry=r)
+        self._mode = Gauge("smg_sidecar_admission_mode",
+                           "Admission path in force (1 = active)", ["mode"], registry=r)
         self._worker_capacity: Mapping[tuple[str, str], int] = {}
         r.register(_WorkerCapacityCollector(lambda: self._worker_capacity))
         # Label children resolved once: labels() costs a lock and a tuple per call,
         # and these run on every admission.
-        self._admit_child = {(cls, outcome): self.admit.labels(cls.label, outcome.value)
+        self._admit_child = {(cls, outcome): self._admit.labels(cls.label, outcome.value)
                              for cls in HIGH_TO_LOW for outcome in Outcome}
-        self._wait_child = {cls: self.queue_wait.labels(cls.label) for cls in HIGH_TO_LOW}
+        self._wait_child = {cls: self._queue_wait.labels(cls.label) for cls in HIGH_TO_LOW}
         self._released_child: dict[tuple[PriorityClass, str], Counter] = {}
         for result in ("allowed", "rejected"):
-            self.rate_limit_total.labels(result)
+            self._rate_limit.labels(result)
         for result in ("ok", "error"):
-            self.reload.labels(result)
-
-    # -- counters fed by the controller and the gRPC layer
+            self._reload.labels(result)
 
     def on_events(self, events: Iterable[Event]) -> None:
         for e in events:
             if isinstance(e, Released):
-                key = (e.admission.cls, e.reason)
+                cls = e.admission.cls
+                key = (cls, e.reason)
                 child = self._released_child.get(key)
                 if child is None:
-                    child = self._released_child[key] = self.released.labels(
-                        e.admission.cls.label, e.reason)
+                    child = self._released_child[key] = self._released.labels(
+                        cls.label, e.reason)
                 child.inc()
+                if e.reason is ReleaseReason.LEASE_EXPIRED:
+                    self._lease_expired.labels(cls.label).inc()
             elif isinstance(e, Admitted):
                 cls = e.admission.cls
                 if e.adopted:
-                    continue  # counted by adopted(); this process made no decision
+                    # Admitted by an earlier process: not a decision of this one.
+                    self._adopted.labels(cls.label).inc()
+                    continue
                 self._admit_child[(cls, Outcome.ADMITTED)].inc()
                 self._wait_child[cls].observe(e.waited)
                 if e.starvation:
-                    self.starvation.labels(cls.label).inc()
+                    self._starvation.labels(cls.label).inc()
             elif isinstance(e, Rejected):
                 self._admit_child[(e.cls, e.outcome)].inc()
             elif isinstance(e, Preempted):
                 self._admit_child[(e.victim.cls, Outcome.PREEMPTED)].inc()
-                self.preemption.labels(e.victim.cls.label, e.by_class.label).inc()
+                self._preemption.labels(e.victim.cls.label, e.by_class.label).inc()
+
+    def rate_limit(self, allowed: bool) -> None:
+        self._rate_limit.labels("allowed" if allowed else "rejected").inc()
+
+    def completion_unmatched(self, reason: str) -> None:
+        self._unmatched.labels(reason).inc()
 
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
                    unknown: bool) -> None:
         if unknown:
-            self.unknown_priority.labels(self.tenant(tenant)).inc()
+            self._unknown_priority.labels(self._tenant(tenant)).inc()
         if effective < requested:
-            self.clamp.labels(self.tenant(tenant), requested.label, effective.label).inc()
+            self._clamp.labels(self._tenant(tenant), requested.label, effective.label).inc()
 
-    def rate_limit(self, allowed: bool) -> None:
-        self.rate_limit_total.labels("allowed" if allowed else "rejected").inc()
+    def preemption_undelivered(self) -> None:
+        self._preemption_undelivered.inc()
 
-    def lease_expired(self, cls: PriorityClass) -> None:
-        self.lease_expired_total.labels(cls.label).inc()
-
-    def completion_unmatched(self, reason: str) -> None:
-        self.unmatched.labels(reason).inc()
-
-    def adopted(self, cls: PriorityClass) -> None:
-        self.adopted_total.labels(cls.label).inc()
-
-    def set_capacity_source(self, source: str) -> None:
+    def capacity_read(self, reading: CapacityReading) -> None:
         for s in ("workers", "fallback", "override"):
-            self.capacity_source.labels(s).set(1 if s == source else 0)
+            self._capacity_source.labels(s).set(1 if s == reading.source else 0)
+        self._healthy_workers.set(reading.healthy)
+        # Replaced as a whole: a worker gone or unhealthy loses its series.
+        self._worker_capacity = dict(per_worker(reading))
 
-    def worker_capacity(self, per_worker: Mapping[tuple[str, str], int]) -> None:
-        """Per healthy worker, ``{(worker, engine): capacity counted}``; replaces the last set
-        (a worker gone or unhealthy loses its series)."""
-        self._worker_capacity = dict(per_worker)
-
-    def set_mode(self, legacy: bool) -> None:
-        self.mode.labels("scheduler").set(0 if legacy else 1)
-        self.mode.labels("legacy").set(1 if legacy else 0)
-
-    def watch(self, snapshot: Callable[[], Snapshot]) -> None:
-        """Register the scrape-time gauges over ``snapshot``."""
+    def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
+                config_digest: str) -> None:
+        self._mode.labels("scheduler").set(0 if legacy else 1)
+        self._mode.labels("legacy").set(1 if legacy else 0)
         self.registry.register(_SnapshotCollector(snapshot))
+        self._config_generation.set(1)
+        self._config_info.labels(config_digest).set(1)
+
+    def config_reloaded(self, generation: int, digest: str) -> None:
+        self._config_generation.set(generation)
+        self._config_info.clear()
+        self._config_info.labels(digest).set(1)
+        self._reload.labels("ok").inc()
+
+    def config_reload_failed(self) -> None:
+        self._reload.labels("error").inc()
 
 
 class _WorkerCapacityCollector(Collector):

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pytest
 
 from sidecar.admission import AdmissionController, Denied
 from sidecar.classes import PriorityClass
+from sidecar.metrics import NullRecorder
 from sidecar.ratelimit import TokenBucket
-from sidecar.scheduler import ClassSettings, Outcome, ReleaseResult, Scheduler
+from sidecar.scheduler import (
+    LEASE_EXPIRED,
+    Admitted,
+    ClassSettings,
+    Event,
+    Outcome,
+    Released,
+    ReleaseResult,
+    Scheduler,
+)
 from tests.clock import FakeClock
 
 D, B = PriorityClass.DEFAULT, PriorityClass.BULK
@@ -19,23 +30,26 @@ CFG = {c: ClassSettings(0, 0.0, 2, 5.0, 100.0, False) for c in PriorityClass}
 
 
 @dataclass
-class Stats:
+class Stats(NullRecorder):
+    """What the controller reports through the metrics verbs, as lists."""
+
     allowed: list[bool] = field(default_factory=list)
     expired: list[PriorityClass] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
     adoptions: list[PriorityClass] = field(default_factory=list)
 
+    def on_events(self, events: Iterable[Event]) -> None:
+        for e in events:
+            if isinstance(e, Released) and e.reason == LEASE_EXPIRED:
+                self.expired.append(e.admission.cls)
+            elif isinstance(e, Admitted) and e.adopted:
+                self.adoptions.append(e.admission.cls)
+
     def rate_limit(self, allowed: bool) -> None:
         self.allowed.append(allowed)
 
-    def lease_expired(self, cls: PriorityClass) -> None:
-        self.expired.append(cls)
-
     def completion_unmatched(self, reason: str) -> None:
         self.unmatched.append(reason)
-
-    def adopted(self, cls: PriorityClass) -> None:
-        self.adoptions.append(cls)
 
 
 def make(capacity: int = 1, lease: float = 10.0, bucket: TokenBucket | None = None
@@ -44,7 +58,7 @@ def make(capacity: int = 1, lease: float = 10.0, bucket: TokenBucket | None = No
     ids = (f"id{i}" for i in itertools.count())
     stats = Stats()
     ctl = AdmissionController(Scheduler(CFG, capacity, clock), lease_secs=lease, clock=clock,
-                              stats=stats, bucket=bucket, id_factory=lambda: next(ids))
+                              metrics=stats, bucket=bucket, id_factory=lambda: next(ids))
     return ctl, clock, stats
 
 

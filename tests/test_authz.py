@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from envoy_data_plane.envoy.service.auth.v3 import CheckResponse as EdpCheckResponse
 
-from sidecar.app import Sidecar
+from sidecar.app import Runtime, build_runtime
 from sidecar.config import parse_settings
 from tests.grpc_client import EnvoyStandIn, admission_id, headers_of
 
@@ -28,7 +28,7 @@ tenant_policies:
 
 
 class Harness:
-    def __init__(self, app: Sidecar, envoy: EnvoyStandIn) -> None:
+    def __init__(self, app: Runtime, envoy: EnvoyStandIn) -> None:
         self.app = app
         self.envoy = envoy
 
@@ -38,7 +38,6 @@ class Harness:
 
     @property
     def inflight(self) -> int:
-        assert self.app.core is not None
         return self.app.core.snapshot().inflight
 
 
@@ -49,8 +48,8 @@ async def start(tmp_path: Path, *extra: str) -> Harness:
         "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg),
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
         "--worker-capacity-override", "1", "--log-format", "json", *extra])
-    app = Sidecar(settings)
-    await app.start()
+    app = await build_runtime(settings)
+    await app.serve()
     return Harness(app, EnvoyStandIn(app.grpc_port))
 
 
@@ -159,7 +158,7 @@ async def test_cancel_while_queued_is_client_cancelled(h: Harness) -> None:
     first = await h.envoy.check({})
     call = h.envoy.check({})
     await asyncio.sleep(0.05)
-    assert h.app.core is not None and h.app.core.snapshot().classes[
+    assert h.app.core.snapshot().classes[
         next(iter(h.app.core.snapshot().classes))].queue_depth == 0
     call.cancel()
     for _ in range(100):
@@ -191,12 +190,12 @@ async def test_lease_expires_and_periodic_entries_renew(tmp_path: Path) -> None:
     h = await start(tmp_path, "--admission-lease-secs", "0.3")
     try:
         renewed = admission_id(await h.envoy.check({"x-smg-priority": "bulk"}))
-        h.app.controller.set_capacity(2)  # type: ignore[union-attr]
+        h.app.controller.set_capacity(2)
         lost = admission_id(await h.envoy.check({"x-smg-priority": "bulk"}))
         for _ in range(4):
             await asyncio.sleep(0.15)
             await h.envoy.log((renewed, "periodic"))
-        assert h.app.core is not None and h.app.core.is_admitted(renewed)
+        assert h.app.core.is_admitted(renewed)
         assert not h.app.core.is_admitted(lost)
         assert h.sample("smg_sidecar_lease_expired_total", **{"class": "bulk"}) == 1
         await h.envoy.log((lost, "end"))  # a late completion for a reclaimed lease
@@ -228,8 +227,8 @@ async def test_legacy_rate_limit_sheds_as_the_contract_says(tmp_path: Path) -> N
     settings = parse_settings([
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
         "--max-concurrent-requests", "4", "--rate-limit-tokens-per-second", "0.001"])
-    app = Sidecar(settings)
-    await app.start()
+    app = await build_runtime(settings)
+    await app.serve()
     envoy = EnvoyStandIn(app.grpc_port)
     try:
         ids = [admission_id(await envoy.check({})) for _ in range(4)]
@@ -248,8 +247,8 @@ async def test_legacy_path_codes(tmp_path: Path) -> None:
     settings = parse_settings([
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
         "--max-concurrent-requests", "1", "--queue-size", "1", "--queue-timeout-secs", "0.3"])
-    app = Sidecar(settings)
-    await app.start()
+    app = await build_runtime(settings)
+    await app.serve()
     envoy = EnvoyStandIn(app.grpc_port)
     try:
         first = await envoy.check({"x-smg-priority": "system"})
@@ -261,7 +260,7 @@ async def test_legacy_path_codes(tmp_path: Path) -> None:
         assert app.metrics.registry.get_sample_value(
             "smg_sidecar_admission_mode", {"mode": "legacy"}) == 1
         await envoy.log((admission_id(first), "end"))
-        assert app.core is not None and app.core.snapshot().inflight == 0
+        assert app.core.snapshot().inflight == 0
     finally:
         await envoy.close()
         await app.stop()
@@ -271,10 +270,10 @@ async def test_reservations_exceeding_capacity_fall_back_to_legacy(tmp_path: Pat
     settings = parse_settings([
         "--priority-scheduler-enabled", "--worker-capacity-override", "100",
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
-    app = Sidecar(settings)
-    await app.start()
+    app = await build_runtime(settings)
+    await app.serve()
     try:
-        assert app.core is not None and app.core.legacy
+        assert app.core.legacy
         assert app.metrics.registry.get_sample_value(
             "smg_sidecar_admission_mode", {"mode": "legacy"}) == 1
     finally:
@@ -395,7 +394,7 @@ async def test_startup_waits_for_real_capacity_before_choosing_the_mode() -> Non
     from devtools.httpclient import get as http_get
     from devtools.stack import free_port
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     # 100 slots: the built-in reservations (142) do not fit, so legacy admission serves
     # (after waiting out the 2 s in case more workers come). Deciding on the fallback
     # capacity (1024) instead would wrongly pick the scheduler.
@@ -403,21 +402,30 @@ async def test_startup_waits_for_real_capacity_before_choosing_the_mode() -> Non
     settings = parse_settings([
         "--priority-scheduler-enabled", "--worker-urls", f"http://127.0.0.1:{port}",
         "--startup-capacity-wait-secs", "2", "--health-interval-secs", "0.1",
-        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
-    app = Sidecar(settings)
-    starting = asyncio.ensure_future(app.start())
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{http_port}"])
+    building = asyncio.ensure_future(build_runtime(settings))
+    base = f"http://127.0.0.1:{http_port}"
     try:
-        while app.http_port == 0:
-            await asyncio.sleep(0.01)
-        base = f"http://127.0.0.1:{app.http_port}"
-        assert (await http_get(f"{base}/healthz", 1))[0] == 200  # alive...
+        async def alive() -> int:
+            while True:
+                try:
+                    return (await http_get(f"{base}/healthz", 1))[0]
+                except OSError:  # not listening yet
+                    await asyncio.sleep(0.01)
+
+        assert await asyncio.wait_for(alive(), 5) == 200  # alive while the build waits...
         assert (await http_get(f"{base}/readyz", 1))[0] == 503  # ...not serving yet
+        assert not building.done()
         await worker.start()
-        await asyncio.wait_for(starting, 10)
-        assert app.core is not None and app.core.legacy
-        assert (await http_get(f"{base}/readyz", 1))[0] == 200
+        app = await asyncio.wait_for(building, 10)
+        try:
+            assert app.core.legacy
+            assert (await http_get(f"{base}/readyz", 1))[0] == 503  # built, not serving
+            await app.serve()
+            assert (await http_get(f"{base}/readyz", 1))[0] == 200
+        finally:
+            await app.stop()
     finally:
-        if not starting.done():
-            starting.cancel()
-        await app.stop()
+        if not building.done():
+            building.cancel()
         await worker.stop()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.app import Sidecar
+from sidecar.app import Runtime, build_runtime
 from sidecar.config import parse_settings
 from tests.grpc_client import EnvoyStandIn, admission_id
 
@@ -57,20 +57,20 @@ class ConfigMapDir:
 
 
 @pytest.fixture
-async def running(tmp_path: Path) -> AsyncIterator[tuple[Sidecar, EnvoyStandIn, ConfigMapDir]]:
+async def running(tmp_path: Path) -> AsyncIterator[tuple[Runtime, EnvoyStandIn, ConfigMapDir]]:
     cm = ConfigMapDir(tmp_path)
-    app = Sidecar(parse_settings([
+    app = await build_runtime(parse_settings([
         "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
         "--worker-capacity-override", "1", "--config-poll-secs", "0.1",
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
-    await app.start()
+    await app.serve()
     envoy = EnvoyStandIn(app.grpc_port)
     yield app, envoy, cm
     await envoy.close()
     await app.stop()
 
 
-def value(app: Sidecar, name: str, **labels: str) -> float:
+def value(app: Runtime, name: str, **labels: str) -> float:
     v = app.metrics.registry.get_sample_value(name, labels)
     return 0.0 if v is None else v
 
@@ -83,12 +83,12 @@ async def eventually(cond: object, timeout: float = 2.0) -> None:
 
 
 async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
-        running: tuple[Sidecar, EnvoyStandIn, ConfigMapDir]) -> None:
+        running: tuple[Runtime, EnvoyStandIn, ConfigMapDir]) -> None:
     app, envoy, cm = running
     inflight = await envoy.check({})
     q1 = asyncio.ensure_future(envoy.check({}))
     q2 = asyncio.ensure_future(envoy.check({}))
-    await eventually(lambda: app.controller is not None and app.controller.waiting == 2)
+    await eventually(lambda: app.controller.waiting == 2)
     cm.swap(CONFIG_B)
     await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
     assert value(app, "smg_sidecar_config_reload_total", result="ok") == 1
@@ -98,7 +98,7 @@ async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
     # Tenant ceilings changed too.
     vip = envoy.check({"x-smg-priority": "system", "x-smg-tenant": "auth:vip"})
     # Queued requests kept their place and the in-flight one was not disturbed.
-    assert app.core is not None and app.core.is_admitted(admission_id(inflight))
+    assert app.core.is_admitted(admission_id(inflight))
     await envoy.log((admission_id(inflight), "end"))
     # system (the vip tenant's new ceiling) outranks the queued default requests
     vip_resp = await asyncio.wait_for(vip, 2)
@@ -114,7 +114,7 @@ async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
 
 
 async def test_invalid_swap_changes_nothing_and_is_counted(
-        running: tuple[Sidecar, EnvoyStandIn, ConfigMapDir]) -> None:
+        running: tuple[Runtime, EnvoyStandIn, ConfigMapDir]) -> None:
     app, envoy, cm = running
     cm.swap(BROKEN)
     await eventually(lambda: value(app, "smg_sidecar_config_reload_total", result="error") == 1)
@@ -123,7 +123,7 @@ async def test_invalid_swap_changes_nothing_and_is_counted(
     # Old config still in force: queue_size 2, so two requests queue rather than shed.
     first = await envoy.check({})
     queued = [asyncio.ensure_future(envoy.check({})) for _ in range(2)]
-    await eventually(lambda: app.controller is not None and app.controller.waiting == 2)
+    await eventually(lambda: app.controller.waiting == 2)
     await envoy.log((admission_id(first), "end"))
     for q in queued:
         r = await asyncio.wait_for(q, 2)
@@ -134,7 +134,7 @@ async def test_invalid_swap_changes_nothing_and_is_counted(
 
 
 async def test_reload_now_is_what_sighup_calls(
-        running: tuple[Sidecar, EnvoyStandIn, ConfigMapDir]) -> None:
+        running: tuple[Runtime, EnvoyStandIn, ConfigMapDir]) -> None:
     app, _, cm = running
     assert app.watcher is not None
     app.watcher.interval = 3600  # only the forced check can see the change
@@ -147,12 +147,12 @@ async def test_reload_now_is_what_sighup_calls(
 
 async def test_reload_keeps_the_envoy_timeout_rule(tmp_path: Path) -> None:
     cm = ConfigMapDir(tmp_path)
-    app = Sidecar(parse_settings([
+    app = await build_runtime(parse_settings([
         "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
         "--worker-capacity-override", "1", "--config-poll-secs", "0.1",
         "--envoy-authz-timeout", "310", "--grpc-listen", "127.0.0.1:0",
         "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
-    await app.start()
+    await app.serve()
     try:
         cm.swap("classes:\n  bulk: {queue_timeout_secs: 400}\n")
         await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
