@@ -3,37 +3,40 @@
 Metrics are fed by one route, the :class:`Recorder` verbs; nothing else
 touches a counter or gauge. Who calls which verb:
 
-=========================  ====================  =========================================
-verb                       caller                metrics
-=========================  ====================  =========================================
-``on_events``              admission controller  ``smg_scheduler_admit_total``,
-                           (every core event)    ``smg_scheduler_queue_wait_seconds``,
-                                                 ``smg_scheduler_starvation_promotion_total``,
-                                                 ``smg_scheduler_preemption_total``,
-                                                 ``smg_sidecar_released_total``,
-                                                 ``smg_sidecar_lease_expired_total``,
-                                                 ``smg_sidecar_adopted_total``
-``rate_limit``             admission controller  ``smg_http_rate_limit_total``
-``completion_unmatched``   admission controller  ``smg_sidecar_completion_unmatched_total``
-``classified``             authz (Check)         ``smg_scheduler_clamp_total``,
-                                                 ``smg_scheduler_unknown_priority_value_total``
-``preemption_undelivered`` completion (ext_proc) ``smg_sidecar_preemption_delivery_failed_total``
-``capacity_read``          app (health monitor)  ``smg_sidecar_capacity_source``,
-                                                 ``smg_sidecar_healthy_workers``
-``started``                app (build)           ``smg_sidecar_admission_mode``,
-                                                 ``smg_sidecar_config_generation``,
-                                                 ``smg_sidecar_config_info``, and the
-                                                 scrape-time gauges below
-``config_reloaded``        app (reload)          ``smg_sidecar_config_generation``,
-                                                 ``smg_sidecar_config_info``,
-                                                 ``smg_sidecar_config_reload_total{ok}``
-``config_reload_failed``   app (reload)          ``smg_sidecar_config_reload_total{error}``
-=========================  ====================  =========================================
+==========================  =====================  ================================================
+verb                        caller                 metrics
+==========================  =====================  ================================================
+``on_events``               admission controller   ``smg_scheduler_admit_total``,
+                                                   ``smg_scheduler_queue_wait_seconds``,
+                                                   ``smg_scheduler_starvation_promotion_total``,
+                                                   ``smg_scheduler_preemption_total``,
+                                                   ``smg_sidecar_released_total``,
+                                                   ``smg_sidecar_lease_expired_total``,
+                                                   ``smg_sidecar_adopted_total``
+``rate_limit``              admission controller   ``smg_http_rate_limit_total``
+``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
+``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
+                                                   ``smg_scheduler_unknown_priority_value_total``
+``preemption_undelivered``  completion (ext_proc)  ``smg_sidecar_preemption_delivery_failed_total``
+``capacity_read``           app (health monitor)   ``smg_sidecar_capacity_source``,
+                                                   ``smg_sidecar_healthy_workers``
+``started``                 app (build)            ``smg_sidecar_admission_mode``,
+                                                   ``smg_sidecar_config_generation``,
+                                                   ``smg_sidecar_config_info``,
+                                                   the snapshot gauges
+``config_reloaded``         app (config reload)    ``smg_sidecar_config_generation``,
+                                                   ``smg_sidecar_config_info``,
+                                                   ``smg_sidecar_config_reload_total{ok}``
+``config_reload_failed``    app (config reload)    ``smg_sidecar_config_reload_total{error}``
+==========================  =====================  ================================================
 
-Gauges of the admission state (``smg_scheduler_inflight``, ``_queue_depth``,
-``_queue_size_limit``, ``_class_capacity_pressure``, ``_utilization``,
-``smg_sidecar_reserved_slots``, ``smg_sidecar_capacity``) are computed when
-scraped from the core's snapshot, so they are never stale.
+The snapshot gauges, registered by ``started``, are computed when scraped
+from the core's snapshot, so they are never stale: ``smg_scheduler_inflight``,
+``smg_scheduler_queue_depth``, ``smg_scheduler_queue_size_limit``,
+``smg_scheduler_class_capacity_pressure``, ``smg_scheduler_utilization``,
+``smg_sidecar_reserved_slots``, ``smg_sidecar_capacity``.
+
+tests/test_metrics.py checks this table against what each verb really changes.
 """
 
 from __future__ import annotations

@@ -371,7 +371,7 @@ def _exported_metric_names() -> set[str]:
 
     m = Metrics(tenant_top_n=4)
     snapshot = Scheduler(BUILTIN_CLASSES, 256, time.monotonic).snapshot()
-    m.watch(lambda: snapshot)
+    m.started(legacy=False, snapshot=lambda: snapshot, config_digest="builtin")
     names: set[str] = set()
     for family in m.registry.collect():
         # A labelled metric with no child yet has no samples; what Prometheus would

@@ -1,0 +1,126 @@
+"""metrics.py: the verb table in its docstring is what each verb really changes."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+
+from sidecar import metrics
+from sidecar.classes import PriorityClass
+from sidecar.config import BUILTIN_CLASSES
+from sidecar.metrics import Metrics, NullRecorder, Recorder
+from sidecar.scheduler import (
+    LEASE_EXPIRED,
+    Admission,
+    Admitted,
+    Outcome,
+    Preempted,
+    Rejected,
+    Released,
+    Scheduler,
+)
+
+S, I, D, B = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEFAULT,
+              PriorityClass.BULK)
+
+
+def documented() -> tuple[dict[str, set[str]], set[str]]:
+    """verb -> metric names from the docstring's table, and the snapshot gauges."""
+    doc = metrics.__doc__ or ""
+    table, _, after = doc.partition("The snapshot gauges")
+    verbs: dict[str, set[str]] = {}
+    verb = ""
+    for line in table.splitlines():
+        if m := re.match(r"``(\w+)``", line):
+            verb = m.group(1)
+            verbs[verb] = set()
+        if verb:
+            verbs[verb].update(re.findall(r"``(smg_[a-z_]+)", line))
+    return verbs, set(re.findall(r"``(smg_[a-z_]+)``", after))
+
+
+def samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample, keyed by its family's exported name (counters with ``_total``)."""
+    out = {}
+    for family in m.registry.collect():
+        name = family.name + "_total" if family.type == "counter" else family.name
+        for s in family.samples:
+            out[(name, tuple(sorted({**s.labels, "__sample": s.name}.items())))] = s.value
+    return out
+
+
+def admission(cls: PriorityClass, aid: str = "a") -> Admission:
+    return Admission(aid, cls, "t", 0.0)
+
+
+SNAPSHOT = Scheduler(BUILTIN_CLASSES, 256, time.monotonic).snapshot
+
+CALLS: dict[str, Callable[[Recorder], None]] = {
+    "on_events": lambda r: r.on_events([
+        Admitted(admission(B), waited=0.2, queued=True, starvation=True),
+        Admitted(admission(D, "old"), waited=0.0, queued=False, adopted=True),
+        Rejected("r", D, "t", Outcome.REJECTED_QUEUE_FULL, 0.0),
+        Preempted(admission(B), by_class=I),
+        Released(admission(B), "completed"),
+        Released(admission(D), LEASE_EXPIRED),
+    ]),
+    "rate_limit": lambda r: r.rate_limit(False),
+    "completion_unmatched": lambda r: r.completion_unmatched("unknown"),
+    "classified": lambda r: r.classified("t", S, D, True),
+    "preemption_undelivered": lambda r: r.preemption_undelivered(),
+    "capacity_read": lambda r: r.capacity_read("workers", 3),
+    "started": lambda r: r.started(legacy=False, snapshot=SNAPSHOT, config_digest="abc"),
+    "config_reloaded": lambda r: r.config_reloaded(2, "def"),
+    "config_reload_failed": lambda r: r.config_reload_failed(),
+}
+
+
+def test_the_table_lists_every_verb_of_the_protocol() -> None:
+    verbs, gauges = documented()
+    protocol = {n for n in vars(Recorder) if not n.startswith("_")}
+    assert set(verbs) == protocol == set(CALLS)
+    assert len(gauges) == 7
+    # NullRecorder and Metrics answer every verb.
+    for impl in (NullRecorder, Metrics):
+        assert protocol <= set(dir(impl)), impl
+
+
+@pytest.mark.parametrize("verb", sorted(CALLS))
+def test_each_verb_changes_exactly_the_metrics_the_table_lists(verb: str) -> None:
+    verbs, gauges = documented()
+    m = Metrics(tenant_top_n=4)
+    if verb != "started":  # the snapshot gauges are there in production; keep them out of the diff
+        m.started(legacy=False, snapshot=SNAPSHOT, config_digest="x")
+    before = samples(m)
+    CALLS[verb](m)
+    after = samples(m)
+    changed = {name for (name, labels), v in after.items() if before.get((name, labels)) != v}
+    expected = verbs[verb] | (gauges if verb == "started" else set())
+    assert changed == expected
+
+
+def test_every_exported_metric_is_fed_by_some_verb() -> None:
+    verbs, gauges = documented()
+    m = Metrics(tenant_top_n=4)
+    m.started(legacy=False, snapshot=SNAPSHOT, config_digest="x")
+    exported = {name for name, _ in samples(m)} | {
+        f.name + ("_total" if f.type == "counter" else "") for f in m.registry.collect()}
+    assert exported == set().union(*verbs.values()) | gauges
+
+
+def test_lease_expiry_and_adoption_are_counted_from_core_events() -> None:
+    m = Metrics(tenant_top_n=4)
+    m.on_events([Released(admission(B), LEASE_EXPIRED),
+                 Admitted(admission(D, "old"), waited=0.0, queued=False, adopted=True)])
+
+    def get(name: str, **labels: str) -> float | None:
+        return m.registry.get_sample_value(name, labels)
+
+    assert get("smg_sidecar_lease_expired_total", **{"class": "bulk"}) == 1
+    assert get("smg_sidecar_released_total", **{"class": "bulk", "reason": "lease_expired"}) == 1
+    assert get("smg_sidecar_adopted_total", **{"class": "default"}) == 1
+    # an adoption is not a decision of this process
+    assert get("smg_scheduler_admit_total", **{"class": "default", "outcome": "admitted"}) == 0
