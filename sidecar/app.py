@@ -151,6 +151,7 @@ class Runtime:
         self._serving = serving  # the admin server's /readyz reads it
         self.generation = 1
         self._tasks: list[asyncio.Task[None]] = []
+        self._grpc_started = False
 
         self.core = _build_core(s, reading)
         self.controller = AdmissionController(
@@ -199,6 +200,7 @@ class Runtime:
 
     async def serve(self) -> None:
         s = self.settings
+        self._grpc_started = True
         await self._grpc.start()
         for name in ("", AUTHZ_SERVICE, ALS_SERVICE, EXT_PROC_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -266,6 +268,10 @@ class Runtime:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if not self._grpc_started:
+            # grpc.aio frees a bound port only when a started server stops: start it
+            # only to stop it at once.
+            await self._grpc.start()
         await self._grpc.stop(grace=1.0)
         await self._admin.stop()
         await self.monitor.close()

@@ -266,20 +266,6 @@ async def test_legacy_path_codes(tmp_path: Path) -> None:
         await app.stop()
 
 
-async def test_reservations_exceeding_capacity_fall_back_to_legacy(tmp_path: Path) -> None:
-    settings = parse_settings([
-        "--priority-scheduler-enabled", "--worker-capacity-override", "100",
-        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
-    app = await build_runtime(settings)
-    await app.serve()
-    try:
-        assert app.core.legacy
-        assert app.metrics.registry.get_sample_value(
-            "smg_sidecar_admission_mode", {"mode": "legacy"}) == 1
-    finally:
-        await app.stop()
-
-
 @pytest.mark.parametrize(
     ("source", "kw", "tenant"),
     [
@@ -308,11 +294,13 @@ async def test_tenant_sources(tmp_path: Path, source: str, kw: dict[str, object]
 
 
 async def test_admin_http_endpoints(h: Harness) -> None:
-    from devtools.httpclient import get as http_get
-
     async def get(path: str) -> tuple[int, str]:
-        status, body = await http_get(f"http://127.0.0.1:{h.app.http_port}{path}", 5)
-        return status, body.decode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", h.app.http_port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        raw = await reader.read(-1)
+        writer.close()
+        head, _, body = raw.decode().partition("\r\n\r\n")
+        return int(head.split()[1]), body
 
     assert await get("/healthz") == (200, "ok\n")
     assert await get("/readyz") == (200, "ready\n")
@@ -387,45 +375,3 @@ async def test_ext_proc_rejects_garbage_and_answers_unexpected_messages(h: Harne
     body = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"x", end_of_stream=True))
     replies = [r async for r in process(iter([body.SerializeToString()]))]
     assert [r.WhichOneof("response") for r in replies] == ["request_body"]
-
-
-async def test_startup_waits_for_real_capacity_before_choosing_the_mode() -> None:
-    from devtools.fleet import FakeWorker
-    from devtools.httpclient import get as http_get
-    from devtools.stack import free_port
-
-    port, http_port = free_port(), free_port()
-    # 100 slots: the built-in reservations (142) do not fit, so legacy admission serves
-    # (after waiting out the 2 s in case more workers come). Deciding on the fallback
-    # capacity (1024) instead would wrongly pick the scheduler.
-    worker = FakeWorker(port=port, max_running_requests=100)
-    settings = parse_settings([
-        "--priority-scheduler-enabled", "--worker-urls", f"http://127.0.0.1:{port}",
-        "--startup-capacity-wait-secs", "2", "--health-interval-secs", "0.1",
-        "--grpc-listen", "127.0.0.1:0", "--http-listen", f"127.0.0.1:{http_port}"])
-    building = asyncio.ensure_future(build_runtime(settings))
-    base = f"http://127.0.0.1:{http_port}"
-    try:
-        async def alive() -> int:
-            while True:
-                try:
-                    return (await http_get(f"{base}/healthz", 1))[0]
-                except OSError:  # not listening yet
-                    await asyncio.sleep(0.01)
-
-        assert await asyncio.wait_for(alive(), 5) == 200  # alive while the build waits...
-        assert (await http_get(f"{base}/readyz", 1))[0] == 503  # ...not serving yet
-        assert not building.done()
-        await worker.start()
-        app = await asyncio.wait_for(building, 10)
-        try:
-            assert app.core.legacy
-            assert (await http_get(f"{base}/readyz", 1))[0] == 503  # built, not serving
-            await app.serve()
-            assert (await http_get(f"{base}/readyz", 1))[0] == 200
-        finally:
-            await app.stop()
-    finally:
-        if not building.done():
-            building.cancel()
-        await worker.stop()
