@@ -24,10 +24,12 @@ The contract's sixth row, "client went away while queued: 499
 ``scheduler_client_cancelled``, no headers (client is gone; count it)", is
 **counted, never sent**, so it is not a member here. The client leaving is
 what ends a queued Check: Envoy cancels the gRPC call, the handler's await is
-cancelled and the waiter removed (``smg_scheduler_admit_total{outcome=
-"client_cancelled"}`` counts it from the core's event). A cancelled call has
-no response to carry a 499, and Envoy, not the sidecar, answers when its own
-ext_authz timeout cancels the call.
+cancelled and the waiter removed, and ``smg_scheduler_admit_total{outcome=
+"client_cancelled"}`` counts it from the core's event. A cancelled call has no
+response to carry a 499. Envoy also cancels the call when its own ext_authz
+timeout fires; the sidecar cannot tell that apart, counts it the same way, and
+Envoy answers the client itself (``status_on_error``). That is why the
+timeout must outlast every queue (``--envoy-authz-timeout`` checks it).
 
 Senders: ``authz`` encodes replies as the Check's ``DeniedHttpResponse``;
 ``completion`` sends PREEMPTED as an ext_proc ``ImmediateResponse``. Both
@@ -44,8 +46,6 @@ from typing import assert_never
 
 from sidecar.classes import PriorityClass
 from sidecar.scheduler import Outcome
-
-CLIENT_CANCELLED_CODE = "scheduler_client_cancelled"  # counted, never sent (see above)
 
 
 class Rejection(enum.Enum):
