@@ -20,7 +20,7 @@ import grpc
 
 from sidecar import codec, logs, responses
 from sidecar.admission import AdmissionController, Denied
-from sidecar.classes import HIGH_TO_LOW, PRIORITY_HEADER, PriorityClass, classify
+from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
 from sidecar.metrics import Recorder
 from sidecar.scheduler import Outcome
@@ -68,8 +68,7 @@ class AuthzService:
         self.metrics = metrics
         self.tenant_source = tenant_source
         self.policy = policy
-        self._deny = {(r, cls): codec.encode_deny(responses.reply(r, cls))
-                      for r in responses.Rejection for cls in HIGH_TO_LOW}
+        self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:

@@ -31,9 +31,10 @@ timeout fires; the sidecar cannot tell that apart, counts it the same way, and
 Envoy answers the client itself (``status_on_error``). That is why the
 timeout must outlast every queue (``--envoy-authz-timeout`` checks it).
 
-Senders: ``authz`` encodes replies as the Check's ``DeniedHttpResponse``;
-``completion`` sends PREEMPTED as an ext_proc ``ImmediateResponse``. Both
-serialise through :mod:`sidecar.codec`, once at start-up.
+Senders: ``authz`` encodes :data:`REPLIES` as the Check's
+``DeniedHttpResponse``; ``completion`` sends PREEMPTED as an ext_proc
+``ImmediateResponse``. Both serialise through :mod:`sidecar.codec`, once at
+start-up.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from __future__ import annotations
 import enum
 import http
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import assert_never
+from typing import Final, assert_never
 
-from sidecar.classes import PriorityClass
+from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import Outcome
 
 
@@ -115,6 +117,12 @@ def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
                          "Timed out waiting for a concurrency slot", retry_after=2)
         case _:
             assert_never(rejection)
+
+
+# Every reply the sidecar can send, by (rejection, effective class): the senders
+# serialise these once at start-up.
+REPLIES: Final[Mapping[tuple[Rejection, PriorityClass], Reply]] = {
+    (r, cls): reply(r, cls) for r in Rejection for cls in HIGH_TO_LOW}
 
 
 def for_denial(outcome: Outcome, *, legacy: bool, rate_limited: bool) -> Rejection:

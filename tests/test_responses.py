@@ -15,7 +15,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import ProcessingResponse
 
 from sidecar import codec
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.responses import Rejection, for_denial, reply
+from sidecar.responses import REPLIES, Rejection, for_denial, reply
 from sidecar.scheduler import Outcome
 
 # rejection -> (status, code, extra headers), as the contract's table says
@@ -48,6 +48,8 @@ def check_body(body: str, r: Rejection) -> None:
 
 def test_the_set_of_rejections_is_the_contracts() -> None:
     assert set(Rejection) == set(CONTRACT)
+    assert set(REPLIES) == set(ROWS)
+    assert all(REPLIES[(r, cls)] == reply(r, cls) for r, cls in ROWS)
 
 
 @pytest.mark.parametrize(("r", "cls"), ROWS)
