@@ -14,6 +14,7 @@ from sidecar.admission import AdmissionController
 from sidecar.classes import PriorityClass
 from sidecar.completion import ResponsePathService
 from sidecar.config import BUILTIN_CLASSES
+from sidecar.metrics import Metrics
 from sidecar.scheduler import Scheduler
 
 RESPONSE_HEADERS = ep.ProcessingRequest(response_headers=ep.HttpHeaders()).SerializeToString()
@@ -86,4 +87,41 @@ async def test_victim_preempted_before_its_request_headers_never_reaches_a_worke
     # the victim is answered 503 instead of being let through to a worker
     assert stream.writes == ["immediate_response"]
     assert (await asyncio.wait_for(queued, 1)).preempted
+    ctl.close()
+
+
+class BrokenStream(ScriptedStream):
+    """Envoy's side went away: every write after the first fails."""
+
+    async def write(self, data: bytes) -> None:
+        if self.writes:
+            raise ConnectionResetError("stream reset")
+        await super().write(data)
+
+
+async def test_a_preemption_that_cannot_be_written_is_counted() -> None:
+    classes = {c: replace(x, reserved_floor=0, reserved_per_slot=0.0)
+               for c, x in BUILTIN_CLASSES.items()}
+    metrics = Metrics(tenant_top_n=4)
+    ctl = AdmissionController(Scheduler(classes, 1, time.monotonic,
+                                        preemptible_on_admit=False), lease_secs=30,
+                              metrics=metrics)
+    victim = (await ctl.admit(PriorityClass.BULK, "t")).admission.id
+    stream = BrokenStream()
+    stream.incoming.put_nowait(request_headers(victim))
+    handler = asyncio.ensure_future(
+        ResponsePathService(ctl, metrics).process(None, stream))  # type: ignore[arg-type]
+
+    async def let_through() -> None:
+        while stream.writes != ["request_headers"]:
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(let_through(), 2)
+    assert (await ctl.admit(PriorityClass.SYSTEM, "t")).preempted
+    stream.incoming.put_nowait(None)  # type: ignore[arg-type]  # the stream ends (EOF)
+    await asyncio.wait_for(handler, 2)
+    assert metrics.registry.get_sample_value(
+        "smg_sidecar_preemption_delivery_failed_total") == 1
+    assert metrics.registry.get_sample_value(
+        "smg_scheduler_admit_total", {"class": "bulk", "outcome": "preempted"}) == 1
     ctl.close()
