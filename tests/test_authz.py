@@ -294,13 +294,11 @@ async def test_tenant_sources(tmp_path: Path, source: str, kw: dict[str, object]
 
 
 async def test_admin_http_endpoints(h: Harness) -> None:
+    from devtools.httpclient import get as http_get
+
     async def get(path: str) -> tuple[int, str]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", h.app.http_port)
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        raw = await reader.read(-1)
-        writer.close()
-        head, _, body = raw.decode().partition("\r\n\r\n")
-        return int(head.split()[1]), body
+        status, body = await http_get(f"http://127.0.0.1:{h.app.http_port}{path}", 5)
+        return status, body.decode()
 
     assert await get("/healthz") == (200, "ok\n")
     assert await get("/readyz") == (200, "ready\n")
