@@ -10,9 +10,9 @@ import pytest
 
 from sidecar import metrics
 from sidecar.classes import PriorityClass
-from sidecar.config import BUILTIN_CLASSES
 from sidecar.metrics import Metrics, NullRecorder, Recorder
 from sidecar.scheduler import (
+    BUILTIN_CLASSES,
     LEASE_EXPIRED,
     Admission,
     Admitted,
@@ -20,6 +20,7 @@ from sidecar.scheduler import (
     Preempted,
     Rejected,
     Released,
+    ReleaseReason,
     Scheduler,
 )
 
@@ -64,7 +65,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
         Admitted(admission(D, "old"), waited=0.0, queued=False, adopted=True),
         Rejected("r", D, "t", Outcome.REJECTED_QUEUE_FULL, 0.0),
         Preempted(admission(B), by_class=I),
-        Released(admission(B), "completed"),
+        Released(admission(B), ReleaseReason.COMPLETED),
         Released(admission(D), LEASE_EXPIRED),
     ]),
     "rate_limit": lambda r: r.rate_limit(False),
