@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from sidecar.app import Sidecar
+from sidecar.app import Runtime, build_runtime
 from sidecar.config import (
     MAX_CONFIG_BYTES,
     MAX_NODES,
@@ -177,13 +177,13 @@ def test_a_fifo_or_device_is_refused_without_blocking(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-async def running(tmp_path: Path) -> AsyncIterator[tuple[Sidecar, ConfigMapDir]]:
+async def running(tmp_path: Path) -> AsyncIterator[tuple[Runtime, ConfigMapDir]]:
     cm = ConfigMapDir(tmp_path)
-    app = Sidecar(parse_settings([
+    app = await build_runtime(parse_settings([
         "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
         "--worker-capacity-override", "1", "--config-poll-secs", "0.05",
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
-    await app.start()
+    await app.serve()
     yield app, cm
     await app.stop()
 
@@ -228,7 +228,7 @@ def _swap_bad(cm: ConfigMapDir, name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(BAD))
 async def test_reload_rejects_and_keeps_the_old_config(
-        running: tuple[Sidecar, ConfigMapDir], name: str) -> None:
+        running: tuple[Runtime, ConfigMapDir], name: str) -> None:
     app, cm = running
     assert app.watcher is not None
     kept = app.watcher.current.digest
@@ -259,11 +259,11 @@ async def test_in_place_write_is_applied_only_once_it_reads_the_same_twice(
         tmp_path: Path) -> None:
     path = tmp_path / "priority.yaml"
     path.write_text(CONFIG_A)
-    app = Sidecar(parse_settings([
+    app = await build_runtime(parse_settings([
         "--priority-scheduler-enabled", "--priority-scheduler-config", str(path),
         "--worker-capacity-override", "1", "--config-poll-secs", "3600",
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]))
-    await app.start()
+    await app.serve()
     try:
         w = app.watcher
         assert w is not None
@@ -301,11 +301,11 @@ async def test_in_place_write_is_applied_only_once_it_reads_the_same_twice(
 
 async def test_sighup_wakes_the_watcher(tmp_path: Path) -> None:
     cm = ConfigMapDir(tmp_path)
-    app = Sidecar(parse_settings([  # polls never come: only SIGHUP can see the change
+    app = await build_runtime(parse_settings([  # polls never come: only SIGHUP can see the change
         "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
         "--worker-capacity-override", "1", "--config-poll-secs", "3600",
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]))
-    await app.start()
+    await app.serve()
     try:
         cm.swap(CONFIG_B)
         app.request_reload()  # what the SIGHUP handler calls
@@ -320,7 +320,7 @@ def _tenants(n: int) -> str:
 
 
 async def test_a_parse_over_its_deadline_is_rejected_and_never_doubled(
-        running: tuple[Sidecar, ConfigMapDir]) -> None:
+        running: tuple[Runtime, ConfigMapDir]) -> None:
     app, cm = running
     w = app.watcher
     assert w is not None
