@@ -19,7 +19,8 @@ verb                        caller                 metrics
                                                    ``smg_scheduler_unknown_priority_value_total``
 ``preemption_undelivered``  completion (ext_proc)  ``smg_sidecar_preemption_delivery_failed_total``
 ``capacity_read``           app (health monitor)   ``smg_sidecar_capacity_source``,
-                                                   ``smg_sidecar_healthy_workers``
+                                                   ``smg_sidecar_healthy_workers``,
+                                                   ``smg_sidecar_worker_capacity``
 ``started``                 app (build)            ``smg_sidecar_admission_mode``,
                                                    ``smg_sidecar_config_generation``,
                                                    ``smg_sidecar_config_info``,

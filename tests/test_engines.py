@@ -17,7 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from devtools.fleet import FakeWorker, prometheus_gauges, sglang_server_info, wait_for
-from sidecar.app import Sidecar
+from sidecar.app import build_runtime
 from sidecar.capacity import ProbeStatus
 from sidecar.config import parse_settings
 from sidecar.health import (
@@ -214,8 +214,8 @@ async def test_worker_capacity_metric_through_the_sidecar(tmp_path: Path) -> Non
             "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
             "--worker-urls", a.url, b.url, "--log-format", "json",
             "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg)])
-        app = Sidecar(settings)
-        await app.start()
+        app = await build_runtime(settings)
+        await app.serve()
         try:
             reg = app.metrics.registry
             assert reg.get_sample_value("smg_sidecar_worker_capacity",

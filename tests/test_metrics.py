@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from sidecar import metrics
+from sidecar.capacity import CapacityReading, WorkerCapacity
 from sidecar.classes import PriorityClass
 from sidecar.metrics import Metrics, NullRecorder, Recorder
 from sidecar.scheduler import (
@@ -72,7 +73,10 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "completion_unmatched": lambda r: r.completion_unmatched("unknown"),
     "classified": lambda r: r.classified("t", S, D, True),
     "preemption_undelivered": lambda r: r.preemption_undelivered(),
-    "capacity_read": lambda r: r.capacity_read("workers", 3),
+    "capacity_read": lambda r: r.capacity_read(CapacityReading(
+        96, "workers", healthy=2, total=3,
+        workers=(WorkerCapacity("http://w1", "sglang", 64),
+                 WorkerCapacity("http://w2", "vllm", 32)))),
     "started": lambda r: r.started(legacy=False, snapshot=SNAPSHOT, config_digest="abc"),
     "config_reloaded": lambda r: r.config_reloaded(2, "def"),
     "config_reload_failed": lambda r: r.config_reload_failed(),
