@@ -1,0 +1,1 @@
+"""Fleet-wide admission: N gateway replicas share one admission ledger in Valkey/Redis."""

@@ -1,0 +1,537 @@
+-- The fleet ledger: fleet-wide admission for N gateway replicas, one atomic script per decision.
+--
+-- This is a port of the in-process core sidecar/scheduler.py (Scheduler), which is the
+-- specification: same reservation rule, same dispatch order, same victim choice, same
+-- float arithmetic on times. tests/test_ledger_differential.py drives both with the same
+-- random operations and requires identical decisions. Change scheduler.py first, then this.
+--
+-- Call: EVALSHA sha 1 <prefix> <op> <now> args...
+--   prefix  "pg:{<fleet>}": every key below is prefix..":<name>", so all share the {fleet}
+--           hash tag and one Redis Cluster slot (the derived keys are not declared; they are in
+--           the declared key's slot, which is what cluster mode checks).
+--   now     "" in production: the server's TIME, so replicas' clock skew cannot steal slots.
+--           A number only in tests, to drive a fake clock.
+-- Class numbers are sidecar.classes.PriorityClass values: 0 bulk, 1 default, 2 interactive,
+-- 3 system. Times are seconds (float); they are stored with %.17g so they round-trip exactly.
+--
+-- Keys (P = prefix):
+--   P:replicas  ZSET replica -> expiry         P:reports  HASH replica -> "cap r3 r2 r1 r0"
+--   P:digests   HASH replica -> config digest  P:cfg      HASH class -> "floor share qsize
+--   P:fleet     HASH cap, r0..r3 (derived from    timeout starve preempt"
+--               the live replicas' reports)    P:inflight HASH class -> admissions in flight
+--   P:adm       HASH id -> "replica cls admitted_at first_byte tenant"
+--   P:pre:<c>   ZSET id -> mark sequence: class c's preemption candidates (owner has a stop
+--               channel, no first byte yet), in the order they became candidates
+--   P:q:<c>     ZSET id -> arrival sequence: class c's waiters, FIFO by arrival at the ledger
+--   P:w         HASH id -> "replica cls enqueued_at deadline tenant"
+--   P:dl        ZSET id -> deadline (queue timeouts, all classes)
+--   P:own:<r>   SET of replica r's admissions and waiters (reclaimed when r expires)
+--   P:ev:<r>    LIST of notifications for replica r (RPUSH here, blocking pop by the owner):
+--               "grant <waited> <flags> <id>" (flags: "-", or letters s=starvation,
+--               p=by preemption), "preempt <by_class> <id>", "expired <waited> <id>"
+--   P:ended     HASH id -> why it ended; P:endq ZSET id -> when (trimmed by heartbeats)
+--   P:seq       counter for arrival and candidate order
+
+local P = KEYS[1]
+local op = ARGV[1]
+local now
+if ARGV[2] ~= '' then
+  now = tonumber(ARGV[2])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local K_REPLICAS = P .. ':replicas'
+local K_REPORTS = P .. ':reports'
+local K_DIGESTS = P .. ':digests'
+local K_CFG = P .. ':cfg'
+local K_FLEET = P .. ':fleet'
+local K_INF = P .. ':inflight'
+local K_ADM = P .. ':adm'
+local K_W = P .. ':w'
+local K_DL = P .. ':dl'
+local K_ENDED = P .. ':ended'
+local K_ENDQ = P .. ':endq'
+local K_SEQ = P .. ':seq'
+local function k_pre(c) return P .. ':pre:' .. c end
+local function k_q(c) return P .. ':q:' .. c end
+local function k_own(r) return P .. ':own:' .. r end
+local function k_ev(r) return P .. ':ev:' .. r end
+
+local REAPED = 'replica_expired'
+
+local function fmt(x) return string.format('%.17g', x) end
+
+-- Split on single spaces into n fields; the last field keeps the rest (tenants may hold spaces).
+local function split(s, n)
+  local out = {}
+  local pos = 1
+  for _ = 1, n - 1 do
+    local i = string.find(s, ' ', pos, true)
+    out[#out + 1] = string.sub(s, pos, i - 1)
+    pos = i + 1
+  end
+  out[#out + 1] = string.sub(s, pos)
+  return out
+end
+
+-- ------------------------------------------------------------------------------ records
+
+local function get_adm(id)
+  local s = redis.call('HGET', K_ADM, id)
+  if not s then return nil end
+  local f = split(s, 5)
+  return {id = id, replica = f[1], cls = tonumber(f[2]), admitted_at = tonumber(f[3]),
+          first_byte = f[4] == '1', tenant = f[5]}
+end
+
+local function put_adm(a)
+  redis.call('HSET', K_ADM, a.id, a.replica .. ' ' .. a.cls .. ' ' .. fmt(a.admitted_at) .. ' '
+             .. (a.first_byte and '1' or '0') .. ' ' .. a.tenant)
+end
+
+local function get_waiter(id)
+  local s = redis.call('HGET', K_W, id)
+  if not s then return nil end
+  local f = split(s, 5)
+  return {id = id, replica = f[1], cls = tonumber(f[2]), enqueued_at = tonumber(f[3]),
+          deadline = tonumber(f[4]), tenant = f[5]}
+end
+
+-- ------------------------------------------------------------------------ fleet state
+
+-- Loaded once per call after reaping, then kept in step with every write.
+local cap, res, inf, total = 0, {0, 0, 0, 0}, {}, 0
+local cfg = nil
+
+local function load_state()
+  local f = redis.call('HMGET', K_FLEET, 'cap', 'r0', 'r1', 'r2', 'r3')
+  cap = tonumber(f[1]) or 0
+  for c = 0, 3 do res[c] = tonumber(f[c + 2]) or 0 end
+  local n = redis.call('HMGET', K_INF, '0', '1', '2', '3')
+  total = 0
+  for c = 0, 3 do
+    inf[c] = tonumber(n[c + 1]) or 0
+    total = total + inf[c]
+  end
+end
+
+local function load_cfg()
+  if cfg then return cfg end
+  cfg = {}
+  local raw = redis.call('HMGET', K_CFG, '0', '1', '2', '3')
+  for c = 0, 3 do
+    if raw[c + 1] then
+      local f = split(raw[c + 1], 6)
+      cfg[c] = {queue_size = tonumber(f[3]), timeout = tonumber(f[4]),
+                starve = tonumber(f[5]), preempt = f[6] == '1'}
+    else
+      -- No configuration stored (data loss before any replica re-registered): queue nothing.
+      cfg[c] = {queue_size = 0, timeout = 0, starve = 1e308, preempt = false}
+    end
+  end
+  return cfg
+end
+
+-- Fleet capacity = the smallest report among live replicas; its reservations come with it
+-- (computed by the replica with the Python spec, scaled_reservations). Ties: the smallest name.
+local function recompute_fleet()
+  local all = redis.call('HGETALL', K_REPORTS)
+  local best, best_name = nil, nil
+  for i = 1, #all, 2 do
+    local f = split(all[i + 1], 5)
+    local c = tonumber(f[1])
+    if best == nil or c < best[1] or (c == best[1] and all[i] < best_name) then
+      best = {c, tonumber(f[5]), tonumber(f[4]), tonumber(f[3]), tonumber(f[2])}
+      best_name = all[i]
+    end
+  end
+  if best == nil then best = {0, 0, 0, 0, 0} end
+  redis.call('HSET', K_FLEET, 'cap', best[1], 'r0', best[2], 'r1', best[3], 'r2', best[4],
+             'r3', best[5])
+end
+
+local function available(c)
+  local held = 0
+  for h = c + 1, 3 do
+    local unused = res[h] - inf[h]
+    if unused > 0 then held = held + unused end
+  end
+  return cap - total - held
+end
+
+local function notify(replica, msg)
+  redis.call('RPUSH', k_ev(replica), msg)
+end
+
+-- ------------------------------------------------------------------ state changes
+
+local function admit(a)
+  put_adm(a)
+  redis.call('HINCRBY', K_INF, a.cls, 1)
+  redis.call('SADD', k_own(a.replica), a.id)
+  inf[a.cls] = inf[a.cls] + 1
+  total = total + 1
+end
+
+local function drop_adm(a, reason)
+  redis.call('HDEL', K_ADM, a.id)
+  redis.call('ZREM', k_pre(a.cls), a.id)
+  redis.call('HINCRBY', K_INF, a.cls, -1)
+  redis.call('SREM', k_own(a.replica), a.id)
+  redis.call('HSET', K_ENDED, a.id, reason)
+  redis.call('ZADD', K_ENDQ, fmt(now), a.id)
+  inf[a.cls] = inf[a.cls] - 1
+  total = total - 1
+end
+
+local function drop_waiter(w)
+  redis.call('HDEL', K_W, w.id)
+  redis.call('ZREM', k_q(w.cls), w.id)
+  redis.call('ZREM', K_DL, w.id)
+  redis.call('SREM', k_own(w.replica), w.id)
+end
+
+local function head(c)
+  local ids = redis.call('ZRANGE', k_q(c), 0, 0)
+  if #ids == 0 then return nil end
+  return get_waiter(ids[1])
+end
+
+-- Lowest class first, then the most recent candidate (least work lost). With admitted_by,
+-- only admissions made by then (a queued head may take what it could have preempted on
+-- arrival, not a request admitted after it queued). Scheduler._pick_victim.
+local function pick_victim(by, admitted_by)
+  for c = 0, by - 1 do
+    local ids = redis.call('ZREVRANGE', k_pre(c), 0, -1)
+    for _, id in ipairs(ids) do
+      local a = get_adm(id)
+      if admitted_by == nil or a.admitted_at <= admitted_by then return a end
+    end
+  end
+  return nil
+end
+
+local function preempt(victim, by)
+  drop_adm(victim, 'preempted')
+  notify(victim.replica, 'preempt ' .. by .. ' ' .. victim.id)
+end
+
+local function admit_head(c, flags)
+  local w = head(c)
+  drop_waiter(w)
+  admit({id = w.id, replica = w.replica, cls = c, admitted_at = now, first_byte = false,
+         tenant = w.tenant})
+  notify(w.replica, 'grant ' .. fmt(now - w.enqueued_at) .. ' ' .. flags .. ' ' .. w.id)
+end
+
+local function expire()
+  local ids = redis.call('ZRANGEBYSCORE', K_DL, '-inf', fmt(now))
+  for _, id in ipairs(ids) do
+    local w = get_waiter(id)
+    drop_waiter(w)
+    notify(w.replica, 'expired ' .. fmt(now - w.enqueued_at) .. ' ' .. id)
+  end
+end
+
+-- Starvation override: lowest class first, system excluded, ignoring reservations but never
+-- past capacity.
+local function admit_starved()
+  if total >= cap then return false end
+  local cf = load_cfg()
+  for c = 0, 2 do
+    local h = head(c)
+    if h ~= nil and now - h.enqueued_at >= cf[c].starve then
+      admit_head(c, 's')
+      return true
+    end
+  end
+  return false
+end
+
+-- Strict priority: available() only shrinks going down the classes.
+local function admit_by_priority()
+  for c = 3, 0, -1 do
+    if redis.call('ZCARD', k_q(c)) > 0 then
+      if available(c) < 1 then return false end
+      admit_head(c, '-')
+      return true
+    end
+  end
+  return false
+end
+
+local function preempt_for_queued()
+  local cf = load_cfg()
+  for c = 3, 0, -1 do
+    if cf[c].preempt and available(c) == 0 then
+      local h = head(c)
+      if h ~= nil then
+        local victim = pick_victim(c, h.enqueued_at)
+        if victim ~= nil then
+          preempt(victim, c)
+          admit_head(c, 'p')
+          return true
+        end
+      end
+    end
+  end
+  return false
+end
+
+local function dispatch()
+  expire()
+  if redis.call('ZCARD', K_DL) == 0 then return end -- nothing queued: the common case
+  while admit_starved() or admit_by_priority() or preempt_for_queued() do end
+end
+
+-- A replica whose heartbeat lapsed loses its admissions and waiters; its notifications go.
+local function drop_replica(r)
+  for _, id in ipairs(redis.call('SMEMBERS', k_own(r))) do
+    local a = get_adm(id)
+    if a ~= nil then
+      drop_adm(a, REAPED)
+    else
+      local w = get_waiter(id)
+      if w ~= nil then drop_waiter(w) end
+    end
+  end
+  redis.call('DEL', k_own(r), k_ev(r))
+  redis.call('HDEL', K_REPORTS, r)
+  redis.call('HDEL', K_DIGESTS, r)
+  redis.call('ZREM', K_REPLICAS, r)
+end
+
+local function reap()
+  local dead = redis.call('ZRANGEBYSCORE', K_REPLICAS, '-inf', fmt(now))
+  if #dead == 0 then return end
+  for _, r in ipairs(dead) do drop_replica(r) end
+  recompute_fleet()
+  load_state()
+end
+
+local function live(r)
+  return redis.call('ZSCORE', K_REPLICAS, r) ~= false
+end
+
+-- When tick next has work: a queue timeout or a head turning starved (relative seconds).
+local function next_in()
+  local best = nil
+  local d = redis.call('ZRANGE', K_DL, 0, 0, 'WITHSCORES')
+  if #d > 0 then best = tonumber(d[2]) end
+  local cf = load_cfg()
+  for c = 0, 2 do
+    local h = head(c)
+    if h ~= nil then
+      local at = h.enqueued_at + cf[c].starve
+      if at > now and (best == nil or at < best) then best = at end
+    end
+  end
+  if best == nil then return '' end
+  return fmt(best - now)
+end
+
+local function fleet_reply(status)
+  return {status, cap, redis.call('ZCARD', K_REPLICAS), total}
+end
+
+-- ---------------------------------------------------------------------- operations
+
+load_state()
+reap()
+
+-- heartbeat replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended
+-- Registers or refreshes the replica and its capacity report. The class configuration is
+-- written when force is 1 (start, reload) or when none is stored (after data loss).
+-- Reply: {"ok" | "new", fleet capacity, live replicas, fleet in flight}; "new" means the
+-- ledger did not know the replica (first start, its registration lapsed, or the server lost
+-- its data): the replica must reregister what it holds.
+local function heartbeat(a)
+  local r = a[1]
+  local known = live(r)
+  redis.call('ZADD', K_REPLICAS, fmt(now + tonumber(a[2])), r)
+  redis.call('HSET', K_REPORTS, r, a[3])
+  if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 then
+    redis.call('HSET', K_CFG, '0', a[5], '1', a[6], '2', a[7], '3', a[8])
+    cfg = nil
+  end
+  redis.call('HSET', K_DIGESTS, r, a[9])
+  recompute_fleet()
+  load_state()
+  local old = redis.call('ZRANGEBYSCORE', K_ENDQ, '-inf', fmt(now - tonumber(a[10])), 'LIMIT', 0, 1000)
+  if #old > 0 then
+    redis.call('HDEL', K_ENDED, unpack(old))
+    redis.call('ZREM', K_ENDQ, unpack(old))
+  end
+  dispatch()
+  return known and 'ok' or 'new'
+end
+
+local ops = {}
+
+ops.heartbeat = function(a)
+  return fleet_reply(heartbeat(a))
+end
+
+-- reregister <heartbeat args> then groups of (id cls first_byte preemptible tenant):
+-- adds back what the replica holds after data loss or a lapsed registration. Idempotent:
+-- an id already admitted is skipped, and so is one that ended for any reason other than its
+-- replica's expiry (a late re-registration cannot resurrect a completed or preempted
+-- request). Like Scheduler.adopt, this may exceed capacity: the slots are really in use.
+-- Reply: fleet_reply + the refused ids.
+ops.reregister = function(a)
+  local status = heartbeat(a)
+  local refused = {}
+  for i = 11, #a, 5 do
+    local id = a[i]
+    local ended = redis.call('HGET', K_ENDED, id)
+    if redis.call('HEXISTS', K_ADM, id) == 1 or redis.call('HEXISTS', K_W, id) == 1 then
+      -- already counted
+    elseif ended and ended ~= REAPED then
+      refused[#refused + 1] = id
+    else
+      local adm = {id = id, replica = a[1], cls = tonumber(a[i + 1]), admitted_at = now,
+                   first_byte = a[i + 2] == '1', tenant = a[i + 4]}
+      admit(adm)
+      if a[i + 3] == '1' and not adm.first_byte then
+        redis.call('ZADD', k_pre(adm.cls), 'NX', redis.call('INCR', K_SEQ), id)
+      end
+      redis.call('HDEL', K_ENDED, id)
+      redis.call('ZREM', K_ENDQ, id)
+    end
+  end
+  dispatch()
+  local reply = fleet_reply(status)
+  for _, id in ipairs(refused) do reply[#reply + 1] = id end
+  return reply
+end
+
+-- arrive replica id cls tenant
+-- Reply: {"admitted"} | {"admitted", victim id, victim owner} | {"queued", timeout}
+--      | {"rejected_queue_full"} | {"unregistered"} | {"duplicate"}
+ops.arrive = function(a)
+  local r, id, c, tenant = a[1], a[2], tonumber(a[3]), a[4]
+  if not live(r) then return {'unregistered'} end
+  if redis.call('HEXISTS', K_ADM, id) == 1 or redis.call('HEXISTS', K_W, id) == 1 then
+    return {'duplicate'}
+  end
+  dispatch()
+  local cf = load_cfg()
+  local queued = redis.call('ZCARD', k_q(c))
+  local avail = available(c)
+  local adm = {id = id, replica = r, cls = c, admitted_at = now, first_byte = false,
+               tenant = tenant}
+  if queued == 0 and avail >= 1 then
+    admit(adm)
+    return {'admitted'}
+  end
+  if queued == 0 and cf[c].preempt and avail == 0 then
+    -- One victim frees exactly the one slot needed; over its share (avail < 0) it would not.
+    local victim = pick_victim(c, nil)
+    if victim ~= nil then
+      preempt(victim, c)
+      admit(adm)
+      dispatch()
+      return {'admitted', victim.id, victim.replica}
+    end
+  end
+  if queued >= cf[c].queue_size then return {'rejected_queue_full'} end
+  local deadline = now + cf[c].timeout
+  redis.call('ZADD', k_q(c), redis.call('INCR', K_SEQ), id)
+  redis.call('HSET', K_W, id, r .. ' ' .. c .. ' ' .. fmt(now) .. ' ' .. fmt(deadline) .. ' '
+             .. tenant)
+  redis.call('ZADD', K_DL, fmt(deadline), id)
+  redis.call('SADD', k_own(r), id)
+  return {'queued', fmt(cf[c].timeout)}
+end
+
+-- release id reason -> "released" | "already_released" | "unknown"; exactly once fleet-wide.
+ops.release = function(a)
+  local adm = get_adm(a[1])
+  if adm == nil then
+    if redis.call('HEXISTS', K_ENDED, a[1]) == 1 then return 'already_released' end
+    return 'unknown'
+  end
+  drop_adm(adm, a[2])
+  dispatch()
+  return 'released'
+end
+
+-- cancel id: the client left, or the owner's own queue timer fired.
+-- -> "cancelled" (it was queued; now gone) | "admitted" (already granted: the owner must
+--    treat it as admitted and release it) | "unknown" (expired, reaped or never seen)
+ops.cancel = function(a)
+  local w = get_waiter(a[1])
+  if w ~= nil then
+    drop_waiter(w)
+    dispatch()
+    return 'cancelled'
+  end
+  if redis.call('HEXISTS', K_ADM, a[1]) == 1 then return 'admitted' end
+  dispatch()
+  return 'unknown'
+end
+
+-- mark_preemptible id... : the owner has a stop channel (ext_proc stream) for these
+-- admissions; they become preemption candidates (Scheduler.mark_reachable). -> how many
+-- were admitted and before their first byte.
+ops.mark_preemptible = function(a)
+  local n = 0
+  for _, id in ipairs(a) do
+    local adm = get_adm(id)
+    if adm ~= nil and not adm.first_byte then
+      n = n + 1
+      if redis.call('ZSCORE', k_pre(adm.cls), id) == false then
+        redis.call('ZADD', k_pre(adm.cls), redis.call('INCR', K_SEQ), id)
+      end
+    end
+  end
+  dispatch()
+  return n
+end
+
+-- mark_first_byte id... : the responses started; no longer preemptible. -> how many changed.
+ops.mark_first_byte = function(a)
+  local n = 0
+  for _, id in ipairs(a) do
+    local adm = get_adm(id)
+    if adm ~= nil and not adm.first_byte then
+      n = n + 1
+      adm.first_byte = true
+      put_adm(adm)
+      redis.call('ZREM', k_pre(adm.cls), id)
+    end
+  end
+  dispatch()
+  return n
+end
+
+-- tick: time passed (timeouts, starvation). -> seconds until the next timer, or "".
+ops.tick = function(_)
+  dispatch()
+  return next_in()
+end
+
+-- snapshot -> {cap, live replicas (list), in flight per class 0..3, queue depth 0..3,
+--              reserved 0..3, distinct config digests (list), now}
+ops.snapshot = function(_)
+  local depth = {}
+  for c = 0, 3 do depth[#depth + 1] = redis.call('ZCARD', k_q(c)) end
+  local digests, seen = {}, {}
+  for _, d in ipairs(redis.call('HVALS', K_DIGESTS)) do
+    if not seen[d] then
+      seen[d] = true
+      digests[#digests + 1] = d
+    end
+  end
+  table.sort(digests)
+  return {cap, redis.call('ZRANGE', K_REPLICAS, 0, -1), {inf[0], inf[1], inf[2], inf[3]}, depth,
+          {res[0], res[1], res[2], res[3]}, digests, fmt(now)}
+end
+
+local fn = ops[op]
+if fn == nil then return redis.error_reply('ERR unknown ledger op ' .. tostring(op)) end
+local args = {}
+for i = 3, #ARGV do args[#args + 1] = ARGV[i] end
+return fn(args)

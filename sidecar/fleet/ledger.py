@@ -1,0 +1,322 @@
+"""The fleet ledger's client: one async method per script operation, typed results.
+
+N gateway replicas become one admission controller by sharing a ledger in a Valkey or Redis
+server (issue 11). Every decision is one atomic run of ``ledger.lua`` on the server, using
+the server's clock, so the fleet admits exactly as one in-process :class:`Scheduler` would.
+
+**Which text is the specification.** The contract's rules are written in
+:mod:`sidecar.scheduler` (the in-process core). ``ledger.lua`` is a port of it: same
+reservation rule on fleet capacity and fleet in-flight counts, same dispatch order
+(timeouts, starved heads lowest class first, strict priority, queued preemption), same
+victim choice, same float arithmetic on times. Reservations are not ported at all: each
+replica computes them with :func:`sidecar.scheduler.scaled_reservations` for the capacity
+it reports, and the ledger uses those of the smallest report. The differential property
+test (``tests/test_ledger_differential.py``) drives the core and the ledger with the same
+random operations and requires identical decisions, so the two cannot drift. A rule
+changes in ``scheduler.py`` first, then in the script.
+
+**Slice-2 design notes** (how the admission controller will use this class):
+
+* *Delivery.* A decision about a request that is not the caller's direct answer -- a
+  queued request granted (``grant``), an admission preempted (``preempt``), a waiter
+  timed out (``expired``) -- is pushed to its owner's list ``pg:{fleet}:ev:<replica>``.
+  The owner reads it with :meth:`FleetLedger.next_events` (a blocking pop) on a dedicated
+  connection. A list is kept until read, unlike pub/sub, so nothing is lost while the
+  owner is briefly disconnected; a dead owner's list goes with its registration.
+* *Timeouts.* The ledger expires waiters itself (deadlines stored at arrival, checked on
+  every call); :meth:`FleetLedger.tick` returns when the next timer is due (relative, so
+  no clock skew), and the owner calls it then. An owner that gives up on its own (client
+  gone) calls :meth:`FleetLedger.cancel`; ``admitted`` back means the grant won the race
+  and the owner must release it.
+* *Liveness.* :meth:`FleetLedger.heartbeat` every ``ttl / 3`` or so refreshes the
+  replica's registration and capacity report; its admissions need no per-request
+  heartbeats. A replica that stops for ``ttl`` loses its admissions and waiters.
+* *Degraded mode.* Every heartbeat answers the fleet capacity and the number of live
+  replicas, which is what a replica needs to admit locally within
+  ``floor(capacity / live)`` while the server is unreachable. A heartbeat answering
+  ``new`` (registration lapsed, or the server lost its data) is followed by
+  :meth:`FleetLedger.reregister` with what the replica holds; it is idempotent and never
+  double counts.
+* *Round trips.* Uncontended: ``arrive`` + ``release`` (2). The marks take several ids
+  per call so an owner can batch them; they are not on a request's latency path.
+* *Configuration.* The class settings are stored on :meth:`FleetLedger.register` (start,
+  reload) with a digest per replica; :meth:`FleetLedger.snapshot` lists the distinct
+  digests, so a mismatch between replicas can be reported.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Literal
+
+import redis.asyncio as redis
+from redis.commands.core import AsyncScript
+
+from sidecar.classes import HIGH_TO_LOW, PriorityClass
+from sidecar.config import ClassConfig
+from sidecar.scheduler import ReleaseResult, scaled_reservations
+
+LUA = resources.files("sidecar.fleet").joinpath("ledger.lua").read_text()
+
+# How long the ledger remembers ended ids (to tell a duplicate release from a stranger).
+DEFAULT_REMEMBER_ENDED_SECS = 600.0
+
+_NAME = re.compile(r"^[^\s{}]+$")
+
+
+def prefix(fleet: str) -> str:
+    """The key prefix of a fleet: its ``{fleet}`` hash tag puts every key in one slot."""
+    if not _NAME.match(fleet):
+        raise ValueError(f"fleet id must be non-empty, without spaces or braces: {fleet!r}")
+    return f"pg:{{{fleet}}}"
+
+
+def _num(x: float) -> str:
+    return repr(float(x))
+
+
+def encode_class(c: ClassConfig) -> str:
+    return " ".join((str(c.reserved_floor), _num(c.reserved_per_slot), str(c.queue_size),
+                     _num(c.queue_timeout_secs), _num(c.starvation_threshold_secs),
+                     "1" if c.can_preempt else "0"))
+
+
+def config_digest(classes: Mapping[PriorityClass, ClassConfig]) -> str:
+    """A short digest of the class settings, equal on replicas configured alike."""
+    text = "\n".join(f"{c.label} {encode_class(classes[c])}" for c in HIGH_TO_LOW)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- results
+
+
+class ArriveStatus(enum.StrEnum):
+    ADMITTED = "admitted"
+    QUEUED = "queued"
+    REJECTED_QUEUE_FULL = "rejected_queue_full"
+    UNREGISTERED = "unregistered"  # the ledger does not know this replica: heartbeat first
+    DUPLICATE = "duplicate"  # the id is already admitted or queued
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    status: ArriveStatus
+    victim: str | None = None  # preempted to admit this one (its owner gets "preempt")
+    victim_owner: str | None = None
+    timeout: float | None = None  # queued: seconds until the ledger times it out
+
+
+class CancelResult(enum.StrEnum):
+    CANCELLED = "cancelled"  # it was queued and is gone
+    ADMITTED = "admitted"  # a grant won the race: the owner holds a slot and must release it
+    UNKNOWN = "unknown"  # expired, reaped, or never seen
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStatus:
+    """A heartbeat's answer."""
+
+    known: bool  # False: the ledger did not know this replica; reregister its holdings
+    capacity: int
+    live_replicas: int
+    inflight: int
+    refused: tuple[str, ...] = ()  # reregister: ids that ended meanwhile (not added back)
+
+    def degraded_share(self) -> int:
+        """Slots this replica may hold on its own while the server is unreachable."""
+        return self.capacity // max(1, self.live_replicas)
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """An admission a replica holds, for :meth:`FleetLedger.reregister`."""
+
+    id: str
+    cls: PriorityClass
+    tenant: str
+    first_byte: bool = False
+    preemptible: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A notification from the owner's list."""
+
+    kind: Literal["grant", "preempt", "expired"]
+    id: str
+    waited: float = 0.0  # grant, expired: seconds in the queue (server clock)
+    starvation: bool = False  # grant by the starvation rule
+    preempted: bool = False  # grant that preempted a lower-class admission
+    by_class: PriorityClass | None = None  # preempt: the class that took the slot
+
+
+def parse_event(raw: str) -> Event:
+    kind, rest = raw.split(" ", 1)
+    if kind == "grant":
+        waited, flags, id = rest.split(" ", 2)
+        return Event("grant", id, float(waited), starvation="s" in flags, preempted="p" in flags)
+    if kind == "preempt":
+        by, id = rest.split(" ", 1)
+        return Event("preempt", id, by_class=PriorityClass(int(by)))
+    if kind == "expired":
+        waited, id = rest.split(" ", 1)
+        return Event("expired", id, float(waited))
+    raise ValueError(f"unknown ledger event {raw!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    capacity: int
+    replicas: tuple[str, ...]
+    inflight: Mapping[PriorityClass, int]
+    queue_depth: Mapping[PriorityClass, int]
+    reserved: Mapping[PriorityClass, int]
+    digests: tuple[str, ...]  # distinct class-config digests of the live replicas
+    now: float  # the ledger's clock
+
+    @property
+    def total_inflight(self) -> int:
+        return sum(self.inflight.values())
+
+
+def _per_class(values: Sequence[Any]) -> dict[PriorityClass, int]:
+    return {PriorityClass(i): int(v) for i, v in enumerate(values)}
+
+
+# ---------------------------------------------------------------------------- client
+
+
+class FleetLedger:
+    """One replica's handle on its fleet's ledger.
+
+    ``client`` should decode responses (``decode_responses=True``). ``clock`` is for tests
+    only: it makes every script use that time instead of the server's ``TIME``.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        fleet: str,
+        replica: str,
+        *,
+        ttl: float = 10.0,
+        remember_ended_secs: float = DEFAULT_REMEMBER_ENDED_SECS,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not _NAME.match(replica):
+            raise ValueError(f"replica id must be non-empty, without spaces or braces: {replica!r}")
+        self._client = client
+        self._prefix = prefix(fleet)
+        self.replica = replica
+        self.ttl = ttl
+        self._remember = remember_ended_secs
+        self._clock = clock
+        # redis-py's Script: EVALSHA, and on NOSCRIPT (server restarted) SCRIPT LOAD + retry.
+        self._script: AsyncScript = client.register_script(LUA)
+        self._classes: Mapping[PriorityClass, ClassConfig] | None = None
+        self._capacity = 0
+
+    @property
+    def events_key(self) -> str:
+        return f"{self._prefix}:ev:{self.replica}"
+
+    async def _call(self, op: str, *args: str | int) -> Any:
+        now = "" if self._clock is None else _num(self._clock())
+        return await self._script(keys=[self._prefix], args=[op, now, *args])
+
+    def _heartbeat_args(self, capacity: int, force: bool) -> list[str | int]:
+        if self._classes is None:
+            raise RuntimeError("register() before heartbeat()")
+        self._capacity = max(0, capacity)
+        reserved = scaled_reservations(self._classes, self._capacity)
+        report = " ".join(str(v) for v in (self._capacity, *(reserved[c] for c in HIGH_TO_LOW)))
+        return [
+            self.replica, _num(self.ttl), report, "1" if force else "0",
+            *(encode_class(self._classes[PriorityClass(i)]) for i in range(4)),
+            config_digest(self._classes), _num(self._remember),
+        ]
+
+    @staticmethod
+    def _status(reply: Sequence[Any]) -> FleetStatus:
+        return FleetStatus(reply[0] == "ok", int(reply[1]), int(reply[2]), int(reply[3]),
+                           tuple(reply[4:]))
+
+    # ---------------------------------------------------------------- registration
+
+    async def register(self, classes: Mapping[PriorityClass, ClassConfig],
+                       capacity: int) -> FleetStatus:
+        """Start or reload: store the class settings (they become the fleet's) and report."""
+        self._classes = dict(classes)
+        return self._status(await self._call("heartbeat", *self._heartbeat_args(capacity, True)))
+
+    async def heartbeat(self, capacity: int | None = None) -> FleetStatus:
+        """Stay registered and report capacity (the last one when None)."""
+        cap = self._capacity if capacity is None else capacity
+        return self._status(await self._call("heartbeat", *self._heartbeat_args(cap, False)))
+
+    async def reregister(self, holdings: Iterable[Holding],
+                         capacity: int | None = None) -> FleetStatus:
+        """Heartbeat and add back what this replica holds (idempotent, never double counts)."""
+        cap = self._capacity if capacity is None else capacity
+        args = self._heartbeat_args(cap, False)
+        for h in holdings:
+            args += [h.id, int(h.cls), "1" if h.first_byte else "0",
+                     "1" if h.preemptible else "0", h.tenant]
+        return self._status(await self._call("reregister", *args))
+
+    # ------------------------------------------------------------------- decisions
+
+    async def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Arrival:
+        reply = await self._call("arrive", self.replica, id, int(cls), tenant)
+        status = ArriveStatus(reply[0])
+        if status is ArriveStatus.QUEUED:
+            return Arrival(status, timeout=float(reply[1]))
+        if len(reply) == 3:
+            return Arrival(status, victim=reply[1], victim_owner=reply[2])
+        return Arrival(status)
+
+    async def release(self, id: str, reason: str = "completed") -> ReleaseResult:
+        return ReleaseResult(await self._call("release", id, reason))
+
+    async def cancel(self, id: str) -> CancelResult:
+        return CancelResult(await self._call("cancel", id))
+
+    async def mark_preemptible(self, *ids: str) -> int:
+        return int(await self._call("mark_preemptible", *ids))
+
+    async def mark_first_byte(self, *ids: str) -> int:
+        return int(await self._call("mark_first_byte", *ids))
+
+    async def tick(self) -> float | None:
+        """Let time act (timeouts, starvation); seconds until the next timer, or None."""
+        reply = await self._call("tick")
+        return None if reply == "" else float(reply)
+
+    async def snapshot(self) -> FleetSnapshot:
+        cap, replicas, inflight, depth, reserved, digests, now = await self._call("snapshot")
+        return FleetSnapshot(int(cap), tuple(replicas), _per_class(inflight), _per_class(depth),
+                             _per_class(reserved), tuple(digests), float(now))
+
+    # ------------------------------------------------------------------ notifications
+
+    async def next_events(self, timeout: float, max_events: int = 256,
+                          client: redis.Redis | None = None) -> list[Event]:
+        """Wait up to ``timeout`` s for this replica's notifications; take up to ``max_events``.
+
+        A blocking pop holds its connection: pass a dedicated ``client`` in production.
+        """
+        c = client if client is not None else self._client
+        reply = await c.blmpop(timeout, 1, self.events_key, direction="LEFT", count=max_events)
+        if reply is None:
+            return []
+        return [parse_event(raw) for raw in reply[1]]
+
+    async def take_events(self) -> list[Event]:
+        """Take every pending notification without waiting."""
+        raw = await self._client.lpop(self.events_key, 1 << 20)
+        return [] if raw is None else [parse_event(r) for r in raw]
