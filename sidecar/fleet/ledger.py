@@ -299,7 +299,7 @@ class FleetLedger:
 
     async def snapshot(self) -> FleetSnapshot:
         cap, replicas, inflight, depth, reserved, digests, now = await self._call("snapshot")
-        return FleetSnapshot(int(cap), tuple(replicas), _per_class(inflight), _per_class(depth),
+        return FleetSnapshot(int(cap), tuple(sorted(replicas)), _per_class(inflight), _per_class(depth),
                              _per_class(reserved), tuple(digests), float(now))
 
     # ------------------------------------------------------------------ notifications

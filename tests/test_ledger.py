@@ -1,0 +1,393 @@
+"""Unit tests of every ledger operation, against a real valkey-server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as redis
+
+from sidecar.classes import PriorityClass
+from sidecar.config import BUILTIN_CLASSES, ClassConfig
+from sidecar.devtools.valkey import ValkeyServer
+from sidecar.fleet.ledger import (
+    ArriveStatus,
+    CancelResult,
+    Event,
+    FleetLedger,
+    Holding,
+    config_digest,
+)
+from sidecar.scheduler import ReleaseResult, scaled_reservations
+from tests.clock import FakeClock
+from tests.ledger_support import client, connect, valkey_server
+
+__all__ = ["client", "valkey_server"]  # fixtures used by name
+
+SYS, INT, DEF, BULK = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEFAULT,
+                       PriorityClass.BULK)
+
+# No reservations unless a test asks; queues of 4; bulk starves after 5 s; system preempts.
+PLAIN: dict[PriorityClass, ClassConfig] = {
+    SYS: ClassConfig(0, 0.0, 4, 10.0, 5.0, True),
+    INT: ClassConfig(0, 0.0, 4, 10.0, 5.0, True),
+    DEF: ClassConfig(0, 0.0, 4, 10.0, 5.0, False),
+    BULK: ClassConfig(0, 0.0, 4, 3.0, 5.0, False),
+}
+
+
+async def replicas(c: redis.Redis, capacity: int, *names: str,
+                   classes: dict[PriorityClass, ClassConfig] | None = None,
+                   clock: FakeClock | None = None, ttl: float = 10.0) -> list[FleetLedger]:
+    out = []
+    for name in names:
+        led = FleetLedger(c, "f", name, ttl=ttl, clock=clock)
+        await led.register(classes or PLAIN, capacity)
+        out.append(led)
+    return out
+
+
+async def test_register_reports_capacity_min_and_live_replicas(client: redis.Redis) -> None:
+    a = FleetLedger(client, "f", "a")
+    first = await a.register(BUILTIN_CLASSES, 400)
+    assert not first.known and first.capacity == 400 and first.live_replicas == 1
+    b = FleetLedger(client, "f", "b")
+    await b.register(BUILTIN_CLASSES, 300)
+    again = await a.heartbeat()
+    assert again.known and again.capacity == 300 and again.live_replicas == 2
+    assert again.degraded_share() == 150
+    snap = await a.snapshot()
+    assert snap.capacity == 300 and snap.replicas == ("a", "b")
+    # The reservations are the Python core's, for the smallest report.
+    assert dict(snap.reserved) == scaled_reservations(BUILTIN_CLASSES, 300)
+    assert snap.digests == (config_digest(BUILTIN_CLASSES),)
+    # B's capacity grows back: the minimum is A's again.
+    assert (await b.heartbeat(500)).capacity == 400
+    # Another fleet on the same server is independent.
+    other = FleetLedger(client, "g", "a")
+    assert (await other.register(BUILTIN_CLASSES, 7)).live_replicas == 1
+    assert (await a.snapshot()).capacity == 400
+
+
+async def test_config_digest_mismatch_is_visible(client: redis.Redis) -> None:
+    a, b = await replicas(client, 4, "a", "b")
+    changed = dict(PLAIN) | {BULK: ClassConfig(0, 0.0, 9, 3.0, 5.0, False)}
+    await b.register(changed, 4)
+    assert len((await a.snapshot()).digests) == 2
+    # The last registration's settings are the fleet's: bulk's queue now holds 9.
+    for i in range(4):
+        await a.arrive(f"x{i}", BULK, "t")
+    assert all([(await a.arrive(f"q{i}", BULK, "t")).status is ArriveStatus.QUEUED
+                for i in range(9)])
+    assert (await a.arrive("full", BULK, "t")).status is ArriveStatus.REJECTED_QUEUE_FULL
+
+
+async def test_heartbeat_does_not_overwrite_config_but_restores_it(
+        client: redis.Redis, valkey_server: ValkeyServer) -> None:
+    a, b = await replicas(client, 1, "a", "b")
+    small = dict(PLAIN) | {BULK: ClassConfig(0, 0.0, 1, 3.0, 5.0, False)}
+    await b.register(small, 1)
+    await a.heartbeat()  # a's settings differ, but a heartbeat does not force them
+    await a.arrive("x", BULK, "t")
+    assert (await a.arrive("q1", BULK, "t")).status is ArriveStatus.QUEUED
+    assert (await a.arrive("q2", BULK, "t")).status is ArriveStatus.REJECTED_QUEUE_FULL
+
+
+async def test_arrive_admits_queues_rejects(client: redis.Redis) -> None:
+    (a,) = await replicas(client, 2, "a")
+    assert (await a.arrive("r1", DEF, "t")).status is ArriveStatus.ADMITTED
+    assert (await a.arrive("r2", DEF, "t")).status is ArriveStatus.ADMITTED
+    queued = await a.arrive("r3", DEF, "t")
+    assert queued.status is ArriveStatus.QUEUED and queued.timeout == 10.0
+    assert (await a.arrive("r3", DEF, "t")).status is ArriveStatus.DUPLICATE
+    assert (await a.arrive("r1", DEF, "t")).status is ArriveStatus.DUPLICATE
+    for i in range(3):
+        assert (await a.arrive(f"q{i}", DEF, "t")).status is ArriveStatus.QUEUED
+    assert (await a.arrive("q9", DEF, "t")).status is ArriveStatus.REJECTED_QUEUE_FULL
+    snap = await a.snapshot()
+    assert snap.inflight[DEF] == 2 and snap.queue_depth[DEF] == 4
+    stranger = FleetLedger(client, "f", "nobody")
+    assert (await stranger.arrive("z", DEF, "t")).status is ArriveStatus.UNREGISTERED
+
+
+async def test_tenant_with_spaces_round_trips(client: redis.Redis) -> None:
+    clock = FakeClock()
+    (a,) = await replicas(client, 0, "a", clock=clock)
+    assert (await a.arrive("q", DEF, "tenant with spaces")).status is ArriveStatus.QUEUED
+    await a.heartbeat(1)
+    assert await a.take_events() == [Event("grant", "q", 0.0)]
+    assert (await a.snapshot()).inflight[DEF] == 1
+    assert (await a.reregister([Holding("h", BULK, " lead and trail ")])).inflight == 2
+    assert (await client.hget("pg:{f}:adm", "h") or "").endswith(" lead and trail ")
+
+
+async def test_release_exactly_once_across_replicas(client: redis.Redis) -> None:
+    a, b = await replicas(client, 8, "a", "b")
+    for i in range(8):
+        await a.arrive(f"r{i}", BULK, "t")
+    results = await asyncio.gather(*(led.release(f"r{i}") for i in range(8) for led in (a, b)))
+    assert results.count(ReleaseResult.RELEASED) == 8
+    assert results.count(ReleaseResult.ALREADY_RELEASED) == 8
+    assert await b.release("never") is ReleaseResult.UNKNOWN
+    assert (await a.snapshot()).total_inflight == 0
+
+
+async def test_release_grants_a_waiter_on_another_replica(client: redis.Redis) -> None:
+    a, b = await replicas(client, 1, "a", "b")
+    await a.arrive("held", DEF, "t")
+    assert (await b.arrive("waits", DEF, "t")).status is ArriveStatus.QUEUED
+    assert await a.release("held") is ReleaseResult.RELEASED
+    (grant,) = await b.take_events()
+    assert grant.kind == "grant" and grant.id == "waits" and grant.waited >= 0
+    assert not grant.starvation and not grant.preempted
+    assert await a.take_events() == []
+    assert (await a.snapshot()).inflight[DEF] == 1
+
+
+async def test_blocking_pop_delivers_a_grant_across_replicas(client: redis.Redis,
+                                                            valkey_server: ValkeyServer) -> None:
+    a, b = await replicas(client, 1, "a", "b")
+    await a.arrive("held", DEF, "t")
+    await b.arrive("waits", DEF, "t")
+    listener = connect(valkey_server)  # a blocking pop holds its own connection
+    try:
+        pending = asyncio.create_task(b.next_events(5.0, client=listener))
+        await asyncio.sleep(0.05)
+        start = time.perf_counter()
+        await a.release("held")
+        events = await asyncio.wait_for(pending, 5.0)
+        elapsed = time.perf_counter() - start
+    finally:
+        await listener.aclose()
+    assert [e.id for e in events] == ["waits"]
+    assert elapsed < 1.0, f"grant took {elapsed * 1000:.1f} ms to reach its owner"
+    assert await b.next_events(0.01) == []
+
+
+async def test_fifo_by_arrival_across_replicas(client: redis.Redis) -> None:
+    a, b, c = await replicas(client, 1, "a", "b", "c")
+    await a.arrive("held", DEF, "t")
+    order = [("w1", b), ("w2", c), ("w3", a), ("w4", b)]
+    for id, led in order:
+        await led.arrive(id, DEF, "t")
+    granted = []
+    holder = "held"
+    for _ in order:
+        await a.release(holder)
+        got = [e for led in (a, b, c) for e in await led.take_events()]
+        assert len(got) == 1
+        granted.append(got[0].id)
+        holder = got[0].id
+    assert granted == ["w1", "w2", "w3", "w4"]
+
+
+async def test_strict_priority_and_reservations_fleet_wide(client: redis.Redis) -> None:
+    classes = dict(PLAIN) | {INT: ClassConfig(2, 0.0, 4, 10.0, 5.0, False)}
+    a, b = await replicas(client, 4, "a", "b", classes=classes)
+    # Bulk on A may take only capacity minus interactive's unused reservation.
+    assert (await a.arrive("b1", BULK, "t")).status is ArriveStatus.ADMITTED
+    assert (await a.arrive("b2", BULK, "t")).status is ArriveStatus.ADMITTED
+    assert (await a.arrive("b3", BULK, "t")).status is ArriveStatus.QUEUED
+    # Interactive on B still finds its reserved slots.
+    assert (await b.arrive("i1", INT, "t")).status is ArriveStatus.ADMITTED
+    assert (await b.arrive("i2", INT, "t")).status is ArriveStatus.ADMITTED
+    assert (await b.arrive("i3", INT, "t")).status is ArriveStatus.QUEUED
+    # A freed slot goes to the higher class first, whichever replica holds it.
+    await a.release("b1")
+    assert [e.id for e in await b.take_events()] == ["i3"]
+    assert await a.take_events() == []
+
+
+async def test_preemption_picks_the_fleet_wide_victim(client: redis.Redis) -> None:
+    a, b = await replicas(client, 3, "a", "b")
+    await a.arrive("bulk-old", BULK, "t")
+    await a.arrive("bulk-new", BULK, "t")
+    await b.arrive("def", DEF, "t")
+    # Nothing reachable yet: no victim, the system request queues.
+    assert (await b.arrive("s0", SYS, "t")).status is ArriveStatus.QUEUED
+    assert await b.cancel("s0") is CancelResult.CANCELLED
+    assert await a.mark_preemptible("bulk-old", "bulk-new", "unknown") == 2
+    assert await b.mark_preemptible("def") == 1
+    assert await a.mark_first_byte("bulk-new") == 1
+    assert await a.mark_first_byte("bulk-new") == 0
+    assert await a.mark_preemptible("bulk-new") == 0  # past its first byte: never a victim
+    got = await b.arrive("s1", SYS, "t")
+    # Lowest class first: bulk-old (bulk-new has sent its first byte).
+    assert (got.status, got.victim, got.victim_owner) == (ArriveStatus.ADMITTED, "bulk-old", "a")
+    assert await a.take_events() == [Event("preempt", "bulk-old", by_class=SYS)]
+    assert await a.release("bulk-old") is ReleaseResult.ALREADY_RELEASED
+    # The next victim is the default request on B (bulk-new is past its first byte).
+    got = await a.arrive("s2", SYS, "t")
+    assert got.victim == "def" and got.victim_owner == "b"
+    assert await b.take_events() == [Event("preempt", "def", by_class=SYS)]
+    # A class that may not preempt never does.
+    assert (await a.arrive("d2", DEF, "t")).status is ArriveStatus.QUEUED
+
+
+async def test_most_recent_candidate_is_the_victim(client: redis.Redis) -> None:
+    a, b = await replicas(client, 2, "a", "b")
+    await a.arrive("x1", BULK, "t")
+    await b.arrive("x2", BULK, "t")
+    await b.mark_preemptible("x2")
+    await a.mark_preemptible("x1")
+    got = await a.arrive("s", SYS, "t")
+    assert got.victim == "x1"  # the most recent candidate
+
+
+async def test_queued_head_preempts_once_a_victim_is_reachable(client: redis.Redis) -> None:
+    clock = FakeClock()
+    a, b = await replicas(client, 1, "a", "b", clock=clock)
+    await a.arrive("bulk", BULK, "t")
+    assert (await b.arrive("sys", SYS, "t")).status is ArriveStatus.QUEUED
+    clock.advance(0.5)
+    assert await a.mark_preemptible("bulk") == 1
+    assert await a.take_events() == [Event("preempt", "bulk", by_class=SYS)]
+    assert await b.take_events() == [Event("grant", "sys", 0.5, preempted=True)]
+
+
+async def test_timeout_expires_the_waiter_and_tick_says_when(client: redis.Redis) -> None:
+    clock = FakeClock()
+    a, b = await replicas(client, 1, "a", "b", clock=clock)
+    await a.arrive("held", DEF, "t")
+    await b.arrive("bulk", BULK, "t")  # times out after 3 s, starves after 5 s
+    assert await b.tick() == 3.0
+    clock.advance(2.0)
+    assert await a.tick() == 1.0
+    assert await b.take_events() == []
+    clock.advance(1.0)
+    assert await a.tick() is None
+    assert await b.take_events() == [Event("expired", "bulk", 3.0)]
+    assert await b.cancel("bulk") is CancelResult.UNKNOWN
+    assert (await a.snapshot()).queue_depth[BULK] == 0
+
+
+async def test_starved_head_ignores_reservations_never_capacity(client: redis.Redis) -> None:
+    clock = FakeClock()
+    classes = dict(PLAIN) | {
+        SYS: ClassConfig(1, 0.0, 4, 10.0, 5.0, True),
+        DEF: ClassConfig(0, 0.0, 4, 60.0, 2.0, False),
+    }
+    (a,) = await replicas(client, 2, "a", classes=classes, clock=clock)
+    await a.arrive("d1", DEF, "t")
+    assert (await a.arrive("d2", DEF, "t")).status is ArriveStatus.QUEUED  # sys holds 1
+    clock.advance(2.0)
+    await a.tick()
+    assert await a.take_events() == [Event("grant", "d2", 2.0, starvation=True)]
+    assert (await a.arrive("d3", DEF, "t")).status is ArriveStatus.QUEUED
+    clock.advance(2.0)
+    await a.tick()
+    assert await a.take_events() == []  # starved, but the fleet is full
+    await a.release("d1")
+    assert await a.take_events() == [Event("grant", "d3", 2.0, starvation=True)]
+
+
+async def test_cancel_queued_granted_unknown(client: redis.Redis) -> None:
+    a, b = await replicas(client, 1, "a", "b")
+    await a.arrive("held", DEF, "t")
+    await b.arrive("w1", DEF, "t")
+    await b.arrive("w2", DEF, "t")
+    assert await b.cancel("w1") is CancelResult.CANCELLED
+    assert await b.cancel("w1") is CancelResult.UNKNOWN
+    await a.release("held")
+    # The grant won the race with the owner's cancel: the owner holds the slot.
+    assert await b.cancel("w2") is CancelResult.ADMITTED
+    assert await b.release("w2", "client_cancelled") is ReleaseResult.RELEASED
+    assert (await a.snapshot()).total_inflight == 0
+
+
+async def test_dead_replica_loses_admissions_and_waiters(client: redis.Redis) -> None:
+    clock = FakeClock()
+    a, b = await replicas(client, 2, "a", "b", clock=clock, ttl=8.0)
+    await b.arrive("b1", DEF, "t")
+    await b.arrive("b2", DEF, "t")
+    await b.arrive("bq", DEF, "t")
+    await a.arrive("aq", DEF, "t")
+    await b.mark_preemptible("b1")
+    clock.advance(6.0)
+    await a.heartbeat()
+    clock.advance(2.0)  # b's last heartbeat was 8 s ago
+    await a.tick()
+    snap = await a.snapshot()
+    assert snap.replicas == ("a",) and snap.inflight[DEF] == 1 and snap.queue_depth[DEF] == 0
+    # b's waiter went with it; a's waiter is next (starved by now: 8 s > 5 s).
+    assert await a.take_events() == [Event("grant", "aq", 8.0, starvation=True)]
+    assert await client.exists("pg:{f}:ev:b", "pg:{f}:own:b") == 0
+    # B comes back: unknown to the ledger until it registers (and learns it must reregister).
+    assert (await b.arrive("b3", DEF, "t")).status is ArriveStatus.UNREGISTERED
+    assert await b.release("b1") is ReleaseResult.ALREADY_RELEASED
+    assert not (await b.heartbeat()).known
+
+
+async def test_reregister_after_data_loss_is_idempotent(client: redis.Redis,
+                                                       valkey_server: ValkeyServer) -> None:
+    a, b = await replicas(client, 3, "a", "b")
+    await a.arrive("a1", BULK, "t")
+    await a.arrive("a2", SYS, "t")
+    await b.arrive("done", DEF, "t")
+    await b.release("done")
+    await b.arrive("b1", DEF, "t")
+    valkey_server.restart()  # no persistence: every key and the loaded script are gone
+    await client.connection_pool.disconnect()
+    assert not (await a.heartbeat()).known  # the client reloads the script by itself
+    holdings_a = [Holding("a1", BULK, "t", preemptible=True), Holding("a2", SYS, "t", True)]
+    status = await a.reregister(holdings_a)
+    assert status.inflight == 2 and status.known
+    assert (await a.reregister(holdings_a)).inflight == 2  # never double counted
+    status = await b.reregister([Holding("b1", DEF, "x y")])
+    assert status.inflight == 3 and status.live_replicas == 2
+    snap = await a.snapshot()
+    assert (snap.inflight[BULK], snap.inflight[DEF], snap.inflight[SYS]) == (1, 1, 1)
+    # a1 came back preemptible, a2 past its first byte.
+    assert (await b.arrive("s", SYS, "t")).victim == "a1"
+
+
+async def test_reregister_refuses_what_ended_and_readds_what_was_reaped(
+        client: redis.Redis) -> None:
+    clock = FakeClock()
+    a, b = await replicas(client, 4, "a", "b", clock=clock, ttl=5.0)
+    await b.arrive("kept", DEF, "t")
+    await b.arrive("done", DEF, "t")
+    await b.release("done")
+    clock.advance(5.0)
+    await a.heartbeat()  # reaps b: "kept" ended with its replica
+    assert (await a.snapshot()).total_inflight == 0
+    status = await b.reregister([Holding("kept", DEF, "t"), Holding("done", DEF, "t")])
+    assert not status.known and status.refused == ("done",)
+    assert status.inflight == 1
+
+
+async def test_capacity_growth_dispatches_and_shrink_admits_nothing(client: redis.Redis) -> None:
+    a, b = await replicas(client, 1, "a", "b")
+    await a.arrive("x", DEF, "t")
+    await b.arrive("y", DEF, "t")
+    await a.heartbeat(2)
+    assert await b.take_events() == []  # b still reports 1: the minimum holds
+    await b.heartbeat(2)
+    assert [e.id for e in await b.take_events()] == ["y"]
+    await a.heartbeat(1)
+    assert (await a.arrive("z", DEF, "t")).status is ArriveStatus.QUEUED
+    snap = await a.snapshot()
+    assert snap.capacity == 1 and snap.total_inflight == 2  # drains, nothing new admitted
+
+
+async def test_server_time_is_the_clock_in_production(client: redis.Redis) -> None:
+    (a,) = await replicas(client, 0, "a")
+    before = time.time()
+    await a.arrive("q", DEF, "t")
+    snap = await a.snapshot()
+    assert before - 1.0 <= snap.now <= time.time() + 1.0
+    left = await a.tick()
+    assert left is not None and 4.0 < left <= 5.0  # starvation of the head, 5 s
+
+
+async def test_every_key_is_in_the_fleet_hash_slot(client: redis.Redis) -> None:
+    a, b = await replicas(client, 1, "a", "b")
+    await a.arrive("x", BULK, "t")
+    await b.arrive("y", SYS, "t")
+    await a.mark_preemptible("x")
+    await b.arrive("z", DEF, "t")
+    await a.release("x")
+    keys = await client.keys("*")
+    assert keys and all(k.startswith("pg:{f}:") for k in keys)
+    slots = {await client.execute_command("CLUSTER", "KEYSLOT", k) for k in keys}
+    assert len(slots) == 1
