@@ -474,10 +474,12 @@ ops.cancel = function(a)
 end
 
 -- mark_preemptible id... : the owner has a stop channel (ext_proc stream) for these
--- admissions; they become preemption candidates (Scheduler.mark_reachable). -> how many
--- were admitted and before their first byte.
+-- admissions; they become preemption candidates (Scheduler.mark_reachable). One call with
+-- several ids decides as the same calls one by one would (a dispatch after each), so an
+-- owner may batch them. -> how many were still admitted and before their first byte.
 ops.mark_preemptible = function(a)
   local n = 0
+  dispatch()
   for _, id in ipairs(a) do
     local adm = get_adm(id)
     if adm ~= nil and not adm.first_byte then
@@ -485,9 +487,9 @@ ops.mark_preemptible = function(a)
       if redis.call('ZSCORE', k_pre(adm.cls), id) == false then
         redis.call('ZADD', k_pre(adm.cls), redis.call('INCR', K_SEQ), id)
       end
+      dispatch()
     end
   end
-  dispatch()
   return n
 end
 
