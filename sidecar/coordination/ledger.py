@@ -61,7 +61,7 @@ from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.config import ClassConfig
 from sidecar.scheduler import ReleaseResult, scaled_reservations
 
-LUA = resources.files("sidecar.fleet").joinpath("ledger.lua").read_text()
+LUA = resources.files("sidecar.coordination").joinpath("ledger.lua").read_text()
 
 # How long the ledger remembers ended ids (to tell a duplicate release from a stranger).
 DEFAULT_REMEMBER_ENDED_SECS = 600.0
