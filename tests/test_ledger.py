@@ -391,3 +391,21 @@ async def test_every_key_is_in_the_fleet_hash_slot(client: redis.Redis) -> None:
     assert keys and all(k.startswith("pg:{f}:") for k in keys)
     slots = {await client.execute_command("CLUSTER", "KEYSLOT", k) for k in keys}
     assert len(slots) == 1
+
+
+async def test_ended_ids_are_remembered_for_a_bounded_time(client: redis.Redis) -> None:
+    clock = FakeClock()
+    led = FleetLedger(client, "f", "a", ttl=1000.0, remember_ended_secs=60.0, clock=clock)
+    await led.register(PLAIN, 4)
+    for i in range(10):
+        await led.arrive(f"old{i}", DEF, "t")
+        await led.release(f"old{i}")
+    assert await led.release("old0") is ReleaseResult.ALREADY_RELEASED
+    clock.advance(61.0)
+    # Each later end forgets up to two expired memories, with no heartbeat needed.
+    for i in range(5):
+        await led.arrive(f"new{i}", DEF, "t")
+        await led.release(f"new{i}")
+    assert await client.zcard("pg:{f}:endq") == 5
+    assert await led.release("old0") is ReleaseResult.UNKNOWN
+    assert await led.release("new0") is ReleaseResult.ALREADY_RELEASED

@@ -29,7 +29,7 @@
 --   P:ev:<r>    LIST of notifications for replica r (RPUSH here, blocking pop by the owner):
 --               "grant <waited> <flags> <id>" (flags: "-", or letters s=starvation,
 --               p=by preemption), "preempt <by_class> <id>", "expired <waited> <id>"
---   P:ended     HASH id -> why it ended; P:endq ZSET id -> when (trimmed by heartbeats)
+--   P:ended     HASH id -> why it ended; P:endq ZSET id -> when (forgotten after keep_ended s)
 --   P:seq       counter for arrival and candidate order
 
 local P = KEYS[1]
@@ -103,12 +103,14 @@ end
 
 -- Loaded once per call after reaping, then kept in step with every write.
 local cap, res, inf, total = 0, {0, 0, 0, 0}, {}, 0
+local keep = nil -- how long ended ids are remembered (seconds; from the last heartbeat)
 local cfg = nil
 
 local function load_state()
-  local f = redis.call('HMGET', K_FLEET, 'cap', 'r0', 'r1', 'r2', 'r3')
+  local f = redis.call('HMGET', K_FLEET, 'cap', 'r0', 'r1', 'r2', 'r3', 'keep')
   cap = tonumber(f[1]) or 0
   for c = 0, 3 do res[c] = tonumber(f[c + 2]) or 0 end
+  keep = tonumber(f[6])
   local n = redis.call('HMGET', K_INF, '0', '1', '2', '3')
   total = 0
   for c = 0, 3 do
@@ -175,6 +177,17 @@ local function admit(a)
   total = total + 1
 end
 
+-- Forget up to ``limit`` ids that ended more than ``keep`` seconds ago. Every end forgets
+-- up to two, so the memory of ended ids stays bounded by the rate times ``keep``.
+local function forget_ended(limit)
+  if keep == nil then return end
+  local old = redis.call('ZRANGEBYSCORE', K_ENDQ, '-inf', fmt(now - keep), 'LIMIT', 0, limit)
+  if #old > 0 then
+    redis.call('HDEL', K_ENDED, unpack(old))
+    redis.call('ZREM', K_ENDQ, unpack(old))
+  end
+end
+
 local function drop_adm(a, reason)
   redis.call('HDEL', K_ADM, a.id)
   redis.call('ZREM', k_pre(a.cls), a.id)
@@ -182,6 +195,7 @@ local function drop_adm(a, reason)
   redis.call('SREM', k_own(a.replica), a.id)
   redis.call('HSET', K_ENDED, a.id, reason)
   redis.call('ZADD', K_ENDQ, fmt(now), a.id)
+  forget_ended(2)
   inf[a.cls] = inf[a.cls] - 1
   total = total - 1
 end
@@ -357,13 +371,10 @@ local function heartbeat(a)
     cfg = nil
   end
   redis.call('HSET', K_DIGESTS, r, a[9])
+  redis.call('HSET', K_FLEET, 'keep', a[10])
   recompute_fleet()
   load_state()
-  local old = redis.call('ZRANGEBYSCORE', K_ENDQ, '-inf', fmt(now - tonumber(a[10])), 'LIMIT', 0, 1000)
-  if #old > 0 then
-    redis.call('HDEL', K_ENDED, unpack(old))
-    redis.call('ZREM', K_ENDQ, unpack(old))
-  end
+  forget_ended(1000)
   dispatch()
   return known and 'ok' or 'new'
 end
