@@ -409,3 +409,90 @@ async def test_ended_ids_are_remembered_for_a_bounded_time(client: redis.Redis) 
     assert await client.zcard("pg:{f}:endq") == 5
     assert await led.release("old0") is ReleaseResult.UNKNOWN
     assert await led.release("new0") is ReleaseResult.ALREADY_RELEASED
+
+
+async def test_concurrent_replicas_keep_the_fleet_within_capacity(
+        client: redis.Redis, valkey_server: ValkeyServer) -> None:
+    """Three replicas, 450 requests at once, owners fed by blocking pops, random aborts."""
+    import random
+
+    rng = random.Random(7)
+    capacity = 6
+    # 450 callers share 32 connections: a blocking pool queues callers, as the sidecar will.
+    pooled = redis.Redis(connection_pool=redis.BlockingConnectionPool(
+        port=valkey_server.port, max_connections=32, decode_responses=True))
+    leds = await replicas(pooled, capacity, "a", "b", "c", classes={
+        SYS: ClassConfig(1, 0.0, 64, 10.0, 5.0, True),
+        INT: ClassConfig(1, 0.0, 64, 10.0, 5.0, True),
+        DEF: ClassConfig(0, 0.0, 64, 10.0, 0.2, False),
+        BULK: ClassConfig(0, 0.0, 64, 10.0, 0.2, False),
+    })
+    waiting: dict[str, asyncio.Future[Event]] = {}
+    preempted: set[str] = set()
+    lost: set[str] = set()
+    outcome = {"admitted": 0, "released": 0, "rejected": 0, "cancelled": 0}
+    peak = 0
+    done = asyncio.Event()
+
+    async def consume(led: FleetLedger) -> None:
+        conn = connect(valkey_server)
+        try:
+            while not done.is_set():
+                for e in await led.next_events(0.05, client=conn):
+                    if e.kind == "preempt":
+                        preempted.add(e.id)
+                    elif e.id in waiting and not waiting[e.id].done():
+                        waiting[e.id].set_result(e)
+        finally:
+            await conn.aclose()
+
+    async def monitor() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, (await leds[0].snapshot()).total_inflight)
+            await asyncio.sleep(0.002)
+
+    async def request(led: FleetLedger, n: int) -> None:
+        id = f"{led.replica}-{n}"
+        cls = rng.choice(list(PriorityClass))
+        waiting[id] = asyncio.get_running_loop().create_future()
+        got = await led.arrive(id, cls, "t")
+        if got.status is ArriveStatus.REJECTED_QUEUE_FULL:
+            outcome["rejected"] += 1
+            return
+        if got.status is ArriveStatus.QUEUED:
+            try:
+                event = await asyncio.wait_for(asyncio.shield(waiting[id]), rng.uniform(0, 0.3))
+            except TimeoutError:  # the client gives up
+                if await led.cancel(id) is CancelResult.CANCELLED:
+                    outcome["cancelled"] += 1
+                    return
+                event = await waiting[id]  # the grant won the race: we hold a slot
+            if event.kind == "expired":
+                outcome["rejected"] += 1
+                return
+        outcome["admitted"] += 1
+        await led.mark_preemptible(id)
+        await asyncio.sleep(rng.uniform(0, 0.01))
+        if await led.release(id) is ReleaseResult.RELEASED:
+            outcome["released"] += 1
+        else:
+            lost.add(id)  # preempted: its notification may still be on the way
+
+    tasks = [asyncio.create_task(consume(led)) for led in leds]
+    tasks.append(asyncio.create_task(monitor()))
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(*(request(led, n) for n in range(150) for led in leds)), 30.0)
+    finally:
+        done.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+        await pooled.aclose()
+    assert lost == preempted
+    snap = await FleetLedger(client, "f", "a").snapshot()
+    assert snap.total_inflight == 0 and sum(snap.queue_depth.values()) == 0
+    assert 0 < peak <= capacity
+    assert outcome["admitted"] == outcome["released"] + len(preempted)
+    assert sum(outcome.values()) - outcome["released"] == 450
+    assert outcome["admitted"] > 50 and outcome["cancelled"] > 0, outcome
+    assert preempted, outcome

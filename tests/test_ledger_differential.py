@@ -7,7 +7,7 @@ after every step they must have made identical decisions: admitted / queued / re
 which queued head was granted (and whether by starvation or by preemption), which victim
 was preempted, which waiters timed out and after how long, what each release, cancel and
 mark answered, the in-flight counts, queue depths, reservations and when the next timer
-is due. Queue timeouts: the ledger expires waiters itself from stored deadlines, on any
+is due -- also across hot reloads of the class settings. Queue timeouts: the ledger expires waiters itself from stored deadlines, on any
 call, exactly when the core's ``tick`` does.
 """
 
@@ -72,6 +72,7 @@ ops = st.lists(
         st.tuples(st.just("capacity"), st.integers(0, 8)),
         st.tuples(st.just("adopt"), classes),
         st.tuples(st.just("advance"), st.sampled_from([0.1, 0.5, 1.0, 2.5, 6.0])),
+        st.tuples(st.just("reload"), st.just(0)),
     ),
     min_size=10,
     max_size=50,
@@ -116,7 +117,7 @@ def ledger_decisions(events: list[Event]) -> list[Decision]:
 
 
 async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig], capacity: int,
-              steps: list[tuple[str, Any]]) -> None:
+              steps: list[tuple[str, Any]], reload: dict[PriorityClass, ClassConfig]) -> None:
     clock = FakeClock()
     core = Scheduler(cfg, capacity, clock, preemptible_on_admit=False)
     client = connect(server)
@@ -181,6 +182,11 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig], capac
                 status = await led.reregister([Holding(rid, arg, "t", first_byte=True)])
                 assert status.inflight == before + 1 and not status.refused
                 mine.append(("adopted", rid))
+            elif op == "reload":
+                # Hot reload: new knobs for new decisions; waiters keep place and deadline.
+                cfg, reload = reload, cfg
+                core.update_config(cfg)
+                await led.register(cfg, core.capacity)
             elif op == "advance":
                 clock.advance(arg)
                 core.tick()
@@ -207,8 +213,9 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig], capac
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs, capacity=st.integers(0, 6), steps=ops)
+@given(cfg=configs, capacity=st.integers(0, 6), steps=ops, reload=configs)
 def test_ledger_decides_like_the_core(valkey_server: ValkeyServer,
                                       cfg: dict[PriorityClass, ClassConfig], capacity: int,
-                                      steps: list[tuple[str, Any]]) -> None:
-    asyncio.run(run(valkey_server, cfg, capacity, steps))
+                                      steps: list[tuple[str, Any]],
+                                      reload: dict[PriorityClass, ClassConfig]) -> None:
+    asyncio.run(run(valkey_server, cfg, capacity, steps, reload))
