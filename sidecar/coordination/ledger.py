@@ -38,7 +38,11 @@ changes in ``scheduler.py`` first, then in the script.
   :meth:`FleetLedger.reregister` with what the replica holds; it is idempotent and never
   double counts.
 * *Round trips.* Uncontended: ``arrive`` + ``release`` (2). The marks take several ids
-  per call so an owner can batch them; they are not on a request's latency path.
+  per call (deciding as the same calls one by one would) so an owner can batch them;
+  they are not on a request's latency path.
+* *Connections.* Many concurrent requests share a bounded
+  ``redis.asyncio.BlockingConnectionPool`` (the default pool raises once it runs out);
+  the blocking pop for notifications holds one more connection of its own.
 * *Configuration.* The class settings are stored on :meth:`FleetLedger.register` (start,
   reload) with a digest per replica; :meth:`FleetLedger.snapshot` lists the distinct
   digests, so a mismatch between replicas can be reported.
