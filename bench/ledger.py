@@ -24,17 +24,17 @@ import redis.asyncio as redis
 from bench._util import loadavg, out_path
 from devtools.valkey import ValkeyServer
 from sidecar.classes import PriorityClass
-from sidecar.config import ClassConfig
 from sidecar.coordination.ledger import ArriveStatus, FleetLedger
+from sidecar.scheduler import ClassSettings
 
 BULK, INT = PriorityClass.BULK, PriorityClass.INTERACTIVE
 # Interactive keeps 32 reserved slots (room for the 32 pairs in flight); bulk fills the
 # rest and queues without timing out.
 CLASSES = {
-    PriorityClass.SYSTEM: ClassConfig(0, 0.0, 16, 30.0, 1e6, True),
-    INT: ClassConfig(32, 0.0, 16, 30.0, 1e6, True),
-    PriorityClass.DEFAULT: ClassConfig(0, 0.0, 16, 30.0, 1e6, False),
-    BULK: ClassConfig(0, 0.0, 100_000, 1e6, 1e6, False),
+    PriorityClass.SYSTEM: ClassSettings(0, 0.0, 16, 30.0, 1e6, True),
+    INT: ClassSettings(32, 0.0, 16, 30.0, 1e6, True),
+    PriorityClass.DEFAULT: ClassSettings(0, 0.0, 16, 30.0, 1e6, False),
+    BULK: ClassSettings(0, 0.0, 100_000, 1e6, 1e6, False),
 }
 CAPACITY = 64
 

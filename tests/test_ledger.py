@@ -9,7 +9,6 @@ import redis.asyncio as redis
 
 from devtools.valkey import ValkeyServer
 from sidecar.classes import PriorityClass
-from sidecar.config import BUILTIN_CLASSES, ClassConfig
 from sidecar.coordination.ledger import (
     ArriveStatus,
     CancelResult,
@@ -18,7 +17,13 @@ from sidecar.coordination.ledger import (
     Holding,
     config_digest,
 )
-from sidecar.scheduler import ReleaseResult, scaled_reservations
+from sidecar.scheduler import (
+    BUILTIN_CLASSES,
+    ClassSettings,
+    ReleaseReason,
+    ReleaseResult,
+    scaled_reservations,
+)
 from tests.clock import FakeClock
 from tests.ledger_support import client, connect, valkey_server
 
@@ -28,16 +33,16 @@ SYS, INT, DEF, BULK = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, Priority
                        PriorityClass.BULK)
 
 # No reservations unless a test asks; queues of 4; bulk starves after 5 s; system preempts.
-PLAIN: dict[PriorityClass, ClassConfig] = {
-    SYS: ClassConfig(0, 0.0, 4, 10.0, 5.0, True),
-    INT: ClassConfig(0, 0.0, 4, 10.0, 5.0, True),
-    DEF: ClassConfig(0, 0.0, 4, 10.0, 5.0, False),
-    BULK: ClassConfig(0, 0.0, 4, 3.0, 5.0, False),
+PLAIN: dict[PriorityClass, ClassSettings] = {
+    SYS: ClassSettings(0, 0.0, 4, 10.0, 5.0, True),
+    INT: ClassSettings(0, 0.0, 4, 10.0, 5.0, True),
+    DEF: ClassSettings(0, 0.0, 4, 10.0, 5.0, False),
+    BULK: ClassSettings(0, 0.0, 4, 3.0, 5.0, False),
 }
 
 
 async def replicas(c: redis.Redis, capacity: int, *names: str,
-                   classes: dict[PriorityClass, ClassConfig] | None = None,
+                   classes: dict[PriorityClass, ClassSettings] | None = None,
                    clock: FakeClock | None = None, ttl: float = 10.0) -> list[FleetLedger]:
     out = []
     for name in names:
@@ -71,7 +76,7 @@ async def test_register_reports_capacity_min_and_live_replicas(client: redis.Red
 
 async def test_config_digest_mismatch_is_visible(client: redis.Redis) -> None:
     a, b = await replicas(client, 4, "a", "b")
-    changed = dict(PLAIN) | {BULK: ClassConfig(0, 0.0, 9, 3.0, 5.0, False)}
+    changed = dict(PLAIN) | {BULK: ClassSettings(0, 0.0, 9, 3.0, 5.0, False)}
     await b.register(changed, 4)
     assert len((await a.snapshot()).digests) == 2
     # The last registration's settings are the fleet's: bulk's queue now holds 9.
@@ -85,7 +90,7 @@ async def test_config_digest_mismatch_is_visible(client: redis.Redis) -> None:
 async def test_heartbeat_does_not_overwrite_config_but_restores_it(
         client: redis.Redis, valkey_server: ValkeyServer) -> None:
     a, b = await replicas(client, 1, "a", "b")
-    small = dict(PLAIN) | {BULK: ClassConfig(0, 0.0, 1, 3.0, 5.0, False)}
+    small = dict(PLAIN) | {BULK: ClassSettings(0, 0.0, 1, 3.0, 5.0, False)}
     await b.register(small, 1)
     await a.heartbeat()  # a's settings differ, but a heartbeat does not force them
     await a.arrive("x", BULK, "t")
@@ -182,7 +187,7 @@ async def test_fifo_by_arrival_across_replicas(client: redis.Redis) -> None:
 
 
 async def test_strict_priority_and_reservations_fleet_wide(client: redis.Redis) -> None:
-    classes = dict(PLAIN) | {INT: ClassConfig(2, 0.0, 4, 10.0, 5.0, False)}
+    classes = dict(PLAIN) | {INT: ClassSettings(2, 0.0, 4, 10.0, 5.0, False)}
     a, b = await replicas(client, 4, "a", "b", classes=classes)
     # Bulk on A may take only capacity minus interactive's unused reservation.
     assert (await a.arrive("b1", BULK, "t")).status is ArriveStatus.ADMITTED
@@ -264,8 +269,8 @@ async def test_timeout_expires_the_waiter_and_tick_says_when(client: redis.Redis
 async def test_starved_head_ignores_reservations_never_capacity(client: redis.Redis) -> None:
     clock = FakeClock()
     classes = dict(PLAIN) | {
-        SYS: ClassConfig(1, 0.0, 4, 10.0, 5.0, True),
-        DEF: ClassConfig(0, 0.0, 4, 60.0, 2.0, False),
+        SYS: ClassSettings(1, 0.0, 4, 10.0, 5.0, True),
+        DEF: ClassSettings(0, 0.0, 4, 60.0, 2.0, False),
     }
     (a,) = await replicas(client, 2, "a", classes=classes, clock=clock)
     await a.arrive("d1", DEF, "t")
@@ -291,7 +296,7 @@ async def test_cancel_queued_granted_unknown(client: redis.Redis) -> None:
     await a.release("held")
     # The grant won the race with the owner's cancel: the owner holds the slot.
     assert await b.cancel("w2") is CancelResult.ADMITTED
-    assert await b.release("w2", "client_cancelled") is ReleaseResult.RELEASED
+    assert await b.release("w2", ReleaseReason.CANCELLED) is ReleaseResult.RELEASED
     assert (await a.snapshot()).total_inflight == 0
 
 
@@ -422,10 +427,10 @@ async def test_concurrent_replicas_keep_the_fleet_within_capacity(
     pooled = redis.Redis(connection_pool=redis.BlockingConnectionPool(
         port=valkey_server.port, max_connections=32, decode_responses=True))
     leds = await replicas(pooled, capacity, "a", "b", "c", classes={
-        SYS: ClassConfig(1, 0.0, 64, 10.0, 5.0, True),
-        INT: ClassConfig(1, 0.0, 64, 10.0, 5.0, True),
-        DEF: ClassConfig(0, 0.0, 64, 10.0, 0.2, False),
-        BULK: ClassConfig(0, 0.0, 64, 10.0, 0.2, False),
+        SYS: ClassSettings(1, 0.0, 64, 10.0, 5.0, True),
+        INT: ClassSettings(1, 0.0, 64, 10.0, 5.0, True),
+        DEF: ClassSettings(0, 0.0, 64, 10.0, 0.2, False),
+        BULK: ClassSettings(0, 0.0, 64, 10.0, 0.2, False),
     })
     waiting: dict[str, asyncio.Future[Event]] = {}
     preempted: set[str] = set()

@@ -1,7 +1,7 @@
 """Differential property test: the in-process core and the fleet ledger decide alike.
 
-``sidecar/scheduler.py`` is the specification of the contract's rules; ``ledger.lua`` is
-their port to one atomic server-side script per decision. Both are driven by the same
+The ``Scheduler`` of ``sidecar/scheduler/`` is the specification of the contract's rules;
+``ledger.lua`` is their port to one atomic server-side script per decision. Both are driven by the same
 random operation sequences -- one replica, the ledger on the test's fake clock -- and
 after every step they must have made identical decisions: admitted / queued / rejected,
 which queued head was granted (and whether by starvation or by preemption), which victim
@@ -23,9 +23,16 @@ from hypothesis import strategies as st
 
 from devtools.valkey import ValkeyServer
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.config import ClassConfig
 from sidecar.coordination.ledger import ArriveStatus, CancelResult, Event, FleetLedger, Holding
-from sidecar.scheduler import Admitted, Outcome, Preempted, Queued, Rejected, Scheduler
+from sidecar.scheduler import (
+    Admitted,
+    ClassSettings,
+    Outcome,
+    Preempted,
+    Queued,
+    Rejected,
+    Scheduler,
+)
 from tests.clock import FakeClock
 from tests.ledger_support import connect, valkey_server
 
@@ -35,7 +42,7 @@ LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
 EXAMPLES = 3000 if LONG else 200
 
 class_config = st.builds(
-    ClassConfig,
+    ClassSettings,
     reserved_floor=st.integers(0, 4),
     reserved_per_slot=st.sampled_from([0.0, 0.1, 0.25, 0.5]),
     queue_size=st.integers(0, 4),
@@ -46,7 +53,7 @@ class_config = st.builds(
 # Preemption needs a class that may preempt to find available == 0 exactly: few
 # reservations and small queues make that (and the victim rules) common.
 preempting_config = st.builds(
-    ClassConfig,
+    ClassSettings,
     reserved_floor=st.integers(0, 1),
     reserved_per_slot=st.just(0.0),
     queue_size=st.integers(1, 4),
@@ -117,8 +124,8 @@ def ledger_decisions(events: list[Event]) -> list[Decision]:
     return out
 
 
-async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig], capacity: int,
-              steps: list[tuple[str, Any]], reload: dict[PriorityClass, ClassConfig]) -> None:
+async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassSettings], capacity: int,
+              steps: list[tuple[str, Any]], reload: dict[PriorityClass, ClassSettings]) -> None:
     clock = FakeClock()
     core = Scheduler(cfg, capacity, clock, preemptible_on_admit=False)
     client = connect(server)
@@ -167,10 +174,10 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig], capac
                 assert await led.mark_first_byte(target) == int(core.mark_first_byte(target))
             elif op == "reachable" and live:
                 target = live[arg % len(live)]
-                assert await led.mark_preemptible(target) == int(core.mark_reachable(target))
+                assert await led.mark_preemptible(target) == int(core.mark_preemptible(target))
             elif op == "reachable_all" and live:
                 # In the order admitted, as ext_proc streams open: one call, several ids.
-                expect_n = sum(core.mark_reachable(i) for i in live)
+                expect_n = sum(core.mark_preemptible(i) for i in live)
                 assert await led.mark_preemptible(*live) == expect_n
             elif op == "capacity":
                 core.set_capacity(arg)
@@ -216,7 +223,7 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig], capac
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs, capacity=st.integers(0, 6), steps=ops, reload=configs)
 def test_ledger_decides_like_the_core(valkey_server: ValkeyServer,
-                                      cfg: dict[PriorityClass, ClassConfig], capacity: int,
+                                      cfg: dict[PriorityClass, ClassSettings], capacity: int,
                                       steps: list[tuple[str, Any]],
-                                      reload: dict[PriorityClass, ClassConfig]) -> None:
+                                      reload: dict[PriorityClass, ClassSettings]) -> None:
     asyncio.run(run(valkey_server, cfg, capacity, steps, reload))

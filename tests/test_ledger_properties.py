@@ -29,9 +29,8 @@ from hypothesis import strategies as st
 
 from devtools.valkey import ValkeyServer
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.config import ClassConfig
 from sidecar.coordination.ledger import ArriveStatus, CancelResult, FleetLedger, Holding
-from sidecar.scheduler import ReleaseResult
+from sidecar.scheduler import ClassSettings, ReleaseResult
 from tests.clock import FakeClock
 from tests.ledger_support import connect, valkey_server
 from tests.test_ledger_differential import configs
@@ -73,7 +72,7 @@ class Req:
     reachable: bool = False
 
 
-async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig], n: int,
+async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassSettings], n: int,
               caps: list[int], steps: list[tuple[str, int, Any]]) -> None:
     clock = FakeClock()
     client = connect(server)
@@ -265,6 +264,6 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig], n: in
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs, n=st.integers(2, 3), caps=st.lists(st.integers(0, 6), min_size=3,
                                                          max_size=3), steps=ops)
-def test_fleet_invariants(valkey_server: ValkeyServer, cfg: dict[PriorityClass, ClassConfig],
+def test_fleet_invariants(valkey_server: ValkeyServer, cfg: dict[PriorityClass, ClassSettings],
                           n: int, caps: list[int], steps: list[tuple[str, int, Any]]) -> None:
     asyncio.run(run(valkey_server, cfg, n, caps, steps))

@@ -1,9 +1,9 @@
 -- The fleet ledger: fleet-wide admission for N gateway replicas, one atomic script per decision.
 --
--- This is a port of the in-process core sidecar/scheduler.py (Scheduler), which is the
+-- This is a port of the in-process core, the Scheduler of sidecar/scheduler/, which is the
 -- specification: same reservation rule, same dispatch order, same victim choice, same
 -- float arithmetic on times. tests/test_ledger_differential.py drives both with the same
--- random operations and requires identical decisions. Change scheduler.py first, then this.
+-- random operations and requires identical decisions. Change the core first, then this.
 --
 -- Call: EVALSHA sha 1 <prefix> <op> <now> args...
 --   prefix  "pg:{<fleet>}": every key below is prefix..":<name>", so all share the {fleet}
@@ -485,7 +485,7 @@ ops.cancel = function(a)
 end
 
 -- mark_preemptible id... : the owner has a stop channel (ext_proc stream) for these
--- admissions; they become preemption candidates (Scheduler.mark_reachable). One call with
+-- admissions; they become preemption candidates (Scheduler.mark_preemptible). One call with
 -- several ids decides as the same calls one by one would (a dispatch after each), so an
 -- owner may batch them. -> how many were still admitted and before their first byte.
 ops.mark_preemptible = function(a)

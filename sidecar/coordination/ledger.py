@@ -13,7 +13,7 @@ replica computes them with :func:`sidecar.scheduler.scaled_reservations` for the
 it reports, and the ledger uses those of the smallest report. The differential property
 test (``tests/test_ledger_differential.py``) drives the core and the ledger with the same
 random operations and requires identical decisions, so the two cannot drift. A rule
-changes in ``scheduler.py`` first, then in the script.
+changes in ``sidecar/scheduler/`` first, then in the script.
 
 **Slice-2 design notes** (how the admission controller will use this class):
 
@@ -62,8 +62,7 @@ import redis.asyncio as redis
 from redis.commands.core import AsyncScript
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.config import ClassConfig
-from sidecar.scheduler import ReleaseResult, scaled_reservations
+from sidecar.scheduler import ClassSettings, ReleaseReason, ReleaseResult, scaled_reservations
 
 LUA = resources.files("sidecar.coordination").joinpath("ledger.lua").read_text()
 
@@ -84,13 +83,13 @@ def _num(x: float) -> str:
     return repr(float(x))
 
 
-def encode_class(c: ClassConfig) -> str:
+def encode_class(c: ClassSettings) -> str:
     return " ".join((str(c.reserved_floor), _num(c.reserved_per_slot), str(c.queue_size),
                      _num(c.queue_timeout_secs), _num(c.starvation_threshold_secs),
                      "1" if c.can_preempt else "0"))
 
 
-def config_digest(classes: Mapping[PriorityClass, ClassConfig]) -> str:
+def config_digest(classes: Mapping[PriorityClass, ClassSettings]) -> str:
     """A short digest of the class settings, equal on replicas configured alike."""
     text = "\n".join(f"{c.label} {encode_class(classes[c])}" for c in HIGH_TO_LOW)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -222,7 +221,7 @@ class FleetLedger:
         self._clock = clock
         # redis-py's Script: EVALSHA, and on NOSCRIPT (server restarted) SCRIPT LOAD + retry.
         self._script: AsyncScript = client.register_script(LUA)
-        self._classes: Mapping[PriorityClass, ClassConfig] | None = None
+        self._classes: Mapping[PriorityClass, ClassSettings] | None = None
         self._capacity = 0
 
     @property
@@ -252,7 +251,7 @@ class FleetLedger:
 
     # ---------------------------------------------------------------- registration
 
-    async def register(self, classes: Mapping[PriorityClass, ClassConfig],
+    async def register(self, classes: Mapping[PriorityClass, ClassSettings],
                        capacity: int) -> FleetStatus:
         """Start or reload: store the class settings (they become the fleet's) and report."""
         self._classes = dict(classes)
@@ -284,7 +283,8 @@ class FleetLedger:
             return Arrival(status, victim=reply[1], victim_owner=reply[2])
         return Arrival(status)
 
-    async def release(self, id: str, reason: str = "completed") -> ReleaseResult:
+    async def release(self, id: str,
+                      reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
         return ReleaseResult(await self._call("release", id, reason))
 
     async def cancel(self, id: str) -> CancelResult:
