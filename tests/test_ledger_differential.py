@@ -1,9 +1,9 @@
 """Differential property test: the in-process core and the fleet ledger decide alike.
 
 The ``Scheduler`` of ``sidecar/scheduler/`` is the specification of the contract's rules;
-``ledger.lua`` is their port to one atomic server-side script per decision. Both are driven by the same
-random operation sequences -- one replica, the ledger on the test's fake clock -- and
-after every step they must have made identical decisions: admitted / queued / rejected,
+``ledger.lua`` is their port to one atomic server-side script per decision. Both are
+driven by the same random operation sequences -- one replica, the ledger on the test's
+fake clock -- and after every step they must have made identical decisions: admitted / queued / rejected,
 which queued head was granted (and whether by starvation or by preemption), which victim
 was preempted, which waiters timed out and after how long, what each release, cancel and
 mark answered, the in-flight counts, queue depths, reservations and when the next timer
