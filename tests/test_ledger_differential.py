@@ -3,13 +3,13 @@
 The ``Scheduler`` of ``sidecar/scheduler/`` is the specification of the contract's rules;
 ``ledger.lua`` is their port to one atomic server-side script per decision. Both are
 driven by the same random operation sequences -- one replica, the ledger on the test's
-fake clock -- and after every step they must have made identical decisions: admitted / queued / rejected,
-which queued head was granted (and whether by starvation or by preemption), which victim
-was preempted, which waiters timed out and after how long, what each release, cancel and
-mark answered, the in-flight counts, queue depths, reservations and when the next timer
-is due -- also across hot reloads of the class settings. Queue timeouts: the ledger
-expires waiters itself from stored deadlines, on any call, exactly when the core's
-``tick`` does.
+fake clock -- and after every step they must have made identical decisions: admitted /
+queued / rejected, which queued head was granted (and whether by starvation or by
+preemption), which victim was preempted, which waiters timed out and after how long, what
+each release, cancel and mark answered, the in-flight counts, queue depths, reservations
+and when the next timer is due -- also across hot reloads of the class settings. Queue
+timeouts: the ledger expires waiters itself from stored deadlines, on any call, exactly
+when the core's ``tick`` does.
 """
 
 from __future__ import annotations
