@@ -119,8 +119,7 @@ def _build_core(s: Settings, reading: CapacityReading) -> AdmissionCore:
     classes = s.priority.classes
     if s.scheduler_enabled:
         if reservations_fit(classes, reading.capacity):
-            return Scheduler(classes, reading.capacity, time.monotonic,
-                             preemptible_on_admit=False)
+            return Scheduler(classes, reading.capacity, time.monotonic)
         desired = desired_reservations(classes, reading.capacity)
         log.warning("reservations_exceed_capacity_using_legacy_admission",
                     capacity=reading.capacity, reserved_total=sum(desired.values()),
