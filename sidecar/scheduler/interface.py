@@ -8,7 +8,7 @@ the pure functions here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sidecar.classes import PriorityClass
@@ -25,6 +25,8 @@ class ClassSnapshot:
     queue_depth: int
     queue_limit: int
     reserved: int
+    tenant_depths: Mapping[str, int] = field(default_factory=dict)
+    """Waiters per tenant (tenants with none are absent)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,10 @@
 """The priority scheduler (docs/reference.md, "The admission algorithm").
 
-Per-class reservations, FIFO class queues with size and timeout, starvation
-aging and preemption, over an injected clock. Nothing here awaits or does
+Per-class reservations, class queues with size and timeout (FIFO, or fair
+across tenants: :mod:`sidecar.scheduler.queues`), starvation aging and
+preemption, over an injected clock. A class queue's ``head()`` is the waiter it
+serves next, which is what every rule below acts on; starvation ages by its
+``oldest()`` (the same waiter for a FIFO). Nothing here awaits or does
 I/O: every state change (see :mod:`sidecar.scheduler.lifecycle`) is reported
 as an event, collected until the caller takes them with ``take_events()``.
 """
@@ -29,7 +32,7 @@ from sidecar.scheduler.lifecycle import (
     State,
     Waiter,
 )
-from sidecar.scheduler.queues import ClassQueues, first
+from sidecar.scheduler.queues import ClassQueues
 from sidecar.scheduler.reservations import CLASSES_ABOVE, scaled_reservations
 from sidecar.scheduler.settings import ClassSettings
 
@@ -68,8 +71,8 @@ class Scheduler:
         self._preemptible: dict[PriorityClass, OrderedDict[str, Admission]] = {
             c: OrderedDict() for c in PriorityClass
         }
-        self._queues = ClassQueues()
-        self._fifo = self._queues.fifo
+        self._queues = ClassQueues(self._cfg)
+        self._queue = self._queues.by_class
         self._waiting = self._queues.waiting
         self._deadlines = self._queues.deadlines
         self._ended = EndedIds(remember_ended)
@@ -94,10 +97,11 @@ class Scheduler:
         return self._total if cls is None else self._inflight[cls]
 
     def queue_depth(self, cls: PriorityClass) -> int:
-        return len(self._fifo[cls])
+        return len(self._queue[cls])
 
     def queued_ids(self, cls: PriorityClass) -> list[str]:
-        return list(self._fifo[cls])
+        """``cls``'s waiters in arrival order."""
+        return list(self._queue[cls])
 
     def admissions(self) -> Iterator[Admission]:
         return iter(self._admitted.values())
@@ -131,9 +135,10 @@ class Scheduler:
             classes={
                 c: ClassSnapshot(
                     inflight=self._inflight[c],
-                    queue_depth=len(self._fifo[c]),
+                    queue_depth=len(self._queue[c]),
                     queue_limit=self._cfg[c].queue_size,
                     reserved=self._reserved[c],
+                    tenant_depths=self._queue[c].tenant_depths() if self._queue[c] else {},
                 )
                 for c in HIGH_TO_LOW
             },
@@ -150,10 +155,10 @@ class Scheduler:
         for cls in LOW_TO_HIGH:
             if cls is PriorityClass.SYSTEM:
                 break
-            head = first(self._fifo[cls])
-            if head is None:
+            oldest = self._queue[cls].oldest()
+            if oldest is None:
                 continue
-            starve_at = head.enqueued_at + self._cfg[cls].starvation_threshold_secs
+            starve_at = oldest.enqueued_at + self._cfg[cls].starvation_threshold_secs
             # An already-starved head waits for a release, not for a timer.
             if starve_at > now and (best is None or starve_at < best):
                 best = starve_at
@@ -165,7 +170,7 @@ class Scheduler:
         """new → ADMITTED, QUEUED or rejected_queue_full."""
         now = self._clock()
         self._dispatch(now)
-        queue = self._fifo[cls]
+        queue = self._queue[cls]
         available = self.available(cls)
         if not queue and available >= 1:
             return self._admit(id, cls, tenant, now, waited=0.0, queued=False)
@@ -261,9 +266,14 @@ class Scheduler:
         self._dispatch(self._clock())
 
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
-        """Hot reload: new knobs for new decisions; queued requests keep their place."""
+        """Hot reload: new knobs for new decisions; queued requests keep their place.
+
+        A class whose fair queuing or per-tenant limit was switched (or whose
+        weights changed) has its waiters re-sorted by arrival; none is shed.
+        """
         self._cfg = dict(classes)
         self._reserved = scaled_reservations(self._cfg, self._capacity)
+        self._queues.configure(self._cfg)
         self._dispatch(self._clock())
 
     def tick(self) -> None:
@@ -305,7 +315,10 @@ class Scheduler:
 
     def _enqueue(self, id: str, cls: PriorityClass, tenant: str, now: float) -> Decision:
         cfg = self._cfg[cls]
-        if len(self._fifo[cls]) >= cfg.queue_size:
+        queue = self._queue[cls]
+        limit = cfg.tenant_queue_limit  # not None: the queue is a TenantQueue
+        if len(queue) >= cfg.queue_size or (
+                limit is not None and queue.depth_of(tenant) >= limit):
             event = Rejected(id, cls, tenant, Outcome.REJECTED_QUEUE_FULL, 0.0)
             self._events.append(event)
             return event
@@ -356,7 +369,7 @@ class Scheduler:
         # (not through dispatch, where a starved lower class could take it). Its
         # class has no free slot (available == 0), or dispatch would have admitted it.
         for cls in HIGH_TO_LOW:
-            head = first(self._fifo[cls])
+            head = self._queue[cls].head()
             if head is None or not self._cfg[cls].can_preempt or self.available(cls) != 0:
                 continue
             victim = self._pick_victim(cls, admitted_by=head.enqueued_at)
@@ -386,9 +399,10 @@ class Scheduler:
         for cls in LOW_TO_HIGH:
             if cls is PriorityClass.SYSTEM:
                 break
-            head = first(self._fifo[cls])
+            # Aged by the oldest waiter; the head (who the queue serves next) goes.
+            oldest = self._queue[cls].oldest()
             threshold = self._cfg[cls].starvation_threshold_secs
-            if head is not None and now - head.enqueued_at >= threshold:
+            if oldest is not None and now - oldest.enqueued_at >= threshold:
                 self._admit_head(cls, now, starvation=True)
                 return True
         return False
@@ -397,8 +411,7 @@ class Scheduler:
         # Strict priority: available() only shrinks going down the classes, so
         # the first head that does not fit means no lower head fits either.
         for cls in HIGH_TO_LOW:
-            head = first(self._fifo[cls])
-            if head is None:
+            if not self._queue[cls]:
                 continue
             if self.available(cls) < 1:
                 return False

@@ -1,21 +1,59 @@
-"""The class queues: one FIFO per class, plus queue timeouts by deadline.
+"""The class queues: one per class, plus queue timeouts by deadline.
 
-All operations are O(1) in queue length (the deadline heap, amortised
-O(log n) on push). A class queue is an OrderedDict (a linked list under the
-hood), so the FIFO head, appends and cancels are O(1). A plain dict would not
-do: popping from its front leaves deleted slots that every later "first item"
-lookup scans past, which grows with queue churn.
+A class queue is one of two kinds, chosen per class from its settings:
+
+* :class:`FifoQueue` — the contract's FIFO, for a class with neither
+  ``fair_queuing`` nor a per-tenant limit in force (the built-in table). An
+  OrderedDict (a linked list under the hood), so the head, appends and cancels
+  are O(1). A plain dict would not do: popping from its front leaves deleted
+  slots that every later "first item" lookup scans past.
+* :class:`TenantQueue` — the class's waiters split into per-tenant FIFOs, for
+  ``fair_queuing`` or ``max_queued_per_tenant``. Without fair queuing its head
+  is still the oldest waiter (arrival order, as a FifoQueue); it only adds the
+  per-tenant counts the limit needs.
+
+Both answer the same questions: ``head()`` (the waiter the queue serves next:
+what reservations, strict priority and preemption act on), ``oldest()`` (what
+starvation ages by), ``len``, iteration in arrival order, and O(1) removal of
+any waiter by id.
+
+Fair queuing: self-clocked weighted fair queuing (SCFQ, Golestani 1994) at the
+grain of one request. Each backlogged tenant holds one *turn* tagged with a
+virtual finish time; a heap of those turns (one entry per tenant) gives the
+next tenant in O(log tenants), and that tenant's oldest waiter is served. A
+turn costs ``1 / weight``: serving a tenant moves its tag on by that much, and
+the queue's virtual time to the tag served. A tenant that starts waiting joins
+at ``virtual time + 1 / weight``, so it competes from now on and earns no
+credit for having been idle. Chosen over the alternatives because:
+
+* it interleaves: weights 2:1 serve A A B A A B ..., not runs of a tenant's
+  whole quantum as deficit round robin does, and any real weight works (no
+  integer quanta);
+* it is O(log tenants) per operation; smooth weighted round robin (nginx)
+  scans every tenant per pick, O(tenants), too slow at 10,000 tenants;
+* the tag belongs to the tenant's turn, not to a request, so a cancelled or
+  timed-out waiter needs no re-tagging (its tenant's next waiter inherits the
+  turn) and a tenant's own requests stay FIFO.
+
+Ties (equal tags) go to the turn tagged first, so equal-weight tenants
+alternate in the order they started waiting. Tags restart from 0 whenever the
+class queue empties, which keeps the floats small.
+
+All operations are O(1) in queue length and at most O(log tenants) (the heaps
+amortised: entries for tenants gone idle, admitted or cancelled waiters are
+dropped lazily and rebuilt when they outnumber the live ones).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 
 from sidecar.classes import PriorityClass
 from sidecar.scheduler.lifecycle import Waiter
+from sidecar.scheduler.settings import ClassSettings
 
 _NOTHING: tuple[Waiter, ...] = ()
 
@@ -25,18 +63,189 @@ def first(queue: OrderedDict[str, Waiter]) -> Waiter | None:
     return next(iter(queue.values()), None)
 
 
-class ClassQueues:
-    """Every QUEUED request: by class in arrival order, by id, and by deadline.
+class FifoQueue(OrderedDict[str, Waiter]):
+    """One FIFO by arrival: the contract's class queue."""
 
-    ``fifo``, ``waiting`` and ``deadlines`` are read directly by the scheduler
+    __slots__ = ()
+
+    def head(self) -> Waiter | None:
+        return next(iter(self.values()), None)
+
+    oldest = head
+
+    def add(self, waiter: Waiter) -> None:
+        self[waiter.id] = waiter
+
+    def take_head(self) -> Waiter:
+        return self.popitem(last=False)[1]
+
+    def discard(self, waiter: Waiter) -> None:
+        del self[waiter.id]
+
+    def arrivals(self) -> Iterator[Waiter]:
+        return iter(self.values())
+
+    def depth_of(self, tenant: str) -> int:
+        """O(queue length): never on the hot path, as a FIFO class has no per-tenant limit."""
+        return sum(1 for w in self.values() if w.tenant == tenant)
+
+    def tenant_depths(self) -> dict[str, int]:
+        """Waiters per tenant (O(queue length): scrape time only)."""
+        return dict(Counter(w.tenant for w in self.values()))
+
+
+class _Flow:
+    """One tenant's waiters in a :class:`TenantQueue`, and its turn."""
+
+    __slots__ = ("cost", "queue", "seq", "tag")
+
+    def __init__(self, cost: float) -> None:
+        self.queue: OrderedDict[str, Waiter] = OrderedDict()
+        self.cost = cost  # 1 / weight: how far one served request moves the tag
+        self.tag = 0.0  # virtual finish time of its next turn
+        self.seq = 0  # identifies its live heap entry (older entries are stale)
+
+
+class TenantQueue:
+    """A class's waiters in per-tenant FIFOs, served by fair queuing or by arrival."""
+
+    __slots__ = ("_all", "_flows", "_heap", "_seq", "_vtime", "fair", "weights")
+
+    def __init__(self, *, fair: bool, weights: Mapping[str, float]) -> None:
+        self.fair = fair
+        self.weights = weights
+        self._all: OrderedDict[str, Waiter] = OrderedDict()  # every waiter, by arrival
+        self._flows: dict[str, _Flow] = {}  # tenants with a waiter
+        # (tag, seq, tenant): one live entry per flow under fair queuing.
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count(1)
+        self._vtime = 0.0
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all)
+
+    def arrivals(self) -> Iterator[Waiter]:
+        return iter(self._all.values())
+
+    def oldest(self) -> Waiter | None:
+        return next(iter(self._all.values()), None)
+
+    def head(self) -> Waiter | None:
+        if not self.fair:
+            return next(iter(self._all.values()), None)
+        flow = self._top()
+        return None if flow is None else next(iter(flow.queue.values()))
+
+    def depth_of(self, tenant: str) -> int:
+        flow = self._flows.get(tenant)
+        return 0 if flow is None else len(flow.queue)
+
+    def tenant_depths(self) -> dict[str, int]:
+        return {t: len(f.queue) for t, f in self._flows.items()}
+
+    def add(self, waiter: Waiter) -> None:
+        self._all[waiter.id] = waiter
+        flow = self._flows.get(waiter.tenant)
+        if flow is None:
+            flow = self._flows[waiter.tenant] = _Flow(1.0 / self.weights.get(waiter.tenant, 1.0))
+            if self.fair:
+                # Joins at the current virtual time: no credit for having been idle.
+                flow.tag = self._vtime + flow.cost
+                self._push(flow, waiter.tenant)
+        flow.queue[waiter.id] = waiter
+
+    def take_head(self) -> Waiter:
+        if not self.fair:
+            waiter = self._all.popitem(last=False)[1]
+            self._drop(waiter)
+            return waiter
+        flow = self._top()
+        assert flow is not None, "take_head on an empty queue"
+        _, waiter = flow.queue.popitem(last=False)
+        del self._all[waiter.id]
+        self._vtime = flow.tag
+        if flow.queue:
+            flow.tag += flow.cost
+            flow.seq = next(self._seq)
+            heapq.heapreplace(self._heap, (flow.tag, flow.seq, waiter.tenant))
+        else:
+            heapq.heappop(self._heap)
+            del self._flows[waiter.tenant]
+            self._maybe_reset()
+        return waiter
+
+    def discard(self, waiter: Waiter) -> None:
+        """Take out any waiter; its tenant's next waiter inherits the turn."""
+        del self._all[waiter.id]
+        self._drop(waiter)
+
+    # ------------------------------------------------------------------ internals
+
+    def _drop(self, waiter: Waiter) -> None:
+        flow = self._flows[waiter.tenant]
+        del flow.queue[waiter.id]
+        if not flow.queue:
+            del self._flows[waiter.tenant]  # its heap entry goes stale
+            self._maybe_reset()
+
+    def _maybe_reset(self) -> None:
+        if not self._all:
+            self._heap.clear()
+            self._vtime = 0.0
+        elif len(self._heap) > 2 * len(self._flows) + 64:
+            self._heap[:] = [(f.tag, f.seq, t) for t, f in self._flows.items()]
+            heapq.heapify(self._heap)
+
+    def _push(self, flow: _Flow, tenant: str) -> None:
+        flow.seq = next(self._seq)
+        heapq.heappush(self._heap, (flow.tag, flow.seq, tenant))
+
+    def _top(self) -> _Flow | None:
+        """The flow whose turn is next, dropping stale heap entries on the way."""
+        heap, flows = self._heap, self._flows
+        while heap:
+            _, seq, tenant = heap[0]
+            flow = flows.get(tenant)
+            if flow is not None and flow.seq == seq:
+                return flow
+            heapq.heappop(heap)
+        return None
+
+
+ClassQueue = FifoQueue | TenantQueue
+
+
+def queue_for(settings: ClassSettings) -> ClassQueue:
+    """The kind of queue ``settings`` ask for (empty)."""
+    if settings.fair_queuing or settings.tenant_queue_limit is not None:
+        return TenantQueue(fair=settings.fair_queuing, weights=settings.tenant_weights)
+    return FifoQueue()
+
+
+def _same_kind(queue: ClassQueue, settings: ClassSettings) -> bool:
+    if isinstance(queue, FifoQueue):
+        return not settings.fair_queuing and settings.tenant_queue_limit is None
+    if settings.fair_queuing:
+        return queue.fair and queue.weights == settings.tenant_weights
+    return not queue.fair and settings.tenant_queue_limit is not None
+
+
+class ClassQueues:
+    """Every QUEUED request: by class, by id, and by deadline.
+
+    ``by_class``, ``waiting`` and ``deadlines`` are read directly by the scheduler
     (its hot path: a method call per dispatch is measurable); change them only
     through the methods here, which keep the three views in step. Each is the
-    same object for the life of the queues.
+    same object for the life of the queues (``configure`` replaces a class's
+    queue inside ``by_class``).
     """
 
-    def __init__(self) -> None:
-        self.fifo: dict[PriorityClass, OrderedDict[str, Waiter]] = {
-            c: OrderedDict() for c in PriorityClass
+    def __init__(self, classes: Mapping[PriorityClass, ClassSettings] | None = None) -> None:
+        self.by_class: dict[PriorityClass, ClassQueue] = {
+            c: FifoQueue() if classes is None else queue_for(classes[c]) for c in PriorityClass
         }
         self.waiting: dict[str, Waiter] = {}
         # Queue timeouts by deadline (a heap with lazy deletion): after a reload
@@ -44,9 +253,25 @@ class ClassQueues:
         self.deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
 
+    def configure(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
+        """A reload: a class whose queue kind or weights changed is re-sorted.
+
+        Every waiter moves to the new queue in arrival order (so per-tenant FIFOs
+        by arrival, or one FIFO by arrival); none is lost or shed, and deadlines
+        are untouched. O(waiters of that class), on reload only.
+        """
+        for cls, settings in classes.items():
+            old = self.by_class[cls]
+            if _same_kind(old, settings):
+                continue
+            new = queue_for(settings)
+            for waiter in old.arrivals():
+                new.add(waiter)
+            self.by_class[cls] = new
+
     def push(self, waiter: Waiter) -> None:
-        """Append at the tail of its class queue."""
-        self.fifo[waiter.cls][waiter.id] = waiter
+        """Add to its class queue (at the tail of its tenant's FIFO)."""
+        self.by_class[waiter.cls].add(waiter)
         self.waiting[waiter.id] = waiter
         heapq.heappush(self.deadlines, (waiter.deadline, next(self._seq), waiter.id))
         if len(self.deadlines) > 2 * len(self.waiting) + 64:
@@ -57,8 +282,8 @@ class ClassQueues:
             heapq.heapify(self.deadlines)
 
     def pop_head(self, cls: PriorityClass) -> Waiter:
-        """Take the head of ``cls``'s queue (FIFO: always the head)."""
-        _, waiter = self.fifo[cls].popitem(last=False)
+        """Take the head of ``cls``'s queue (the waiter it serves next)."""
+        waiter = self.by_class[cls].take_head()
         del self.waiting[waiter.id]
         return waiter
 
@@ -66,7 +291,7 @@ class ClassQueues:
         """Take ``id`` out wherever it stands; None if it is not queued."""
         waiter = self.waiting.pop(id, None)
         if waiter is not None:
-            del self.fifo[waiter.cls][id]
+            self.by_class[waiter.cls].discard(waiter)
         return waiter
 
     def pop_expired(self, now: float) -> Sequence[Waiter]:
@@ -81,7 +306,7 @@ class ClassQueues:
             if waiter is None or waiter.deadline != deadline:
                 continue  # admitted or cancelled since
             del self.waiting[id]
-            del self.fifo[waiter.cls][id]
+            self.by_class[waiter.cls].discard(waiter)
             expired.append(waiter)
         return expired
 
@@ -95,4 +320,3 @@ class ClassQueues:
                 return deadline
             heapq.heappop(heap)
         return None
-

@@ -1,5 +1,8 @@
 """Per-class settings, as the core takes them: a plain value, no YAML, no flags.
 
+The field names are the YAML keys of ``classes.<class>``, except ``tenant_weights``
+(from ``tenant_policies``).
+
 ``sidecar.config`` builds these from ``priority.yaml`` (field-wise over
 :data:`BUILTIN_CLASSES`); the core never imports the configuration module.
 """
@@ -7,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sidecar.classes import PriorityClass
 
@@ -28,6 +31,23 @@ class ClassSettings:
     """A queue head waiting this long is admitted ignoring reservations (not ``system``)."""
     can_preempt: bool
     """Whether an arrival of this class may stop a lower-class request before its first byte."""
+    fair_queuing: bool = False
+    """Serve the class's waiters across tenants by weighted fair queuing (False: one FIFO)."""
+    max_queued_per_tenant: int | None = None
+    """A tenant's waiters at most; one more is refused with 429 (None: no per-tenant limit)."""
+    tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
+    """Each tenant's share under fair queuing (absent: 1). Not a class key: ``sidecar.config``
+    fills it from ``tenant_policies.<tenant>.weight``, the same map in every class."""
+
+    @property
+    def tenant_queue_limit(self) -> int | None:
+        """The per-tenant limit in force: None when unset or not below ``queue_size``
+        (the class queue fills first, so it could never bite)."""
+        limit = self.max_queued_per_tenant
+        return limit if limit is not None and limit < self.queue_size else None
+
+    def weight(self, tenant: str) -> float:
+        return self.tenant_weights.get(tenant, 1.0)
 
 
 BUILTIN_CLASSES: Mapping[PriorityClass, ClassSettings] = {

@@ -1,0 +1,491 @@
+"""The priority scheduler exactly as it was before fair queuing (issue 14): a frozen oracle.
+
+``tests/test_fair_queuing.py`` runs it beside :class:`sidecar.scheduler.Scheduler`
+with ``fair_queuing: false`` (and no per-tenant limit) everywhere on random
+sequences and requires the same decisions and events. Do not edit it to follow
+the live code: its whole point is to stay as the scheduler was (commit 24d88dc,
+``sidecar/scheduler/queues.py`` then ``priority.py``, verbatim but for imports).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+
+from sidecar.classes import HIGH_TO_LOW, LOW_TO_HIGH, PriorityClass
+from sidecar.scheduler.interface import ClassSnapshot, Clock, Snapshot
+from sidecar.scheduler.lifecycle import (
+    Admission,
+    Admitted,
+    Decision,
+    EndedIds,
+    Event,
+    Outcome,
+    Preempted,
+    Queued,
+    Rejected,
+    Released,
+    ReleaseReason,
+    ReleaseResult,
+    State,
+    Waiter,
+)
+from sidecar.scheduler.reservations import CLASSES_ABOVE, scaled_reservations
+from sidecar.scheduler.settings import ClassSettings
+
+_NOTHING: tuple[Waiter, ...] = ()
+
+
+def first(queue: OrderedDict[str, Waiter]) -> Waiter | None:
+    """The head of a FIFO, or None when it is empty."""
+    return next(iter(queue.values()), None)
+
+
+class ClassQueues:
+    """Every QUEUED request: by class in arrival order, by id, and by deadline.
+
+    ``fifo``, ``waiting`` and ``deadlines`` are read directly by the scheduler
+    (its hot path: a method call per dispatch is measurable); change them only
+    through the methods here, which keep the three views in step. Each is the
+    same object for the life of the queues.
+    """
+
+    def __init__(self) -> None:
+        self.fifo: dict[PriorityClass, OrderedDict[str, Waiter]] = {
+            c: OrderedDict() for c in PriorityClass
+        }
+        self.waiting: dict[str, Waiter] = {}
+        # Queue timeouts by deadline (a heap with lazy deletion): after a reload
+        # shortens a timeout, a newer waiter can be due before an older head.
+        self.deadlines: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+
+    def push(self, waiter: Waiter) -> None:
+        """Append at the tail of its class queue."""
+        self.fifo[waiter.cls][waiter.id] = waiter
+        self.waiting[waiter.id] = waiter
+        heapq.heappush(self.deadlines, (waiter.deadline, next(self._seq), waiter.id))
+        if len(self.deadlines) > 2 * len(self.waiting) + 64:
+            # Admitted and cancelled waiters leave entries behind; rebuild now and
+            # then so the heap stays proportional to the queues (amortised O(1)).
+            self.deadlines[:] = [(w.deadline, next(self._seq), w.id)
+                                 for w in self.waiting.values()]
+            heapq.heapify(self.deadlines)
+
+    def pop_head(self, cls: PriorityClass) -> Waiter:
+        """Take the head of ``cls``'s queue (FIFO: always the head)."""
+        _, waiter = self.fifo[cls].popitem(last=False)
+        del self.waiting[waiter.id]
+        return waiter
+
+    def remove(self, id: str) -> Waiter | None:
+        """Take ``id`` out wherever it stands; None if it is not queued."""
+        waiter = self.waiting.pop(id, None)
+        if waiter is not None:
+            del self.fifo[waiter.cls][id]
+        return waiter
+
+    def pop_expired(self, now: float) -> Sequence[Waiter]:
+        """Take out every waiter whose deadline is ``now`` or earlier, earliest first."""
+        heap = self.deadlines
+        if not heap or heap[0][0] > now:
+            return _NOTHING
+        expired: list[Waiter] = []
+        while heap and heap[0][0] <= now:
+            deadline, _, id = heapq.heappop(heap)
+            waiter = self.waiting.get(id)
+            if waiter is None or waiter.deadline != deadline:
+                continue  # admitted or cancelled since
+            del self.waiting[id]
+            del self.fifo[waiter.cls][id]
+            expired.append(waiter)
+        return expired
+
+    def next_timeout(self) -> float | None:
+        """The earliest deadline of a waiter still queued."""
+        heap = self.deadlines
+        while heap:
+            deadline, _, id = heap[0]
+            waiter = self.waiting.get(id)
+            if waiter is not None and waiter.deadline == deadline:
+                return deadline
+            heapq.heappop(heap)
+        return None
+
+
+
+
+_COMPLETED = ReleaseReason.COMPLETED
+_PREEMPTED = ReleaseReason.PREEMPTED
+
+
+class OracleScheduler:
+    """The priority scheduler.
+
+    An admission becomes a preemption candidate (PREEMPTIBLE) only once
+    :meth:`mark_preemptible` says a channel to stop it exists, as in the
+    sidecar. ``preemptible_on_admit=True`` makes every admission a candidate at
+    once, for a caller that can always stop what it admitted.
+    """
+
+    legacy = False
+
+    def __init__(
+        self,
+        classes: Mapping[PriorityClass, ClassSettings],
+        capacity: int,
+        clock: Clock,
+        *,
+        remember_ended: int = 100_000,
+        preemptible_on_admit: bool = False,
+    ) -> None:
+        self._preemptible_on_admit = preemptible_on_admit
+        self._cfg: dict[PriorityClass, ClassSettings] = dict(classes)
+        self._clock = clock
+        self._capacity = max(0, capacity)
+        self._inflight: dict[PriorityClass, int] = dict.fromkeys(PriorityClass, 0)
+        self._total = 0
+        self._admitted: dict[str, Admission] = {}
+        # Per class, in admission order, the PREEMPTIBLE admissions (the victims).
+        self._preemptible: dict[PriorityClass, OrderedDict[str, Admission]] = {
+            c: OrderedDict() for c in PriorityClass
+        }
+        self._queues = ClassQueues()
+        self._fifo = self._queues.fifo
+        self._waiting = self._queues.waiting
+        self._deadlines = self._queues.deadlines
+        self._ended = EndedIds(remember_ended)
+        self._events: list[Event] = []
+        self._reserved: dict[PriorityClass, int] = scaled_reservations(self._cfg, self._capacity)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def reserved(self) -> Mapping[PriorityClass, int]:
+        return self._reserved
+
+    @property
+    def config(self) -> Mapping[PriorityClass, ClassSettings]:
+        return self._cfg
+
+    def inflight(self, cls: PriorityClass | None = None) -> int:
+        return self._total if cls is None else self._inflight[cls]
+
+    def queue_depth(self, cls: PriorityClass) -> int:
+        return len(self._fifo[cls])
+
+    def queued_ids(self, cls: PriorityClass) -> list[str]:
+        return list(self._fifo[cls])
+
+    def admissions(self) -> Iterator[Admission]:
+        return iter(self._admitted.values())
+
+    def is_admitted(self, id: str) -> bool:
+        return id in self._admitted
+
+    def state_of(self, id: str) -> State | None:
+        """The live state of ``id`` (QUEUED or one holding a slot); None once it ended."""
+        adm = self._admitted.get(id)
+        if adm is not None:
+            return adm.state
+        return State.QUEUED if id in self._waiting else None
+
+    def available(self, cls: PriorityClass) -> int:
+        """Free slots ``cls`` may take without eating a higher class's unused reservation.
+
+        ``capacity − Σinflight − Σ_{h>cls} max(0, reserved[h] − inflight[h])``.
+        """
+        held = 0
+        for h in CLASSES_ABOVE[cls]:
+            unused = self._reserved[h] - self._inflight[h]
+            if unused > 0:
+                held += unused
+        return self._capacity - self._total - held
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            capacity=self._capacity,
+            inflight=self._total,
+            classes={
+                c: ClassSnapshot(
+                    inflight=self._inflight[c],
+                    queue_depth=len(self._fifo[c]),
+                    queue_limit=self._cfg[c].queue_size,
+                    reserved=self._reserved[c],
+                )
+                for c in HIGH_TO_LOW
+            },
+        )
+
+    def take_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has work: a queue timeout or a head turning starved."""
+        best = self._queues.next_timeout()
+        now = self._clock()
+        for cls in LOW_TO_HIGH:
+            if cls is PriorityClass.SYSTEM:
+                break
+            head = first(self._fifo[cls])
+            if head is None:
+                continue
+            starve_at = head.enqueued_at + self._cfg[cls].starvation_threshold_secs
+            # An already-starved head waits for a release, not for a timer.
+            if starve_at > now and (best is None or starve_at < best):
+                best = starve_at
+        return best
+
+    # ---------------------------------------------------------------- mutations
+
+    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision:
+        """new → ADMITTED, QUEUED or rejected_queue_full."""
+        now = self._clock()
+        self._dispatch(now)
+        queue = self._fifo[cls]
+        available = self.available(cls)
+        if not queue and available >= 1:
+            return self._admit(id, cls, tenant, now, waited=0.0, queued=False)
+        if not queue and self._cfg[cls].can_preempt and available == 0:
+            # Preempting one victim frees exactly the one slot needed; when the
+            # class is over its share (available < 0) it would not, so no victim.
+            victim = self._pick_victim(cls)
+            if victim is not None:
+                self._preempt(victim, cls)
+                admitted = self._admit(id, cls, tenant, now, waited=0.0, queued=False,
+                                       preempted=True)
+                # Filling its own unused reservation lowered the hold-back for the
+                # classes below: a queued lower head may fit (or preempt) now.
+                self._dispatch(now)
+                return admitted
+        # Earlier arrivals of this class keep FIFO order: this one queues behind
+        # them (the dispatch above already preempted for their head if it could).
+        return self._enqueue(id, cls, tenant, now)
+
+    def cancel(self, id: str) -> bool:
+        """QUEUED → client_cancelled (the client went away). False if ``id`` is not queued."""
+        waiter = self._queues.remove(id)
+        if waiter is None:
+            return False
+        now = self._clock()
+        self._events.append(
+            Rejected(id, waiter.cls, waiter.tenant, Outcome.CLIENT_CANCELLED,
+                     now - waiter.enqueued_at)
+        )
+        self._dispatch(now)
+        return True
+
+    def release(self, id: str, reason: ReleaseReason = _COMPLETED) -> ReleaseResult:
+        """A slot-holding state → released. A second or unknown release changes nothing."""
+        adm = self._admitted.get(id)
+        if adm is None:
+            return ReleaseResult.ALREADY_RELEASED if id in self._ended else ReleaseResult.UNKNOWN
+        self._end(adm, reason)
+        self._events.append(Released(adm, reason))
+        self._dispatch(self._clock())
+        return ReleaseResult.RELEASED
+
+    def adopt(self, id: str, cls: PriorityClass, tenant: str) -> bool:
+        """new or lease_expired → STREAMING: a request admitted by an earlier sidecar process.
+
+        After a restart, Envoy's periodic access-log entries name streams that
+        are still running. They hold real slots, so they count as in flight
+        (even past capacity, like a shrink: nothing new is admitted until they
+        drain). They cannot be preempted: their stop channel died with the old
+        process. The same holds for a stream whose lease this process reclaimed
+        while it kept running (its heartbeats were lost). Any other id this
+        process has ended (completed, preempted) is never adopted again.
+        """
+        if id in self._admitted or id in self._waiting or not self._ended.adoptable(id):
+            return False
+        adm = Admission(id, cls, tenant, self._clock(), State.STREAMING)
+        self._admitted[id] = adm
+        self._inflight[cls] += 1
+        self._total += 1
+        self._events.append(Admitted(adm, 0.0, queued=False, adopted=True))
+        return True
+
+    def mark_preemptible(self, id: str) -> bool:
+        """ADMITTED → PREEMPTIBLE: a channel to stop it exists, so it may be a victim.
+
+        False if ``id`` holds no slot or its response already started.
+        """
+        adm = self._admitted.get(id)
+        if adm is None or adm.state is State.STREAMING:
+            return False
+        adm.state = State.PREEMPTIBLE
+        self._preemptible[adm.cls][id] = adm
+        # A queued head of a class that may preempt can use this victim now.
+        self._dispatch(self._clock())
+        return True
+
+    def mark_first_byte(self, id: str) -> bool:
+        """ADMITTED/PREEMPTIBLE → STREAMING: it can no longer be preempted."""
+        adm = self._admitted.get(id)
+        if adm is None or adm.state is State.STREAMING:
+            return False
+        adm.state = State.STREAMING
+        self._preemptible[adm.cls].pop(id, None)
+        return True
+
+    def set_capacity(self, capacity: int) -> None:
+        """Live capacity changed: rescale reservations and dispatch."""
+        capacity = max(0, capacity)
+        if capacity == self._capacity:
+            return
+        self._capacity = capacity
+        self._reserved = scaled_reservations(self._cfg, capacity)
+        self._dispatch(self._clock())
+
+    def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
+        """Hot reload: new knobs for new decisions; queued requests keep their place."""
+        self._cfg = dict(classes)
+        self._reserved = scaled_reservations(self._cfg, self._capacity)
+        self._dispatch(self._clock())
+
+    def tick(self) -> None:
+        """Time passed: expire queue timeouts and admit starved heads."""
+        self._dispatch(self._clock())
+
+    # ---------------------------------------------------------------- internals
+
+    def _admit(
+        self,
+        id: str,
+        cls: PriorityClass,
+        tenant: str,
+        now: float,
+        *,
+        waited: float,
+        queued: bool,
+        starvation: bool = False,
+        preempted: bool = False,
+    ) -> Admitted:
+        adm = Admission(id, cls, tenant, now)
+        self._admitted[id] = adm
+        if self._preemptible_on_admit:
+            adm.state = State.PREEMPTIBLE
+            self._preemptible[cls][id] = adm
+        self._inflight[cls] += 1
+        self._total += 1
+        event = Admitted(adm, waited, queued, starvation, preempted)
+        self._events.append(event)
+        return event
+
+    def _end(self, adm: Admission, reason: ReleaseReason) -> None:
+        """Give back its slot and remember why it ended (the Released event is the caller's)."""
+        del self._admitted[adm.id]
+        self._preemptible[adm.cls].pop(adm.id, None)
+        self._inflight[adm.cls] -= 1
+        self._total -= 1
+        self._ended.add(adm.id, reason)
+
+    def _enqueue(self, id: str, cls: PriorityClass, tenant: str, now: float) -> Decision:
+        cfg = self._cfg[cls]
+        if len(self._fifo[cls]) >= cfg.queue_size:
+            event = Rejected(id, cls, tenant, Outcome.REJECTED_QUEUE_FULL, 0.0)
+            self._events.append(event)
+            return event
+        waiter = Waiter(id, cls, tenant, now, now + cfg.queue_timeout_secs)
+        self._queues.push(waiter)
+        return Queued(waiter)
+
+    def _pick_victim(self, by: PriorityClass,
+                     admitted_by: float | None = None) -> Admission | None:
+        # Lowest class first, then the most recently admitted (least work lost).
+        # With admitted_by, only admissions made by then: a queued head may take
+        # what it could have preempted on arrival had the victim been reachable,
+        # but not a request admitted after it queued (e.g. a starvation promotion).
+        # The scan is bounded by that class's in-flight count, not by queue length.
+        for cls in LOW_TO_HIGH:
+            if cls >= by:
+                return None
+            for adm in reversed(self._preemptible[cls].values()):
+                if admitted_by is None or adm.admitted_at <= admitted_by:
+                    return adm
+        return None
+
+    def _preempt(self, victim: Admission, by: PriorityClass) -> None:
+        """PREEMPTIBLE → preempted."""
+        self._end(victim, _PREEMPTED)
+        self._events.append(Preempted(victim, by))
+        self._events.append(Released(victim, _PREEMPTED))
+
+    def _admit_head(self, cls: PriorityClass, now: float, *, starvation: bool = False,
+                    preempted: bool = False) -> None:
+        """QUEUED → ADMITTED for the head of ``cls``'s queue."""
+        waiter = self._queues.pop_head(cls)
+        self._admit(waiter.id, cls, waiter.tenant, now, waited=now - waiter.enqueued_at,
+                    queued=True, starvation=starvation, preempted=preempted)
+
+    def _dispatch(self, now: float) -> None:
+        if not self._waiting:
+            return  # the common case on an unloaded fleet: nothing to expire or admit
+        self._expire(now)
+        if not self._waiting:
+            return
+        while (self._admit_starved(now) or self._admit_by_priority(now)
+               or self._preempt_for_queued(now)):
+            pass
+
+    def _preempt_for_queued(self, now: float) -> bool:
+        # A queued head of a class that may preempt takes a victim's slot directly
+        # (not through dispatch, where a starved lower class could take it). Its
+        # class has no free slot (available == 0), or dispatch would have admitted it.
+        for cls in HIGH_TO_LOW:
+            head = first(self._fifo[cls])
+            if head is None or not self._cfg[cls].can_preempt or self.available(cls) != 0:
+                continue
+            victim = self._pick_victim(cls, admitted_by=head.enqueued_at)
+            if victim is None:
+                continue
+            self._preempt(victim, cls)
+            self._admit_head(cls, now, preempted=True)
+            return True
+        return False
+
+    def _expire(self, now: float) -> None:
+        """QUEUED → rejected_queue_timeout for every waiter past its deadline."""
+        heap = self._deadlines
+        if not heap or heap[0][0] > now:
+            return  # checked here: a call per dispatch is measurable
+        for waiter in self._queues.pop_expired(now):
+            self._events.append(
+                Rejected(waiter.id, waiter.cls, waiter.tenant, Outcome.REJECTED_QUEUE_TIMEOUT,
+                         now - waiter.enqueued_at)
+            )
+
+    def _admit_starved(self, now: float) -> bool:
+        # Starvation override: lowest class first, system excluded, ignoring
+        # reservations but never past capacity.
+        if self._total >= self._capacity:
+            return False
+        for cls in LOW_TO_HIGH:
+            if cls is PriorityClass.SYSTEM:
+                break
+            head = first(self._fifo[cls])
+            threshold = self._cfg[cls].starvation_threshold_secs
+            if head is not None and now - head.enqueued_at >= threshold:
+                self._admit_head(cls, now, starvation=True)
+                return True
+        return False
+
+    def _admit_by_priority(self, now: float) -> bool:
+        # Strict priority: available() only shrinks going down the classes, so
+        # the first head that does not fit means no lower head fits either.
+        for cls in HIGH_TO_LOW:
+            head = first(self._fifo[cls])
+            if head is None:
+                continue
+            if self.available(cls) < 1:
+                return False
+            self._admit_head(cls, now)
+            return True
+        return False
