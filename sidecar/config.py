@@ -40,8 +40,8 @@ MAX_DEPTH = 32
 """Deepest nesting accepted; a priority.yaml uses 4 (document, classes, a class, a field)."""
 MAX_NODES = 50_000
 """Most YAML nodes (scalars, lists, mappings) accepted: a 1 MiB flow list of numbers
-has 500,000 and took 360 MB and 14 s to parse. A tenant policy costs 4 nodes,
-so this allows about 12,000 of them."""
+has 500,000 and took 360 MB and 14 s to parse. A tenant policy costs 4 nodes
+(6 with a weight), so this allows about 12,000 of them."""
 MAX_NUMBER_CHARS = 64
 """Longest number literal accepted, far below Python's 4,300-digit int limit."""
 QUOTE_CHARS = 80
@@ -81,19 +81,29 @@ class ConfigError(Exception):
         super().__init__(f"{where}: {self.reason}" if where else self.reason)
 
 
-# The YAML keys of a class section and their types: the core's fields, in order.
-_CLASS_FIELDS: dict[str, type] = typing.get_type_hints(ClassSettings)
+# The YAML keys of a class section and their types: the core's fields, in order
+# (tenant_weights comes from tenant_policies; an unset per-tenant limit is None).
+_CLASS_FIELDS: dict[str, type] = {
+    name: int if name == "max_queued_per_tenant" else hint
+    for name, hint in typing.get_type_hints(ClassSettings).items()
+    if name != "tenant_weights"
+}
+_POLICY_KEYS = ("max_class", "weight")
 _CLASS_NAMES = ", ".join(c.label for c in HIGH_TO_LOW)
 
 
 @dataclass(frozen=True, slots=True)
 class PriorityConfig:
-    """The effective per-class table and tenant ceilings."""
+    """The effective per-class table, tenant ceilings and tenant weights."""
 
     classes: Mapping[PriorityClass, ClassSettings] = field(
         default_factory=lambda: dict(BUILTIN_CLASSES)
     )
     tenant_policies: Mapping[str, PriorityClass] = field(default_factory=dict)
+    """Ceilings of the tenants whose policy names a ``max_class``."""
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    """Weights of the tenants whose policy names a ``weight`` (also in every class's
+    ``ClassSettings.tenant_weights``, where the core reads them)."""
     source: str | None = None
     digest: str = "builtin"
 
@@ -293,6 +303,8 @@ def _validate_class(c: ClassSettings, file: str, key: str) -> None:
         raise ConfigError("must be finite and >= 0", file=file, key=f"{key}.reserved_per_slot")
     if c.queue_size < 0:
         raise ConfigError("must be >= 0", file=file, key=f"{key}.queue_size")
+    if c.max_queued_per_tenant is not None and c.max_queued_per_tenant < 1:
+        raise ConfigError("must be >= 1", file=file, key=f"{key}.max_queued_per_tenant")
     # Finite as well as > 0: an infinite timeout cannot be scheduled.
     for name in ("queue_timeout_secs", "starvation_threshold_secs"):
         v = getattr(c, name)
@@ -300,12 +312,15 @@ def _validate_class(c: ClassSettings, file: str, key: str) -> None:
             raise ConfigError("must be a finite number > 0", file=file, key=f"{key}.{name}")
 
 
-def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
+def _parse_policies(raw: object, file: str) -> tuple[dict[str, PriorityClass],
+                                                      dict[str, float]]:
+    """Ceilings and weights by tenant; a policy may give either or both."""
     if raw is None:
-        return {}
+        return {}, {}
     if not isinstance(raw, dict):
         raise ConfigError("must be a mapping of tenant -> policy", file=file, key="tenant_policies")
     out: dict[str, PriorityClass] = {}
+    weights: dict[str, float] = {}
     for tenant, policy in raw.items():
         key = f"tenant_policies.{key_segment(tenant)}"
         if not isinstance(tenant, str) or not tenant:
@@ -314,14 +329,18 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
                 file=file, key=key
             )
         if not isinstance(policy, dict):
-            raise ConfigError("must be a mapping with max_class", file=file, key=key)
+            raise ConfigError("must be a mapping with max_class and/or weight", file=file, key=key)
         for name in policy:
-            if name != "max_class":
-                raise ConfigError(
-                    "unknown key (expected: max_class)", file=file, key=f"{key}.{key_segment(name)}"
-                )
+            if name not in _POLICY_KEYS:
+                raise ConfigError(f"unknown key (expected: {', '.join(_POLICY_KEYS)})",
+                                  file=file, key=f"{key}.{key_segment(name)}")
+        if "weight" in policy:
+            weight = _check_type(policy["weight"], float, file, f"{key}.weight")
+            if not (math.isfinite(weight) and weight > 0):
+                raise ConfigError("must be a finite number > 0", file=file, key=f"{key}.weight")
+            weights[tenant] = weight
         if "max_class" not in policy:
-            raise ConfigError("missing required key", file=file, key=f"{key}.max_class")
+            continue  # the default ceiling (--priority-scheduler-default-max-class)
         value = policy["max_class"]
         cls = PriorityClass.from_name(value) if isinstance(value, str) else None
         if cls is None:
@@ -331,7 +350,7 @@ def _parse_policies(raw: object, file: str) -> dict[str, PriorityClass]:
                 key=f"{key}.max_class",
             )
         out[tenant] = cls
-    return out
+    return out, weights
 
 
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
@@ -397,9 +416,12 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
                     f"unknown class (expected one of: {_CLASS_NAMES})", file=file, key=key
                 )
             classes[cls] = _merge_class(BUILTIN_CLASSES[cls], body, file, key)
-    policies = _parse_policies(doc.get("tenant_policies"), file)
+    policies, weights = _parse_policies(doc.get("tenant_policies"), file)
+    if weights:  # the core reads a class's weights from its own settings
+        classes = {cls: replace(c, tenant_weights=weights) for cls, c in classes.items()}
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return PriorityConfig(classes=classes, tenant_policies=policies, source=file, digest=digest)
+    return PriorityConfig(classes=classes, tenant_policies=policies, tenant_weights=weights,
+                          source=file, digest=digest)
 
 
 def read_config_file(path: str) -> bytes:
@@ -692,17 +714,27 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
     return settings_from_args(build_parser().parse_args(argv))
 
 
-def format_class_table(cfg: PriorityConfig) -> str:
-    """The effective per-class table, as ``--check-config`` prints it."""
+def _effective(c: ClassSettings, name: str) -> str:
+    # A per-tenant limit that cannot bite (unset, or not below queue_size) is none.
+    value = c.tenant_queue_limit if name == "max_queued_per_tenant" else getattr(c, name)
+    return f"{value!s}".lower()
+
+
+def format_class_table(cfg: PriorityConfig,
+                       default_max_class: PriorityClass = PriorityClass.DEFAULT) -> str:
+    """The effective per-class table and tenant policies, as ``--check-config`` prints them."""
     cols = ("class", *_CLASS_FIELDS)
     rows = [cols]
     for cls in HIGH_TO_LOW:
         c = cfg.classes[cls]
-        rows.append((cls.label, *(f"{getattr(c, n)!s}".lower() for n in _CLASS_FIELDS)))
+        rows.append((cls.label, *(_effective(c, n) for n in _CLASS_FIELDS)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    if cfg.tenant_policies:
+    tenants = sorted({*cfg.tenant_policies, *cfg.tenant_weights})
+    if tenants:
         lines.append("")
         lines.append("tenant_policies:")
-        lines.extend(f"  {t}: max_class={c.label}" for t, c in sorted(cfg.tenant_policies.items()))
+        lines.extend(
+            f"  {t}: max_class={cfg.tenant_policies.get(t, default_max_class).label}"
+            f" weight={cfg.tenant_weights.get(t, 1.0):g}" for t in tenants)
     return "\n".join(lines)

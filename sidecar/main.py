@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from sidecar.classes import parse_default_max_class
 from sidecar.config import (
     ConfigError,
     build_parser,
@@ -27,7 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"priority-sidecar: config error: {exc}", file=sys.stderr)
             return 1
         print(f"{ns.check_config}: OK (sha256 {cfg.digest})")
-        print(format_class_table(cfg))
+        default_max, _ = parse_default_max_class(ns.priority_scheduler_default_max_class)
+        print(format_class_table(cfg, default_max))
         return 0
     try:
         settings = settings_from_args(ns)

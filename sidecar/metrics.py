@@ -12,7 +12,8 @@ verb                        caller                 metrics
                                                    ``smg_scheduler_preemption_total``,
                                                    ``smg_sidecar_released_total``,
                                                    ``smg_sidecar_lease_expired_total``,
-                                                   ``smg_sidecar_adopted_total``
+                                                   ``smg_sidecar_adopted_total``,
+                                                   ``smg_sidecar_tenant_admitted_total``
 ``rate_limit``              admission controller   ``smg_http_rate_limit_total``
 ``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
@@ -35,7 +36,8 @@ The snapshot gauges, registered by ``started``, are computed when scraped
 from the core's snapshot, so they are never stale: ``smg_scheduler_inflight``,
 ``smg_scheduler_queue_depth``, ``smg_scheduler_queue_size_limit``,
 ``smg_scheduler_class_capacity_pressure``, ``smg_scheduler_utilization``,
-``smg_sidecar_reserved_slots``, ``smg_sidecar_capacity``.
+``smg_sidecar_reserved_slots``, ``smg_sidecar_capacity``,
+``smg_sidecar_tenant_queue_depth``.
 
 tests/test_metrics.py checks this table against what each verb really changes.
 """
@@ -208,6 +210,9 @@ class Metrics:
                                 ["class"], registry=r)
         self._released = Counter("smg_sidecar_released", "Admissions ended, by reason",
                                  ["class", "reason"], registry=r)
+        self._tenant_admitted = Counter("smg_sidecar_tenant_admitted",
+                                        "Admissions by class and tenant (tenant label capped)",
+                                        ["class", "tenant"], registry=r)
         self._preemption_undelivered = Counter(
             "smg_sidecar_preemption_delivery_failed",
             "Preemptions whose 503 could not be written to Envoy (the victim may run on)",
@@ -234,6 +239,8 @@ class Metrics:
                              for cls in HIGH_TO_LOW for outcome in Outcome}
         self._wait_child = {cls: self._queue_wait.labels(cls.label) for cls in HIGH_TO_LOW}
         self._released_child: dict[tuple[PriorityClass, str], Counter] = {}
+        # Keyed by the capped label, so it stays as small as the label set.
+        self._tenant_child: dict[tuple[PriorityClass, str], Counter] = {}
         for result in ("allowed", "rejected"):
             self._rate_limit.labels(result)
         for result in ("ok", "error"):
@@ -259,6 +266,12 @@ class Metrics:
                     continue
                 self._admit_child[(cls, Outcome.ADMITTED)].inc()
                 self._wait_child[cls].observe(e.waited)
+                tkey = (cls, self._tenant(e.admission.tenant))
+                tchild = self._tenant_child.get(tkey)
+                if tchild is None:
+                    tchild = self._tenant_child[tkey] = self._tenant_admitted.labels(
+                        cls.label, tkey[1])
+                tchild.inc()
                 if e.starvation:
                     self._starvation.labels(cls.label).inc()
             elif isinstance(e, Rejected):
@@ -294,7 +307,7 @@ class Metrics:
                 config_digest: str) -> None:
         self._mode.labels("scheduler").set(0 if legacy else 1)
         self._mode.labels("legacy").set(1 if legacy else 0)
-        self.registry.register(_SnapshotCollector(snapshot))
+        self.registry.register(_SnapshotCollector(snapshot, self._tenant))
         self._config_generation.set(1)
         self._config_info.labels(config_digest).set(1)
 
@@ -324,8 +337,9 @@ class _WorkerCapacityCollector(Collector):
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], tenant: Callable[[str], str]) -> None:
         self._snapshot = snapshot
+        self._tenant = tenant
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self._snapshot()
@@ -341,8 +355,18 @@ class _SnapshotCollector(Collector):
         reserved = GaugeMetricFamily("smg_sidecar_reserved_slots",
                                      "Slots reserved for the class at current capacity",
                                      labels=["class"])
+        tenant_depth = GaugeMetricFamily(
+            "smg_sidecar_tenant_queue_depth",
+            "Requests queued by class and tenant (tenant label capped; none queued: no series)",
+            labels=["class", "tenant"])
         for cls in HIGH_TO_LOW:
             c = snap.classes[cls]
+            by_label: dict[str, int] = {}
+            for t, n in c.tenant_depths.items():
+                label = self._tenant(t)
+                by_label[label] = by_label.get(label, 0) + n
+            for label, n in sorted(by_label.items()):
+                tenant_depth.add_metric([cls.label, label], n)
             inflight.add_metric([cls.label], c.inflight)
             depth.add_metric([cls.label], c.queue_depth)
             limit.add_metric([cls.label], c.queue_limit)
@@ -352,4 +376,4 @@ class _SnapshotCollector(Collector):
         util.add_metric([], snap.inflight / snap.capacity if snap.capacity else 0.0)
         cap = GaugeMetricFamily("smg_sidecar_capacity", "Live capacity (slots)")
         cap.add_metric([], snap.capacity)
-        yield from (inflight, depth, limit, pressure, reserved, util, cap)
+        yield from (inflight, depth, limit, pressure, reserved, util, cap, tenant_depth)

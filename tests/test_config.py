@@ -98,7 +98,28 @@ def test_int_accepted_for_float_fields() -> None:
          "unknown class"),
         ("tenant_policies:\n  acme:\n    max_clas: system\n", "tenant_policies.acme.max_clas",
          "unknown key"),
-        ("tenant_policies:\n  acme: {}\n", "tenant_policies.acme.max_class", "missing"),
+        # issue 14: max_class is optional now (an empty policy is valid); weight is checked
+        ("tenant_policies:\n  acme: {weight: 0}\n", "tenant_policies.acme.weight", "> 0"),
+        ("tenant_policies:\n  acme: {weight: -1}\n", "tenant_policies.acme.weight", "> 0"),
+        ("tenant_policies:\n  acme: {weight: .inf}\n", "tenant_policies.acme.weight", "finite"),
+        ("tenant_policies:\n  acme: {weight: .nan}\n", "tenant_policies.acme.weight", "finite"),
+        ("tenant_policies:\n  acme: {weight: true}\n", "tenant_policies.acme.weight",
+         "must be a number"),
+        ("tenant_policies:\n  acme: {weight: '2'}\n", "tenant_policies.acme.weight",
+         "must be a number"),
+        ("tenant_policies:\n  acme: {wieght: 2}\n", "tenant_policies.acme.wieght",
+         "unknown key (expected: max_class, weight)"),
+        ("classes:\n  bulk:\n    max_queued_per_tenant: 0\n",
+         "classes.bulk.max_queued_per_tenant", "must be >= 1"),
+        ("classes:\n  bulk:\n    max_queued_per_tenant: 2.5\n",
+         "classes.bulk.max_queued_per_tenant", "must be an integer"),
+        ("classes:\n  bulk:\n    max_queued_per_tenant: true\n",
+         "classes.bulk.max_queued_per_tenant", "must be an integer"),
+        ("classes:\n  bulk:\n    max_queued_per_tenant: null\n",
+         "classes.bulk.max_queued_per_tenant", "must be an integer"),
+        ("classes:\n  bulk:\n    fair_queuing: 1\n", "classes.bulk.fair_queuing", "boolean"),
+        ("classes:\n  bulk:\n    fair_queuing: 'yes'\n", "classes.bulk.fair_queuing",
+         "boolean"),
         ("tenant_policies:\n  acme: system\n", "tenant_policies.acme", "mapping"),
         ("classes:\n  bulk:\n    queue_size: 1.5\n", "classes.bulk.queue_size", "integer"),
         ("classes:\n  bulk:\n    queue_size: true\n", "classes.bulk.queue_size", "integer"),
@@ -272,6 +293,41 @@ def test_bad_config_file_stops_startup_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1
     assert str(bad) in lines[0] and "classes.interactive.queue_sizee" in lines[0]
     assert "unknown key" in lines[0]
+
+
+def test_fair_queuing_keys_and_weights_load() -> None:
+    cfg = parse_priority_config(
+        "classes:\n  bulk: {fair_queuing: true, max_queued_per_tenant: 3}\n"
+        "tenant_policies:\n  a: {weight: 2.5}\n  b: {max_class: bulk, weight: 1}\n  c: {}\n")
+    bulk = cfg.classes[PriorityClass.BULK]
+    assert bulk.fair_queuing and bulk.max_queued_per_tenant == 3 == bulk.tenant_queue_limit
+    assert not cfg.classes[D].fair_queuing and cfg.classes[D].max_queued_per_tenant is None
+    # A policy without max_class leaves the tenant at the default ceiling.
+    assert cfg.tenant_policies == {"b": PriorityClass.BULK}
+    assert cfg.tenant_weights == {"a": 2.5, "b": 1.0}
+    assert all(c.tenant_weights == {"a": 2.5, "b": 1.0} for c in cfg.classes.values())
+    assert bulk.weight("a") == 2.5 and bulk.weight("c") == 1.0 and bulk.weight("zz") == 1.0
+    # no weights at all: the classes are the built-in values, unchanged
+    assert parse_priority_config("tenant_policies:\n  a: {}\n").classes == BUILTIN_CLASSES
+
+
+def test_check_config_shows_effective_fair_queuing_values(tmp_path: Path) -> None:
+    f = tmp_path / "priority.yaml"
+    f.write_text("classes:\n  bulk: {fair_queuing: true, max_queued_per_tenant: 3}\n"
+                 "  default: {queue_size: 10, max_queued_per_tenant: 10}\n"
+                 "tenant_policies:\n  a: {weight: 2.5}\n  b: {max_class: bulk}\n")
+    proc = _run_cli("--check-config", str(f), "--priority-scheduler-default-max-class",
+                    "interactive")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = lines[1].split()
+    assert header[-2:] == ["fair_queuing", "max_queued_per_tenant"]
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:6]}
+    assert rows["bulk"][-2:] == ["true", "3"]
+    assert rows["default"][-2:] == ["false", "none"]  # not below queue_size: no limit
+    assert rows["system"][-2:] == ["false", "none"]
+    assert "  a: max_class=interactive weight=2.5" in lines  # the default ceiling in force
+    assert "  b: max_class=bulk weight=1" in lines
 
 
 def test_check_config_prints_table(tmp_path: Path) -> None:
