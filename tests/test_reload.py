@@ -6,10 +6,12 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sidecar.app import Runtime, build_runtime
+from sidecar.classes import PriorityClass
 from sidecar.config import parse_settings
 from tests.grpc_client import EnvoyStandIn, admission_id
 
@@ -160,3 +162,46 @@ async def test_reload_keeps_the_envoy_timeout_rule(tmp_path: Path) -> None:
         assert value(app, "smg_sidecar_config_generation") == 1
     finally:
         await app.stop()
+
+
+DEEP_FIFO = """
+classes:
+  default: {reserved_per_slot: 0.0, queue_size: 10, queue_timeout_secs: 20}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  system: {reserved_floor: 0}
+"""
+DEEP_FAIR = DEEP_FIFO.replace("queue_timeout_secs: 20}", "queue_timeout_secs: 20, "
+                              "fair_queuing: true}")
+
+
+async def test_reload_turning_fair_queuing_on_re_sorts_the_queued_and_loses_none(
+        running: tuple[Runtime, EnvoyStandIn, ConfigMapDir]) -> None:
+    """Issue 14: the real reload path (a ConfigMap swap) re-sorts a FIFO into per-tenant
+    FIFOs by arrival; nothing queued is shed, and the order served interleaves tenants."""
+    app, envoy, cm = running
+    cm.swap(DEEP_FIFO)
+    await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
+    blocker = await envoy.check({})
+    queued: dict[asyncio.Future[Any], str] = {}
+    for n, tenant in enumerate(["auth:a", "auth:a", "auth:a", "auth:b", "auth:b"], start=1):
+        queued[asyncio.ensure_future(envoy.check({"x-smg-tenant": tenant}))] = tenant
+        await eventually(lambda n=n: app.controller.waiting == n)
+    cm.swap(DEEP_FAIR)
+    await eventually(lambda: value(app, "smg_sidecar_config_generation") == 3)
+    assert app.core.snapshot().classes[PriorityClass.DEFAULT].queue_depth == 5
+    order: list[str] = []
+    holder = admission_id(blocker)
+    pending = set(queued)
+    while pending:
+        await envoy.log((holder, "end"))
+        done, pending = await asyncio.wait(pending, timeout=2,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, "exactly one admitted per release"
+        resp = done.pop()
+        order.append(str(resp.result().dynamic_metadata.fields["tenant"].string_value))
+        holder = admission_id(resp.result())
+    await envoy.log((holder, "end"))
+    assert order == ["auth:a", "auth:b", "auth:a", "auth:b", "auth:a"]
+    assert value(app, "smg_scheduler_admit_total", **{"class": "default",
+                                                      "outcome": "rejected_queue_full"}) == 0
+    await eventually(lambda: app.core.snapshot().inflight == 0)
