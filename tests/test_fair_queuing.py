@@ -29,12 +29,14 @@ from sidecar.scheduler import (
     Outcome,
     Queued,
     Rejected,
+    Released,
     Scheduler,
 )
 from sidecar.scheduler.lifecycle import Waiter
 from sidecar.scheduler.queues import FifoQueue, TenantQueue
 from tests.clock import FakeClock
 from tests.oracle_scheduler import OracleScheduler
+from tests.test_scheduler_properties import CheckedScheduler  # also: the suite's profile
 
 B = PriorityClass.BULK
 
@@ -496,3 +498,117 @@ def test_tenant_metrics_show_depth_and_admissions_under_the_label_cap(fair: bool
                 for t in ("A", "B", "other"))
     assert total == 3
     assert sum(depth(t) or 0 for t in ("A", "B", "other")) == 2 == s.queue_depth(B)
+
+
+# ------------------------------------------ invariants with fair queuing, limits and reloads
+
+
+fair_class_config = st.builds(
+    ClassSettings,
+    reserved_floor=st.integers(0, 2),
+    reserved_per_slot=st.sampled_from([0.0, 0.25]),
+    queue_size=st.integers(0, 6),
+    queue_timeout_secs=st.sampled_from([1.0, 3.0, 10.0]),
+    starvation_threshold_secs=st.sampled_from([0.5, 2.0, 5.0]),
+    can_preempt=st.booleans(),
+    fair_queuing=st.booleans(),
+    max_queued_per_tenant=st.none() | st.integers(1, 7),
+    tenant_weights=st.sampled_from([{}, {"A": 3.0}, {"B": 0.5, "C": 2.0}]),
+)
+fair_configs = st.fixed_dictionaries({c: fair_class_config for c in PriorityClass})
+fair_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), st.tuples(classes, st.sampled_from("ABC"))),
+        st.tuples(st.just("release"), st.integers(0, 1000)),
+        st.tuples(st.just("cancel"), st.integers(0, 1000)),
+        st.tuples(st.just("reachable"), st.integers(0, 1000)),
+        st.tuples(st.just("capacity"), st.integers(0, 8)),
+        st.tuples(st.just("advance"), st.sampled_from([0.1, 0.6, 2.5])),
+        st.tuples(st.just("reload"), fair_configs),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=fair_configs, capacity=st.integers(0, 8), steps=fair_ops)
+def test_fair_queuing_keeps_the_invariants_through_reloads(
+        cfg: dict[PriorityClass, ClassSettings], capacity: int,
+        steps: list[tuple[str, Any]]) -> None:
+    """Per-tenant FIFO, one decision per arrival, the per-tenant limit at every arrival,
+    the reservation rule at every admission; a reload loses and sheds no one."""
+    clock = FakeClock()
+    s = CheckedScheduler(cfg, capacity, clock, preemptible_on_admit=True)
+    queued: dict[str, tuple[PriorityClass, str]] = {}  # id -> (class, tenant), by arrival
+    live: list[str] = []
+    decided: set[str] = set()
+    ids = itertools.count()
+
+    def absorb(events: list[Any]) -> None:
+        for e in events:
+            if isinstance(e, Admitted):
+                a = e.admission
+                assert a.id not in decided
+                decided.add(a.id)
+                if e.queued:
+                    # the tenant's oldest waiter in its class: per-tenant FIFO
+                    mine = [r for r, ct in queued.items() if ct == (a.cls, a.tenant)]
+                    assert mine[0] == a.id
+                    del queued[a.id]
+                live.append(a.id)
+            elif isinstance(e, Rejected):
+                assert e.id not in decided
+                decided.add(e.id)
+                queued.pop(e.id, None)
+            elif isinstance(e, Released):
+                live.remove(e.admission.id)
+
+    for op, arg in steps:
+        if op == "arrive":
+            cls, tenant = arg
+            rid = f"r{next(ids)}"
+            mine = sum(1 for ct in queued.values() if ct == (cls, tenant))
+            d = s.arrive(rid, cls, tenant)
+            if isinstance(d, Queued):
+                queued[rid] = (cls, tenant)
+                limit = s.config[cls].tenant_queue_limit
+                assert limit is None or mine < limit
+                assert s.queue_depth(cls) <= s.config[cls].queue_size
+        elif op == "release" and live:
+            s.release(live[arg % len(live)])
+        elif op == "cancel" and queued:
+            s.cancel(list(queued)[arg % len(queued)])
+        elif op == "reachable" and live:
+            s.mark_preemptible(live[arg % len(live)])
+        elif op == "capacity":
+            s.set_capacity(arg)
+        elif op == "advance":
+            clock.advance(arg)
+            s.tick()
+        elif op == "reload":
+            before = set(queued)
+            s.update_config(arg)
+        events = s.take_events()
+        if op == "reload":
+            # Nothing is shed by a reload (a deadline may pass, the clock did not move)
+            assert all(e.outcome is Outcome.REJECTED_QUEUE_TIMEOUT
+                       for e in events if isinstance(e, Rejected))
+            gone = {e.admission.id for e in events if isinstance(e, Admitted)} | {
+                e.id for e in events if isinstance(e, Rejected)}
+            assert {w for c in HIGH_TO_LOW for w in s.queued_ids(c)} == before - gone
+        absorb(events)
+        for c in HIGH_TO_LOW:
+            assert s.queued_ids(c) == [r for r, ct in queued.items() if ct[0] == c]
+            depths = s.snapshot().classes[c].tenant_depths
+            assert sum(depths.values()) == s.queue_depth(c)
+    for _ in range(1000):  # drain
+        if not live and not queued:
+            break
+        if live:
+            s.release(live[0])
+        else:
+            clock.advance(1.0)
+            s.tick()
+        absorb(s.take_events())
+    assert not live and not queued
+    assert len(decided) == sum(1 for op, _ in steps if op == "arrive")
