@@ -58,7 +58,14 @@ def admission(cls: PriorityClass, aid: str = "a") -> Admission:
     return Admission(aid, cls, "t", 0.0)
 
 
-SNAPSHOT = Scheduler(BUILTIN_CLASSES, 256, time.monotonic).snapshot
+def _one_queued() -> Scheduler:
+    """Capacity 0 and one waiter, so the per-tenant depth gauge has a series too."""
+    s = Scheduler(BUILTIN_CLASSES, 0, time.monotonic)
+    s.arrive("w", D, "t")
+    return s
+
+
+SNAPSHOT = _one_queued().snapshot
 
 CALLS: dict[str, Callable[[Recorder], None]] = {
     "on_events": lambda r: r.on_events([
@@ -87,7 +94,7 @@ def test_the_table_lists_every_verb_of_the_protocol() -> None:
     verbs, gauges = documented()
     protocol = {n for n in vars(Recorder) if not n.startswith("_")}
     assert set(verbs) == protocol == set(CALLS)
-    assert len(gauges) == 7
+    assert len(gauges) == 8
     # NullRecorder and Metrics answer every verb.
     for impl in (NullRecorder, Metrics):
         assert protocol <= set(dir(impl)), impl
