@@ -47,16 +47,17 @@ async def test_a_light_tenant_gets_its_share_behind_a_heavy_one(
     stack = await make_stack(priority_yaml=priority(fair), workers=1, max_running_requests=1,
                              jwt_secret=SECRET)
     blocker = await hold(stack, "busy", priority="bulk")
-    await until(stack, lambda m: m.get('smg_scheduler_inflight{class="bulk"}') == 1)
+    await until(stack, lambda m: m.get('smg_scheduler_inflight{class="bulk"}') == 1, timeout=15)
     heavy = [asyncio.ensure_future(request(stack.listen_port, headers=bulk_from(HEAVY),
                                            timeout=30)) for _ in range(20)]
-    await until(stack, queued_is("bulk", 20))
+    await until(stack, queued_is("bulk", 20), timeout=15)
     # The heavy tenant is at max_queued_per_tenant: shed, while the class queue has room.
     shed = await request(stack.listen_port, headers=bulk_from(HEAVY))
     assert_denied(shed, 429, "scheduler_queue_full", "2")
     light = [asyncio.ensure_future(request(stack.listen_port, headers=bulk_from(LIGHT),
                                            timeout=30)) for _ in range(6)]
-    m = await until(stack, queued_is("bulk", 26))  # ... and the light tenant still queues
+    # ... and the light tenant still queues
+    m = await until(stack, queued_is("bulk", 26), timeout=15)
     assert m['smg_sidecar_tenant_queue_depth{class="bulk",tenant="auth:heavy"}'] == 20
     assert m['smg_sidecar_tenant_queue_depth{class="bulk",tenant="auth:light"}'] == 6
     assert m['smg_scheduler_admit_total{class="bulk",outcome="rejected_queue_full"}'] == 1
