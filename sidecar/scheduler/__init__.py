@@ -7,7 +7,8 @@ One concept per module:
 * :mod:`~sidecar.scheduler.lifecycle` — the life of one admission as a
   state/transition table, its records and the events that report each move.
 * :mod:`~sidecar.scheduler.reservations` — how many slots each class holds back.
-* :mod:`~sidecar.scheduler.queues` — the class queues and their timeouts.
+* :mod:`~sidecar.scheduler.queues` — the class queues (FIFO, or weighted fair
+  queuing between tenants) and their timeouts.
 * :mod:`~sidecar.scheduler.leases` — reclaiming slots whose completion was lost.
 * :mod:`~sidecar.scheduler.priority` — :class:`Scheduler`, the contract's
   priority scheduler.
@@ -20,7 +21,8 @@ Every state change is reported as an event (:class:`Admitted`,
 :class:`Rejected`, :class:`Preempted`, :class:`Released`) collected until the
 caller takes them with ``take_events()``. The asyncio adapter resolves waiting
 requests from those events and the metrics count them, so both see exactly one
-story. Every operation is O(1) in queue length.
+story. Every operation is O(1) in queue length (O(log tenants) in a class with
+fair queuing).
 """
 
 from sidecar.scheduler.interface import (

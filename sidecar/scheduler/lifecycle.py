@@ -11,7 +11,8 @@ state          slot?  victim  leaves by: call (what triggers it in the sidecar) 
 =============  =====  ======  ===================================================================
 *(new)*        no     no      ``arrive`` (ext_authz Check) → ADMITTED [Admitted] when a slot is
                               free or a victim was preempted for it; → QUEUED (the ``Queued``
-                              decision) when its class queue has room; else →
+                              decision) when its class queue has room (and its tenant is
+                              under ``max_queued_per_tenant``); else →
                               rejected_queue_full [Rejected].
                               ``adopt`` (an access-log entry for a stream an earlier process
                               admitted) → STREAMING [Admitted, ``adopted``].
