@@ -15,7 +15,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sidecar import codec, logs
+from sidecar import authz, codec, logs
 from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController
 from sidecar.authz import AuthzService, TenantPolicy
@@ -169,7 +169,7 @@ class Runtime:
         self.completion = CompletionService(self.controller)
         self.response_path = ResponsePathService(self.controller, metrics)
 
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._grpc = grpc.aio.server(options=list(authz.GRPC_SERVER_OPTIONS))
         p = codec.passthrough
         self._grpc.add_generic_rpc_handlers([
             grpc.method_handlers_generic_handler(AUTHZ_SERVICE, {

@@ -26,6 +26,22 @@ from sidecar.metrics import Recorder
 from sidecar.scheduler import Outcome
 
 ANONYMOUS = "anonymous"
+# Checks held open at once (queued, or being decided) before a new one is shed with
+# the counted OVERLOADED reply: bounds the memory a burst can pin. Above any sane
+# sum of class queue sizes, so in practice only a flood reaches it.
+MAX_OPEN_CHECKS = 16384
+# grpc-core keeps calls the event loop has not picked up yet in a pending queue and,
+# by default, drops them at random above 1,000 and always above 3,000 (CANCELLED /
+# RESOURCE_EXHAUSTED, never seen by the handler: Envoy turns that into a bare 503).
+# With both limits above MAX_OPEN_CHECKS every Check reaches the handler, which then
+# answers it with a decision. A call still waits there while the loop is busy; its
+# own deadline (Envoy's authz timeout) is what ends a wait that is too long.
+MAX_PENDING_CALLS = 2 * MAX_OPEN_CHECKS
+GRPC_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+)
 # A tenant key longer than this is not an identity anyone configured: anonymous.
 MAX_TENANT_LEN = 1024
 
@@ -69,8 +85,17 @@ class AuthzService:
         self.tenant_source = tenant_source
         self.policy = policy
         self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
+        self.open_checks = 0
+        self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        self.open_checks += 1
+        try:
+            return await self._check(data, context)
+        finally:
+            self.open_checks -= 1
+
+    async def _check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         try:
             view = codec.decode_check(data)
         except Exception as exc:  # a malformed message must not become an INTERNAL error
@@ -82,6 +107,10 @@ class AuthzService:
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
+        if self.open_checks > MAX_OPEN_CHECKS:
+            self.metrics.overloaded(c.effective)
+            self._overload_log.event(open_checks=self.open_checks)
+            return self._deny[(responses.Rejection.OVERLOADED, c.effective)]
         try:
             admitted = await self.controller.admit(c.effective, tenant)
         except Denied as d:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 
 import structlog
 
@@ -42,3 +44,32 @@ def debug_enabled() -> bool:
 
 
 _state = {"debug": False}
+
+
+class Throttled:
+    """One warning per ``interval`` for a repeated condition, with the count since the last.
+
+    For events that come in storms (every refused accept, every shed Check): a line
+    each would cost more than the event and bury everything else.
+    """
+
+    def __init__(self, logger: structlog.typing.FilteringBoundLogger, event: str, *,
+                 interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._event = event
+        self._interval = interval
+        self._clock = clock
+        self._next = float("-inf")
+        self._suppressed = 0
+
+    def event(self, **kw: object) -> bool:
+        """Count one occurrence; log it if the interval has passed. True when logged."""
+        now = self._clock()
+        if now < self._next:
+            self._suppressed += 1
+            return False
+        self._log.warning(self._event, suppressed_since_last=self._suppressed,
+                          interval_secs=self._interval, **kw)
+        self._suppressed = 0
+        self._next = now + self._interval
+        return True

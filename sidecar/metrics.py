@@ -16,6 +16,7 @@ verb                        caller                 metrics
                                                    ``smg_sidecar_tenant_admitted_total``
 ``rate_limit``              admission controller   ``smg_http_rate_limit_total``
 ``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
+``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
                                                    ``smg_scheduler_unknown_priority_value_total``
 ``preemption_undelivered``  completion (ext_proc)  ``smg_sidecar_preemption_delivery_failed_total``
@@ -117,6 +118,9 @@ class Recorder(Protocol):
     def completion_unmatched(self, reason: str) -> None:
         """A release for an unknown or already-released admission (``ReleaseResult``)."""
 
+    def overloaded(self, cls: PriorityClass) -> None:
+        """A Check shed before admission because too many Checks are open at once."""
+
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
                    unknown: bool) -> None:
         """A Check whose header value was unknown or whose class was clamped."""
@@ -150,6 +154,9 @@ class NullRecorder:
         pass
 
     def completion_unmatched(self, reason: str) -> None:
+        pass
+
+    def overloaded(self, cls: PriorityClass) -> None:
         pass
 
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
@@ -198,6 +205,9 @@ class Metrics:
                                    registry=r)
         self._rate_limit = Counter("smg_http_rate_limit", "Request-rate check results",
                                    ["result"], registry=r)
+        self._overload = Counter("smg_sidecar_overload_shed",
+                                 "Checks shed because too many were open at once "
+                                 "(429 scheduler_queue_full)", ["class"], registry=r)
         self._lease_expired = Counter("smg_sidecar_lease_expired",
                                       "Admissions reclaimed because their lease expired",
                                       ["class"], registry=r)
@@ -243,6 +253,8 @@ class Metrics:
         self._tenant_child: dict[tuple[PriorityClass, str], Counter] = {}
         for result in ("allowed", "rejected"):
             self._rate_limit.labels(result)
+        for cls in HIGH_TO_LOW:
+            self._overload.labels(cls.label)
         for result in ("ok", "error"):
             self._reload.labels(result)
 
@@ -285,6 +297,9 @@ class Metrics:
 
     def completion_unmatched(self, reason: str) -> None:
         self._unmatched.labels(reason).inc()
+
+    def overloaded(self, cls: PriorityClass) -> None:
+        self._overload.labels(cls.label).inc()
 
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
                    unknown: bool) -> None:

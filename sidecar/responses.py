@@ -8,6 +8,7 @@ rejection                 status  ``X-SMG-Error-Code``        extra headers
 ========================  ======  ==========================  ============================
 QUEUE_FULL                429     ``scheduler_queue_full``    ``Retry-After: 2``
 RATE_LIMITED              429     ``scheduler_queue_full``    ``Retry-After: 2``
+OVERLOADED                429     ``scheduler_queue_full``    ``Retry-After: 2``
 QUEUE_TIMEOUT             503     ``scheduler_queue_timeout`` ``Retry-After: 2``
 PREEMPTED                 503     ``scheduler_preempted``     ``Retry-After: 1``,
                                                               ``X-SMG-Preempted: true``
@@ -55,6 +56,8 @@ class Rejection(enum.Enum):
 
     QUEUE_FULL = enum.auto()
     RATE_LIMITED = enum.auto()
+    # The sidecar's own bound on Checks held open at once (authz.MAX_OPEN_CHECKS).
+    OVERLOADED = enum.auto()
     QUEUE_TIMEOUT = enum.auto()
     PREEMPTED = enum.auto()
     LEGACY_QUEUE_FULL = enum.auto()
@@ -102,6 +105,10 @@ def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
         case Rejection.RATE_LIMITED:
             return Reply(429, "scheduler_queue_full",
                          "Request rate limit exceeded; retry later", retry_after=2)
+        case Rejection.OVERLOADED:
+            # A shed like the rate check's: the contract's shed row, either path.
+            return Reply(429, "scheduler_queue_full",
+                         "The admission sidecar is overloaded; retry later", retry_after=2)
         case Rejection.QUEUE_TIMEOUT:
             return Reply(503, "scheduler_queue_timeout",
                          f"Timed out waiting in the '{c}' priority queue", retry_after=2)

@@ -1,0 +1,91 @@
+"""The sidecar as a child process, for tests that must not share its event loop.
+
+A burst or a connection storm measured from the sidecar's own loop would slow the
+sidecar and the client together and hide what a separate Envoy sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+
+from devtools.proc import die_with_parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class SidecarProcess:
+    def __init__(self, args: Sequence[str], log: Path, *,
+                 preexec: Callable[[], None] | None = None) -> None:
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.args = ["--grpc-listen", f"127.0.0.1:{self.grpc_port}",
+                     "--http-listen", f"127.0.0.1:{self.http_port}",
+                     "--log-format", "json", *args]
+        self.log_path = log
+        self._preexec = preexec
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self, timeout: float = 20.0) -> None:
+        parent_death = die_with_parent()
+
+        def preexec() -> None:
+            parent_death()
+            if self._preexec is not None:
+                self._preexec()
+
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sidecar", *self.args], stdout=out,
+                stderr=subprocess.STDOUT, preexec_fn=preexec,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with aiohttp.ClientSession() as s:
+            while True:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"sidecar exited: {self.log_path.read_text()}")
+                try:
+                    async with s.get(f"http://127.0.0.1:{self.http_port}/readyz") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                if asyncio.get_running_loop().time() > deadline:
+                    raise AssertionError("sidecar not ready")
+                await asyncio.sleep(0.05)
+
+    async def metrics(self, timeout: float = 5.0) -> dict[str, float]:
+        out: dict[str, float] = {}
+        async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+                    s.get(f"http://127.0.0.1:{self.http_port}/metrics") as r):
+            assert r.status == 200
+            text = await r.text()
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def log_lines(self) -> list[str]:
+        return self.log_path.read_text(errors="replace").splitlines()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
