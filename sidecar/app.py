@@ -60,7 +60,7 @@ async def build_runtime(settings: Settings) -> Runtime:
                     flag="--priority-scheduler-default-max-class")
     metrics = Metrics(tenant_top_n=s.tenant_metric_top_n)
     serving = asyncio.Event()
-    admin = AdminServer(metrics.registry, serving.is_set)
+    admin = AdminServer(metrics.registry, serving.is_set, metrics)
     hhost, hport = _split(s.http_listen)
     http_port = await admin.start(hhost, hport)
     monitor = CapacityMonitor(

@@ -6,9 +6,11 @@ listens; ``--check-config FILE`` validates a priority.yaml and exits 0/1.
 
 from __future__ import annotations
 
+import resource
 import sys
 from collections.abc import Sequence
 
+from sidecar import logs
 from sidecar.classes import parse_default_max_class
 from sidecar.config import (
     ConfigError,
@@ -17,6 +19,26 @@ from sidecar.config import (
     load_priority_config,
     settings_from_args,
 )
+
+# An unlimited hard limit cannot be the soft one (the kernel caps it at nr_open).
+NOFILE_CEILING = 1 << 20
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Soft RLIMIT_NOFILE up to the hard limit; returns (before, after).
+
+    Containers often start with a soft limit of 1,024 under a far higher hard one;
+    every queued request, admin connection and probe costs a descriptor.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = NOFILE_CEILING if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft, soft
+        return soft, target
+    return soft, soft
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,4 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from sidecar.app import run  # imported late: --help and config errors stay fast
 
+    logs.configure(settings.log_format, settings.log_level)
+    before, after = raise_nofile_limit()
+    logs.get("sidecar").info("nofile_limit", soft_before=before, soft=after,
+                             hard=resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     return run(settings)

@@ -17,6 +17,7 @@ verb                        caller                 metrics
 ``rate_limit``              admission controller   ``smg_http_rate_limit_total``
 ``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
 ``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
+``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
                                                    ``smg_scheduler_unknown_priority_value_total``
 ``preemption_undelivered``  completion (ext_proc)  ``smg_sidecar_preemption_delivery_failed_total``
@@ -121,6 +122,11 @@ class Recorder(Protocol):
     def overloaded(self, cls: PriorityClass) -> None:
         """A Check shed before admission because too many Checks are open at once."""
 
+    def admin_dropped(self, reason: str) -> None:
+        """An admin HTTP connection closed by its bounds: ``over_cap`` (evicted or
+        refused at the connection cap), ``deadline`` (no complete request in time) or
+        ``exhausted`` (closed to free a descriptor after an accept failed with EMFILE)."""
+
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
                    unknown: bool) -> None:
         """A Check whose header value was unknown or whose class was clamped."""
@@ -157,6 +163,9 @@ class NullRecorder:
         pass
 
     def overloaded(self, cls: PriorityClass) -> None:
+        pass
+
+    def admin_dropped(self, reason: str) -> None:
         pass
 
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
@@ -208,6 +217,9 @@ class Metrics:
         self._overload = Counter("smg_sidecar_overload_shed",
                                  "Checks shed because too many were open at once "
                                  "(429 scheduler_queue_full)", ["class"], registry=r)
+        self._admin_dropped = Counter("smg_sidecar_admin_connections_dropped",
+                                      "Admin HTTP connections closed by the connection cap "
+                                      "or the request deadline", ["reason"], registry=r)
         self._lease_expired = Counter("smg_sidecar_lease_expired",
                                       "Admissions reclaimed because their lease expired",
                                       ["class"], registry=r)
@@ -255,6 +267,8 @@ class Metrics:
             self._rate_limit.labels(result)
         for cls in HIGH_TO_LOW:
             self._overload.labels(cls.label)
+        for reason in ("over_cap", "deadline", "exhausted"):
+            self._admin_dropped.labels(reason)
         for result in ("ok", "error"):
             self._reload.labels(result)
 
@@ -300,6 +314,9 @@ class Metrics:
 
     def overloaded(self, cls: PriorityClass) -> None:
         self._overload.labels(cls.label).inc()
+
+    def admin_dropped(self, reason: str) -> None:
+        self._admin_dropped.labels(reason).inc()
 
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
                    unknown: bool) -> None:
