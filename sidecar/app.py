@@ -166,7 +166,7 @@ class Runtime:
                         config_digest=s.priority.digest)
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,
                                   TenantPolicy(s.priority.tenant_policies, s.default_max_class))
-        self.completion = CompletionService(self.controller)
+        self.completion = CompletionService(self.controller, metrics)
         self.response_path = ResponsePathService(self.controller, metrics)
 
         self._grpc = grpc.aio.server(options=list(authz.GRPC_SERVER_OPTIONS))

@@ -43,7 +43,9 @@ GRPC_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
 )
 # A tenant key longer than this is not an identity anyone configured: anonymous.
-MAX_TENANT_LEN = 1024
+MAX_TENANT_LEN = codec.MAX_TENANT_LEN
+# x-request-id is client-set and only logged: logged at most this long.
+MAX_REQUEST_ID_LEN = 128
 
 log = logs.get("sidecar.authz")
 
@@ -104,6 +106,8 @@ class AuthzService:
         tenant = resolve_tenant(self.tenant_source, view)
         # For logs only: x-request-id is client-settable, so it never correlates a release.
         request_id = view.headers.get("x-request-id")
+        if request_id is not None and len(request_id) > MAX_REQUEST_ID_LEN:
+            request_id = request_id[:MAX_REQUEST_ID_LEN] + "…"
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)

@@ -33,6 +33,13 @@ from sidecar.responses import Reply
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 JWT_NAMESPACE = "envoy.filters.http.jwt_authn"
 ADMISSION_ID_KEY = "admission_id"
+# The sidecar's ids are 32 hex characters (admission.new_admission_id); anything
+# longer in a caller's message is not one of ours and is treated as absent, so a
+# caller of the gRPC port cannot make the sidecar store or log big strings.
+MAX_ADMISSION_ID_LEN = 64
+# Tenant keys (Check) and the tenant / class fields of access-log entries.
+MAX_TENANT_LEN = 1024
+MAX_CLASS_LEN = 32
 ADMISSION_ID_HEADER = "x-smg-admission-id"
 EFFECTIVE_CLASS_HEADER = "x-smg-effective-class"
 
@@ -175,18 +182,21 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             continue
         fields = ns.fields
         aid_value = fields.get(ADMISSION_ID_KEY)
-        if aid_value is None or not aid_value.string_value:
+        if (aid_value is None or not aid_value.string_value
+                or len(aid_value.string_value) > MAX_ADMISSION_ID_LEN):
             continue
         kind = cp.access_log_type
         if kind not in (_END, _PERIODIC, _NOT_SET):
             continue  # upstream-side entry types are not ours to act on
         cls_value = fields.get("class")
         tenant_value = fields.get("tenant")
+        cls = cls_value.string_value if cls_value is not None else ""
+        tenant = tenant_value.string_value if tenant_value is not None else ""
         out.append(LogEntry(
             admission_id=aid_value.string_value,
             final=kind != _PERIODIC,
-            cls=cls_value.string_value if cls_value is not None else "",
-            tenant=tenant_value.string_value if tenant_value is not None else "",
+            cls=cls if len(cls) <= MAX_CLASS_LEN else "",  # no class: never adopted
+            tenant=tenant if len(tenant) <= MAX_TENANT_LEN else "",
             response_code=entry.response.response_code.value,
         ))
     return out
@@ -214,6 +224,8 @@ def decode_processing_request(data: bytes) -> ProcessingEvent:
         ns = req.metadata_context.filter_metadata.get(AUTHZ_NAMESPACE)
         if ns is not None and ADMISSION_ID_KEY in ns.fields:
             aid = ns.fields[ADMISSION_ID_KEY].string_value or None
+            if aid is not None and len(aid) > MAX_ADMISSION_ID_LEN:
+                aid = None  # not ours: the request passes unwatched
         return ProcessingEvent("request_headers", aid)
     return ProcessingEvent(kind, None)
 

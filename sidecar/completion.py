@@ -35,11 +35,45 @@ from sidecar.scheduler import ReleaseReason, ReleaseResult
 log = logs.get("sidecar.completion")
 
 
-class CompletionService:
-    """ALS: final entries release, periodic entries renew."""
+# Adoption bound when admission has no capacity of its own (legacy path without
+# --max-concurrent-requests): the contract's fallback capacity.
+UNLIMITED_ADOPTION_BOUND = 1024
 
-    def __init__(self, controller: AdmissionController) -> None:
+
+class CompletionService:
+    """ALS: final entries release, periodic entries renew.
+
+    Adoption is bounded: a periodic entry for an id this process holds no lease
+    for is adopted only while fewer admissions than the capacity are in flight
+    (leases, adopted ones included). Past that it is refused and counted
+    (``smg_sidecar_adoption_refused_total``), so a flood of periodic entries with
+    made-up ids, from anyone who can reach the gRPC port, cannot fill the table
+    or block admission. A real stream refused that way is retried at its next
+    periodic entry.
+    """
+
+    def __init__(self, controller: AdmissionController,
+                 metrics: Recorder | None = None) -> None:
         self.controller = controller
+        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
+        self._refused_log = logs.Throttled(log, "adoption_refused")
+
+    def adoption_bound(self) -> int:
+        capacity = self.controller.core.snapshot().capacity
+        return capacity if capacity > 0 else UNLIMITED_ADOPTION_BOUND
+
+    def _renew_or_adopt(self, entry: codec.LogEntry) -> bool:
+        if self.controller.renew_or_adopt(entry.admission_id):  # a lease of ours: renewed
+            return True
+        cls = PriorityClass.from_name(entry.cls)
+        if cls is None:
+            return False
+        bound = self.adoption_bound()
+        if self.controller.lease_count >= bound:
+            self._metrics.adoption_refused(cls)
+            self._refused_log.event(in_flight=self.controller.lease_count, bound=bound)
+            return False
+        return self.controller.renew_or_adopt(entry.admission_id, cls, entry.tenant)
 
     async def stream_access_logs(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
@@ -58,9 +92,7 @@ class CompletionService:
                     if result is not ReleaseResult.RELEASED:
                         log.info("completion_unmatched", admission_id=entry.admission_id,
                                  reason=result.value, response_code=entry.response_code)
-                elif not self.controller.renew_or_adopt(entry.admission_id,
-                                                        PriorityClass.from_name(entry.cls),
-                                                        entry.tenant):
+                elif not self._renew_or_adopt(entry):
                     # An id this process already ended (e.g. a preempted victim
                     # still draining in Envoy): nothing to renew or adopt.
                     log.debug("renewal_unmatched", admission_id=entry.admission_id)

@@ -17,6 +17,7 @@ verb                        caller                 metrics
 ``rate_limit``              admission controller   ``smg_http_rate_limit_total``
 ``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
 ``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
+``adoption_refused``        completion (ALS)       ``smg_sidecar_adoption_refused_total``
 ``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
                                                    ``smg_scheduler_unknown_priority_value_total``
@@ -122,6 +123,9 @@ class Recorder(Protocol):
     def overloaded(self, cls: PriorityClass) -> None:
         """A Check shed before admission because too many Checks are open at once."""
 
+    def adoption_refused(self, cls: PriorityClass) -> None:
+        """A periodic entry not adopted: as many admissions as the capacity are in flight."""
+
     def admin_dropped(self, reason: str) -> None:
         """An admin HTTP connection closed by its bounds: ``over_cap`` (evicted or
         refused at the connection cap), ``deadline`` (no complete request in time) or
@@ -163,6 +167,9 @@ class NullRecorder:
         pass
 
     def overloaded(self, cls: PriorityClass) -> None:
+        pass
+
+    def adoption_refused(self, cls: PriorityClass) -> None:
         pass
 
     def admin_dropped(self, reason: str) -> None:
@@ -217,6 +224,10 @@ class Metrics:
         self._overload = Counter("smg_sidecar_overload_shed",
                                  "Checks shed because too many were open at once "
                                  "(429 scheduler_queue_full)", ["class"], registry=r)
+        self._adoption_refused = Counter(
+            "smg_sidecar_adoption_refused",
+            "Periodic access-log entries not adopted because admissions in flight "
+            "already reached the capacity", ["class"], registry=r)
         self._admin_dropped = Counter("smg_sidecar_admin_connections_dropped",
                                       "Admin HTTP connections closed by the connection cap "
                                       "or the request deadline", ["reason"], registry=r)
@@ -267,6 +278,7 @@ class Metrics:
             self._rate_limit.labels(result)
         for cls in HIGH_TO_LOW:
             self._overload.labels(cls.label)
+            self._adoption_refused.labels(cls.label)
         for reason in ("over_cap", "deadline", "exhausted"):
             self._admin_dropped.labels(reason)
         for result in ("ok", "error"):
@@ -314,6 +326,9 @@ class Metrics:
 
     def overloaded(self, cls: PriorityClass) -> None:
         self._overload.labels(cls.label).inc()
+
+    def adoption_refused(self, cls: PriorityClass) -> None:
+        self._adoption_refused.labels(cls.label).inc()
 
     def admin_dropped(self, reason: str) -> None:
         self._admin_dropped.labels(reason).inc()

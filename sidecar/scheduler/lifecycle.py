@@ -221,17 +221,37 @@ class EndedIds:
     Tells a duplicate completion from a stranger, and lets a stream whose lease
     was reclaimed (heartbeats lost, but it kept running) be adopted again: the
     one way back in the table.
+
+    Bounded in count and in id characters (``max_chars``; the sidecar's own ids
+    are 32): oldest forgotten first. Ids reach here only from this process's
+    admissions and adoptions, and the codec refuses long ones, so in practice the
+    count binds; the character budget keeps the bound one on bytes whatever the
+    ids look like.
     """
 
-    def __init__(self, maxlen: int = 100_000) -> None:
+    def __init__(self, maxlen: int = 100_000, max_chars: int = 4 * 1024 * 1024) -> None:
         self._ids: OrderedDict[str, ReleaseReason] = OrderedDict()
         self._maxlen = maxlen
+        self._max_chars = max_chars
+        self._chars = 0
 
     def add(self, id: str, reason: ReleaseReason) -> None:
+        if id not in self._ids:
+            self._chars += len(id)
         self._ids[id] = reason
         self._ids.move_to_end(id)  # re-ended (after a re-adoption): newest again
-        if len(self._ids) > self._maxlen:
-            self._ids.popitem(last=False)
+        while len(self._ids) > self._maxlen or (self._chars > self._max_chars
+                                                 and len(self._ids) > 1):
+            old, _ = self._ids.popitem(last=False)
+            self._chars -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def chars(self) -> int:
+        """Characters of the ids remembered now."""
+        return self._chars
 
     def __contains__(self, id: object) -> bool:
         return id in self._ids
