@@ -132,6 +132,9 @@ class ResponsePathService:
         stopped: list[asyncio.Future[None]] = []
         try:
             first = await self._read(context)
+            admitted = (first is not None and first.kind == "request_headers"
+                        and first.admission_id is not None)
+            self._metrics.ext_proc_stream(admitted)
             if first is None:
                 return
             if first.kind != "request_headers" or first.admission_id is None:

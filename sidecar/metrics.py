@@ -21,6 +21,7 @@ verb                        caller                 metrics
 ``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
                                                    ``smg_scheduler_unknown_priority_value_total``
+``ext_proc_stream``         completion (ext_proc)  ``smg_sidecar_ext_proc_streams_total``
 ``preemption_undelivered``  completion (ext_proc)  ``smg_sidecar_preemption_delivery_failed_total``
 ``capacity_read``           app (health monitor)   ``smg_sidecar_capacity_source``,
                                                    ``smg_sidecar_healthy_workers``,
@@ -135,6 +136,10 @@ class Recorder(Protocol):
                    unknown: bool) -> None:
         """A Check whose header value was unknown or whose class was clamped."""
 
+    def ext_proc_stream(self, admitted: bool) -> None:
+        """An ext_proc stream Envoy opened: for an admitted request, or for anything
+        else (a local reply, a message without an admission id)."""
+
     def preemption_undelivered(self) -> None:
         """A preemption whose 503 could not be written to Envoy."""
 
@@ -177,6 +182,9 @@ class NullRecorder:
 
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
                    unknown: bool) -> None:
+        pass
+
+    def ext_proc_stream(self, admitted: bool) -> None:
         pass
 
     def preemption_undelivered(self) -> None:
@@ -228,6 +236,9 @@ class Metrics:
             "smg_sidecar_adoption_refused",
             "Periodic access-log entries not adopted because admissions in flight "
             "already reached the capacity", ["class"], registry=r)
+        self._ext_proc_streams = Counter(
+            "smg_sidecar_ext_proc_streams", "ext_proc streams Envoy opened, by whether they "
+            "carried an admission id", ["admitted"], registry=r)
         self._admin_dropped = Counter("smg_sidecar_admin_connections_dropped",
                                       "Admin HTTP connections closed by the connection cap "
                                       "or the request deadline", ["reason"], registry=r)
@@ -279,6 +290,8 @@ class Metrics:
         for cls in HIGH_TO_LOW:
             self._overload.labels(cls.label)
             self._adoption_refused.labels(cls.label)
+        for admitted in ("true", "false"):
+            self._ext_proc_streams.labels(admitted)
         for reason in ("over_cap", "deadline", "exhausted"):
             self._admin_dropped.labels(reason)
         for result in ("ok", "error"):
@@ -339,6 +352,9 @@ class Metrics:
             self._unknown_priority.labels(self._tenant(tenant)).inc()
         if effective < requested:
             self._clamp.labels(self._tenant(tenant), requested.label, effective.label).inc()
+
+    def ext_proc_stream(self, admitted: bool) -> None:
+        self._ext_proc_streams.labels("true" if admitted else "false").inc()
 
     def preemption_undelivered(self) -> None:
         self._preemption_undelivered.inc()

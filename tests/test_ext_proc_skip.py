@@ -1,0 +1,41 @@
+"""Through a real Envoy: ext_proc streams only for admitted requests.
+
+ext_authz's own 429/503 local replies used to open an ext_proc stream at their
+response headers, so a 429 flood cost two RPCs per request. Envoy now skips the
+ext_proc filter unless ext_authz's dynamic metadata holds an admission id.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from devtools.httpclient import request
+from tests.conftest import StackFactory, settle
+from tests.test_e2e import assert_denied, hold, inflight_is, until
+
+pytestmark = pytest.mark.e2e
+
+PRIORITY = """
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0, queue_size: 0}
+"""
+STREAMS = 'smg_sidecar_ext_proc_streams_total{admitted="%s"}'
+
+
+async def test_a_denied_request_opens_no_ext_proc_stream(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1)
+    busy = await hold(stack, "busy")  # the one slot
+    m = await until(stack, inflight_is("default", 1))
+    assert m[STREAMS % "true"] == 1  # the admitted request has its stream
+    for _ in range(10):
+        assert_denied(await request(stack.listen_port), 429, "scheduler_queue_full", "2")
+    stack.fleet.gates.open("busy")
+    await busy.read_head()
+    assert busy.status == 200
+    await busy.close()
+    m = await settle(stack)
+    assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_full"}'] == 10
+    assert m[STREAMS % "false"] == 0  # none for the ten local replies
+    assert m[STREAMS % "true"] == 1
