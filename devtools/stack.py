@@ -82,6 +82,8 @@ class StackConfig:
     log_level: str = "info"
     capacity_from_envoy: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Serve gRPC on a Unix socket (Envoy reaches it as a pipe) instead of a TCP port.
+    grpc_unix: bool = False
 
 
 class Stack:
@@ -101,6 +103,9 @@ class Stack:
         self.envoy_log = self.workdir / "envoy.log"
         self.envoy_config = self.workdir / "envoy.yaml"
         self.priority_path = self.workdir / "priority.yaml"
+        # sun_path holds 107 bytes: a short directory of its own, not the workdir.
+        self.grpc_socket: Path | None = (
+            Path(tempfile.mkdtemp(prefix="pg-")) / "grpc.sock" if config.grpc_unix else None)
         longest = parse_priority_config(config.priority_yaml).max_queue_timeout()
         self.authz_timeout = config.authz_timeout_secs or longest + 5.0
 
@@ -141,6 +146,8 @@ class Stack:
                 terminate(proc)
         self.envoy = self.sidecar = None
         await self.fleet.stop()
+        if self.grpc_socket is not None:
+            shutil.rmtree(self.grpc_socket.parent, ignore_errors=True)
 
     def sidecar_argv(self) -> list[str]:
         c = self.config
@@ -148,7 +155,8 @@ class Stack:
             sys.executable, "-m", "sidecar",
             "--priority-scheduler-enabled",
             "--priority-scheduler-config", str(self.priority_path),
-            "--grpc-listen", f"127.0.0.1:{self.grpc_port}",
+            "--grpc-listen", (f"unix://{self.grpc_socket}" if self.grpc_socket is not None
+                              else f"127.0.0.1:{self.grpc_port}"),
             "--http-listen", f"127.0.0.1:{self.http_port}",
             "--health-interval-secs", str(c.health_interval_secs),
             "--admission-lease-secs", str(c.lease_secs),
@@ -195,7 +203,8 @@ class Stack:
             workers=self.fleet.addresses, authz_timeout_secs=self.authz_timeout,
             flush_interval_secs=c.flush_interval_secs,
             health_interval_secs=c.health_interval_secs, preemption=c.preemption,
-            jwt_hs256_secret=c.jwt_secret)
+            jwt_hs256_secret=c.jwt_secret,
+            sidecar_pipe=str(self.grpc_socket) if self.grpc_socket is not None else None)
         self.envoy_config.write_text(text)
 
     def start_envoy(self) -> None:

@@ -7,6 +7,7 @@ optional blocks (``#@begin <name>`` ... ``#@end <name>``) are kept or dropped wh
     python envoy/render.py --listen-port 10000 --admin-port 9901 --sidecar 127.0.0.1:9001 \
         --workers 127.0.0.1:8081,127.0.0.1:8082 --authz-timeout 310 --flush-interval 5 \
         [--no-preemption] [--jwt-secret S] --out envoy/envoy.yaml
+    (--sidecar unix:///run/priority-gate/grpc.sock: the sidecar on a Unix socket)
 """
 
 from __future__ import annotations
@@ -109,18 +110,28 @@ def render(
     tenant_header: str = "x-smg-tenant",
     jwt_hs256_secret: str | None = None,
     stream_idle_timeout_secs: float | None = None,
+    sidecar_pipe: str | None = None,
 ) -> str:
     """Return the Envoy bootstrap YAML (comments preserved) for these settings.
+
+    ``sidecar_pipe``: reach the sidecar on this Unix socket path (its
+    ``--grpc-listen unix://PATH``) instead of ``sidecar_host:sidecar_port``.
 
     Raises ValueError on invalid input (bad port/IP, no workers, idle timeout not above
     the authz timeout, ...). The result is also parsed with yaml.safe_load as a check.
     """
     _port("listen_port", listen_port)
     _port("admin_port", admin_port)
-    _port("sidecar_port", sidecar_port)
     if listen_port == admin_port:
         raise ValueError("listen_port and admin_port must differ")
-    sidecar_ip = _ip("sidecar_host", sidecar_host)
+    if sidecar_pipe is None:
+        _port("sidecar_port", sidecar_port)
+        sidecar_address = (f"{{socket_address: {{address: {_ip('sidecar_host', sidecar_host)}, "
+                           f"port_value: {sidecar_port}}}}}")
+    else:
+        if not sidecar_pipe.startswith("/") or "\x00" in sidecar_pipe:
+            raise ValueError(f"sidecar_pipe must be an absolute path, got {sidecar_pipe!r}")
+        sidecar_address = f"{{pipe: {{path: {json.dumps(sidecar_pipe)}}}}}"
     if not workers:
         raise ValueError("workers must list at least one (ip, port)")
     authz = _positive("authz_timeout_secs", authz_timeout_secs)
@@ -160,8 +171,7 @@ def render(
     rendered = string.Template(text).substitute(
         listen_port=listen_port,
         admin_port=admin_port,
-        sidecar_host=sidecar_ip,
-        sidecar_port=sidecar_port,
+        sidecar_address=sidecar_address,
         authz_timeout=_duration(authz),
         flush_interval=_duration(flush),
         health_interval=_duration(health),
@@ -182,6 +192,13 @@ def _host_port(spec: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _sidecar(spec: str) -> tuple[str, int] | str:
+    """HOST:PORT, or ``unix:///path`` (the sidecar's ``--grpc-listen`` Unix socket)."""
+    if spec.startswith("unix://"):
+        return spec[len("unix://"):]
+    return _host_port(spec)
+
+
 def _workers(spec: str) -> list[tuple[str, int]]:
     return [_host_port(s) for s in spec.split(",") if s.strip()]
 
@@ -190,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Render the Envoy bootstrap for priority-gate.")
     p.add_argument("--listen-port", type=int, required=True)
     p.add_argument("--admin-port", type=int, required=True)
-    p.add_argument("--sidecar", type=_host_port, required=True, metavar="HOST:PORT")
+    p.add_argument("--sidecar", type=_sidecar, required=True, metavar="HOST:PORT|unix:///PATH")
     p.add_argument("--workers", type=_workers, required=True, metavar="HOST:PORT[,HOST:PORT...]")
     p.add_argument("--authz-timeout", type=float, required=True, metavar="SECS")
     p.add_argument("--flush-interval", type=float, required=True, metavar="SECS")
@@ -201,13 +218,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-preemption", action="store_true", help="omit the ext_proc filter")
     p.add_argument("--out", default="-", help="output file ('-' = stdout)")
     a = p.parse_args(argv)
-    sidecar_host, sidecar_port = a.sidecar
+    pipe = a.sidecar if isinstance(a.sidecar, str) else None
+    sidecar_host, sidecar_port = ("127.0.0.1", 1) if pipe is not None else a.sidecar
     try:
         text = render(
             listen_port=a.listen_port,
             admin_port=a.admin_port,
             sidecar_host=sidecar_host,
             sidecar_port=sidecar_port,
+            sidecar_pipe=pipe,
             workers=a.workers,
             authz_timeout_secs=a.authz_timeout,
             flush_interval_secs=a.flush_interval,

@@ -15,7 +15,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sidecar import authz, codec, logs
+from sidecar import authz, codec, listen, logs
 from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController
 from sidecar.authz import AuthzService, TenantPolicy
@@ -186,10 +186,8 @@ class Runtime:
         ])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        host, port = _split(s.grpc_listen)
-        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{port}")
-        if self.grpc_port == 0:
-            raise OSError(f"cannot bind --grpc-listen {s.grpc_listen}")
+        self.grpc_listen = listen.parse(s.grpc_listen)
+        self.grpc_port = listen.bind(self._grpc, self.grpc_listen, s.grpc_socket_mode)
 
         # None: no config file, so nothing to watch.
         self.watcher = None if s.priority.source is None else ConfigWatcher(
@@ -209,7 +207,8 @@ class Runtime:
         self._serving.set()
         log.info(
             "started",
-            grpc=f"{_split(s.grpc_listen)[0]}:{self.grpc_port}",
+            grpc=str(self.grpc_listen) if self.grpc_listen.path is not None
+            else f"{self.grpc_listen.host}:{self.grpc_port}",
             http=f"{_split(s.http_listen)[0]}:{self.http_port}",
             mode="legacy" if self.core.legacy else "scheduler",
             capacity=self.reading.capacity, capacity_source=self.reading.source,

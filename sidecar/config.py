@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from sidecar import listen
 from sidecar.classes import HIGH_TO_LOW, PriorityClass, parse_default_max_class
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
 
@@ -509,6 +510,7 @@ class Settings:
     rate_limit_tokens_per_second: float | None
     prefill_max_inflight_requests_per_worker: int | None
     grpc_listen: str
+    grpc_socket_mode: int
     http_listen: str
     worker_urls: tuple[str, ...]
     worker_capacity_override: int | None
@@ -573,7 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="N", help="PD prefill admission; refused with the scheduler")
     sc = p.add_argument_group("sidecar")
     sc.add_argument("--grpc-listen", default="127.0.0.1:9001", metavar="HOST:PORT",
-                    help="ext_authz Check, access-log completion and ext_proc gRPC server")
+                    help="ext_authz Check, access-log completion and ext_proc gRPC server; "
+                         "HOST:PORT or unix:///absolute/path (a Unix socket)")
+    sc.add_argument("--grpc-socket-mode", default="0660", metavar="OCTAL",
+                    help="permissions of the --grpc-listen Unix socket")
     sc.add_argument("--http-listen", default="127.0.0.1:9090", metavar="HOST:PORT",
                     help="/metrics, /healthz, /readyz")
     sc.add_argument("--worker-urls", nargs="+", default=[], metavar="URL",
@@ -658,7 +663,14 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
                     ("--config-poll-secs", ns.config_poll_secs)):
         if not (math.isfinite(v) and v > 0):
             raise ConfigError(f"{flag} must be a finite number > 0")
-    _check_listen(ns.grpc_listen, "--grpc-listen")
+    try:
+        listen.parse(ns.grpc_listen)
+    except ValueError as exc:
+        raise ConfigError(f"--grpc-listen: {exc}") from None
+    try:
+        grpc_socket_mode = listen.parse_mode(ns.grpc_socket_mode)
+    except ValueError as exc:
+        raise ConfigError(f"--grpc-socket-mode: {exc}") from None
     _check_listen(ns.http_listen, "--http-listen")
     for url in ns.worker_urls:
         if not url.startswith(("http://", "https://")):
@@ -689,6 +701,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         rate_limit_tokens_per_second=rate,
         prefill_max_inflight_requests_per_worker=ns.prefill_max_inflight_requests_per_worker,
         grpc_listen=ns.grpc_listen,
+        grpc_socket_mode=grpc_socket_mode,
         http_listen=ns.http_listen,
         worker_urls=tuple(ns.worker_urls),
         worker_capacity_override=ns.worker_capacity_override,
