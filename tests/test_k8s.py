@@ -145,10 +145,33 @@ def test_servicemonitor_selects_the_metrics_service() -> None:
 def test_selectors_match_pod_labels() -> None:
     labels = _deployment()["spec"]["template"]["metadata"]["labels"]
     selectors = [_deployment()["spec"]["selector"]["matchLabels"],
-                 _find("PodDisruptionBudget")["spec"]["selector"]["matchLabels"]]
+                 _find("PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+                 _find("NetworkPolicy")["spec"]["podSelector"]["matchLabels"]]
     selectors += [d["spec"]["selector"] for _, d in _all_docs() if d["kind"] == "Service"]
     for sel in selectors:
         assert sel.items() <= labels.items(), sel
+
+
+def test_networkpolicy_admits_only_prometheus_to_the_admin_port() -> None:
+    pol = _find("NetworkPolicy", "priority-gate")["spec"]
+    assert pol["policyTypes"] == ["Ingress"]
+    ports = {p["name"]: p["containerPort"]
+             for c in [*_pod().get("initContainers", []), *_pod()["containers"]]
+             for p in c.get("ports", [])}
+    assert ports == {"metrics": 9090, "http": 10000}  # every port the pod exposes has a rule
+    by_port: dict[int, list[dict[str, Any]]] = {}
+    for rule in pol["ingress"]:
+        for p in rule["ports"]:
+            assert p["protocol"] == "TCP"
+            by_port.setdefault(ports[p["port"]], []).append(rule)
+    # The inference listener stays open (no "from": every source).
+    assert [r.get("from") for r in by_port[10000]] == [None]
+    # 9090: one rule, whose only peer is Prometheus pods (namespace AND pod selector).
+    (metrics_rule,) = by_port[9090]
+    (peer,) = metrics_rule["from"]
+    assert set(peer) == {"namespaceSelector", "podSelector"}
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert "ipBlock" not in peer
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
@@ -160,7 +183,8 @@ def test_kustomize_builds(target: str) -> None:
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
-    want = ["ConfigMap", "ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    want = ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget",
+            "Service"]
     if target:
         want = sorted([*want, "Service", "ServiceMonitor"])
     assert kinds == want
