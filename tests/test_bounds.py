@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from sidecar import codec
 from sidecar.scheduler import ReleaseReason
 from sidecar.scheduler.lifecycle import EndedIds
-from tests.grpc_client import check_request
+from tests.grpc_client import admission_id, check_request
 from tests.test_authz import Harness, start
 
 
@@ -105,3 +105,39 @@ def test_ended_id_memory_is_bounded_in_characters_as_well_as_count() -> None:
     assert len(by_count) == 5 and "4" not in by_count and "9" in by_count
     ended.add("y" * 50_000, ReleaseReason.COMPLETED)  # one over the budget: only it stays
     assert len(ended) == 1 and ended.chars == 50_000
+
+
+async def test_a_long_request_id_is_logged_cut(h: Harness) -> None:
+    from structlog.testing import capture_logs
+
+    from sidecar.authz import MAX_REQUEST_ID_LEN
+
+    first = await h.envoy.check({"x-smg-priority": "bulk"})  # the only slot
+    queued = h.envoy.check({"x-smg-priority": "bulk"})  # bulk's queue holds 2
+    queued2 = h.envoy.check({"x-smg-priority": "bulk"})
+    with capture_logs() as logs:
+        shed = await h.envoy.check({"x-smg-priority": "bulk", "x-request-id": "r" * 100_000})
+    assert shed.status.code != 0
+    ids = [e["request_id"] for e in logs if e["event"] == "rejected" and e["request_id"]]
+    assert ids and all(len(i) == MAX_REQUEST_ID_LEN + 1 for i in ids)
+    for q in (queued, queued2):
+        assert (await q).status.code != 0  # timed out (0.3 s)
+    await h.envoy.log((admission_id(first), "end"))
+
+
+def test_throttled_logs_once_per_interval_with_the_count() -> None:
+    from structlog.testing import capture_logs
+
+    from sidecar import logs as sidecar_logs
+    from tests.clock import FakeClock
+
+    clock = FakeClock()
+    throttled = sidecar_logs.Throttled(sidecar_logs.get("t"), "storm", interval=10.0,
+                                       clock=clock)
+    with capture_logs() as logs:
+        for _ in range(1000):
+            throttled.event()
+        clock.advance(10.0)
+        throttled.event(n=1)
+    assert [(e["event"], e["suppressed_since_last"]) for e in logs] == [("storm", 0),
+                                                                         ("storm", 999)]
