@@ -42,9 +42,8 @@ def pct(values: Sequence[float], q: float) -> float:
 def spawn(argv: Sequence[str], log: Path | None = None) -> subprocess.Popen[bytes]:
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(list(argv), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                            cwd=REPO, env=env, start_new_session=True,
-                            preexec_fn=die_with_parent())
+    return subprocess.Popen(die_with_parent(argv), stdout=out, stderr=out,
+                            stdin=subprocess.DEVNULL, cwd=REPO, env=env, start_new_session=True)
 
 
 def wait_tcp(port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
@@ -66,8 +65,8 @@ def run_client(module: str, spec: dict[str, object], timeout: float) -> dict[str
     the JSON result."""
     argv = [sys.executable, "-m", module, "--client", json.dumps(spec)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cp = subprocess.run(argv, capture_output=True, cwd=REPO, env=env, timeout=timeout,
-                        check=False, preexec_fn=die_with_parent())
+    cp = subprocess.run(die_with_parent(argv), capture_output=True, cwd=REPO, env=env,
+                        timeout=timeout, check=False)
     lines = cp.stdout.decode().strip().splitlines()
     if cp.returncode != 0 or not lines:
         raise RuntimeError(f"client failed ({cp.returncode}): {cp.stderr.decode()[-2000:]}")
@@ -85,11 +84,11 @@ async def run_client_async(module: str, spec: dict[str, object], timeout: float
     """:func:`run_client` without blocking the caller's event loop (in-process workers)."""
     import asyncio
 
-    argv = ["-m", module, "--client", json.dumps(spec)]
+    argv = die_with_parent([sys.executable, "-m", module, "--client", json.dumps(spec)])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *argv, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env, preexec_fn=die_with_parent())
+        *argv, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:

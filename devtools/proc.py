@@ -13,32 +13,52 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
 from types import FrameType
 
 _PR_SET_PDEATHSIG = 1
+_LIMITS = {"nofile": resource.RLIMIT_NOFILE, "as": resource.RLIMIT_AS}
 
 
-def die_with_parent() -> Callable[[], None]:
-    """A ``preexec_fn`` for Popen: the child gets SIGKILL when this process dies.
+def die_with_parent(argv: Sequence[str], *, limits: Mapping[str, int] | None = None
+                    ) -> list[str]:
+    """``argv`` started through this file's launcher: it gets SIGKILL when this process dies.
 
-    The death signal follows the parent *thread*; all harness children are
-    started from the main thread. If the parent already died between fork and
-    prctl (the child was re-parented), the child exits at once.
+    The launcher sets ``PR_SET_PDEATHSIG`` (and any ``limits``: ``nofile``, ``as``
+    in bytes) and then execs ``argv``, so the child is the same process with the
+    same parent. Not a ``preexec_fn``: Python code run between fork and exec in a
+    process that has gRPC loaded runs gRPC's fork handlers, which now and then
+    abort the child ("epoll_wait error: Bad file descriptor"). Without a
+    ``preexec_fn`` Popen forks with no Python in between. The death signal
+    follows the parent *thread*; all harness children start from the main
+    thread. A child whose parent died before prctl exits at once (status 125).
     """
-    parent = os.getpid()
+    cmd = [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())]
+    for name, value in (limits or {}).items():
+        if name not in _LIMITS:
+            raise ValueError(f"unknown limit {name!r} (expected one of {sorted(_LIMITS)})")
+        cmd.append(f"--{name}={value}")
+    return [*cmd, "--", *argv]
 
-    def preexec() -> None:
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-                os._exit(125)
-        if os.getppid() != parent:
+
+def _launch(args: list[str]) -> None:
+    """The launcher's side of :func:`die_with_parent`: prctl, limits, exec."""
+    parent, rest = int(args[0]), args[1:]
+    split = rest.index("--")
+    options, argv = rest[:split], rest[split + 1:]
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             os._exit(125)
-
-    return preexec
+    if os.getppid() != parent:
+        os._exit(125)
+    for option in options:
+        name, _, value = option.removeprefix("--").partition("=")
+        resource.setrlimit(_LIMITS[name], (int(value), int(value)))
+    os.execvp(argv[0], argv)
 
 
 def exit_on_signals() -> None:
@@ -66,3 +86,7 @@ def print_safely(*args: object) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
+
+
+if __name__ == "__main__":
+    _launch(sys.argv[1:])

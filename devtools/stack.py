@@ -172,10 +172,9 @@ class Stack:
     def start_sidecar(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}
         with open(self.sidecar_log, "ab") as log:
-            self.sidecar = subprocess.Popen(self.sidecar_argv(), stdout=log, stderr=log,
-                                            stdin=subprocess.DEVNULL, env=env, cwd=REPO,
-                                            start_new_session=True,
-                                            preexec_fn=die_with_parent())
+            self.sidecar = subprocess.Popen(die_with_parent(self.sidecar_argv()), stdout=log,
+                                            stderr=log, stdin=subprocess.DEVNULL, env=env,
+                                            cwd=REPO, start_new_session=True)
 
     def kill_sidecar(self) -> None:
         if self.sidecar is not None:
@@ -213,9 +212,8 @@ class Stack:
         with open(self.envoy_log, "ab") as log:
             # A session of its own: a shell's job control must not signal Envoy;
             # it dies with this process all the same (devtools.proc).
-            self.envoy = subprocess.Popen(argv, stdout=log, stderr=log,
-                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=die_with_parent())
+            self.envoy = subprocess.Popen(die_with_parent(argv), stdout=log, stderr=log,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
 
     def kill_envoy(self) -> None:
         if self.envoy is not None:

@@ -11,7 +11,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -28,28 +28,22 @@ def free_port() -> int:
 
 class SidecarProcess:
     def __init__(self, args: Sequence[str], log: Path, *,
-                 preexec: Callable[[], None] | None = None) -> None:
+                 limits: Mapping[str, int] | None = None) -> None:
         self.grpc_port = free_port()
         self.http_port = free_port()
         self.args = ["--grpc-listen", f"127.0.0.1:{self.grpc_port}",
                      "--http-listen", f"127.0.0.1:{self.http_port}",
                      "--log-format", "json", *args]
         self.log_path = log
-        self._preexec = preexec
+        self._limits = limits
         self.proc: subprocess.Popen[bytes] | None = None
 
     async def start(self, timeout: float = 20.0) -> None:
-        parent_death = die_with_parent()
-
-        def preexec() -> None:
-            parent_death()
-            if self._preexec is not None:
-                self._preexec()
-
+        argv = die_with_parent([sys.executable, "-m", "sidecar", *self.args],
+                               limits=self._limits)
         with self.log_path.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sidecar", *self.args], stdout=out,
-                stderr=subprocess.STDOUT, preexec_fn=preexec,
+                argv, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = asyncio.get_running_loop().time() + timeout
         async with aiohttp.ClientSession() as s:

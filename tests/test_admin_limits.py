@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import resource
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -34,12 +32,6 @@ classes:
   default: {reserved_per_slot: 0.0}
   bulk: {queue_size: 0}
 """
-
-
-def nofile(limit: int) -> Callable[[], None]:
-    def set_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-    return set_limit
 
 
 async def open_silent(port: int, n: int) -> list[asyncio.StreamWriter]:
@@ -70,7 +62,7 @@ async def test_connection_storm_leaves_metrics_admission_and_capacity_alone(
              "--worker-urls", worker.url,
              "--worker-engine", "llamacpp", "--health-interval-secs", "0.2",
              "--max-concurrent-requests", "1024"],
-            tmp_path / "sidecar.log", preexec=nofile(1024))
+            tmp_path / "sidecar.log", limits={"nofile": 1024})
         try:
             await proc.start()
             before = await proc.metrics()
@@ -169,7 +161,7 @@ async def test_descriptor_exhaustion_is_logged_once_per_interval_and_recovers(
     # A limit below the connection cap: accepts fail with EMFILE (before the fix,
     # one traceback per failed accept: 3,592 in 14 s).
     proc = SidecarProcess(["--worker-capacity-override", "8"], tmp_path / "sidecar.log",
-                          preexec=nofile(50))
+                          limits={"nofile": 50})
     try:
         await proc.start()
         storm = await open_silent(proc.http_port, 300)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from devtools.proc import die_with_parent
 from sidecar.app import Runtime, build_runtime
 from sidecar.config import (
     MAX_CONFIG_BYTES,
@@ -93,15 +93,14 @@ def _assert_one_line(line: str, path: Path, bad: Bad) -> None:
     assert len(line) < 400, len(line)
 
 
-def _limit_memory() -> None:
-    # The pod's 512 Mi limit, as address space (the alias bomb used 1.1-1.4 GB).
-    resource.setrlimit(resource.RLIMIT_AS, (512 * 1024 * 1024, 512 * 1024 * 1024))
+# The pod's 512 Mi limit, as address space (the alias bomb used 1.1-1.4 GB).
+MEMORY_LIMIT = {"as": 512 * 1024 * 1024}
 
 
 def _cli(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True,
-                          text=True, timeout=60, preexec_fn=_limit_memory)
+    argv = die_with_parent([sys.executable, "-m", "sidecar", *args], limits=MEMORY_LIMIT)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     return proc, time.monotonic() - start
 
 
