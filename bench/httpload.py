@@ -92,6 +92,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     cpu0 = time.process_time()
     pcpu0 = [cpu_seconds(p) for p in pids]
     t0 = time.perf_counter()
+    send_start = time.time()  # wall clock, to line up with the sidecar's slot trace
     end = t0 + seconds
     streams = spec["streams"]
     tasks: set[asyncio.Task[None]] = set()
@@ -122,8 +123,8 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.wait(tasks, timeout=timeout + 5)
     wall = time.perf_counter() - t0
     await pool.close()
-    return {"wall": wall, "send_wall": send_wall, "records": records, "errors": errors,
-            "client_cpu": cpu, "cpu": pcpu, "connections": pool.opened}
+    return {"wall": wall, "send_wall": send_wall, "send_start": send_start, "records": records,
+            "errors": errors, "client_cpu": cpu, "cpu": pcpu, "connections": pool.opened}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+from bench import slots
 from bench._util import out_path, pct, run_client_async
 from devtools.demo import make_token
 from devtools.stack import Stack, StackConfig
+from sidecar.slottrace import ENV as SLOT_TRACE_ENV
 
 SECRET = "bench-secret"
 SERVICE = 0.05
@@ -91,7 +94,7 @@ async def run_load(stack: Stack, spec_streams: list[dict[str, object]], seconds:
 
 
 def report(label: str, r: dict[str, Any], m0: dict[str, float], m1: dict[str, float],
-           base: dict[str, float]) -> dict[str, bool]:
+           base: dict[str, float], stack: Stack) -> dict[str, bool]:
     recs = r["records"]
     sent = (len(recs) + r["errors"]) / r["send_wall"]
     print(f"  {label}: sent {sent:,.0f} req/s, {r['errors']} client errors, "
@@ -124,6 +127,11 @@ def report(label: str, r: dict[str, Any], m0: dict[str, float], m1: dict[str, fl
           f"{len(window) / r['send_wall'] / CAPACITY_RPS:.0%} of fleet capacity "
           f"{CAPACITY_RPS:.0f} req/s (below 100 %: the release -> dispatch cycle through "
           "Envoy + sidecar is slower than the 50 ms service time)")
+    trace = slots.read_trace(Path(stack.config.extra_env[SLOT_TRACE_ENV]))
+    records = [rec for w in stack.fleet.workers for rec in w.records]
+    t0 = r["send_start"]
+    breakdown = slots.account(trace, records, WORKERS * SLOTS, t0, t0 + r["send_wall"])
+    print("\n".join(breakdown.lines(CLASSES)))
     print(f"    sidecar counters: preemptions "
           f"{delta(m0, m1, 'smg_scheduler_preemption_total'):.0f}, starvation promotions "
           f"{delta(m0, m1, 'smg_scheduler_starvation_promotion_total'):.0f}, lease expiries "
@@ -179,6 +187,8 @@ async def main_async(seconds: float, multiples: list[float]) -> int:
                       priority_yaml=PRIORITY, jwt_secret=SECRET, preemption=True,
                       log_level="warning", flush_interval_secs=5.0, health_interval_secs=1.0)
     stack = Stack(cfg)
+    # The sidecar traces each admission's life; bench.slots accounts for the slot time.
+    stack.config.extra_env[SLOT_TRACE_ENV] = str(stack.workdir / "slots.trace")
     print(__doc__.split("\n\n")[1].replace("\n", "\n  ").join(["isolation: ", ""])
           .replace("isolation: Fleet", "isolation: fleet"))
     all_ok = True
@@ -199,7 +209,7 @@ async def main_async(seconds: float, multiples: list[float]) -> int:
             await asyncio.sleep(1.0)
             m1 = await stack.metrics()
             label = f"{mult:g}x capacity ({mult * CAPACITY_RPS:,.0f} req/s offered, {seconds:g} s)"
-            checks = report(label, r, m0, m1, base)
+            checks = report(label, r, m0, m1, base, stack)
             all_ok = all_ok and all(checks.values())
             results.append((label, r))
         plot(results)

@@ -37,6 +37,7 @@ from sidecar.scheduler import (
     AdmissionCore,
     Admitted,
     ClassSettings,
+    Event,
     Outcome,
     Preempted,
     Queued,
@@ -46,6 +47,7 @@ from sidecar.scheduler import (
     ReleaseResult,
 )
 from sidecar.scheduler.leases import Leases
+from sidecar.slottrace import SlotTrace
 
 
 class Denied(Exception):
@@ -80,6 +82,7 @@ class AdmissionController:
         metrics: Recorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         id_factory: Callable[[], str] = new_admission_id,
+        trace: SlotTrace | None = None,
     ) -> None:
         self.core = core
         self._bucket = bucket
@@ -92,6 +95,8 @@ class AdmissionController:
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        # Benchmarks only (bench.isolation's slot-time accounting); off unless the env says.
+        self._trace = trace if trace is not None else SlotTrace.from_env()
 
     # ------------------------------------------------------------------ admission
 
@@ -113,6 +118,8 @@ class AdmissionController:
         if isinstance(decision, Queued):
             fut = asyncio.get_running_loop().create_future()
             self._waiters[aid] = fut
+            if self._trace is not None:
+                self._trace.write("Q", aid)
         self._apply_events()
         if isinstance(decision, Admitted):
             return decision
@@ -228,7 +235,21 @@ class AdmissionController:
                 elif isinstance(e, Preempted):
                     self._signal_preempted(e.victim.id)
             self._metrics.on_events(events)
+            if self._trace is not None:
+                self._trace_events(events)
         self._arm_timer()
+
+    def _trace_events(self, events: list[Event]) -> None:
+        assert self._trace is not None
+        for e in events:
+            if isinstance(e, Admitted):
+                self._trace.write("A", e.admission.id, e.admission.cls.label)
+            elif isinstance(e, Rejected):
+                self._trace.write("X", e.id, e.outcome.value)
+            elif isinstance(e, Released):
+                self._trace.write("R", e.admission.id, e.reason.value)
+            elif isinstance(e, Preempted):
+                self._trace.write("P", e.victim.id, e.by_class.label)
 
     def _signal_preempted(self, aid: str) -> None:
         fut = self._stop_signals.pop(aid, None)
