@@ -24,6 +24,8 @@ from bench import slots
 from bench._util import out_path, pct, run_client_async
 from devtools.demo import make_token
 from devtools.stack import Stack, StackConfig
+from sidecar.config import parse_priority_config
+from sidecar.scheduler.reservations import desired_reservations
 from sidecar.slottrace import ENV as SLOT_TRACE_ENV
 
 SECRET = "bench-secret"
@@ -46,6 +48,8 @@ tenant_policies:
   "auth:internal-cron": {{max_class: system}}
 """
 CLASSES = ("system", "interactive", "bulk")
+RESERVED = {c.label: n for c, n in desired_reservations(
+    parse_priority_config(PRIORITY).classes, WORKERS * SLOTS).items()}
 
 
 def streams(multiple: float) -> list[dict[str, object]]:
@@ -130,7 +134,8 @@ def report(label: str, r: dict[str, Any], m0: dict[str, float], m1: dict[str, fl
     trace = slots.read_trace(Path(stack.config.extra_env[SLOT_TRACE_ENV]))
     records = [rec for w in stack.fleet.workers for rec in w.records]
     t0 = r["send_start"]
-    breakdown = slots.account(trace, records, WORKERS * SLOTS, t0, t0 + r["send_wall"])
+    breakdown = slots.account(trace, records, WORKERS * SLOTS, t0, t0 + r["send_wall"],
+                              reserved=RESERVED)
     print("\n".join(breakdown.lines(CLASSES)))
     print(f"    sidecar counters: preemptions "
           f"{delta(m0, m1, 'smg_scheduler_preemption_total'):.0f}, starvation promotions "
@@ -182,9 +187,9 @@ def plot(results: list[tuple[str, dict[str, Any]]]) -> None:
     plt.close(fig)
 
 
-async def main_async(seconds: float, multiples: list[float]) -> int:
+async def main_async(seconds: float, multiples: list[float], preemption: bool = True) -> int:
     cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=SERVICE,
-                      priority_yaml=PRIORITY, jwt_secret=SECRET, preemption=True,
+                      priority_yaml=PRIORITY, jwt_secret=SECRET, preemption=preemption,
                       log_level="warning", flush_interval_secs=5.0, health_interval_secs=1.0)
     stack = Stack(cfg)
     # The sidecar traces each admission's life; bench.slots accounts for the slot time.
@@ -224,9 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--multiples", default="3,10")
     p.add_argument("--quick", action="store_true", help="3 s per load level")
+    p.add_argument("--no-preemption", action="store_true",
+                   help="Envoy without the ext_proc filter (to measure what it costs)")
     args = p.parse_args(argv)
     seconds = 3.0 if args.quick else args.seconds
-    return asyncio.run(main_async(seconds, [float(m) for m in args.multiples.split(",")]))
+    return asyncio.run(main_async(seconds, [float(m) for m in args.multiples.split(",")],
+                                  preemption=not args.no_preemption))
 
 
 if __name__ == "__main__":

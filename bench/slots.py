@@ -8,7 +8,9 @@ Every slot-second of a window (capacity x seconds) falls in exactly one bucket:
 * ``served, preempted`` the worker computed a request later preempted (wasted work);
 * ``held``         the worker had finished, the release had not arrived yet
                    (response -> Envoy -> access log entry -> sidecar);
-* ``idle, waiting`` no admission held the slot while requests were queued;
+* ``idle, waiting`` no admission held the slot while requests were queued, split into
+                   slots a waiter could take (a loop gap) and slots kept free for a
+                   higher class's unused reservation (policy: ``available()`` of the core);
 * ``idle``         no admission held it and nobody waited (not a loss).
 
 Intervals are clipped to the window. The sidecar writes the trace when
@@ -19,7 +21,7 @@ carries the admission id (x-smg-admission-id) the sidecar gave the request.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +45,12 @@ class Breakdown:
     capacity: int
     per_class: dict[str, dict[str, float]] = field(default_factory=dict)
     idle_waiting: float = 0.0
+    idle_reserved: float = 0.0  # the part of idle_waiting no waiter was allowed to take
     idle: float = 0.0
+    # Per admission in the window: seconds from admission to the worker, and from the
+    # worker's end to the release (the two legs of the loop outside the worker).
+    to_worker: list[float] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)
 
     @property
     def slot_seconds(self) -> float:
@@ -62,13 +69,27 @@ class Breakdown:
                    else {b: self.total(b) for b in BUCKETS})
             out.append(f"    {cls:<20}" + "".join(
                 f"{row.get(b, 0.0):>10.2f} s {row.get(b, 0.0) / total:>5.1%}" for b in BUCKETS))
-        out.append(f"    {'idle, requests waiting':<20}{self.idle_waiting:>10.2f} s "
-                   f"{self.idle_waiting / total:>5.1%}    idle, none waiting "
+        gap = self.idle_waiting - self.idle_reserved
+        out.append(f"    idle while requests waited: {self.idle_waiting:.2f} s "
+                   f"{self.idle_waiting / total:.1%} = kept for a higher class's unused "
+                   f"reservation {self.idle_reserved:.2f} s {self.idle_reserved / total:.1%} + "
+                   f"takeable by a waiter {gap:.2f} s {gap / total:.1%}; idle, none waiting "
                    f"{self.idle:.2f} s {self.idle / total:.1%}")
+        if self.to_worker and self.held:
+            out.append("    per request: admission -> worker p50 "
+                       f"{_pct(self.to_worker, 0.5) * 1e3:.1f} ms p90 "
+                       f"{_pct(self.to_worker, 0.9) * 1e3:.1f} ms; worker end -> release p50 "
+                       f"{_pct(self.held, 0.5) * 1e3:.1f} ms p90 "
+                       f"{_pct(self.held, 0.9) * 1e3:.1f} ms")
         done = self.total("served, done")
         out.append(f"    fleet utilization (served, done / slot-seconds): {done / total:.1%}; "
                    f"with preempted work {(done + self.total('served, preempted')) / total:.1%}")
         return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
 def read_trace(path: Path) -> list[tuple[float, str, str, str]]:
@@ -83,45 +104,60 @@ def read_trace(path: Path) -> list[tuple[float, str, str, str]]:
 
 
 def account(trace: list[tuple[float, str, str, str]], records: Iterable[object],
-            capacity: int, t0: float, t1: float) -> Breakdown:
-    """The breakdown over [t0, t1]; ``records`` are devtools.fleet RequestRecords."""
+            capacity: int, t0: float, t1: float,
+            reserved: Mapping[str, int] | None = None,
+            high_to_low: Sequence[str] = ("system", "interactive", "default", "bulk"),
+            ) -> Breakdown:
+    """The breakdown over [t0, t1]; ``records`` are devtools.fleet RequestRecords.
+
+    ``reserved`` (class -> slots) splits idle-while-waiting as the core does: a
+    waiter of class c may take ``free - sum over higher h of max(0, reserved[h] -
+    inflight[h])`` slots.
+    """
+    reserved = reserved or {}
     lives: dict[str, Life] = defaultdict(Life)
-    # Occupancy and queue depth over time, from the trace (events sorted by time).
-    inflight = queued = 0
-    in_queue: set[str] = set()
-    idle_waiting = idle = 0.0
+    # Occupancy and queue depth over time, per class, from the trace (sorted by time).
+    inflight: dict[str, int] = defaultdict(int)
+    queued: dict[str, int] = defaultdict(int)
+    in_queue: dict[str, str] = {}
+    out = Breakdown(window=t1 - t0, capacity=capacity)
     last = t0
+
+    def account_idle(span: float) -> None:
+        free = max(0, capacity - sum(inflight.values()))
+        if not any(queued.values()):
+            out.idle += free * span
+            return
+        out.idle_waiting += free * span
+        takeable = 0
+        for i, cls in enumerate(high_to_low):
+            if queued[cls]:
+                held = sum(max(0, reserved.get(h, 0) - inflight[h]) for h in high_to_low[:i])
+                takeable = max(takeable, min(free, free - held))
+        out.idle_reserved += (free - max(0, takeable)) * span
+
     for t, kind, aid, extra in trace:
         if t > t0:
             span = min(t, t1) - max(last, t0)
             if span > 0:
-                free = max(0, capacity - inflight) * span
-                if queued:
-                    idle_waiting += free
-                else:
-                    idle += free
+                account_idle(span)
             last = t
         life = lives[aid]
         if kind == "Q":
-            in_queue.add(aid)
-            queued += 1
+            in_queue[aid] = extra
+            queued[extra] += 1
         elif kind in ("A", "X"):
             if aid in in_queue:
-                in_queue.discard(aid)
-                queued -= 1
+                queued[in_queue.pop(aid)] -= 1
             if kind == "A":
                 life.cls, life.admitted = extra, t
-                inflight += 1
+                inflight[extra] += 1
         elif kind == "R":
             life.released, life.reason = t, extra
             if life.admitted is not None:
-                inflight -= 1
+                inflight[life.cls] -= 1
     if last < t1:
-        free = max(0, capacity - inflight) * (t1 - max(last, t0))
-        if queued:
-            idle_waiting += free
-        else:
-            idle += free
+        account_idle(t1 - max(last, t0))
     for r in records:
         aid = getattr(r, "admission_id", None)
         if aid and aid in lives:
@@ -132,7 +168,6 @@ def account(trace: list[tuple[float, str, str, str]], records: Iterable[object],
     def clip(a: float, b: float) -> float:
         return max(0.0, min(b, t1) - max(a, t0))
 
-    out = Breakdown(window=t1 - t0, capacity=capacity, idle_waiting=idle_waiting, idle=idle)
     for life in lives.values():
         if life.admitted is None:
             continue
@@ -144,6 +179,10 @@ def account(trace: list[tuple[float, str, str, str]], records: Iterable[object],
             continue
         s = max(a, life.start)
         e = min(r, life.end if life.end is not None else r)
+        if t0 <= a < t1:
+            out.to_worker.append(s - a)
+            if life.outcome == "finished" and life.released is not None:
+                out.held.append(r - e)
         row["to worker"] += clip(a, s)
         row["served, done" if life.outcome == "finished" else "served, preempted"] += clip(s, e)
         row["held"] += clip(e, r)

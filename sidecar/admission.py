@@ -119,7 +119,7 @@ class AdmissionController:
             fut = asyncio.get_running_loop().create_future()
             self._waiters[aid] = fut
             if self._trace is not None:
-                self._trace.write("Q", aid)
+                self._trace.write("Q", aid, cls.label)
         self._apply_events()
         if isinstance(decision, Admitted):
             return decision

@@ -3,7 +3,7 @@
 Set ``SMG_SIDECAR_SLOT_TRACE=/path/file`` and the controller appends one line per
 state change, ``<unix time> <kind> <admission id> [<field>]``:
 
-* ``Q`` queued (arrived and waits), ``X`` left the queue without a slot
+* ``Q <class>`` queued (arrived and waits), ``X`` left the queue without a slot
   (timeout, cancel), ``A <class>`` admitted (from the queue or at once),
   ``P`` chosen as a preemption victim, ``R <reason>`` released.
 
