@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -218,15 +219,49 @@ def start_noop(log: Path | None = None) -> Server:
     return Server("no-op", port, proc)
 
 
-def start_sidecar(log: Path | None = None) -> Server:
+# Every class without reservations and without a queue: at capacity 1 (and no release)
+# every Check after the first is answered "queue full" at once.
+SHED_ONLY = "classes:\n" + "".join(
+    f"  {c}: {{reserved_floor: 0, reserved_per_slot: 0.0, queue_size: 0}}\n"
+    for c in ("system", "interactive", "default", "bulk"))
+
+
+def start_sidecar(log: Path | None = None, *, capacity: int = 1000000,
+                  priority_yaml: str | None = None, log_level: str = "warning",
+                  name: str = "sidecar") -> Server:
     port, http = free_port(), free_port()
-    proc = spawn([sys.executable, "-m", "sidecar", "--priority-scheduler-enabled",
-                  "--worker-capacity-override", "1000000",
-                  "--grpc-listen", f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{http}",
-                  "--log-format", "json", "--log-level", "warning"], log)
+    argv = [sys.executable, "-m", "sidecar", "--priority-scheduler-enabled",
+            "--worker-capacity-override", str(capacity),
+            "--grpc-listen", f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{http}",
+            "--log-format", "json", "--log-level", log_level]
+    if priority_yaml is not None:
+        path = Path(tempfile.mkdtemp(prefix="smg-check-")) / "priority.yaml"
+        path.write_text(priority_yaml)
+        argv += ["--priority-scheduler-config", str(path)]
+    proc = spawn(argv, log)
     wait_tcp(port, proc=proc)
     wait_tcp(http, proc=proc)
-    return Server("sidecar", port, proc, http)
+    return Server(name, port, proc, http)
+
+
+def shed_cost(seconds: float, rate: float, log_level: str) -> None:
+    """Sidecar CPU per Check answered "queue full" vs per admitted Check (+ its ALS release)."""
+    side = start_sidecar(log_level=log_level)
+    shed = start_sidecar(capacity=1, priority_yaml=SHED_ONLY, log_level=log_level,
+                         name="shedding")
+    try:
+        print(f"  shed vs admitted (open loop {rate:,.0f} req/s, {seconds:g} s, --log-level "
+              f"{log_level}; sidecar CPU per request = server cpu / rate):")
+        cost = {}
+        for server, release in ((side, True), (shed, False)):
+            r = measure(server, seconds=seconds, rate=rate, release=release)
+            cost[server.name] = num(r, "server_cpu") / max(1.0, num(r, "rps")) * 1e6
+            print(f"    {server.name:<8} {fmt(r)}  -> {cost[server.name]:.0f} us cpu/request")
+        print(f"  a shed Check costs {cost['shedding'] / cost['sidecar']:.2f}x an admitted one "
+              f"(admitted includes its ALS entry; not its ext_proc stream)")
+    finally:
+        terminate(side.proc)  # type: ignore[arg-type]
+        terminate(shed.proc)  # type: ignore[arg-type]
 
 
 async def released(server: Server) -> float:
@@ -259,9 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="16,64,256", help="closed-loop caller counts")
     p.add_argument("--quick", action="store_true", help="1 s points, one concurrency")
     p.add_argument("--client", help=argparse.SUPPRESS)
+    p.add_argument("--shed-only", action="store_true",
+                   help="only the shed-vs-admitted cost part (--log-level for its sidecars)")
+    p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.client:
         print(json.dumps(client(json.loads(args.client))))
+        return 0
+    if args.shed_only:
+        shed_cost(args.seconds, 2000.0, args.log_level)
         return 0
     seconds = 1.0 if args.quick else args.seconds
     levels = [64] if args.quick else [int(c) for c in args.concurrency.split(",")]
@@ -321,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         terminate(noop.proc)  # type: ignore[arg-type]
         terminate(side.proc)  # type: ignore[arg-type]
+    shed_cost(seconds, 1000.0 if args.quick else 2000.0, "info")
     return 0
 
 
