@@ -23,6 +23,7 @@ from typing import Any
 from bench import slots
 from bench._util import out_path, pct, run_client_async
 from devtools.demo import make_token
+from devtools.httpclient import get as http_get
 from devtools.stack import Stack, StackConfig
 from sidecar.config import parse_priority_config
 from sidecar.scheduler.reservations import desired_reservations
@@ -187,13 +188,57 @@ def plot(results: list[tuple[str, dict[str, Any]]]) -> None:
     plt.close(fig)
 
 
-async def main_async(seconds: float, multiples: list[float], preemption: bool = True) -> int:
+# What an operator can put in front (envoy/NOTES.md, "Shedding a flood before Check"):
+# Envoy's local rate limit on the bulk class, before ext_authz, at about twice what bulk
+# can be served here (~120 req/s), so it cuts a flood but never ordinary overload.
+FLOOD_FILTER = """          - name: envoy.filters.http.local_ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+              stat_prefix: smg_flood
+"""  # noqa: E501
+FLOOD_ROUTE = """              - match:
+                  prefix: "/"
+                  headers: [{name: x-smg-priority, string_match: {exact: bulk}}]
+                route: {cluster: workers, timeout: 0s}
+                typed_per_filter_config:
+                  envoy.filters.http.local_ratelimit:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+                    stat_prefix: smg_flood_bulk
+                    token_bucket: {max_tokens: 300, tokens_per_fill: 30, fill_interval: 0.1s}
+                    filter_enabled: {default_value: {numerator: 100}, runtime_key: smg_flood_on}
+                    filter_enforced: {default_value: {numerator: 100}, runtime_key: smg_flood_enf}
+                    response_headers_to_add:
+                    - header: {key: x-smg-error-code, value: scheduler_queue_full}
+                    - header: {key: retry-after, value: "2"}
+"""  # noqa: E501
+
+
+def add_flood_guard(stack: Stack) -> None:
+    """Render Envoy as usual, then add the bulk flood guard (bench-only variant)."""
+    original = stack.write_envoy_config
+
+    def write() -> None:
+        original()
+        text = stack.envoy_config.read_text()
+        text = text.replace("          - name: envoy.filters.http.ext_authz\n",
+                            FLOOD_FILTER + "          - name: envoy.filters.http.ext_authz\n", 1)
+        text = text.replace("              - match: {prefix: \"/\"}\n",
+                            FLOOD_ROUTE + "              - match: {prefix: \"/\"}\n", 1)
+        stack.envoy_config.write_text(text)
+
+    stack.write_envoy_config = write  # type: ignore[method-assign]
+
+
+async def main_async(seconds: float, multiples: list[float], preemption: bool = True,
+                     flood_guard: bool = False) -> int:
     cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=SERVICE,
                       priority_yaml=PRIORITY, jwt_secret=SECRET, preemption=preemption,
                       log_level="warning", flush_interval_secs=5.0, health_interval_secs=1.0)
     stack = Stack(cfg)
     # The sidecar traces each admission's life; bench.slots accounts for the slot time.
     stack.config.extra_env[SLOT_TRACE_ENV] = str(stack.workdir / "slots.trace")
+    if flood_guard:
+        add_flood_guard(stack)
     print(__doc__.split("\n\n")[1].replace("\n", "\n  ").join(["isolation: ", ""])
           .replace("isolation: Fleet", "isolation: fleet"))
     all_ok = True
@@ -213,6 +258,10 @@ async def main_async(seconds: float, multiples: list[float], preemption: bool = 
             r = await run_load(stack, streams(mult), seconds)
             await asyncio.sleep(1.0)
             m1 = await stack.metrics()
+            if flood_guard:
+                _, body = await http_get(f"http://127.0.0.1:{stack.admin_port}/stats"
+                                         "?filter=http_local_rate_limit.rate_limited", 2.0)
+                print("  flood guard (Envoy, cumulative): " + " ".join(body.decode().split()))
             label = f"{mult:g}x capacity ({mult * CAPACITY_RPS:,.0f} req/s offered, {seconds:g} s)"
             checks = report(label, r, m0, m1, base, stack)
             all_ok = all_ok and all(checks.values())
@@ -231,10 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="3 s per load level")
     p.add_argument("--no-preemption", action="store_true",
                    help="Envoy without the ext_proc filter (to measure what it costs)")
+    p.add_argument("--flood-guard", action="store_true",
+                   help="Envoy's local rate limit on bulk before ext_authz (operator option)")
     args = p.parse_args(argv)
     seconds = 3.0 if args.quick else args.seconds
     return asyncio.run(main_async(seconds, [float(m) for m in args.multiples.split(",")],
-                                  preemption=not args.no_preemption))
+                                  preemption=not args.no_preemption,
+                                  flood_guard=args.flood_guard))
 
 
 if __name__ == "__main__":
