@@ -157,6 +157,7 @@ class FleetController:
         self._capacity = capacity
         self._call_timeout = call_timeout
         self._interval = ledger.ttl / 3
+        self._reap_every = ledger.ttl / 20
         # Older than any call in flight (a call taking longer degrades the replica).
         self._orphan_age = 4 * call_timeout
         self._bucket = bucket
@@ -209,7 +210,9 @@ class FleetController:
         events_client = redis.from_url(
             url, decode_responses=True, socket_timeout=_EVENT_BLOCK_SECS + call_timeout,
             socket_connect_timeout=call_timeout)
-        ledger = FleetLedger(client, fleet, replica, ttl=ttl)
+        # Registered for 0.9 ttl, and reaped within ttl/20 of that by any replica with
+        # waiters: a dead replica's slots are back within --replica-ttl-secs.
+        ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl)
         self = cls(ledger, events_client, classes=classes, capacity=capacity,
                    call_timeout=call_timeout, bucket=bucket, metrics=metrics)
         try:
@@ -358,7 +361,7 @@ class FleetController:
                 # decide locally until the heartbeat has re-registered what we hold.
                 self._degrade(RuntimeError(f"arrive answered {status.value}"))
                 raise _Moved
-            self._schedule_tick(min(arrival.timeout or 0.0,
+            self._schedule_tick(min(arrival.timeout or 0.0, self._reap_every,
                                     self._classes[cls].starvation_threshold_secs))
             if not fut.done():
                 await asyncio.wait((fut, changed), timeout=self._remaining(deadline),
@@ -723,6 +726,10 @@ class FleetController:
             except Exception as exc:
                 self._degrade(exc)
                 continue
+            if self._waiting:
+                # Our waiters also wait for a dead replica's slots: the ledger reaps on
+                # any call, so call often enough to hand them over within the TTL.
+                nxt = self._reap_every if nxt is None else min(nxt, self._reap_every)
             if nxt is not None:
                 self._schedule_tick(nxt)
 
