@@ -59,15 +59,16 @@ class Replica:
         return self.envoy.check({"x-smg-priority": cls, "x-smg-tenant": "t"})
 
     async def end(self, *aids: str) -> None:
-        await self.envoy.log(*((a, "end") for a in aids))
+        await asyncio.wait_for(self.envoy.log(*((a, "end") for a in aids)), 10)
+
+    async def close(self) -> None:
+        await self.envoy.close()
+        await asyncio.wait_for(self.app.stop(), 15)  # a stuck stop fails, not hangs
 
     def sample(self, name: str, **labels: str) -> float:
         v = self.app.metrics.registry.get_sample_value(name, labels)
         return 0.0 if v is None else v
 
-    async def close(self) -> None:
-        await self.envoy.close()
-        await self.app.stop()
 
 
 async def start_replica(tmp_path: Path, url: str, name: str, *extra: str,
