@@ -87,6 +87,7 @@ async def build_runtime(settings: Settings) -> Runtime:
             fleet = await FleetController.connect(
                 s.coordination_url, fleet=s.fleet_id, replica=s.replica_id,
                 ttl=s.replica_ttl_secs, classes=s.priority.classes, capacity=reading.capacity,
+                ack_timeout=s.admission_lease_secs,
                 bucket=build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
                                     time.monotonic),
                 metrics=metrics)

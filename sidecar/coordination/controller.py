@@ -113,6 +113,10 @@ class Held:
     admitted_at: float
     preemptible: bool = False
     first_byte: bool = False
+    # Envoy showed it runs this request (ext_proc stream, periodic entry): from then on
+    # the replica's heartbeat alone keeps the slot. Until then an admission whose client
+    # left just as Check answered has no owner that will ever release it.
+    acknowledged: bool = False
 
     def holding(self, id: str) -> Holding:
         return Holding(id, self.cls, self.tenant, self.first_byte,
@@ -146,6 +150,7 @@ class FleetController:
         classes: Mapping[PriorityClass, ClassSettings],
         capacity: int,
         call_timeout: float,
+        ack_timeout: float = 30.0,
         bucket: TokenBucket | None = None,
         metrics: Recorder | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -156,6 +161,7 @@ class FleetController:
         self._classes = dict(classes)
         self._capacity = capacity
         self._call_timeout = call_timeout
+        self._ack_timeout = ack_timeout
         self._interval = ledger.ttl / 3
         self._reap_every = ledger.ttl / 20
         # Older than any call in flight (a call taking longer degrades the replica).
@@ -194,6 +200,7 @@ class FleetController:
         ttl: float,
         classes: Mapping[PriorityClass, ClassSettings],
         capacity: int,
+        ack_timeout: float = 30.0,
         bucket: TokenBucket | None = None,
         metrics: Recorder | None = None,
         max_connections: int = 64,
@@ -214,7 +221,8 @@ class FleetController:
         # waiters: a dead replica's slots are back within --replica-ttl-secs.
         ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl)
         self = cls(ledger, events_client, classes=classes, capacity=capacity,
-                   call_timeout=call_timeout, bucket=bucket, metrics=metrics)
+                   call_timeout=call_timeout, ack_timeout=ack_timeout, bucket=bucket,
+                   metrics=metrics)
         try:
             status = await self._call(ledger.register(self._classes, capacity))
         except Exception as exc:
@@ -465,12 +473,14 @@ class FleetController:
         An id this replica does not hold but the entry names the class of (this process
         restarted while the stream ran) is adopted: counted here and added to the ledger.
         """
-        if aid in self._held:
+        held = self._held.get(aid)
+        if held is not None:
+            held.acknowledged = True
             return True
         if cls is None or not self._ended.adoptable(aid):
             return False
         now = self._clock()
-        h = self._held[aid] = Held(cls, tenant, now, first_byte=True)
+        h = self._held[aid] = Held(cls, tenant, now, first_byte=True, acknowledged=True)
         self._metrics.on_events([Admitted(Admission(aid, cls, tenant, now), 0.0, queued=False,
                                           adopted=True)])
         if self._local is not None:
@@ -489,6 +499,7 @@ class FleetController:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._stop_signals[aid] = fut
         h.preemptible = True
+        h.acknowledged = True
         if self._local is not None:
             inner = self._local.open_stop_channel(aid)
             if inner is not None:
@@ -503,6 +514,7 @@ class FleetController:
         if h is None or h.first_byte:
             return False
         h.first_byte = True
+        h.acknowledged = True
         if self._local is not None:
             self._local.mark_first_byte(aid)
         else:
@@ -657,9 +669,25 @@ class FleetController:
     async def _call(self, call: Awaitable[T]) -> T:
         return await asyncio.wait_for(call, self._call_timeout)
 
+    def expire_unacknowledged(self) -> int:
+        """Release admissions Envoy never showed it runs, ``ack_timeout`` after admission.
+
+        The one case a replica's heartbeat cannot cover: the client left just as Check
+        answered, so Envoy never learned the id and no access-log entry or ext_proc
+        stream will ever name it (the in-process path's lease covers the same case).
+        Anything Envoy acknowledged is kept for as long as the replica lives.
+        """
+        cutoff = self._clock() - self._ack_timeout
+        stale = [aid for aid, h in self._held.items()
+                 if not h.acknowledged and h.admitted_at <= cutoff]
+        for aid in stale:
+            self.release(aid, ReleaseReason.LEASE_EXPIRED)
+        return len(stale)
+
     async def _heartbeat_loop(self) -> None:
         while True:
             self._heartbeat_wake.clear()
+            self.expire_unacknowledged()
             try:
                 if self._local is None:
                     # A resync rather than a bare heartbeat: it also drops what a late-run
