@@ -23,8 +23,10 @@ import hashlib
 import math
 import os
 import re
+import socket
 import stat
 import typing
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -528,6 +530,10 @@ class Settings:
     startup_capacity_wait_secs: float
     log_format: str
     log_level: str
+    coordination_url: str | None = None
+    fleet_id: str = "default"
+    replica_id: str = ""
+    replica_ttl_secs: float = 10.0
 
     @property
     def fallback_capacity(self) -> int:
@@ -620,6 +626,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="wait up to SECS for a first capacity reading from real workers "
                          "before deciding scheduler vs. legacy admission (/healthz answers "
                          "meanwhile, /readyz and gRPC do not); 0 = decide at once")
+    fl = p.add_argument_group("fleet coordination (several gateway replicas, one admission)")
+    fl.add_argument("--coordination-url", default=None, metavar="URL",
+                    help="Valkey/Redis server shared by the fleet's replicas: "
+                         "redis://HOST:PORT[/DB], rediss://... (TLS) or unix:///path; "
+                         "unset = in-process admission")
+    fl.add_argument("--fleet-id", default="default", metavar="NAME",
+                    help="replicas with the same fleet id and server share one fleet's slots")
+    fl.add_argument("--replica-id", default=None, metavar="NAME",
+                    help="this replica's name in the fleet (default: <hostname>-<pid>)")
+    fl.add_argument("--replica-ttl-secs", type=float, default=10.0, metavar="SECS",
+                    help="a replica that stops heartbeating this long loses its admissions "
+                         "fleet-wide; also how soon a replica degrades to its local share "
+                         "when the server is unreachable")
     sc.add_argument("--log-format", choices=("json", "console"), default=None,
                     help="log format (default: console on a terminal, json otherwise)")
     sc.add_argument("--log-level", default="info",
@@ -633,6 +652,42 @@ def _check_listen(value: str, flag: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{flag} must be HOST:PORT, got {value!r}")
+
+
+_FLEET_NAME = re.compile(r"[^\s{}]{1,128}\Z")
+
+
+def check_coordination_url(url: str) -> None:
+    """Refuse a ``--coordination-url`` the client could not connect with."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number
+        raise ConfigError(f"--coordination-url {clip(url)!r}: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme in ("redis", "rediss"):
+        if not parts.hostname:
+            raise ConfigError(f"--coordination-url {clip(url)!r}: missing host "
+                              f"(expected {scheme}://HOST:PORT[/DB])")
+        if port == 0:
+            raise ConfigError(f"--coordination-url {clip(url)!r}: port must be 1..65535")
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ConfigError(f"--coordination-url {clip(url)!r}: database must be a "
+                              f"number, got {clip(db)!r}")
+    elif scheme == "unix":
+        if not parts.path:
+            raise ConfigError(f"--coordination-url {clip(url)!r}: missing socket path "
+                              "(expected unix:///path)")
+    else:
+        raise ConfigError(f"--coordination-url {clip(url)!r} must start with redis://, "
+                          "rediss:// or unix://")
+
+
+def default_replica_id() -> str:
+    """``<hostname>-<pid>``: unique per process on a host, readable in the ledger."""
+    host = re.sub(r"[\s{}]", "_", socket.gethostname()) or "replica"
+    return f"{host}-{os.getpid()}"
 
 
 def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) -> Settings:
@@ -675,6 +730,15 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     for url in ns.worker_urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"--worker-urls: {url!r} must start with http:// or https://")
+    if ns.coordination_url is not None:
+        check_coordination_url(ns.coordination_url)
+    replica_id = ns.replica_id if ns.replica_id is not None else default_replica_id()
+    for flag, name in (("--fleet-id", ns.fleet_id), ("--replica-id", replica_id)):
+        if not _FLEET_NAME.match(name):
+            raise ConfigError(f"{flag} must be 1..128 characters without spaces or braces, "
+                              f"got {clip(name)!r}")
+    if not (math.isfinite(ns.replica_ttl_secs) and ns.replica_ttl_secs > 0):
+        raise ConfigError("--replica-ttl-secs must be a finite number > 0")
     priority = load_priority_config(ns.priority_scheduler_config)
     authz_timeout = ns.envoy_authz_timeout
     if authz_timeout is not None and ns.priority_scheduler_enabled:
@@ -719,6 +783,10 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         startup_capacity_wait_secs=float(ns.startup_capacity_wait_secs),
         log_format=log_format,
         log_level=ns.log_level,
+        coordination_url=ns.coordination_url,
+        fleet_id=ns.fleet_id,
+        replica_id=replica_id,
+        replica_ttl_secs=float(ns.replica_ttl_secs),
     )
 
 

@@ -34,6 +34,9 @@ verb                        caller                 metrics
                                                    ``smg_sidecar_config_info``,
                                                    ``smg_sidecar_config_reload_total{ok}``
 ``config_reload_failed``    app (config reload)    ``smg_sidecar_config_reload_total{error}``
+``fleet_seen``              fleet controller       ``smg_sidecar_fleet_inflight``,
+                            (heartbeat)            ``smg_sidecar_live_replicas``
+``coordination_changed``    fleet controller       ``smg_sidecar_coordination_state``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -77,6 +80,8 @@ from sidecar.scheduler.interface import capacity_pressure
 
 # Only the contract's series: no *_created timestamp per counter child.
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+COORDINATION_STATES = ("ok", "degraded")
 
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                       60, 120, 300)
@@ -158,6 +163,12 @@ class Recorder(Protocol):
     def config_reload_failed(self) -> None:
         """A changed config file was refused; the old config stays."""
 
+    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
+        """A heartbeat's answer: fleet-wide in-flight counts and live replicas."""
+
+    def coordination_changed(self, state: str) -> None:
+        """The fleet controller's state is now ``ok`` or ``degraded``."""
+
 
 class NullRecorder:
     """Records nothing."""
@@ -201,6 +212,12 @@ class NullRecorder:
         pass
 
     def config_reload_failed(self) -> None:
+        pass
+
+    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
+        pass
+
+    def coordination_changed(self, state: str) -> None:
         pass
 
 
@@ -275,6 +292,15 @@ class Metrics:
                                       "Workers counted healthy", registry=r)
         self._mode = Gauge("smg_sidecar_admission_mode",
                            "Admission path in force (1 = active)", ["mode"], registry=r)
+        self._fleet_inflight = Gauge("smg_sidecar_fleet_inflight",
+                                     "Fleet-wide admissions in flight, as the ledger saw them "
+                                     "at the last heartbeat", ["class"], registry=r)
+        self._live_replicas = Gauge("smg_sidecar_live_replicas",
+                                    "Live replicas of the fleet, this one included (0 without "
+                                    "coordination)", registry=r)
+        self._coordination = Gauge("smg_sidecar_coordination_state",
+                                   "Fleet coordination state (1 = current)", ["state"],
+                                   registry=r)
         self._worker_capacity: Mapping[tuple[str, str], int] = {}
         r.register(_WorkerCapacityCollector(lambda: self._worker_capacity))
         # Label children resolved once: labels() costs a lock and a tuple per call,
@@ -382,6 +408,15 @@ class Metrics:
 
     def config_reload_failed(self) -> None:
         self._reload.labels("error").inc()
+
+    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
+        for cls in HIGH_TO_LOW:
+            self._fleet_inflight.labels(cls.label).set(inflight.get(cls, 0))
+        self._live_replicas.set(live_replicas)
+
+    def coordination_changed(self, state: str) -> None:
+        for s in COORDINATION_STATES:
+            self._coordination.labels(s).set(1 if s == state else 0)
 
 
 class _WorkerCapacityCollector(Collector):

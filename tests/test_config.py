@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -368,3 +370,44 @@ def test_yaml_1_2_numbers() -> None:
     assert cfg.classes[B].queue_size == 10  # decimal, not octal
     assert cfg.classes[B].can_preempt is True
     assert cfg.tenant_policies == {"no": B}  # a tenant named "no", not False
+
+
+def test_coordination_defaults() -> None:
+    s = parse_settings([])
+    assert s.coordination_url is None
+    assert s.fleet_id == "default"
+    assert s.replica_id == f"{socket.gethostname()}-{os.getpid()}"
+    assert s.replica_ttl_secs == 10.0
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:6379", "redis://valkey:6379/2", "rediss://user:pw@valkey.example:6380/0",
+    "unix:///run/valkey/valkey.sock", "redis://localhost",
+])
+def test_coordination_url_accepted(url: str) -> None:
+    assert parse_settings(["--coordination-url", url]).coordination_url == url
+
+
+@pytest.mark.parametrize(("url", "reason"), [
+    ("http://valkey:6379", "must start with redis://"),
+    ("valkey:6379", "must start with redis://"),
+    ("redis://:6379", "missing host"),
+    ("redis://valkey:port", "Port could not be cast"),
+    ("redis://valkey:6379/zero", "database must be a number"),
+    ("unix://", "missing socket path"),
+])
+def test_bad_coordination_url_is_a_startup_error(url: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        parse_settings(["--coordination-url", url])
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--fleet-id", "a b"], "--fleet-id must be"),
+    (["--fleet-id", "{x}"], "--fleet-id must be"),
+    (["--replica-id", ""], "--replica-id must be"),
+    (["--replica-ttl-secs", "0"], "--replica-ttl-secs must be"),
+    (["--replica-ttl-secs", "inf"], "--replica-ttl-secs must be"),
+])
+def test_bad_fleet_names_and_ttl_refused(flags: list[str], reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        parse_settings(flags)

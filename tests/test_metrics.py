@@ -91,6 +91,8 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "started": lambda r: r.started(legacy=False, snapshot=SNAPSHOT, config_digest="abc"),
     "config_reloaded": lambda r: r.config_reloaded(2, "def"),
     "config_reload_failed": lambda r: r.config_reload_failed(),
+    "fleet_seen": lambda r: r.fleet_seen({S: 1, B: 3}, 2),
+    "coordination_changed": lambda r: r.coordination_changed("degraded"),
 }
 
 
