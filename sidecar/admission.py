@@ -27,6 +27,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from sidecar import logs
 from sidecar.classes import PriorityClass
@@ -45,6 +46,7 @@ from sidecar.scheduler import (
     Released,
     ReleaseReason,
     ReleaseResult,
+    Snapshot,
 )
 from sidecar.scheduler.leases import Leases
 from sidecar.slottrace import SlotTrace
@@ -68,6 +70,26 @@ log = logs.get("sidecar.admission")
 def new_admission_id() -> str:
     """128 random bits, hex: unguessable, so nobody can release someone else's slot."""
     return secrets.token_hex(16)
+
+
+class AdmissionService(Protocol):
+    """What the gRPC services and the runtime use: :class:`AdmissionController` in process,
+    :class:`sidecar.coordination.controller.FleetController` across a fleet."""
+
+    @property
+    def legacy(self) -> bool: ...
+    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted: ...
+    def release(self, aid: str,
+                reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult: ...
+    def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
+                       tenant: str = "") -> bool: ...
+    def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None: ...
+    def mark_first_byte(self, aid: str) -> bool: ...
+    def close_stop_channel(self, aid: str) -> None: ...
+    def set_capacity(self, capacity: int) -> None: ...
+    def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None: ...
+    def snapshot(self) -> Snapshot: ...
+    def close(self) -> None: ...
 
 
 class AdmissionController:
@@ -198,6 +220,13 @@ class AdmissionController:
         """Hot reload: new class knobs for new decisions (queued requests keep their place)."""
         self.core.update_config(classes)
         self._apply_events()
+
+    @property
+    def legacy(self) -> bool:
+        return self.core.legacy
+
+    def snapshot(self) -> Snapshot:
+        return self.core.snapshot()
 
     @property
     def lease_count(self) -> int:

@@ -17,11 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from sidecar import authz, codec, listen, logs
 from sidecar.adminhttp import AdminServer
-from sidecar.admission import AdmissionController
+from sidecar.admission import AdmissionController, AdmissionService
 from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.capacity import CapacityReading
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings
+from sidecar.coordination.controller import FleetController
 from sidecar.health import CapacityMonitor
 from sidecar.metrics import Metrics
 from sidecar.ratelimit import build_bucket
@@ -77,11 +78,25 @@ async def build_runtime(settings: Settings) -> Runtime:
         default_cap=s.worker_max_running_requests,
         saturation_guard=s.saturation_guard,
     )
+    fleet: FleetController | None = None
     try:
         # The first capacity reading decides scheduler vs. legacy (the startup check).
         reading = await _first_reading(s, monitor)
-        return Runtime(s, metrics=metrics, admin=admin, http_port=http_port, serving=serving,
-                       monitor=monitor, reading=reading)
+        if s.coordination_url is not None:
+            # Connect and register; an unreachable server starts the replica degraded.
+            fleet = await FleetController.connect(
+                s.coordination_url, fleet=s.fleet_id, replica=s.replica_id,
+                ttl=s.replica_ttl_secs, classes=s.priority.classes, capacity=reading.capacity,
+                bucket=build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
+                                    time.monotonic),
+                metrics=metrics)
+        try:
+            return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
+                           serving=serving, monitor=monitor, reading=reading, fleet=fleet)
+        except BaseException:
+            if fleet is not None:
+                await fleet.aclose()
+            raise
     except BaseException:
         await monitor.close()
         await admin.stop()
@@ -140,7 +155,7 @@ class Runtime:
 
     def __init__(self, settings: Settings, *, metrics: Metrics, admin: AdminServer,
                  http_port: int, serving: asyncio.Event, monitor: CapacityMonitor,
-                 reading: CapacityReading) -> None:
+                 reading: CapacityReading, fleet: FleetController | None = None) -> None:
         s = self.settings = settings
         self.metrics = metrics
         self.monitor = monitor
@@ -152,17 +167,27 @@ class Runtime:
         self._tasks: list[asyncio.Task[None]] = []
         self._grpc_started = False
 
-        self.core = _build_core(s, reading)
-        self.controller = AdmissionController(
-            self.core,
-            lease_secs=s.admission_lease_secs,
-            bucket=build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
-                                time.monotonic),
-            metrics=metrics,
-        )
+        # With --coordination-url the fleet's ledger decides (no in-process core);
+        # the reservation check does not apply: the ledger scales reservations to
+        # the fleet's capacity.
+        self.fleet = fleet
+        self.core: AdmissionCore | None = None
+        self.controller: AdmissionService
+        if fleet is not None:
+            self.controller = fleet
+        else:
+            self.core = _build_core(s, reading)
+            self.controller = AdmissionController(
+                self.core,
+                lease_secs=s.admission_lease_secs,
+                bucket=build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
+                                    time.monotonic),
+                metrics=metrics,
+            )
+        self.legacy = self.controller.legacy
         # From here on a new capacity reading also resizes admission.
         monitor.on_change = self._on_capacity
-        metrics.started(legacy=self.core.legacy, snapshot=self.core.snapshot,
+        metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,
                         config_digest=s.priority.digest)
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,
                                   TenantPolicy(s.priority.tenant_policies, s.default_max_class))
@@ -202,6 +227,8 @@ class Runtime:
         for name in ("", AUTHZ_SERVICE, ALS_SERVICE, EXT_PROC_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self.monitor.run()))
+        if self.fleet is not None:
+            self.fleet.start()
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         self._serving.set()
@@ -210,11 +237,12 @@ class Runtime:
             grpc=str(self.grpc_listen) if self.grpc_listen.path is not None
             else f"{self.grpc_listen.host}:{self.grpc_port}",
             http=f"{_split(s.http_listen)[0]}:{self.http_port}",
-            mode="legacy" if self.core.legacy else "scheduler",
+            mode="legacy" if self.legacy else "scheduler",
             capacity=self.reading.capacity, capacity_source=self.reading.source,
             config=s.priority.source or "builtin", config_sha256=s.priority.digest,
             tenant_source=f"{s.tenant_source.kind}:{s.tenant_source.name}".rstrip(":"),
             lease_secs=s.admission_lease_secs,
+            coordination="fleet" if self.fleet is not None else "in-process",
         )
         if s.envoy_authz_timeout is None and s.scheduler_enabled:
             log.info("envoy_authz_timeout_reminder",
@@ -231,7 +259,7 @@ class Runtime:
         # Queued requests keep their place; in-flight ones are untouched;
         # reservations are recomputed at the live capacity.
         self.controller.update_config(cfg.classes)
-        if self.core.legacy:
+        if self.legacy:
             log.warning("config_reload_legacy_mode",
                         hint="class knobs apply only to the scheduler; tenant ceilings apply")
         self.authz.policy = TenantPolicy(cfg.tenant_policies, self.settings.default_max_class)
@@ -274,6 +302,8 @@ class Runtime:
         await self._admin.stop()
         await self.monitor.close()
         self.controller.close()
+        if self.fleet is not None:
+            await self.fleet.aclose()
         log.info("stopped")
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from sidecar import codec, logs, responses
-from sidecar.admission import AdmissionController, Denied
+from sidecar.admission import AdmissionService, Denied
 from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
 from sidecar.metrics import Recorder
@@ -80,7 +80,7 @@ def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
 class AuthzService:
     """The Check handler."""
 
-    def __init__(self, controller: AdmissionController, metrics: Recorder,
+    def __init__(self, controller: AdmissionService, metrics: Recorder,
                  tenant_source: TenantSource, policy: TenantPolicy) -> None:
         self.controller = controller
         self.metrics = metrics

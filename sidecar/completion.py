@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from sidecar import codec, logs
-from sidecar.admission import AdmissionController
+from sidecar.admission import AdmissionService
 from sidecar.classes import PriorityClass
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.responses import Rejection, reply
@@ -52,14 +52,14 @@ class CompletionService:
     periodic entry.
     """
 
-    def __init__(self, controller: AdmissionController,
+    def __init__(self, controller: AdmissionService,
                  metrics: Recorder | None = None) -> None:
         self.controller = controller
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self._refused_log = logs.Throttled(log, "adoption_refused")
 
     def adoption_bound(self) -> int:
-        capacity = self.controller.core.snapshot().capacity
+        capacity = self.controller.snapshot().capacity
         return capacity if capacity > 0 else UNLIMITED_ADOPTION_BOUND
 
     def _renew_or_adopt(self, entry: codec.LogEntry) -> bool:
@@ -105,7 +105,7 @@ _IMMEDIATE_PREEMPTED = codec.encode_immediate(reply(Rejection.PREEMPTED))
 class ResponsePathService:
     """ext_proc: first-byte marking and preemption delivery."""
 
-    def __init__(self, controller: AdmissionController,
+    def __init__(self, controller: AdmissionService,
                  metrics: Recorder | None = None) -> None:
         self.controller = controller
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()

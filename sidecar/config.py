@@ -732,6 +732,9 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
             raise ConfigError(f"--worker-urls: {url!r} must start with http:// or https://")
     if ns.coordination_url is not None:
         check_coordination_url(ns.coordination_url)
+        if not ns.priority_scheduler_enabled:
+            # The ledger implements the priority scheduler; the legacy path has no fleet form.
+            raise ConfigError("--coordination-url requires --priority-scheduler-enabled")
     replica_id = ns.replica_id if ns.replica_id is not None else default_replica_id()
     for flag, name in (("--fleet-id", ns.fleet_id), ("--replica-id", replica_id)):
         if not _FLEET_NAME.match(name):

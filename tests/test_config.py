@@ -385,7 +385,13 @@ def test_coordination_defaults() -> None:
     "unix:///run/valkey/valkey.sock", "redis://localhost",
 ])
 def test_coordination_url_accepted(url: str) -> None:
-    assert parse_settings(["--coordination-url", url]).coordination_url == url
+    flags = ["--priority-scheduler-enabled", "--coordination-url", url]
+    assert parse_settings(flags).coordination_url == url
+
+
+def test_coordination_requires_the_scheduler() -> None:
+    with pytest.raises(ConfigError, match="requires --priority-scheduler-enabled"):
+        parse_settings(["--coordination-url", "redis://127.0.0.1:6379"])
 
 
 @pytest.mark.parametrize(("url", "reason"), [
@@ -398,7 +404,7 @@ def test_coordination_url_accepted(url: str) -> None:
 ])
 def test_bad_coordination_url_is_a_startup_error(url: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):
-        parse_settings(["--coordination-url", url])
+        parse_settings(["--priority-scheduler-enabled", "--coordination-url", url])
 
 
 @pytest.mark.parametrize(("flags", "reason"), [

@@ -418,6 +418,32 @@ ops.reregister = function(a)
   return reply
 end
 
+-- resync <heartbeat args> then groups like reregister: make the ledger's view of the replica
+-- exactly what it holds, after an outage during which it decided locally. Adds back what it
+-- holds (as reregister) and drops every admission or waiter the ledger has for it that it no
+-- longer holds: released or cancelled while the server was away, or decided by the server
+-- while the reply was lost. Reply: as reregister.
+ops.resync = function(a)
+  local keep_ids = {}
+  for i = 11, #a, 5 do keep_ids[a[i]] = true end
+  for _, id in ipairs(redis.call('SMEMBERS', k_own(a[1]))) do
+    if not keep_ids[id] then
+      local adm = get_adm(id)
+      if adm ~= nil then
+        drop_adm(adm, 'completed')
+      else
+        local w = get_waiter(id)
+        if w ~= nil then
+          drop_waiter(w)
+        else
+          redis.call('SREM', k_own(a[1]), id)
+        end
+      end
+    end
+  end
+  return ops.reregister(a)
+end
+
 -- arrive replica id cls tenant
 -- Reply: {"admitted"} | {"admitted", victim id, victim owner} | {"queued", timeout}
 --      | {"rejected_queue_full"} | {"unregistered"} | {"duplicate"}

@@ -225,6 +225,10 @@ class FleetLedger:
         self._capacity = 0
 
     @property
+    def client(self) -> redis.Redis:
+        return self._client
+
+    @property
     def events_key(self) -> str:
         return f"{self._prefix}:ev:{self.replica}"
 
@@ -271,6 +275,21 @@ class FleetLedger:
             args += [h.id, int(h.cls), "1" if h.first_byte else "0",
                      "1" if h.preemptible else "0", h.tenant]
         return self._status(await self._call("reregister", *args))
+
+    async def resync(self, holdings: Iterable[Holding],
+                     capacity: int | None = None) -> FleetStatus:
+        """Heartbeat and make the ledger's view of this replica exactly ``holdings``.
+
+        After an outage: adds back what it holds (as :meth:`reregister`) and drops any
+        admission or waiter of this replica that it no longer holds (ended locally while
+        the server was away, or decided by the server while the reply was lost).
+        """
+        cap = self._capacity if capacity is None else capacity
+        args = self._heartbeat_args(cap, False)
+        for h in holdings:
+            args += [h.id, int(h.cls), "1" if h.first_byte else "0",
+                     "1" if h.preemptible else "0", h.tenant]
+        return self._status(await self._call("resync", *args))
 
     # ------------------------------------------------------------------- decisions
 

@@ -1,0 +1,791 @@
+"""Fleet-wide admission: one replica's admission controller over the shared ledger (issue 11).
+
+:class:`FleetController` offers the gRPC services the same calls as the in-process
+:class:`~sidecar.admission.AdmissionController` (``admit``, ``release``, ``renew_or_adopt``,
+the stop channel), but decides through :class:`~sidecar.coordination.ledger.FleetLedger`:
+
+* ``admit``: one ``arrive`` (admitted, queued, or 429). A queued request waits on a local
+  future that the event consumer resolves from the ledger's ``grant`` (admitted) or
+  ``expired`` (503 queue timeout). A client that leaves is cancelled in the ledger; if the
+  grant won the race the slot is released at once.
+* ``release`` (the final access-log entry), the stop channel (``mark_preemptible``) and
+  the first byte (``mark_first_byte``) answer from the local mirror of what this replica
+  holds, synchronously, and reach the ledger through one ordered outbox (marks batched).
+  The ledger releases each id once fleet-wide; duplicates change nothing.
+* A ``preempt`` notification for one of this replica's admissions is delivered through its
+  ext_proc stream exactly like a local preemption: the victim's owner delivers it.
+* No per-request leases: the replica's heartbeat covers its admissions (issue point 7),
+  so a long stream without periodic access-log entries keeps its slot while the replica
+  lives. A replica that dies loses them after ``--replica-ttl-secs``.
+
+**Degraded mode** (issue point 6). A ledger call that fails or takes longer than
+``call_timeout`` switches the replica to a local :class:`~sidecar.scheduler.Scheduler` whose
+capacity is the degraded share, ``floor(min(fleet capacity, own capacity) / live replicas)``
+as last seen, seeded with what the replica holds (it counts, so nothing new is admitted
+while the holdings exceed the share). Requests beyond the share follow the class rules
+locally (queue, time out, 429). Requests that were waiting in the ledger are re-queued in
+the local scheduler in arrival order; their local queue timeout starts afresh. Holdings
+carried over cannot be preempted locally (their stop channel is kept, but the local core
+treats them as streaming). The heartbeat keeps trying; each success is a ``resync`` that
+makes the ledger's view of this replica exactly what it holds (adds back local
+admissions, drops what ended meanwhile), during which local admission pauses. The replica
+returns to ``ok`` once a resync finds its registration still known and at least one
+heartbeat interval has passed since the server answered again, so every replica alive has
+re-registered its holdings after a data loss; waiters queued locally then re-arrive at the
+ledger. A replica that has never reached the server (start-up during an outage) has no
+share: it queues by the class rules until the server answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis.asyncio as redis
+
+from sidecar import logs
+from sidecar.admission import AdmissionController, Denied, new_admission_id
+from sidecar.capacity import CapacityReading
+from sidecar.classes import HIGH_TO_LOW, PriorityClass
+from sidecar.coordination.ledger import (
+    ArriveStatus,
+    CancelResult,
+    Event,
+    FleetLedger,
+    FleetStatus,
+    Holding,
+)
+from sidecar.metrics import NullRecorder, Recorder
+from sidecar.ratelimit import TokenBucket
+from sidecar.scheduler import (
+    Admission,
+    Admitted,
+    ClassSettings,
+    ClassSnapshot,
+    Outcome,
+    Preempted,
+    Rejected,
+    Released,
+    ReleaseReason,
+    ReleaseResult,
+    Scheduler,
+    Snapshot,
+    scaled_reservations,
+)
+from sidecar.scheduler import (
+    Event as CoreEvent,
+)
+from sidecar.scheduler.lifecycle import EndedIds
+
+log = logs.get("sidecar.coordination")
+
+T = TypeVar("T")
+
+OK = "ok"
+DEGRADED = "degraded"
+
+# The local core's leases never expire: the replica's liveness covers its admissions.
+_NO_LEASE_SECS = 10.0 * 365 * 24 * 3600
+# How long one blocking pop of notifications waits before looping.
+_EVENT_BLOCK_SECS = 1.0
+# Set in the task of a local admit that is being moved back to the ledger: its
+# cancellation is not a client's, so it is not counted as client_cancelled.
+_MOVING: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "fleet_moving", default=None)
+
+
+class _Moved(Exception):
+    """The controller changed mode while a request waited: decide it again in the new mode."""
+
+
+@dataclass(slots=True)
+class Held:
+    """An admission this replica holds (the local mirror)."""
+
+    cls: PriorityClass
+    tenant: str
+    admitted_at: float
+    preemptible: bool = False
+    first_byte: bool = False
+
+    def holding(self, id: str) -> Holding:
+        return Holding(id, self.cls, self.tenant, self.first_byte,
+                       self.preemptible and not self.first_byte)
+
+
+@dataclass(slots=True)
+class _Waiter:
+    fut: asyncio.Future[Admitted]
+    cls: PriorityClass
+    tenant: str
+
+
+def degraded_share(fleet_capacity: int, own_capacity: int, live_replicas: int) -> int:
+    """floor(capacity / live replicas), capacity being the smaller of the fleet's and ours."""
+    if live_replicas < 1:
+        return 0  # never saw the fleet: no share to take
+    return max(0, min(fleet_capacity, own_capacity)) // live_replicas
+
+
+class FleetController:
+    """Admission for one replica of a fleet sharing a :class:`FleetLedger`."""
+
+    legacy = False
+
+    def __init__(
+        self,
+        ledger: FleetLedger,
+        events_client: redis.Redis,
+        *,
+        classes: Mapping[PriorityClass, ClassSettings],
+        capacity: int,
+        call_timeout: float,
+        bucket: TokenBucket | None = None,
+        metrics: Recorder | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        id_factory: Callable[[], str] = new_admission_id,
+    ) -> None:
+        self.ledger = ledger
+        self._events_client = events_client
+        self._classes = dict(classes)
+        self._capacity = capacity
+        self._call_timeout = call_timeout
+        self._interval = ledger.ttl / 3
+        self._bucket = bucket
+        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
+        self._clock = clock
+        self._new_id = id_factory
+        self._fleet_capacity = 0
+        self._live = 0  # 0: never reached the fleet
+        self._held: dict[str, Held] = {}
+        self._ended = EndedIds()
+        self._waiting: dict[str, _Waiter] = {}
+        self._stop_signals: dict[str, asyncio.Future[None]] = {}
+        self._local: AdmissionController | None = None
+        self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._server_back_at: float | None = None
+        self._config_dirty = False
+        self._outbox: deque[tuple[str, Any]] = deque()
+        self._outbox_wake = asyncio.Event()
+        self._heartbeat_wake = asyncio.Event()
+        self._tick_wake = asyncio.Event()
+        self._tick_at: float | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        fleet: str,
+        replica: str,
+        ttl: float,
+        classes: Mapping[PriorityClass, ClassSettings],
+        capacity: int,
+        bucket: TokenBucket | None = None,
+        metrics: Recorder | None = None,
+        max_connections: int = 64,
+    ) -> FleetController:
+        """Connect and register; an unreachable server means starting degraded, not failing."""
+        call_timeout = max(0.05, min(1.0, ttl / 5))
+        # Bounded: a burst waits for a connection instead of opening thousands.
+        pool = redis.BlockingConnectionPool.from_url(
+            url, decode_responses=True, socket_timeout=call_timeout,
+            socket_connect_timeout=call_timeout, max_connections=max_connections,
+            timeout=max(call_timeout, ttl / 3))
+        client = redis.Redis(connection_pool=pool)
+        # The blocking pop holds its connection for up to _EVENT_BLOCK_SECS.
+        events_client = redis.from_url(
+            url, decode_responses=True, socket_timeout=_EVENT_BLOCK_SECS + call_timeout,
+            socket_connect_timeout=call_timeout)
+        ledger = FleetLedger(client, fleet, replica, ttl=ttl)
+        self = cls(ledger, events_client, classes=classes, capacity=capacity,
+                   call_timeout=call_timeout, bucket=bucket, metrics=metrics)
+        try:
+            status = await self._call(ledger.register(self._classes, capacity))
+        except Exception as exc:
+            log.warning("coordination_unreachable_at_startup", error=_describe(exc),
+                        hint="starting degraded: no share until the server answers")
+            self._degrade(exc, announce=False)
+        else:
+            self._seen(status)
+            self._metrics.coordination_changed(OK)
+            log.info("coordination_registered", fleet=fleet, replica=replica,
+                     fleet_capacity=status.capacity, live_replicas=status.live_replicas)
+        return self
+
+    def start(self) -> None:
+        """Start the heartbeat, notification, timer and outbox loops."""
+        for loop in (self._heartbeat_loop, self._event_loop, self._tick_loop,
+                     self._outbox_loop):
+            self._tasks.append(asyncio.create_task(loop()))
+
+    async def aclose(self) -> None:
+        for t in [*self._tasks, *self._background]:
+            t.cancel()
+        for t in [*self._tasks, *self._background]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._local is not None:
+            self._local.close()
+        await self._events_client.aclose()
+        await self.ledger.client.aclose(close_connection_pool=True)
+
+    def close(self) -> None:
+        """Sync part of stopping (the in-process controller's interface); see :meth:`aclose`."""
+        if self._local is not None:
+            self._local.close()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state(self) -> str:
+        return OK if self._local is None else DEGRADED
+
+    @property
+    def held(self) -> Mapping[str, Held]:
+        return self._held
+
+    @property
+    def fleet_capacity(self) -> int:
+        return self._fleet_capacity
+
+    @property
+    def live_replicas(self) -> int:
+        return self._live
+
+    @property
+    def share(self) -> int:
+        return degraded_share(self._fleet_capacity, self._capacity, self._live)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting) + (self._local.waiting if self._local is not None else 0)
+
+    def snapshot(self) -> Snapshot:
+        """This replica's own in-flight and queue counts (the contract gauges stay per replica)."""
+        if self._local is not None:
+            return self._local.core.snapshot()
+        capacity = self._fleet_capacity or self._capacity
+        reserved = scaled_reservations(self._classes, capacity)
+        inflight = dict.fromkeys(HIGH_TO_LOW, 0)
+        for h in self._held.values():
+            inflight[h.cls] += 1
+        depth = dict.fromkeys(HIGH_TO_LOW, 0)
+        for w in self._waiting.values():
+            depth[w.cls] += 1
+        return Snapshot(capacity, sum(inflight.values()), {
+            c: ClassSnapshot(inflight[c], depth[c], self._classes[c].queue_size, reserved[c])
+            for c in HIGH_TO_LOW})
+
+    # ------------------------------------------------------------------ admission
+
+    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
+        """Admit through the ledger (or locally while degraded), wait, or raise :class:`Denied`."""
+        if self._bucket is not None:
+            allowed = self._bucket.try_take()
+            self._metrics.rate_limit(allowed)
+            if not allowed:
+                raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=False, rate_limited=True)
+        arrived = self._clock()
+        while True:
+            try:
+                local = self._local
+                if local is None:
+                    return await self._admit_fleet(cls, tenant, arrived)
+                return await self._admit_local(local, cls, tenant)
+            except _Moved:
+                continue
+
+    async def _admit_fleet(self, cls: PriorityClass, tenant: str, arrived: float) -> Admitted:
+        aid = self._new_id()
+        fut: asyncio.Future[Admitted] = asyncio.get_running_loop().create_future()
+        # Registered before the call: the grant may be read before the reply is.
+        self._waiting[aid] = _Waiter(fut, cls, tenant)
+        changed = self._changed
+        try:
+            try:
+                arrival = await self._call(self.ledger.arrive(aid, cls, tenant))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._degrade(exc)
+                self._background_task(self._forget(aid))
+                raise _Moved from None
+            status = arrival.status
+            if status is ArriveStatus.ADMITTED:
+                if arrival.victim is not None and arrival.victim_owner == self.ledger.replica:
+                    self._on_preempt(arrival.victim, cls)
+                return self._admitted_now(aid, cls, tenant, waited=0.0, queued=False,
+                                          preempted=arrival.victim is not None)
+            if status is ArriveStatus.REJECTED_QUEUE_FULL:
+                self._metrics.on_events([Rejected(aid, cls, tenant,
+                                                  Outcome.REJECTED_QUEUE_FULL, 0.0)])
+                raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=False)
+            if status is not ArriveStatus.QUEUED:
+                # unregistered (our registration lapsed, or the server lost its data):
+                # decide locally until the heartbeat has re-registered what we hold.
+                self._degrade(RuntimeError(f"arrive answered {status.value}"))
+                raise _Moved
+            self._schedule_tick(min(arrival.timeout or 0.0,
+                                    self._classes[cls].starvation_threshold_secs))
+            if not fut.done():
+                await asyncio.wait((fut, changed), return_when=asyncio.FIRST_COMPLETED)
+            if fut.done():
+                return fut.result()
+            # Degraded while queued in the ledger: queue again locally.
+            raise _Moved
+        except asyncio.CancelledError:
+            if aid in self._held:
+                self.release(aid, ReleaseReason.CANCELLED)
+            else:
+                self._metrics.on_events([Rejected(aid, cls, tenant, Outcome.CLIENT_CANCELLED,
+                                                  self._clock() - arrived)])
+                self._background_task(self._forget(aid))
+            raise
+        finally:
+            self._waiting.pop(aid, None)
+
+    async def _forget(self, aid: str) -> None:
+        """Take back a ledger arrival whose requester is gone (cancelled, or moved locally)."""
+        if self._local is not None:
+            return  # the next resync drops it
+        try:
+            result = await self._call(self.ledger.cancel(aid))
+            if result is CancelResult.ADMITTED:
+                await self._call(self.ledger.release(aid, ReleaseReason.CANCELLED))
+        except Exception as exc:
+            self._degrade(exc)
+
+    def _admitted_now(self, aid: str, cls: PriorityClass, tenant: str, *, waited: float,
+                      queued: bool, starvation: bool = False,
+                      preempted: bool = False) -> Admitted:
+        now = self._clock()
+        self._held[aid] = Held(cls, tenant, now)
+        if self._local is not None:
+            # Granted by a call that returned after the switch: the local core counts it.
+            self._local.core.adopt(aid, cls, tenant)
+            self._local.core.take_events()
+        event = Admitted(Admission(aid, cls, tenant, now), waited, queued, starvation, preempted)
+        self._metrics.on_events([event])
+        return event
+
+    async def _admit_local(self, local: AdmissionController, cls: PriorityClass,
+                           tenant: str) -> Admitted:
+        moving = [False]
+        token = _MOVING.set(moving)
+        try:
+            task = asyncio.ensure_future(local.admit(cls, tenant))
+        finally:
+            _MOVING.reset(token)
+        changed = self._changed
+        try:
+            await asyncio.wait((task, changed), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Denied):
+                await task
+            raise
+        if not task.done():
+            # Back to ok while queued locally: arrive at the ledger instead.
+            moving[0] = True
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Denied):
+                await task
+            if task.cancelled() or task.exception() is not None:
+                raise _Moved
+        return task.result()
+
+    # --------------------------------------------------------- the services' calls
+
+    def release(self, aid: str,
+                reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
+        """End an admission; a second or unknown release is counted and ignored."""
+        if aid not in self._held:
+            result = (ReleaseResult.ALREADY_RELEASED if aid in self._ended
+                      else ReleaseResult.UNKNOWN)
+            self._metrics.completion_unmatched(result.value)
+            return result
+        self._stop_signals.pop(aid, None)
+        if self._local is not None:
+            return self._local.release(aid, reason)  # the mirror follows its events
+        h = self._held.pop(aid)
+        self._ended.add(aid, reason)
+        self._metrics.on_events([Released(Admission(aid, h.cls, h.tenant, h.admitted_at),
+                                          reason)])
+        self._send("release", (aid, reason))
+        return ReleaseResult.RELEASED
+
+    def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
+                       tenant: str = "") -> bool:
+        """A periodic access-log entry. Held: nothing to renew (no per-request leases).
+
+        An id this replica does not hold but the entry names the class of (this process
+        restarted while the stream ran) is adopted: counted here and added to the ledger.
+        """
+        if aid in self._held:
+            return True
+        if cls is None or not self._ended.adoptable(aid):
+            return False
+        now = self._clock()
+        h = self._held[aid] = Held(cls, tenant, now, first_byte=True)
+        self._metrics.on_events([Admitted(Admission(aid, cls, tenant, now), 0.0, queued=False,
+                                          adopted=True)])
+        if self._local is not None:
+            self._local.core.adopt(aid, cls, tenant)
+            self._local.core.take_events()  # counted above
+        else:
+            self._send("adopt", h.holding(aid))
+        log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
+        return True
+
+    def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
+        """ADMITTED → PREEMPTIBLE (see :meth:`AdmissionController.open_stop_channel`)."""
+        h = self._held.get(aid)
+        if h is None or h.first_byte:
+            return None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._stop_signals[aid] = fut
+        h.preemptible = True
+        if self._local is not None:
+            inner = self._local.open_stop_channel(aid)
+            if inner is not None:
+                inner.add_done_callback(lambda _: self._signal_preempted(aid))
+        else:
+            self._send("preemptible", aid)
+        return fut
+
+    def mark_first_byte(self, aid: str) -> bool:
+        self._stop_signals.pop(aid, None)
+        h = self._held.get(aid)
+        if h is None or h.first_byte:
+            return False
+        h.first_byte = True
+        if self._local is not None:
+            self._local.mark_first_byte(aid)
+        else:
+            self._send("first_byte", aid)
+        return True
+
+    def close_stop_channel(self, aid: str) -> None:
+        self.mark_first_byte(aid)
+
+    def set_capacity(self, capacity: int) -> None:
+        """A new measured capacity: reported with the next heartbeat (sent at once)."""
+        if capacity == self._capacity:
+            return
+        self._capacity = capacity
+        if self._local is not None:
+            self._local.set_capacity(self.share)
+        self._heartbeat_wake.set()
+
+    def capacity_read(self, reading: CapacityReading) -> None:
+        self.set_capacity(reading.capacity)
+
+    def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
+        """Hot reload: store the new class settings in the ledger (they become the fleet's)."""
+        self._classes = dict(classes)
+        if self._local is not None:
+            self._local.update_config(classes)
+            self._config_dirty = True  # the outbox is not sent while degraded
+        self._send("register", None)
+
+    # ------------------------------------------------------------------ notifications
+
+    def _on_event(self, e: Event) -> None:
+        if e.kind == "grant":
+            w = self._waiting.get(e.id)
+            if w is None or w.fut.done() or self._local is not None:
+                # (Degraded: the waiter is being re-queued locally; resync drops the grant.)
+                # Its requester left or moved locally: give the slot back.
+                self._send("release", (e.id, ReleaseReason.CANCELLED))
+                return
+            w.fut.set_result(self._admitted_now(e.id, w.cls, w.tenant, waited=e.waited,
+                                                queued=True, starvation=e.starvation,
+                                                preempted=e.preempted))
+        elif e.kind == "expired":
+            w = self._waiting.get(e.id)
+            if w is not None and not w.fut.done():
+                self._metrics.on_events([Rejected(e.id, w.cls, w.tenant,
+                                                  Outcome.REJECTED_QUEUE_TIMEOUT, e.waited)])
+                w.fut.set_exception(Denied(Outcome.REJECTED_QUEUE_TIMEOUT, legacy=False,
+                                           waited=e.waited))
+        elif e.kind == "preempt":
+            self._on_preempt(e.id, e.by_class or PriorityClass.SYSTEM)
+
+    def _on_preempt(self, aid: str, by: PriorityClass) -> None:
+        """The ledger gave this admission's slot to a higher class: stop it."""
+        h = self._held.get(aid)
+        if h is None:
+            return
+        if self._local is not None:
+            # A notification from before the outage: honour it locally too.
+            self._local.release(aid, ReleaseReason.PREEMPTED)
+        else:
+            del self._held[aid]
+            self._ended.add(aid, ReleaseReason.PREEMPTED)
+            adm = Admission(aid, h.cls, h.tenant, h.admitted_at)
+            self._metrics.on_events([Preempted(adm, by), Released(adm, ReleaseReason.PREEMPTED)])
+        self._signal_preempted(aid)
+
+    def _signal_preempted(self, aid: str) -> None:
+        fut = self._stop_signals.pop(aid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    # ------------------------------------------------------------------ degraded mode
+
+    def _degrade(self, exc: BaseException, *, announce: bool = True) -> None:
+        """Server unreachable or slow: admit locally within the degraded share."""
+        if self._local is not None:
+            return
+        self._server_back_at = None
+        self._outbox.clear()  # the resync on return covers what it held
+        share = self.share
+        core = Scheduler(self._classes, share, self._clock, preemptible_on_admit=False)
+        for aid, h in self._held.items():
+            core.adopt(aid, h.cls, h.tenant)
+        core.take_events()  # carried over, not new admissions
+        self._local = AdmissionController(core, lease_secs=_NO_LEASE_SECS,
+                                          metrics=_LocalRecorder(self), clock=self._clock,
+                                          id_factory=self._new_id)
+        self._metrics.coordination_changed(DEGRADED)
+        if announce:
+            log.warning("coordination_degraded", error=_describe(exc), share=share,
+                        fleet_capacity=self._fleet_capacity, live_replicas=self._live,
+                        held=len(self._held), queued_in_ledger=len(self._waiting))
+        self._wake_movers()
+        self._heartbeat_wake.set()
+
+    def _wake_movers(self) -> None:
+        changed, self._changed = self._changed, asyncio.get_running_loop().create_future()
+        changed.set_result(None)
+
+    async def _try_recover(self) -> None:
+        """Degraded: resync with the ledger; back to ok once it is safe (module docstring)."""
+        local = self._local
+        assert local is not None
+        local.set_capacity(0)  # no local admission while the ledger's view is being written
+        try:
+            self._outbox.clear()
+            status = await self._call(self.ledger.resync(
+                [h.holding(aid) for aid, h in self._held.items()], self._capacity))
+        except BaseException:
+            local.set_capacity(self.share)
+            raise
+        now = self._clock()
+        if self._server_back_at is None:
+            self._server_back_at = now
+        for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
+            self._on_preempt(aid, PriorityClass.SYSTEM)
+        self._seen(status)
+        if not status.known or now - self._server_back_at < self._interval * 0.99:
+            local.set_capacity(self.share)
+            return
+        self._local = None
+        local.close()
+        self._metrics.coordination_changed(OK)
+        log.info("coordination_ok", fleet_capacity=status.capacity,
+                 live_replicas=status.live_replicas, held=len(self._held),
+                 requeued=local.waiting)
+        self._wake_movers()  # local waiters arrive at the ledger now
+        if self._config_dirty:
+            self._config_dirty = False
+            self._send("register", None)
+        self._outbox_wake.set()
+
+    def _seen(self, status: FleetStatus) -> None:
+        self._fleet_capacity = status.capacity
+        self._live = status.live_replicas
+
+    # ------------------------------------------------------------------ loops
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        return await asyncio.wait_for(call, self._call_timeout)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self._heartbeat_wake.clear()
+            try:
+                if self._local is None:
+                    status = await self._call(self.ledger.heartbeat(self._capacity))
+                    if not status.known:
+                        # Lapsed, or the server lost its data: an outage and a return.
+                        self._degrade(RuntimeError("registration lost"))
+                        continue
+                    self._seen(status)
+                else:
+                    await self._try_recover()
+                snap = await self._call(self.ledger.snapshot())
+                self._metrics.fleet_seen(snap.inflight, len(snap.replicas))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._degrade(exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heartbeat_wake.wait(), self._interval)
+
+    async def _event_loop(self) -> None:
+        while True:
+            try:
+                events = await self.ledger.next_events(_EVENT_BLOCK_SECS,
+                                                       client=self._events_client)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("coordination_events_unreachable", error=_describe(exc))
+                await asyncio.sleep(self._interval / 4)
+                continue
+            for e in events:
+                self._on_event(e)
+
+    def _schedule_tick(self, delay: float) -> None:
+        at = self._clock() + max(0.0, delay) + 0.001
+        if self._tick_at is None or at < self._tick_at:
+            self._tick_at = at
+            self._tick_wake.set()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            self._tick_wake.clear()
+            due = self._tick_at
+            if due is None:
+                await self._tick_wake.wait()
+                continue
+            delay = due - self._clock()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._tick_wake.wait(), delay)
+                continue
+            self._tick_at = None
+            if self._local is not None:
+                continue
+            try:
+                nxt = await self._call(self.ledger.tick())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._degrade(exc)
+                continue
+            if nxt is not None:
+                self._schedule_tick(nxt)
+
+    def _send(self, op: str, arg: Any) -> None:
+        self._outbox.append((op, arg))
+        self._outbox_wake.set()
+
+    async def _outbox_loop(self) -> None:
+        """One ordered channel for releases, marks, adoptions and config (marks batched)."""
+        while True:
+            await self._outbox_wake.wait()
+            self._outbox_wake.clear()
+            while self._outbox and self._local is None:
+                batch = list(self._outbox)
+                self._outbox.clear()
+                try:
+                    await self._call(self._flush(batch))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self._degrade(exc)
+
+    async def _flush(self, batch: Iterable[tuple[str, Any]]) -> None:
+        # Order does not matter between a release and a mark (a mark of an ended id, or a
+        # preemptible mark after the first byte, changes nothing), so they run together.
+        calls: list[Awaitable[Any]] = []
+        preemptible: list[str] = []
+        first_byte: list[str] = []
+        for op, arg in batch:
+            if op == "release":
+                calls.append(self.ledger.release(*arg))
+            elif op == "preemptible":
+                preemptible.append(arg)
+            elif op == "first_byte":
+                first_byte.append(arg)
+            elif op == "adopt":
+                calls.append(self.ledger.reregister([arg], self._capacity))
+            elif op == "register":
+                calls.append(self.ledger.register(self._classes, self._capacity))
+        if preemptible:
+            calls.append(self.ledger.mark_preemptible(*preemptible))
+        if first_byte:
+            calls.append(self.ledger.mark_first_byte(*first_byte))
+        await asyncio.gather(*calls)
+
+    def _background_task(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class _LocalRecorder:
+    """The degraded-mode core's events: keep the mirror in step, then count them."""
+
+    def __init__(self, owner: FleetController) -> None:
+        self._o = owner
+
+    def on_events(self, events: Iterable[CoreEvent]) -> None:
+        o = self._o
+        counted: list[CoreEvent] = []
+        for e in events:
+            if isinstance(e, Admitted):
+                if e.adopted:
+                    continue
+                a = e.admission
+                o._held[a.id] = Held(a.cls, a.tenant, a.admitted_at)
+            elif isinstance(e, Released):
+                o._held.pop(e.admission.id, None)
+                o._ended.add(e.admission.id, e.reason)
+            elif isinstance(e, Rejected) and e.outcome is Outcome.CLIENT_CANCELLED:
+                moving = _MOVING.get()
+                if moving is not None and moving[0]:
+                    continue  # moved to the ledger, not a client leaving
+            counted.append(e)
+        if counted:
+            o._metrics.on_events(counted)
+
+    def rate_limit(self, allowed: bool) -> None:
+        self._o._metrics.rate_limit(allowed)
+
+    def completion_unmatched(self, reason: str) -> None:
+        self._o._metrics.completion_unmatched(reason)
+
+    def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
+                   unknown: bool) -> None:
+        self._o._metrics.classified(tenant, requested, effective, unknown)
+
+    def preemption_undelivered(self) -> None:
+        self._o._metrics.preemption_undelivered()
+
+    def capacity_read(self, reading: CapacityReading) -> None:
+        self._o._metrics.capacity_read(reading)
+
+    def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
+                config_digest: str) -> None:
+        pass
+
+    def config_reloaded(self, generation: int, digest: str) -> None:
+        pass
+
+    def config_reload_failed(self) -> None:
+        pass
+
+    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
+        pass
+
+    def coordination_changed(self, state: str) -> None:
+        pass
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,461 @@
+"""Two sidecar runtimes sharing one ledger in a real valkey-server, over loopback gRPC.
+
+Issue 11, slice 2a: the coordinated admission controller. Each runtime is a whole sidecar
+(``build_runtime`` + ``serve``) with ``--coordination-url``; Envoy is played by the gRPC
+stand-in (Check, access-log entries, ext_proc streams). The two-Envoy tests are elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import redis.asyncio as redis
+from envoy.service.auth.v3 import external_auth_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
+
+from devtools.valkey import ValkeyServer, free_port
+from sidecar import codec
+from sidecar.app import Runtime, build_runtime
+from sidecar.config import parse_settings
+from tests.grpc_client import EnvoyStandIn, admission_id, headers_of
+from tests.ledger_support import valkey_server  # noqa: F401 (a fixture)
+
+PRIORITY = """
+classes:
+  system: {reserved_floor: 0, reserved_per_slot: 0.0, queue_size: 50, queue_timeout_secs: 20}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0, queue_size: 50,
+                queue_timeout_secs: 20}
+  default: {reserved_per_slot: 0.0, queue_size: 50, queue_timeout_secs: 20}
+  bulk: {queue_size: 50, queue_timeout_secs: 20}
+tenant_policies:
+  t: {max_class: system}
+"""
+FLEET = "t"
+
+
+class Replica:
+    def __init__(self, app: Runtime) -> None:
+        self.app = app
+        self.envoy = EnvoyStandIn(app.grpc_port)
+        assert app.fleet is not None
+        self.fleet = app.fleet
+        self.ext_proc = self.envoy.channel.stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=ep.ProcessingRequest.SerializeToString,
+            response_deserializer=ep.ProcessingResponse.FromString)
+
+    def check(self, cls: str = "default") -> grpc.aio.UnaryUnaryCall:
+        return self.envoy.check({"x-smg-priority": cls, "x-smg-tenant": "t"})
+
+    async def end(self, *aids: str) -> None:
+        await self.envoy.log(*((a, "end") for a in aids))
+
+    def sample(self, name: str, **labels: str) -> float:
+        v = self.app.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+    async def close(self) -> None:
+        await self.envoy.close()
+        await self.app.stop()
+
+
+async def start_replica(tmp_path: Path, url: str, name: str, *extra: str,
+                        capacity: int = 1, ttl: float = 10.0) -> Replica:
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(PRIORITY)
+    settings = parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg),
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+        "--worker-capacity-override", str(capacity), "--log-format", "json",
+        "--coordination-url", url, "--fleet-id", FLEET, "--replica-id", name,
+        "--replica-ttl-secs", str(ttl), *extra])
+    app = await build_runtime(settings)
+    await app.serve()
+    return Replica(app)
+
+
+async def eventually(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0,
+                     what: str = "condition") -> float:
+    """Wait until ``cond`` holds (bounded); seconds it took."""
+    t0 = time.monotonic()
+    while True:
+        r = cond()
+        if not isinstance(r, bool):
+            r = await r
+        if r:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        await asyncio.sleep(0.005)
+
+
+async def ok(call: Awaitable[external_auth_pb2.CheckResponse]) -> str:
+    resp = await call
+    assert resp.status.code == 0, resp
+    return admission_id(resp)
+
+
+def deny_code(resp: external_auth_pb2.CheckResponse) -> tuple[int, str]:
+    denied = resp.denied_response
+    return denied.status.code, headers_of(denied.headers)["x-smg-error-code"]
+
+
+async def inflight(client: redis.Redis) -> int:
+    vals = await client.hvals(f"pg:{{{FLEET}}}:inflight")
+    return sum(int(v) for v in vals)
+
+
+@pytest.fixture
+async def ledger_client(valkey_server: ValkeyServer) -> AsyncIterator[redis.Redis]:  # noqa: F811
+    c = redis.Redis(port=valkey_server.port, decode_responses=True)
+    await c.flushall()
+    yield c
+    await c.aclose()
+
+
+@pytest.fixture
+async def pair(tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
+               ledger_client: redis.Redis) -> AsyncIterator[tuple[Replica, Replica]]:
+    a = await start_replica(tmp_path, valkey_server.url, "a")
+    b = await start_replica(tmp_path, valkey_server.url, "b")
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def test_both_replicas_together_never_exceed_fleet_capacity(
+        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
+        ledger_client: redis.Redis) -> None:
+    a = await start_replica(tmp_path, valkey_server.url, "a", capacity=3)
+    b = await start_replica(tmp_path, valkey_server.url, "b", capacity=3)
+    try:
+        classes = ["bulk", "default", "interactive", "system"]
+        calls = [r.check(classes[i % 4]) for i in range(12) for r in (a, b)]
+        owner = {id(c): r for c, r in zip(calls, [r for _ in range(12) for r in (a, b)],
+                                          strict=True)}
+        pending = {asyncio.ensure_future(_wrap(c)): c for c in calls}
+        admitted = 0
+        while pending:
+            done, _ = await asyncio.wait(pending, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            assert done, "nobody admitted within 5 s"
+            await asyncio.sleep(0.05)  # give any over-admission the chance to show
+            done = {t for t in pending if t.done()}
+            holding = [(t.result(), owner[id(pending[t])]) for t in done]
+            assert len(holding) <= 3
+            assert len(a.fleet.held) + len(b.fleet.held) <= 3
+            assert await inflight(ledger_client) == len(holding)
+            for t in done:
+                del pending[t]
+            for aid, r in holding:
+                await r.end(aid)
+                admitted += 1
+        assert admitted == 24
+        await eventually(lambda: _zero(ledger_client), what="ledger empty")
+        assert a.sample("smg_scheduler_admit_total", **{"class": "bulk",
+                                                       "outcome": "admitted"}) == 3
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _wrap(call: grpc.aio.UnaryUnaryCall) -> str:
+    return await ok(call)
+
+
+async def _zero(client: redis.Redis) -> bool:
+    return await inflight(client) == 0
+
+
+async def test_a_slot_freed_on_a_reaches_a_waiter_on_b_within_milliseconds(
+        pair: tuple[Replica, Replica]) -> None:
+    a, b = pair
+    first = await ok(a.check())
+    waits = []
+    for _ in range(5):
+        waiting = asyncio.ensure_future(b.check())
+        await eventually(lambda: b.fleet.waiting == 1, what="B queued")
+        t0 = time.monotonic()
+        await a.end(first)
+        second = await ok(waiting)  # type: ignore[arg-type]
+        waits.append(time.monotonic() - t0)
+        # and back the other way
+        waiting = asyncio.ensure_future(a.check())
+        await eventually(lambda: a.fleet.waiting == 1, what="A queued")
+        await b.end(second)
+        first = await ok(waiting)  # type: ignore[arg-type]
+    await a.end(first)
+    waits.sort()
+    print(f"slot handover A->B (ALS end sent -> B's Check answered): "
+          f"median {waits[2] * 1000:.1f} ms, max {waits[-1] * 1000:.1f} ms")
+    assert waits[2] < 0.1
+
+
+async def test_priority_is_fleet_wide(pair: tuple[Replica, Replica]) -> None:
+    a, b = pair
+    held = await ok(a.check("default"))
+    bulk = [asyncio.ensure_future(a.check("bulk")) for _ in range(2)]
+    await eventually(lambda: a.fleet.waiting == 2, what="bulk queued on A")
+    interactive = asyncio.ensure_future(b.check("interactive"))
+    await eventually(lambda: b.fleet.waiting == 1, what="interactive queued on B")
+    await a.end(held)
+    got = await ok(interactive)  # type: ignore[arg-type]
+    assert not any(t.done() for t in bulk)
+    await b.end(got)
+    first_bulk = await ok(bulk[0])  # type: ignore[arg-type]
+    await a.end(first_bulk)
+    await a.end(await ok(bulk[1]))
+
+
+def request_headers(aid: str) -> ep.ProcessingRequest:
+    r = ep.ProcessingRequest(request_headers=ep.HttpHeaders())
+    md = struct_pb2.Struct()
+    md.update({codec.ADMISSION_ID_KEY: aid})
+    r.metadata_context.filter_metadata[codec.AUTHZ_NAMESPACE].CopyFrom(md)
+    return r
+
+
+async def test_a_system_request_on_a_preempts_a_bulk_admission_of_b(
+        pair: tuple[Replica, Replica], ledger_client: redis.Redis) -> None:
+    a, b = pair
+    victim = await ok(b.check("bulk"))
+    outgoing: asyncio.Queue[ep.ProcessingRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[ep.ProcessingRequest]:
+        while (m := await outgoing.get()) is not None:
+            yield m
+
+    stream = b.ext_proc(requests())
+    await outgoing.put(request_headers(victim))
+    first = await stream.read()
+    assert first.WhichOneof("response") == "request_headers"
+    await eventually(lambda: _zcard(ledger_client, f"pg:{{{FLEET}}}:pre:0"),
+                     what="victim marked preemptible in the ledger")
+    winner = await a.check("system")
+    assert winner.status.code == 0
+    msg = await asyncio.wait_for(stream.read(), 5)
+    assert msg.WhichOneof("response") == "immediate_response"
+    imm = msg.immediate_response
+    assert imm.status.code == 503
+    hdrs = {h.header.key: h.header.value or h.header.raw_value.decode()
+            for h in imm.headers.set_headers}
+    assert hdrs["x-smg-error-code"] == "scheduler_preempted"
+    assert json.loads(imm.body)["error"]["code"] == "scheduler_preempted"
+    await outgoing.put(None)
+    # Counted on the victim's replica; its later completion releases nothing.
+    assert b.sample("smg_scheduler_admit_total", **{"class": "bulk",
+                                                   "outcome": "preempted"}) == 1
+    assert b.sample("smg_scheduler_preemption_total", victim_class="bulk",
+                    by_class="system") == 1
+    await b.end(victim)
+    assert b.sample("smg_sidecar_completion_unmatched_total", reason="already_released") == 1
+    await a.end(admission_id(winner))
+    await eventually(lambda: _zero(ledger_client), what="ledger empty")
+
+
+async def _zcard(client: redis.Redis, key: str) -> bool:
+    return bool(await client.zcard(key))
+
+
+async def test_a_long_admission_keeps_its_slot_past_the_lease(
+        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
+        ledger_client: redis.Redis) -> None:
+    a = await start_replica(tmp_path, valkey_server.url, "a", "--admission-lease-secs", "0.3")
+    b = await start_replica(tmp_path, valkey_server.url, "b", "--admission-lease-secs", "0.3")
+    try:
+        held = await ok(a.check())
+        await asyncio.sleep(1.0)  # > 3 leases, no access-log entry at all
+        assert held in a.fleet.held
+        assert await inflight(ledger_client) == 1
+        waiting = asyncio.ensure_future(b.check())
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await a.end(held)
+        await b.end(await ok(waiting))
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_duplicate_and_late_completions_release_once(
+        pair: tuple[Replica, Replica], ledger_client: redis.Redis) -> None:
+    a, b = pair
+    aid = await ok(a.check())
+    await a.end(aid)
+    await a.end(aid)
+    await a.envoy.log((aid, "periodic"), cls="default")  # late: not adopted again
+    await b.end(aid)  # the other replica never held it
+    assert a.sample("smg_sidecar_released_total", **{"class": "default",
+                                                    "reason": "completed"}) == 1
+    assert a.sample("smg_sidecar_completion_unmatched_total", reason="already_released") == 1
+    assert b.sample("smg_sidecar_completion_unmatched_total", reason="unknown") == 1
+    await eventually(lambda: _zero(ledger_client), what="ledger empty")
+    # The ledger itself also answers exactly once.
+    assert str(await a.fleet.ledger.release(aid)) == "already_released"
+    # The slot is really free: B gets it at once.
+    await b.end(await ok(b.check()))
+
+
+async def test_a_client_leaving_the_queue_leaves_the_ledger(
+        pair: tuple[Replica, Replica], ledger_client: redis.Redis) -> None:
+    a, b = pair
+    held = await ok(a.check())
+    call = b.check()
+    await eventually(lambda: b.fleet.waiting == 1, what="B queued")
+    call.cancel()
+    await eventually(lambda: b.fleet.waiting == 0, what="waiter gone")
+    await eventually(lambda: _queue_empty(ledger_client), what="ledger queue empty")
+    assert b.sample("smg_scheduler_admit_total", **{"class": "default",
+                                                   "outcome": "client_cancelled"}) == 1
+    await a.end(held)
+    await eventually(lambda: _zero(ledger_client), what="ledger empty")
+
+
+async def _queue_empty(client: redis.Redis) -> bool:
+    return await client.zcard(f"pg:{{{FLEET}}}:dl") == 0
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def _sidecar_cmd(url: str, name: str, grpc_port: int, ttl: float, cfg: Path) -> list[str]:
+    return [sys.executable, "-m", "sidecar", "--priority-scheduler-enabled",
+            "--priority-scheduler-config", str(cfg), "--grpc-listen", f"127.0.0.1:{grpc_port}",
+            "--http-listen", f"127.0.0.1:{free_port()}", "--worker-capacity-override", "1",
+            "--coordination-url", url, "--fleet-id", FLEET, "--replica-id", name,
+            "--replica-ttl-secs", str(ttl), "--log-format", "json"]
+
+
+async def test_a_killed_replica_loses_its_slots_within_the_ttl(
+        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
+        ledger_client: redis.Redis) -> None:
+    ttl = 2.0
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(PRIORITY)
+    port = free_port()
+    proc = subprocess.Popen(_sidecar_cmd(valkey_server.url, "doomed", port, ttl, cfg),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    b = await start_replica(tmp_path, valkey_server.url, "b", ttl=ttl)
+    doomed = EnvoyStandIn(port)
+    try:
+        async def admitted_there() -> bool:
+            try:
+                resp = await doomed.check({"x-smg-priority": "bulk"}, )
+            except grpc.aio.AioRpcError:
+                return False
+            return resp.status.code == 0
+
+        await eventually(admitted_there, timeout=20, what="the doomed replica admits")
+        waiting = asyncio.ensure_future(b.check())
+        await eventually(lambda: b.fleet.waiting == 1, what="B queued")
+        proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        aid = await ok(waiting)  # type: ignore[arg-type]
+        took = time.monotonic() - t0
+        print(f"slot of a SIGKILLed replica reached B after {took:.2f} s (ttl {ttl} s)")
+        assert took <= ttl + 0.5
+        await b.end(aid)
+    finally:
+        proc.kill()
+        proc.wait()
+        await doomed.close()
+        await b.close()
+
+
+@pytest.fixture
+async def own_server(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
+    server = ValkeyServer(tmp_path / "valkey-own")
+    server.start()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGCONT)
+    server.stop()
+
+
+async def test_server_paused_then_back_degraded_share_then_ok(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    ttl = 2.0
+    a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
+    b = await start_replica(tmp_path, own_server.url, "b", capacity=4, ttl=ttl)
+    try:
+        await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
+        held = await ok(a.check())
+        assert own_server.proc is not None
+        own_server.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        calls = [a.check() for _ in range(4)]
+        await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="A degraded")
+        print(f"degraded after {time.monotonic() - t0:.2f} s (ttl {ttl} s)")
+        assert a.fleet.share == 2
+        assert a.sample("smg_sidecar_coordination_state", state="degraded") == 1
+        assert a.sample("smg_sidecar_coordination_state", state="ok") == 0
+        # Share 2, one already held: exactly one more is admitted locally.
+        await eventually(lambda: sum(c.done() for c in calls) == 1, what="one local admission")
+        await asyncio.sleep(0.3)
+        assert sum(c.done() for c in calls) == 1
+        assert len(a.fleet.held) == 2
+        own_server.proc.send_signal(signal.SIGCONT)
+        t1 = time.monotonic()
+        await eventually(lambda: a.fleet.state == "ok", timeout=2 * ttl, what="A back to ok")
+        print(f"back to ok {time.monotonic() - t1:.2f} s after SIGCONT (ttl {ttl} s)")
+        assert a.sample("smg_sidecar_coordination_state", state="ok") == 1
+        # A's holdings are in the ledger again; the waiters moved there and fill the fleet.
+        await eventually(lambda: sum(c.done() for c in calls) == 3, what="fleet filled")
+        client = redis.Redis(port=own_server.port, decode_responses=True)
+        try:
+            assert await inflight(client) == 4
+            done = [c for c in calls if c.done()]
+            aids = [held, *[admission_id(await c) for c in done]]
+            await a.end(*aids)
+            rest = [c for c in calls if not c.done()]
+            await a.end(*[await ok(c) for c in rest])
+            await eventually(lambda: _zero(client), what="ledger empty")
+        finally:
+            await client.aclose()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_server_restart_that_loses_the_data_is_an_outage_and_a_return(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    ttl = 2.0
+    a = await start_replica(tmp_path, own_server.url, "a", capacity=2, ttl=ttl)
+    b = await start_replica(tmp_path, own_server.url, "b", capacity=2, ttl=ttl)
+    try:
+        held_a = await ok(a.check())
+        held_b = await ok(b.check())
+        own_server.restart()  # every key gone
+        client = redis.Redis(port=own_server.port, decode_responses=True)
+        try:
+            # Both re-register what they hold; nobody admits past capacity meanwhile.
+            extra = asyncio.ensure_future(a.check())
+            await eventually(lambda: _equals(client, 2), timeout=2 * ttl,
+                             what="holdings back in the ledger")
+            await eventually(lambda: a.fleet.state == "ok" and b.fleet.state == "ok",
+                             timeout=2 * ttl, what="both ok")
+            assert not extra.done()
+            assert len(a.fleet.held) + len(b.fleet.held) == 2
+            await b.end(held_b)
+            await a.end(held_a, await ok(extra))
+            await eventually(lambda: _zero(client), what="ledger empty")
+        finally:
+            await client.aclose()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _equals(client: redis.Redis, n: int) -> bool:
+    return await inflight(client) == n
