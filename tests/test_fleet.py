@@ -420,7 +420,11 @@ async def test_server_paused_then_back_degraded_share_then_ok(
             await a.end(*aids)
             rest = [c for c in calls if not c.done()]
             await a.end(*[await ok(c) for c in rest])
-            await eventually(lambda: _zero(client), what="ledger empty")
+            try:
+                await eventually(lambda: _zero(client), what="ledger empty")
+            except AssertionError:
+                print(await client.hgetall(f"pg:{{{FLEET}}}:adm"), aids, a.fleet.held)
+                raise
         finally:
             await client.aclose()
     finally:
@@ -434,6 +438,7 @@ async def test_a_server_restart_that_loses_the_data_is_an_outage_and_a_return(
     a = await start_replica(tmp_path, own_server.url, "a", capacity=2, ttl=ttl)
     b = await start_replica(tmp_path, own_server.url, "b", capacity=2, ttl=ttl)
     try:
+        await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
         held_a = await ok(a.check())
         held_b = await ok(b.check())
         own_server.restart()  # every key gone

@@ -157,6 +157,8 @@ class FleetController:
         self._capacity = capacity
         self._call_timeout = call_timeout
         self._interval = ledger.ttl / 3
+        # Older than any call in flight (a call taking longer degrades the replica).
+        self._orphan_age = 4 * call_timeout
         self._bucket = bucket
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self._clock = clock
@@ -588,10 +590,12 @@ class FleetController:
             self._server_back_at = now
         for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
             self._on_preempt(aid, PriorityClass.SYSTEM)
-        self._seen(status)
         if not status.known or now - self._server_back_at < self._interval * 0.99:
+            # The share stays the one from before the outage: after a data loss the
+            # ledger knows only the replicas that have re-registered so far.
             local.set_capacity(self.share)
             return
+        self._seen(status)
         self._local = None
         local.close()
         self._metrics.coordination_changed(OK)
@@ -618,7 +622,12 @@ class FleetController:
             self._heartbeat_wake.clear()
             try:
                 if self._local is None:
-                    status = await self._call(self.ledger.heartbeat(self._capacity))
+                    # A resync rather than a bare heartbeat: it also drops what a late-run
+                    # call left in the ledger for us (e.g. an arrive that timed out here but
+                    # ran when a paused server resumed).
+                    status = await self._call(self.ledger.resync(
+                        [h.holding(aid) for aid, h in self._held.items()], self._capacity,
+                        min_age=self._orphan_age, waiting=list(self._waiting)))
                     if not status.known:
                         # Lapsed, or the server lost its data: an outage and a return.
                         self._degrade(RuntimeError("registration lost"))

@@ -418,30 +418,41 @@ ops.reregister = function(a)
   return reply
 end
 
--- resync <heartbeat args> then groups like reregister: make the ledger's view of the replica
--- exactly what it holds, after an outage during which it decided locally. Adds back what it
--- holds (as reregister) and drops every admission or waiter the ledger has for it that it no
--- longer holds: released or cancelled while the server was away, or decided by the server
--- while the reply was lost. Reply: as reregister.
+-- resync <heartbeat args> min_age then groups like reregister (class -1: a waiter, kept as
+-- is): make the ledger's view of the
+-- replica exactly what it holds. Adds back what it holds (as reregister) and drops every
+-- admission or waiter the ledger has for it that it does not list and that is at least
+-- min_age seconds old: released or cancelled while the server was away, or decided by a
+-- call whose reply the replica never read (it timed out, or the server ran it late). After
+-- an outage min_age is 0; in steady state it is larger than any call's time in flight, so
+-- an admission whose reply is still on its way is not dropped. Reply: as reregister.
 ops.resync = function(a)
+  local min_age = tonumber(a[11])
+  local rest = {}
+  for i = 1, 10 do rest[i] = a[i] end
   local keep_ids = {}
-  for i = 11, #a, 5 do keep_ids[a[i]] = true end
+  for i = 12, #a, 5 do
+    keep_ids[a[i]] = true
+    if a[i + 1] ~= '-1' then -- class -1: a waiter of the replica, kept, not re-added
+      for j = 0, 4 do rest[#rest + 1] = a[i + j] end
+    end
+  end
   for _, id in ipairs(redis.call('SMEMBERS', k_own(a[1]))) do
     if not keep_ids[id] then
       local adm = get_adm(id)
       if adm ~= nil then
-        drop_adm(adm, 'completed')
+        if now - adm.admitted_at >= min_age then drop_adm(adm, 'completed') end
       else
         local w = get_waiter(id)
         if w ~= nil then
-          drop_waiter(w)
+          if now - w.enqueued_at >= min_age then drop_waiter(w) end
         else
           redis.call('SREM', k_own(a[1]), id)
         end
       end
     end
   end
-  return ops.reregister(a)
+  return ops.reregister(rest)
 end
 
 -- arrive replica id cls tenant

@@ -276,19 +276,24 @@ class FleetLedger:
                      "1" if h.preemptible else "0", h.tenant]
         return self._status(await self._call("reregister", *args))
 
-    async def resync(self, holdings: Iterable[Holding],
-                     capacity: int | None = None) -> FleetStatus:
+    async def resync(self, holdings: Iterable[Holding], capacity: int | None = None,
+                     min_age: float = 0.0, waiting: Iterable[str] = ()) -> FleetStatus:
         """Heartbeat and make the ledger's view of this replica exactly ``holdings``.
 
-        After an outage: adds back what it holds (as :meth:`reregister`) and drops any
-        admission or waiter of this replica that it no longer holds (ended locally while
-        the server was away, or decided by the server while the reply was lost).
+        Adds back what it holds (as :meth:`reregister`) and drops any admission or waiter
+        of this replica that it does not list and that is at least ``min_age`` seconds
+        old (ended locally while the server was away, or decided by a call whose reply
+        was never read). ``min_age`` > any call's time in flight keeps a fresh admission
+        whose reply is still on its way. ``waiting``: this replica's waiters, kept as they are.
         """
         cap = self._capacity if capacity is None else capacity
         args = self._heartbeat_args(cap, False)
+        args.append(_num(min_age))
         for h in holdings:
             args += [h.id, int(h.cls), "1" if h.first_byte else "0",
                      "1" if h.preemptible else "0", h.tenant]
+        for id in waiting:
+            args += [id, -1, "0", "0", ""]
         return self._status(await self._call("resync", *args))
 
     # ------------------------------------------------------------------- decisions
