@@ -464,3 +464,34 @@ async def test_a_server_restart_that_loses_the_data_is_an_outage_and_a_return(
 
 async def _equals(client: redis.Redis, n: int) -> bool:
     return await inflight(client) == n
+
+
+async def test_a_replica_started_while_the_server_is_down_queues_until_it_answers(
+        tmp_path: Path) -> None:
+    ttl = 2.0
+    server = ValkeyServer(tmp_path / "valkey-late")
+    a = await start_replica(tmp_path, server.url, "a", capacity=2, ttl=ttl)
+    try:
+        assert a.fleet.state == "degraded"
+        assert a.fleet.share == 0  # never saw the fleet: no share to take
+        assert a.sample("smg_sidecar_coordination_state", state="degraded") == 1
+        call = asyncio.ensure_future(a.check())
+        await eventually(lambda: a.fleet.waiting == 1, what="queued locally")
+        server.start()
+        try:
+            t0 = time.monotonic()
+            aid = await asyncio.wait_for(ok(call), 2 * ttl)
+            print(f"cold-start replica admitted {time.monotonic() - t0:.2f} s after the "
+                  f"server came up (ttl {ttl} s)")
+            assert a.fleet.state == "ok"
+            client = redis.Redis(port=server.port, decode_responses=True)
+            try:
+                assert await inflight(client) == 1
+                await a.end(aid)
+                await eventually(lambda: _zero(client), what="ledger empty")
+            finally:
+                await client.aclose()
+        finally:
+            server.stop()
+    finally:
+        await a.close()

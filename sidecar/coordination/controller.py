@@ -538,12 +538,19 @@ class FleetController:
             self._ended.add(aid, ReleaseReason.PREEMPTED)
             adm = Admission(aid, h.cls, h.tenant, h.admitted_at)
             self._metrics.on_events([Preempted(adm, by), Released(adm, ReleaseReason.PREEMPTED)])
-        self._signal_preempted(aid)
+        if not self._signal_preempted(aid):
+            # The ledger chose it before our first-byte mark reached it (a round trip's
+            # window): it has no stop channel any more and runs on, uncounted.
+            log.warning("preemption_delivery_failed", admission_id=aid,
+                        error="response already started")
+            self._metrics.preemption_undelivered()
 
-    def _signal_preempted(self, aid: str) -> None:
+    def _signal_preempted(self, aid: str) -> bool:
         fut = self._stop_signals.pop(aid, None)
         if fut is not None and not fut.done():
             fut.set_result(None)
+            return True
+        return False
 
     # ------------------------------------------------------------------ degraded mode
 
@@ -583,13 +590,16 @@ class FleetController:
             status = await self._call(self.ledger.resync(
                 [h.holding(aid) for aid, h in self._held.items()], self._capacity))
         except BaseException:
+            self._server_back_at = None  # it must answer for a whole interval again
             local.set_capacity(self.share)
             raise
         now = self._clock()
         if self._server_back_at is None:
             self._server_back_at = now
         for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
-            self._on_preempt(aid, PriorityClass.SYSTEM)
+            if aid in self._held:
+                local.release(aid, ReleaseReason.PREEMPTED)
+                self._signal_preempted(aid)
         if not status.known or now - self._server_back_at < self._interval * 0.99:
             # The share stays the one from before the outage: after a data loss the
             # ledger knows only the replicas that have re-registered so far.
@@ -714,7 +724,10 @@ class FleetController:
         calls: list[Awaitable[Any]] = []
         preemptible: list[str] = []
         first_byte: list[str] = []
+        released = {arg[0] for op, arg in batch if op == "release"}
         for op, arg in batch:
+            if op in ("preemptible", "first_byte") and arg in released:
+                continue  # ended in the same batch: the mark would change nothing
             if op == "release":
                 calls.append(self.ledger.release(*arg))
             elif op == "preemptible":
