@@ -271,6 +271,11 @@ class FleetController:
         return degraded_share(self._fleet_capacity, self._capacity, self._live)
 
     @property
+    def lease_count(self) -> int:
+        """Admissions this replica holds (the adoption bound counts them)."""
+        return len(self._held)
+
+    @property
     def waiting(self) -> int:
         return len(self._waiting) + (self._local.waiting if self._local is not None else 0)
 
@@ -561,7 +566,7 @@ class FleetController:
         self._server_back_at = None
         self._outbox.clear()  # the resync on return covers what it held
         share = self.share
-        core = Scheduler(self._classes, share, self._clock, preemptible_on_admit=False)
+        core = Scheduler(self._classes, share, self._clock)
         for aid, h in self._held.items():
             core.adopt(aid, h.cls, h.tenant)
         core.take_events()  # carried over, not new admissions
@@ -750,8 +755,12 @@ class FleetController:
         task.add_done_callback(self._background.discard)
 
 
-class _LocalRecorder:
-    """The degraded-mode core's events: keep the mirror in step, then count them."""
+class _LocalRecorder(NullRecorder):
+    """The degraded-mode core's events: keep the mirror in step, then count them.
+
+    Only what the local :class:`AdmissionController` reports is forwarded; every other
+    verb is fed by its usual caller.
+    """
 
     def __init__(self, owner: FleetController) -> None:
         self._o = owner
@@ -781,32 +790,6 @@ class _LocalRecorder:
 
     def completion_unmatched(self, reason: str) -> None:
         self._o._metrics.completion_unmatched(reason)
-
-    def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
-                   unknown: bool) -> None:
-        self._o._metrics.classified(tenant, requested, effective, unknown)
-
-    def preemption_undelivered(self) -> None:
-        self._o._metrics.preemption_undelivered()
-
-    def capacity_read(self, reading: CapacityReading) -> None:
-        self._o._metrics.capacity_read(reading)
-
-    def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
-                config_digest: str) -> None:
-        pass
-
-    def config_reloaded(self, generation: int, digest: str) -> None:
-        pass
-
-    def config_reload_failed(self) -> None:
-        pass
-
-    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
-        pass
-
-    def coordination_changed(self, state: str) -> None:
-        pass
 
 
 def _describe(exc: BaseException) -> str:
