@@ -416,9 +416,9 @@ async def test_server_paused_then_back_degraded_share_then_ok(
         try:
             assert await inflight(client) == 4
             done = [c for c in calls if c.done()]
+            rest = [c for c in calls if c not in done]
             aids = [held, *[admission_id(await c) for c in done]]
             await a.end(*aids)
-            rest = [c for c in calls if not c.done()]
             await a.end(*[await ok(c) for c in rest])
             try:
                 await eventually(lambda: _zero(client), what="ledger empty")
