@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis.asyncio as redis
 
 from devtools.valkey import ValkeyServer
@@ -501,3 +502,54 @@ async def test_concurrent_replicas_keep_the_fleet_within_capacity(
     assert sum(outcome.values()) - outcome["released"] == 450
     assert outcome["admitted"] > 50 and outcome["cancelled"] > 0, outcome
     assert preempted, outcome
+
+
+async def test_batch_runs_releases_and_marks_in_one_pipeline_even_after_a_script_flush(
+        client: redis.Redis) -> None:
+    a = FleetLedger(client, "f", "a")
+    await a.register(PLAIN, 3)
+    for aid in ("x", "y", "z"):
+        assert (await a.arrive(aid, BULK, "t")).status is ArriveStatus.ADMITTED
+    await client.script_flush()  # a restarted server has no scripts loaded
+    replies = await a.batch([("mark_preemptible", ["x", "y"]), ("release", ["x", "completed"]),
+                             ("release", ["x", "completed"]), ("mark_first_byte", ["y"])])
+    assert replies == [2, "released", "already_released", 1]
+    snap = await a.snapshot()
+    assert snap.total_inflight == 2
+    assert await client.zcard("pg:{f}:pre:0") == 0  # y streams now, x ended
+    with pytest.raises(redis.ResponseError, match="unknown ledger op"):
+        await a.batch([("release", ["y", "completed"]), ("nonsense", [])])
+    assert (await a.snapshot()).total_inflight == 1  # the release before it still ran
+
+
+async def test_resync_makes_the_ledger_hold_exactly_what_the_replica_lists(
+        client: redis.Redis) -> None:
+    a = FleetLedger(client, "f", "a")
+    await a.register(PLAIN, 4)
+    for aid in ("kept", "ended", "lost-reply", "also-ended"):
+        assert (await a.arrive(aid, BULK, "t")).status is ArriveStatus.ADMITTED
+    status = await a.resync([Holding("kept", BULK, "t"), Holding("local", DEF, "t")],
+                            waiting=[])
+    assert status.known
+    snap = await a.snapshot()
+    assert snap.inflight[BULK] == 1 and snap.inflight[DEF] == 1
+    assert snap.total_inflight == 2
+    assert await a.release("ended") is ReleaseResult.ALREADY_RELEASED
+    # A fresh admission whose reply may still be on its way survives a steady-state resync.
+    await a.arrive("fresh", BULK, "t")
+    await a.resync([Holding("kept", BULK, "t"), Holding("local", DEF, "t")], min_age=60)
+    assert (await a.snapshot()).total_inflight == 3
+
+
+async def test_resync_keeps_listed_waiters_and_drops_unlisted_ones(client: redis.Redis) -> None:
+    a = FleetLedger(client, "f", "a")
+    await a.register(PLAIN, 1)
+    await a.arrive("x", BULK, "t")
+    assert (await a.arrive("w1", BULK, "t")).status is ArriveStatus.QUEUED
+    assert (await a.arrive("w2", BULK, "t")).status is ArriveStatus.QUEUED
+    await a.resync([Holding("x", BULK, "t")], waiting=["w2"])
+    snap = await a.snapshot()
+    assert snap.queue_depth[BULK] == 1 and snap.total_inflight == 1
+    await a.release("x")  # the kept waiter is granted, never admitted twice
+    assert [e.id for e in await a.take_events() if e.kind == "grant"] == ["w2"]
+    assert (await a.snapshot()).total_inflight == 1

@@ -724,17 +724,19 @@ class FleetController:
                     self._degrade(exc)
 
     async def _flush(self, batch: Iterable[tuple[str, Any]]) -> None:
-        # Order does not matter between a release and a mark (a mark of an ended id, or a
-        # preemptible mark after the first byte, changes nothing), so they run together.
+        # Releases and marks go in one pipelined round trip. Their order does not matter
+        # (a mark of an ended id, or a preemptible mark after the first byte, changes
+        # nothing), but the pipeline keeps it anyway. Adoptions and config go alone.
+        ops: list[tuple[str, list[str | int]]] = []
         calls: list[Awaitable[Any]] = []
-        preemptible: list[str] = []
-        first_byte: list[str] = []
+        preemptible: list[str | int] = []
+        first_byte: list[str | int] = []
         released = {arg[0] for op, arg in batch if op == "release"}
         for op, arg in batch:
             if op in ("preemptible", "first_byte") and arg in released:
                 continue  # ended in the same batch: the mark would change nothing
             if op == "release":
-                calls.append(self.ledger.release(*arg))
+                ops.append(("release", [arg[0], str(arg[1])]))
             elif op == "preemptible":
                 preemptible.append(arg)
             elif op == "first_byte":
@@ -744,9 +746,11 @@ class FleetController:
             elif op == "register":
                 calls.append(self.ledger.register(self._classes, self._capacity))
         if preemptible:
-            calls.append(self.ledger.mark_preemptible(*preemptible))
+            ops.append(("mark_preemptible", preemptible))
         if first_byte:
-            calls.append(self.ledger.mark_first_byte(*first_byte))
+            ops.append(("mark_first_byte", first_byte))
+        if ops:
+            calls.append(self.ledger.batch(ops))
         await asyncio.gather(*calls)
 
     def _background_task(self, coro: Awaitable[Any]) -> None:

@@ -60,6 +60,7 @@ from typing import Any, Literal
 
 import redis.asyncio as redis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import ClassSettings, ReleaseReason, ReleaseResult, scaled_reservations
@@ -329,6 +330,35 @@ class FleetLedger:
         cap, replicas, inflight, depth, reserved, digests, now = await self._call("snapshot")
         return FleetSnapshot(int(cap), tuple(sorted(replicas)), _per_class(inflight),
                              _per_class(depth), _per_class(reserved), tuple(digests), float(now))
+
+    async def batch(self, ops: Sequence[tuple[str, Sequence[str | int]]]) -> list[Any]:
+        """Run several operations in one round trip: a pipeline, not a transaction (each is
+        still its own atomic script, decided in order). Replies in order; the first error
+        is raised after all ran. For the owner's releases and marks.
+        """
+        now = "" if self._clock is None else _num(self._clock())
+        results: list[Any] = [None] * len(ops)
+        todo = list(range(len(ops)))
+        for attempt in range(2):
+            pipe = self._client.pipeline(transaction=False)
+            for i in todo:
+                op, args = ops[i]
+                pipe.evalsha(self._script.sha, 1, self._prefix, op, now, *args)
+            replies = await pipe.execute(raise_on_error=False)
+            missing = []
+            for i, r in zip(todo, replies, strict=True):
+                if isinstance(r, NoScriptError) and attempt == 0:
+                    missing.append(i)  # not run: the server restarted and lost the script
+                else:
+                    results[i] = r
+            if not missing:
+                break
+            await self._client.script_load(LUA)
+            todo = missing
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
 
     # ------------------------------------------------------------------ notifications
 
