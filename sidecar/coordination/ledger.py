@@ -37,9 +37,12 @@ changes in ``sidecar/scheduler/`` first, then in the script.
   ``new`` (registration lapsed, or the server lost its data) is followed by
   :meth:`FleetLedger.reregister` with what the replica holds; it is idempotent and never
   double counts.
-* *Round trips.* Uncontended: ``arrive`` + ``release`` (2). The marks take several ids
-  per call (deciding as the same calls one by one would) so an owner can batch them;
-  they are not on a request's latency path.
+* *Round trips.* Only ``arrive`` is on a request's latency path. Off it, an admitted
+  request with an ext_proc stream costs ``mark_preemptible``, ``mark_first_byte`` and
+  ``release``: 4 script calls uncontended (measured: 3.99 per request one at a time, 3.15
+  with 16 concurrent). The owner sends its releases and marks through one outbox, each
+  flush one pipelined round trip (:meth:`FleetLedger.batch`), and the marks take several
+  ids per call (deciding as the same calls one by one would).
 * *Connections.* Many concurrent requests share a bounded
   ``redis.asyncio.BlockingConnectionPool`` (the default pool raises once it runs out);
   the blocking pop for notifications holds one more connection of its own.
