@@ -495,3 +495,17 @@ async def test_a_replica_started_while_the_server_is_down_queues_until_it_answer
             server.stop()
     finally:
         await a.close()
+
+
+async def test_a_config_reload_becomes_the_fleets_class_settings(
+        pair: tuple[Replica, Replica], ledger_client: redis.Redis, tmp_path: Path) -> None:
+    a, _ = pair
+    assert (await ledger_client.hget(f"pg:{{{FLEET}}}:cfg", "0") or "").split()[2] == "50"
+    (tmp_path / "priority.yaml").write_text(PRIORITY.replace(
+        "bulk: {queue_size: 50", "bulk: {queue_size: 7"))
+    assert await a.app.reload_now()
+
+    async def stored() -> bool:
+        return (await ledger_client.hget(f"pg:{{{FLEET}}}:cfg", "0") or "").split()[2] == "7"
+
+    await eventually(stored, what="the new bulk queue_size in the ledger")
