@@ -71,9 +71,10 @@ class Replica:
 
 
 async def start_replica(tmp_path: Path, url: str, name: str, *extra: str,
-                        capacity: int = 1, ttl: float = 10.0) -> Replica:
+                        capacity: int = 1, ttl: float = 10.0,
+                        priority: str = PRIORITY) -> Replica:
     cfg = tmp_path / "priority.yaml"
-    cfg.write_text(PRIORITY)
+    cfg.write_text(priority)
     settings = parse_settings([
         "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg),
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
@@ -509,3 +510,32 @@ async def test_a_config_reload_becomes_the_fleets_class_settings(
         return (await ledger_client.hget(f"pg:{{{FLEET}}}:cfg", "0") or "").split()[2] == "7"
 
     await eventually(stored, what="the new bulk queue_size in the ledger")
+
+
+async def test_a_request_moved_to_the_local_queue_keeps_its_first_deadline(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    ttl = 2.0
+    timeout = 1.5
+    priority = PRIORITY.replace("bulk: {queue_size: 50, queue_timeout_secs: 20}",
+                                f"bulk: {{queue_size: 50, queue_timeout_secs: {timeout}}}")
+    a = await start_replica(tmp_path, own_server.url, "a", ttl=ttl, priority=priority)
+    try:
+        held = await ok(a.check())
+        t0 = time.monotonic()
+        waiting = asyncio.ensure_future(a.check("bulk"))
+        await eventually(lambda: a.fleet.waiting == 1, what="queued in the ledger")
+        assert own_server.proc is not None
+        own_server.proc.send_signal(signal.SIGSTOP)
+        await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="degraded")
+        resp = await asyncio.wait_for(waiting, 2 * timeout)
+        took = time.monotonic() - t0
+        assert deny_code(resp) == (503, "scheduler_queue_timeout")
+        assert timeout - 0.05 <= took <= timeout + 0.5, took
+        assert a.sample("smg_scheduler_admit_total", **{"class": "bulk",
+                                                       "outcome": "rejected_queue_timeout"}) == 1
+        assert a.sample("smg_scheduler_admit_total", **{"class": "bulk",
+                                                       "outcome": "client_cancelled"}) == 0
+        own_server.proc.send_signal(signal.SIGCONT)
+        await a.end(held)
+    finally:
+        await a.close()

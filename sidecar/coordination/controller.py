@@ -24,7 +24,7 @@ capacity is the degraded share, ``floor(min(fleet capacity, own capacity) / live
 as last seen, seeded with what the replica holds (it counts, so nothing new is admitted
 while the holdings exceed the share). Requests beyond the share follow the class rules
 locally (queue, time out, 429). Requests that were waiting in the ledger are re-queued in
-the local scheduler in arrival order; their local queue timeout starts afresh. Holdings
+the local scheduler (and back) keeping their first queue deadline. Holdings
 carried over cannot be preempted locally (their stop channel is kept, but the local core
 treats them as streaming). The heartbeat keeps trying; each success is a ``resync`` that
 makes the ledger's view of this replica exactly what it holds (adds back local
@@ -305,16 +305,30 @@ class FleetController:
             if not allowed:
                 raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=False, rate_limited=True)
         arrived = self._clock()
+        deadline: float | None = None  # first try: the deciding queue's own timeout
         while True:
             try:
                 local = self._local
                 if local is None:
-                    return await self._admit_fleet(cls, tenant, arrived)
-                return await self._admit_local(local, cls, tenant)
+                    return await self._admit_fleet(cls, tenant, arrived, deadline)
+                return await self._admit_local(local, cls, tenant, arrived, deadline)
             except _Moved:
+                # Moved between the ledger and the local queue: it keeps its first
+                # deadline, so Envoy's ext_authz timeout still outlasts every wait.
+                deadline = arrived + self._classes[cls].queue_timeout_secs
                 continue
 
-    async def _admit_fleet(self, cls: PriorityClass, tenant: str, arrived: float) -> Admitted:
+    def _timed_out(self, aid: str, cls: PriorityClass, tenant: str, arrived: float) -> Denied:
+        waited = self._clock() - arrived
+        self._metrics.on_events([Rejected(aid, cls, tenant, Outcome.REJECTED_QUEUE_TIMEOUT,
+                                          waited)])
+        return Denied(Outcome.REJECTED_QUEUE_TIMEOUT, legacy=False, waited=waited)
+
+    def _remaining(self, deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - self._clock())
+
+    async def _admit_fleet(self, cls: PriorityClass, tenant: str, arrived: float,
+                           deadline: float | None) -> Admitted:
         aid = self._new_id()
         fut: asyncio.Future[Admitted] = asyncio.get_running_loop().create_future()
         # Registered before the call: the grant may be read before the reply is.
@@ -347,9 +361,13 @@ class FleetController:
             self._schedule_tick(min(arrival.timeout or 0.0,
                                     self._classes[cls].starvation_threshold_secs))
             if not fut.done():
-                await asyncio.wait((fut, changed), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((fut, changed), timeout=self._remaining(deadline),
+                                   return_when=asyncio.FIRST_COMPLETED)
             if fut.done():
                 return fut.result()
+            if not changed.done():  # its first deadline passed
+                self._background_task(self._forget(aid))
+                raise self._timed_out(aid, cls, tenant, arrived)
             # Degraded while queued in the ledger: queue again locally.
             raise _Moved
         except asyncio.CancelledError:
@@ -388,7 +406,7 @@ class FleetController:
         return event
 
     async def _admit_local(self, local: AdmissionController, cls: PriorityClass,
-                           tenant: str) -> Admitted:
+                           tenant: str, arrived: float, deadline: float | None) -> Admitted:
         moving = [False]
         token = _MOVING.set(moving)
         try:
@@ -397,20 +415,24 @@ class FleetController:
             _MOVING.reset(token)
         changed = self._changed
         try:
-            await asyncio.wait((task, changed), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((task, changed), timeout=self._remaining(deadline),
+                               return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Denied):
                 await task
             raise
         if not task.done():
-            # Back to ok while queued locally: arrive at the ledger instead.
+            # Back to ok while queued locally (arrive at the ledger instead), or its
+            # first deadline passed. Either way not a client leaving: not counted as one.
             moving[0] = True
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Denied):
                 await task
             if task.cancelled() or task.exception() is not None:
-                raise _Moved
+                if changed.done():
+                    raise _Moved
+                raise self._timed_out("", cls, tenant, arrived)
         return task.result()
 
     # --------------------------------------------------------- the services' calls
