@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 ENVOY := $(ENVOY_VENV)/bin/envoy
 PYTEST_ARGS ?=
 
-.PHONY: install envoy test lint typecheck pytest run bench fuzz soak clean
+.PHONY: install envoy test lint typecheck pytest run bench fuzz clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -44,12 +44,6 @@ test: lint typecheck pytest
 fuzz: install
 	FUZZ_EXAMPLES=10000 HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py \
 		tests/test_scheduler_properties.py
-
-# The fleet soak at the issue's size: 10,000 requests over two coordinated replicas with
-# random client aborts (CI runs 1,000).
-soak: install envoy
-	SOAK_REQUESTS=10000 ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m pytest -q -s \
-		tests/test_fleet_e2e.py -k soak
 
 run: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.demo
