@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from bench._util import cpu_seconds, pct, run_client_async
+from bench._util import cpu_seconds, out_path, pct, run_client_async
 from bench.e2e import config
 from devtools.stack import Stack
 from devtools.valkey import ValkeyServer
@@ -88,6 +88,15 @@ async def point(stack: Stack, server: ValkeyServer | None, seconds: float, *,
     return out
 
 
+LINES: list[str] = []
+
+
+def say(line: str) -> None:
+    """Print, and keep for bench/out/coordination.txt."""
+    print(line, flush=True)
+    LINES.append(line)
+
+
 def fmt(s: dict[str, Any]) -> str:
     line = (f"{s['rps']:>7,.0f} req/s  p50 {s['p50'] * 1e6:>6.0f} us  p99 "
             f"{s['p99'] * 1e6:>7.0f} us  cpu envoy {s['envoy_cpu']:.0%} sidecar "
@@ -99,7 +108,7 @@ def fmt(s: dict[str, Any]) -> str:
 
 
 async def main_async(seconds: float, levels: list[int]) -> int:
-    print("coordination: one replica, in-process admission (local) vs. through a "
+    say("coordination: one replica, in-process admission (local) vs. through a "
           "valkey-server on loopback (fleet); Envoy --concurrency 1, 2 fake workers, "
           "0 s service time, preemption off; closed-loop saturation, then open loop.")
     server = ValkeyServer(Path(tempfile.mkdtemp(prefix="smg-bench-valkey-")))
@@ -114,16 +123,16 @@ async def main_async(seconds: float, levels: list[int]) -> int:
             stack = stacks[name] = Stack(cfg)
             await stack.start()
         best: dict[str, dict[str, Any]] = {}
-        print(f"  saturation (closed loop, {seconds:g} s per point):")
+        say(f"  saturation (closed loop, {seconds:g} s per point):")
         for c in levels:  # interleaved, so drift in the box's load hits both alike
             for name, stack in stacks.items():
                 s = await point(stack, server if name == "fleet" else None, seconds,
                                 concurrency=c)
-                print(f"    {name:<6} conns={c:<3} {fmt(s)}")
+                say(f"    {name:<6} conns={c:<3} {fmt(s)}")
                 if name not in best or s["rps"] > best[name]["rps"]:
                     best[name] = s
         ratio = best["fleet"]["rps"] / best["local"]["rps"]
-        print(f"  max rate fleet/local: {best['fleet']['rps']:,.0f} / "
+        say(f"  max rate fleet/local: {best['fleet']['rps']:,.0f} / "
               f"{best['local']['rps']:,.0f} = {ratio:.2f} (goal >= 0.70: "
               f"{'PASS' if ratio >= 0.7 else 'FAIL'})")
         # Two open-loop rates: half of local's best (the issue's "same load"; near the
@@ -132,24 +141,24 @@ async def main_async(seconds: float, levels: list[int]) -> int:
         lat: dict[str, dict[str, Any]] = {}
         for label, rate in (("local's", 0.5 * best["local"]["rps"]),
                             ("fleet's", 0.5 * best["fleet"]["rps"])):
-            print(f"  latency, open loop at 50% of {label} max = {rate:,.0f} req/s:")
+            say(f"  latency, open loop at 50% of {label} max = {rate:,.0f} req/s:")
             for name, stack in stacks.items():
                 lat[name] = s = await point(stack, server if name == "fleet" else None,
                                             seconds, rate=rate)
-                print(f"    {name:<6} {fmt(s)}")
+                say(f"    {name:<6} {fmt(s)}")
             f, loc = lat["fleet"], lat["local"]
-            print(f"    added by coordination: p50 {(f['p50'] - loc['p50']) * 1e6:+.0f} us, "
+            say(f"    added by coordination: p50 {(f['p50'] - loc['p50']) * 1e6:+.0f} us, "
                   f"p99 {(f['p99'] - loc['p99']) * 1e6:+.0f} us")
         mix = ", ".join(f"{k} {v / max(f['admitted'], 1):.2f}"
                         for k, v in sorted(f["mix"].items(), key=lambda kv: -kv[1]) if v)
         # arrive + release; background loops come on top (rounded: a script load at
         # start-up or a cancel race may add a handful over thousands of requests)
         per_request = round(f["evalsha"], 2)
-        print(f"  server round trips per admitted request (uncontended, open loop): "
+        say(f"  server round trips per admitted request (uncontended, open loop): "
               f"{per_request:.2f} on the request path (goal <= 2: "
               f"{'PASS' if per_request <= 2 else 'FAIL'}), {f['calls']:.2f} with the "
               f"replica's background heartbeats and notification pops; by command: {mix}")
-        print(f"  where the time goes (open loop, CPU per request): sidecar local "
+        say(f"  where the time goes (open loop, CPU per request): sidecar local "
               f"{loc['sidecar_cpu'] / max(loc['rps'], 1) * 1e6:.0f} us vs fleet "
               f"{f['sidecar_cpu'] / max(f['rps'], 1) * 1e6:.0f} us, valkey "
               f"{f['server_cpu'] / max(f['rps'], 1) * 1e6:.0f} us (on this box valkey shares "
@@ -168,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 s points, one concurrency")
     args = p.parse_args(argv)
     if args.quick:
-        return asyncio.run(main_async(1.0, [16]))
-    return asyncio.run(main_async(args.seconds, [int(c) for c in args.concurrency.split(",")]))
+        rc = asyncio.run(main_async(1.0, [16]))
+    else:
+        rc = asyncio.run(main_async(args.seconds,
+                                    [int(c) for c in args.concurrency.split(",")]))
+    out_path("coordination.txt").write_text("\n".join(LINES) + "\n")
+    return rc
 
 
 if __name__ == "__main__":
