@@ -13,7 +13,18 @@ import sys
 import time
 from collections.abc import Callable
 
-from bench import _util, check_throughput, codec, core, e2e, fairness, isolation, saturation
+from bench import (
+    _util,
+    check_throughput,
+    codec,
+    coordination,
+    core,
+    e2e,
+    fairness,
+    isolation,
+    ledger,
+    saturation,
+)
 
 
 class Tee(io.TextIOBase):
@@ -31,12 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="",
-                   help="comma list: codec,core,check,e2e,isolation,fairness,saturation")
+                   help="comma list: codec,core,check,e2e,isolation,fairness,saturation,"
+                        "ledger,coordination")
     args = p.parse_args(argv)
     parts: list[tuple[str, Callable[[list[str]], int]]] = [
         ("codec", codec.main), ("core", core.main), ("check", check_throughput.main),
         ("e2e", e2e.main), ("isolation", isolation.main), ("fairness", fairness.main),
-        ("saturation", saturation.main)]
+        ("saturation", saturation.main), ("ledger", ledger.main),
+        ("coordination", coordination.main)]
     if args.only:
         parts = [x for x in parts if x[0] in args.only.split(",")]
     flags = ["--quick"] if args.quick else []

@@ -160,6 +160,27 @@ class RequestRecord:
         return data
 
 
+class Tally:
+    """Completions running at once across several workers, and the highest count seen:
+    the fleet-wide ground truth a test compares with the fleet's capacity (per-worker
+    peaks can each be below their worker's cap while their sum is above the fleet's)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.peak = 0
+
+    def enter(self) -> None:
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+
+    def leave(self) -> None:
+        self.running -= 1
+
+    def reset(self) -> None:
+        """Forget the peak: it restarts from what runs now."""
+        self.peak = self.running
+
+
 class Gates:
     """Named one-shot gates a test opens to let held requests go on."""
 
@@ -244,6 +265,7 @@ class FakeWorker:
         engine: str = "generic",
         dp_ranks: int = 1,
         batch_limit: int | None = None,
+        tally: Tally | None = None,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r} (expected one of {ENGINES})")
@@ -270,6 +292,7 @@ class FakeWorker:
         self._slots = asyncio.Condition()
         self.records: list[RequestRecord] = []
         self.gates = gates if gates is not None else Gates()
+        self.tally = tally if tally is not None else Tally()
         self._name = name
         self._runner: web.AppRunner | None = None
         self._running = 0
@@ -542,6 +565,7 @@ class FakeWorker:
                 record.outcome, record.ended_at = "cancelled", time.time()
         record.service_started_at = time.time()
         self._peak_running = max(self._peak_running, self._running)
+        self.tally.enter()
         # Cancelled unless we get to the last byte: a client hang-up cancels this
         # handler (CancelledError) or fails a write (ConnectionError).
         outcome: Outcome = "cancelled"
@@ -561,6 +585,7 @@ class FakeWorker:
             return web.Response(status=499)  # never sent: the peer is gone
         finally:
             self._running -= 1
+            self.tally.leave()
             record.outcome = outcome
             record.ended_at = time.time()
             async with self._slots:
@@ -659,9 +684,10 @@ class Fleet:
         self, n: int = 2, *, host: str = "127.0.0.1", base_port: int = 0, **worker_kwargs: Any
     ) -> None:
         self.gates = Gates()  # shared: a test need not know which worker got a request
+        self.tally = Tally()  # completions running on all workers together
         self.workers = [
             FakeWorker(host, base_port + i if base_port else 0, name=f"w{i + 1}",
-                       gates=self.gates, **worker_kwargs)
+                       gates=self.gates, tally=self.tally, **worker_kwargs)
             for i in range(n)
         ]
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +29,7 @@ from devtools.fleet import Fleet
 from devtools.httpclient import HTTP_ERRORS
 from devtools.httpclient import get as http_get
 from devtools.proc import die_with_parent
+from devtools.valkey import ValkeyServer
 from sidecar.config import parse_priority_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,12 +88,22 @@ class StackConfig:
 
 
 class Stack:
-    def __init__(self, config: StackConfig, workdir: Path | None = None) -> None:
+    """One Envoy and one sidecar in front of a fleet of fake workers.
+
+    With ``fleet`` given, the stack shares that (already started) fleet with others and
+    neither starts nor stops it (see :class:`Replicas`); otherwise it owns one built from
+    the config.
+    """
+
+    def __init__(self, config: StackConfig, workdir: Path | None = None,
+                 fleet: Fleet | None = None) -> None:
         self.config = config
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="smg-stack-"))
-        self.fleet = Fleet(config.workers, base_port=config.worker_base_port,
-                           max_running_requests=config.max_running_requests,
-                           service_time=config.service_time)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.owns_fleet = fleet is None
+        self.fleet = fleet or Fleet(config.workers, base_port=config.worker_base_port,
+                                    max_running_requests=config.max_running_requests,
+                                    service_time=config.service_time)
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.envoy: subprocess.Popen[bytes] | None = None
         self.listen_port = config.listen_port or free_port()
@@ -112,7 +123,8 @@ class Stack:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        await self.fleet.start()
+        if self.owns_fleet:
+            await self.fleet.start()
         self.priority_path.write_text(self.config.priority_yaml)
         c = self.config
         # A port free_port() found can be taken before the child binds it (by an
@@ -145,7 +157,8 @@ class Stack:
             if proc is not None:
                 terminate(proc)
         self.envoy = self.sidecar = None
-        await self.fleet.stop()
+        if self.owns_fleet:
+            await self.fleet.stop()
         if self.grpc_socket is not None:
             shutil.rmtree(self.grpc_socket.parent, ignore_errors=True)
 
@@ -215,6 +228,11 @@ class Stack:
             self.envoy = subprocess.Popen(die_with_parent(argv), stdout=log, stderr=log,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
 
+    def kill(self) -> None:
+        """The replica dies: SIGKILL to its Envoy and its sidecar, nothing said to anyone."""
+        self.kill_envoy()
+        self.kill_sidecar()
+
     def kill_envoy(self) -> None:
         if self.envoy is not None:
             self.envoy.send_signal(signal.SIGKILL)
@@ -261,6 +279,60 @@ class Stack:
             f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$", 2.0)
         value = body.decode().strip().rpartition(" ")[2]
         return int(value) if value.isdigit() else 0
+
+
+class Replicas:
+    """Several full stacks (an Envoy and a sidecar each) in front of ONE fleet of fake
+    workers, their sidecars coordinated through ONE valkey-server (issue 11).
+
+    The fleet's :class:`~devtools.fleet.Tally` is the ground truth: what the workers
+    really ran at once, whichever replica admitted it. ``server`` can be paused
+    (SIGSTOP), resumed, killed and started again (empty); each stack can be killed
+    (``stacks[i].kill()``) and started again.
+    """
+
+    def __init__(self, config: StackConfig, n: int = 2, workdir: Path | None = None, *,
+                 fleet_id: str = "e2e", ttl_secs: float = 2.0) -> None:
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="smg-replicas-"))
+        self.fleet = Fleet(config.workers, base_port=config.worker_base_port,
+                           max_running_requests=config.max_running_requests,
+                           service_time=config.service_time)
+        self.server = ValkeyServer(self.workdir / "valkey")
+        self.fleet_id = fleet_id
+        self.ttl_secs = ttl_secs
+        self.stacks: list[Stack] = []
+        for i in range(n):
+            replica_id = chr(ord("a") + i)
+            args = [*config.sidecar_args,
+                    "--coordination-url", self.server.url, "--fleet-id", fleet_id,
+                    "--replica-id", replica_id, "--replica-ttl-secs", str(ttl_secs)]
+            self.stacks.append(Stack(replace(config, sidecar_args=args),
+                                     self.workdir / replica_id, fleet=self.fleet))
+
+    async def start(self) -> None:
+        self.server.start()
+        await self.fleet.start()
+        try:
+            # One at a time: two Envoys and two Pythons starting at once on a small box
+            # only make each other's readiness waits longer.
+            for stack in self.stacks:
+                await stack.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        for stack in self.stacks:
+            await stack.stop()
+        await self.fleet.stop()
+        self.server.stop()
+
+    async def restart(self, stack: Stack) -> None:
+        """Start a killed stack's sidecar and Envoy again (same ports, same replica id)."""
+        stack.start_sidecar()
+        await stack.wait_sidecar_ready()
+        stack.start_envoy()
+        await stack.wait_envoy_ready()
 
 
 def terminate(proc: subprocess.Popen[bytes] | None) -> None:

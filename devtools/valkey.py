@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from devtools.proc import die_with_parent
 
 
 def server_binary() -> str:
@@ -58,9 +61,10 @@ class ValkeyServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = (self.workdir / "valkey.log").open("ab")
         self.proc = subprocess.Popen(
-            [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=log, stderr=subprocess.STDOUT,
+            die_with_parent([server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]),
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         log.close()
         self._wait_ready(timeout)
@@ -87,12 +91,33 @@ class ValkeyServer:
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc is None:
             return
+        self.proc.send_signal(signal.SIGCONT)  # a paused server would never see SIGTERM
         self.proc.terminate()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections and its data but answers nothing
+        (a hung or overloaded server, as clients see it)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL (also ends a paused server): connections drop, every key is lost.
+        :meth:`start` brings it back on the same port, empty."""
+        if self.proc is None:
+            return
+        self.proc.kill()
+        self.proc.wait()
         self.proc = None
 
     def restart(self) -> None:

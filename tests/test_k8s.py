@@ -87,6 +87,24 @@ def _envoy() -> dict[str, Any]:
     return container
 
 
+def _valkey() -> dict[str, Any]:
+    (c,) = _find("Deployment", "priority-gate-valkey")["spec"]["template"]["spec"]["containers"]
+    container: dict[str, Any] = c
+    return container
+
+
+def _expanded_args(container: dict[str, Any]) -> list[str]:
+    """The container's args as the kubelet passes them: ``$(VAR)`` replaced by the
+    container's env (a downward-API field gets a plausible pod name)."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name":
+            env[e["name"]] = "priority-gate-7d9f8b6c5-x2x4q"
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+
+
 def _arg(container: dict[str, Any], flag: str) -> str:
     args: list[str] = container["args"]
     assert flag in args, f"{container['name']}: {flag} missing"
@@ -100,6 +118,7 @@ def test_kustomizations_list_existing_files() -> None:
     kfiles = sorted(K8S.rglob("kustomization.yaml"))
     assert K8S / "kustomization.yaml" in kfiles
     assert K8S / "overlays" / "servicemonitor" / "kustomization.yaml" in kfiles
+    assert K8S / "overlays" / "single-replica" / "kustomization.yaml" in kfiles
     listed: set[Path] = set()
     for kf in kfiles:
         doc = yaml.safe_load(kf.read_text(encoding="utf-8"))
@@ -142,16 +161,6 @@ def test_servicemonitor_selects_the_metrics_service() -> None:
         assert ep.get("path", "/metrics") == "/metrics"
 
 
-def test_selectors_match_pod_labels() -> None:
-    labels = _deployment()["spec"]["template"]["metadata"]["labels"]
-    selectors = [_deployment()["spec"]["selector"]["matchLabels"],
-                 _find("PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
-                 _find("NetworkPolicy")["spec"]["podSelector"]["matchLabels"]]
-    selectors += [d["spec"]["selector"] for _, d in _all_docs() if d["kind"] == "Service"]
-    for sel in selectors:
-        assert sel.items() <= labels.items(), sel
-
-
 def test_networkpolicy_admits_only_prometheus_to_the_admin_port() -> None:
     pol = _find("NetworkPolicy", "priority-gate")["spec"]
     assert pol["policyTypes"] == ["Ingress"]
@@ -174,23 +183,79 @@ def test_networkpolicy_admits_only_prometheus_to_the_admin_port() -> None:
     assert "ipBlock" not in peer
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-@pytest.mark.parametrize("target", ["", "overlays/servicemonitor"])
-def test_kustomize_builds(target: str) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+def test_selectors_match_pod_labels() -> None:
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for _, d in _all_docs() if d["kind"] == "Deployment"}
+    assert set(pods) == {"priority-gate", "priority-gate-valkey"}
+    for name, labels in pods.items():
+        assert _find("Deployment", name)["spec"]["selector"]["matchLabels"].items() \
+            <= labels.items()
+    gate = pods["priority-gate"]
+    for sel in (_find("PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+                _find("NetworkPolicy", "priority-gate")["spec"]["podSelector"]["matchLabels"]):
+        assert sel.items() <= gate.items()
+    valkey_policy = _find("NetworkPolicy", "priority-gate-valkey")["spec"]
+    assert valkey_policy["podSelector"]["matchLabels"].items() \
+        <= pods["priority-gate-valkey"].items()
+    # every Service selects the pods of exactly one Deployment
+    for _, svc in _all_docs():
+        if svc["kind"] == "Service":
+            sel = svc["spec"]["selector"]
+            matched = [n for n, labels in pods.items() if sel.items() <= labels.items()]
+            assert len(matched) == 1, (svc["metadata"]["name"], matched)
+
+
+_BASE_KINDS = ["ConfigMap", "ConfigMap", "Deployment", "Deployment", "NetworkPolicy",
+               "NetworkPolicy", "PodDisruptionBudget", "Service", "Service"]
+
+
+def _build(target: str) -> list[dict[str, Any]]:
     out = subprocess.run(["kubectl", "kustomize", str(K8S / target)], capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    kinds = sorted(d["kind"] for d in docs)
-    want = ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget",
-            "Service"]
-    if target:
-        want = sorted([*want, "Service", "ServiceMonitor"])
-    assert kinds == want
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _built_sidecar(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the gateway Deployment, its sidecar container) from a kustomize build."""
+    (dep,) = [d for d in docs
+              if d["kind"] == "Deployment" and d["metadata"]["name"] == "priority-gate"]
+    (c,) = dep["spec"]["template"]["spec"]["initContainers"]
+    return dep, c
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("target,want", [
+    ("", _BASE_KINDS),
+    ("overlays/servicemonitor", sorted([*_BASE_KINDS, "Service", "ServiceMonitor"])),
+    ("overlays/single-replica", ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy",
+                                 "Service"]),
+])
+def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    from sidecar.config import build_parser, settings_from_args
+
+    docs = _build(target)
+    assert sorted(d["kind"] for d in docs) == want
     for d in docs:
         if d["kind"] not in CRD_REQUIRED:
             kubernetes_validate.validate(d, SCHEMA_VERSIONS[0], strict=True)
+    # the built sidecar's flags pass the sidecar's own validation
+    dep, sidecar = _built_sidecar(docs)
+    (cm,) = [d for d in docs if d["metadata"]["name"] == "priority-gate-config"]
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(cm["data"]["priority.yaml"], encoding="utf-8")
+    args = _expanded_args(sidecar)
+    args[args.index("--priority-scheduler-config") + 1] = str(cfg)
+    settings = settings_from_args(build_parser().parse_args(args), isatty=False)
+    if target == "overlays/single-replica":
+        # one replica, admitting in-process: no server to point at
+        assert dep["spec"]["replicas"] == 1
+        assert settings.coordination_url is None
+        assert "--coordination-url" not in sidecar["args"]
+    else:
+        assert dep["spec"]["replicas"] == 2
+        assert settings.coordination_url == "redis://priority-gate-valkey:6379/0"
 
 
 # ------------------------------------------------------------------- the pod
@@ -205,10 +270,12 @@ def test_sidecar_is_a_native_sidecar() -> None:
 
 
 def test_containers_are_locked_down() -> None:
-    pod = _pod()
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-    for c in (_sidecar(), _envoy()):
+    valkey_pod = _find("Deployment", "priority-gate-valkey")["spec"]["template"]["spec"]
+    for pod in (_pod(), valkey_pod):
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        assert pod["automountServiceAccountToken"] is False
+    for c in (_sidecar(), _envoy(), _valkey()):
         sc = c["securityContext"]
         assert sc["runAsNonRoot"] is True, c["name"]
         assert sc.get("runAsUser", 1) != 0, c["name"]
@@ -246,7 +313,7 @@ def test_sidecar_args_parse_and_match_envoy() -> None:
     from sidecar.config import build_parser
 
     c = _sidecar()
-    ns = build_parser().parse_args(c["args"])
+    ns = build_parser().parse_args(_expanded_args(c))
     assert ns.priority_scheduler_enabled is True
     assert ns.priority_scheduler_config == "/etc/smg/priority.yaml"
     assert ns.envoy_admin_url == "http://127.0.0.1:9901"
@@ -277,11 +344,43 @@ def test_sidecar_settings_accept_the_deployment(tmp_path: Path) -> None:
 
     cfg = tmp_path / "priority.yaml"
     cfg.write_text(_priority_text(), encoding="utf-8")
-    args = list(_sidecar()["args"])
+    args = _expanded_args(_sidecar())
     args[args.index("--priority-scheduler-config") + 1] = str(cfg)
     settings = settings_from_args(build_parser().parse_args(args), isatty=False)
     assert settings.scheduler_enabled
     assert settings.http_listen == "0.0.0.0:9090"
+    assert settings.replica_id == "priority-gate-7d9f8b6c5-x2x4q"
+
+
+def test_replicas_share_the_shipped_valkey() -> None:
+    """replicas: 2 is correct only because every sidecar points at one ledger."""
+    assert _deployment()["spec"]["replicas"] == 2
+    c = _sidecar()
+    url = _arg(c, "--coordination-url")
+    m = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)/0", url)
+    assert m, url
+    svc = _find("Service", m.group(1))
+    (port,) = svc["spec"]["ports"]
+    assert port["port"] == int(m.group(2))
+    valkey_dep = _find("Deployment", "priority-gate-valkey")
+    assert valkey_dep["spec"]["replicas"] == 1  # one ledger, never two
+    assert valkey_dep["spec"]["strategy"]["type"] == "Recreate"
+    assert svc["spec"]["selector"].items() <= \
+        valkey_dep["spec"]["template"]["metadata"]["labels"].items()
+    v = _valkey()
+    assert port["targetPort"] in {p["name"] for p in v["ports"]}
+    assert int(_arg(v, "--port")) == v["ports"][0]["containerPort"]
+    # soft state: no persistence, and never evict a ledger key
+    assert _arg(v, "--save") == "" and _arg(v, "--appendonly") == "no"
+    assert _arg(v, "--maxmemory-policy") == "noeviction"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "ping" in v[probe]["exec"]["command"]
+    # the replica id is the pod's name (downward API), so ids are unique among live pods
+    assert _arg(c, "--replica-id") == "$(POD_NAME)"
+    (pod_name,) = [e for e in c["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert _arg(c, "--fleet-id") == "priority-gate"
+    assert float(_arg(c, "--replica-ttl-secs")) > 0
 
 
 def test_envoy_container_uses_the_envoy_configmap() -> None:
