@@ -326,10 +326,6 @@ async def test_server_paused_then_killed_degraded_share_then_recovery(
 
 
 @pytest.mark.soak
-@pytest.mark.xfail(reason="controller WIP: an admission whose client leaves just as Check "
-                   "answers is never released in fleet mode (Envoy never learns its id, and "
-                   "in-process the lease expires it; fleet mode has no per-request lease)",
-                   strict=False)
 async def test_soak_with_random_aborts_admitted_equals_released(
         make_replicas: ReplicasFactory) -> None:
     n = int(os.environ.get("SOAK_REQUESTS", 10_000))
