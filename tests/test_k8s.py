@@ -25,15 +25,30 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 SCHEMA_VERSIONS = ("1.31", "1.33")  # native sidecars: GA in 1.33, on by default since 1.29
-CRD_REQUIRED: dict[str, tuple[str, ...]] = {
-    # kind -> required dotted paths (CRDs have no bundled schema)
-    "ServiceMonitor": ("metadata.name", "spec.selector", "spec.endpoints"),
+CRD_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
+    # kind -> (apiVersion, required dotted paths): CRDs have no bundled schema. The mesh
+    # recipes' own consistency checks live in tests/test_mesh_recipes.py.
+    "ServiceMonitor": ("monitoring.coreos.com/v1",
+                       ("metadata.name", "spec.selector", "spec.endpoints")),
+    "ServiceEntry": ("networking.istio.io/v1", ("spec.hosts", "spec.endpoints", "spec.ports")),
+    "AuthorizationPolicy": ("security.istio.io/v1", ("spec.action", "spec.provider.name")),
+    "RequestAuthentication": ("security.istio.io/v1", ("spec.jwtRules",)),
+    "Telemetry": ("telemetry.istio.io/v1", ("spec.accessLogging",)),
+    "EnvoyFilter": ("networking.istio.io/v1alpha3", ("spec.configPatches",)),
+    "Backend": ("gateway.envoyproxy.io/v1alpha1", ("spec.endpoints",)),
+    "EnvoyProxy": ("gateway.envoyproxy.io/v1alpha1", ("spec.telemetry.accessLog",)),
+    "SecurityPolicy": ("gateway.envoyproxy.io/v1alpha1", ("spec.targetRefs", "spec.extAuth.grpc")),
+    "EnvoyExtensionPolicy": ("gateway.envoyproxy.io/v1alpha1", ("spec.targetRefs", "spec.extProc")),
+    "EnvoyPatchPolicy": ("gateway.envoyproxy.io/v1alpha1",
+                         ("spec.targetRef", "spec.type", "spec.jsonPatches")),
 }
 
 
 def _manifest_files() -> list[Path]:
+    # *.values.yaml: Helm values (k8s/istio's meshConfig), not manifests
     return sorted(
-        p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"
+        p for p in K8S.rglob("*.yaml")
+        if p.name != "kustomization.yaml" and not p.name.endswith(".values.yaml")
     )
 
 
@@ -141,8 +156,9 @@ def test_manifest_validates_against_openapi_schema(path: Path) -> None:
         for key in ("apiVersion", "kind", "metadata"):
             assert key in doc, f"{path}: {key} missing"
         if doc["kind"] in CRD_REQUIRED:
-            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
-            for dotted in CRD_REQUIRED[doc["kind"]]:
+            api_version, required = CRD_REQUIRED[doc["kind"]]
+            assert doc["apiVersion"] == api_version
+            for dotted in required:
                 assert _dig(doc, dotted), f"{path}: {dotted} empty"
             continue
         for version in SCHEMA_VERSIONS:
