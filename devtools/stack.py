@@ -52,9 +52,10 @@ def envoy_binary() -> str:
     raise FileNotFoundError("no Envoy binary: run `make envoy` or set ENVOY_BIN")
 
 
-def load_renderer() -> ModuleType:
-    """envoy/render.py, loaded by path (``envoy`` is also xds-protos' package name)."""
-    spec = importlib.util.spec_from_file_location("smg_envoy_render", REPO / "envoy" / "render.py")
+def load_renderer(name: str = "render") -> ModuleType:
+    """envoy/<name>.py, loaded by path (``envoy`` is also xds-protos' package name)."""
+    spec = importlib.util.spec_from_file_location(f"smg_envoy_{name}",
+                                                  REPO / "envoy" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -85,6 +86,9 @@ class StackConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     # Serve gRPC on a Unix socket (Envoy reaches it as a pipe) instead of a TCP port.
     grpc_unix: bool = False
+    # Envoy config as Istio / Envoy Gateway generate it (envoy/mesh.py): no periodic
+    # access-log entries, default ALS buffering, the mesh's ext_authz settings.
+    mesh: bool = False
 
 
 class Stack:
@@ -217,6 +221,8 @@ class Stack:
             health_interval_secs=c.health_interval_secs, preemption=c.preemption,
             jwt_hs256_secret=c.jwt_secret,
             sidecar_pipe=str(self.grpc_socket) if self.grpc_socket is not None else None)
+        if c.mesh:
+            text = load_renderer("mesh").meshify(text)
         self.envoy_config.write_text(text)
 
     def start_envoy(self) -> None:
