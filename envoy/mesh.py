@@ -3,7 +3,9 @@
 
 The hand-written bootstrap (envoy.yaml.tmpl) sets things neither Istio nor Envoy Gateway
 sets. This filter removes exactly those, so the e2e suite can run the sidecar under the
-config users actually get (shared/reference/ecosystem.md §0–2, k8s/istio/, k8s/envoy-gateway/):
+config users actually get (istio/istio pilot/pkg/model/telemetry_logging.go and
+pilot/pkg/security/authz/builder/extauthz.go; envoyproxy/gateway internal/xds/translator/
+accesslog.go; recipes in k8s/istio/ and k8s/envoy-gateway/):
 
 - HCM: no ``access_log_options`` (no periodic access-log entries) and ``stream_idle_timeout: 0s``
   (Istio's listener builder disables it);

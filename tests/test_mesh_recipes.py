@@ -19,7 +19,7 @@ from tests.test_k8s import K8S, _arg, _dig, _docs, _envoy_bootstrap, _priority_t
 ISTIO = K8S / "istio"
 EG = K8S / "envoy-gateway"
 EXT_AUTHZ_NS = "envoy.filters.http.ext_authz"
-DEFAULT_EG_CIRCUIT_BREAKER = 1024  # EG's maxParallelRequests default (ecosystem.md §2.1)
+DEFAULT_EG_CIRCUIT_BREAKER = 1024  # EG's maxParallelRequests default (api/v1alpha1/shared_types.go)
 
 
 def _one(directory: Path, kind: str, name: str | None = None) -> dict[str, Any]:
