@@ -23,6 +23,7 @@ from sidecar.capacity import CapacityReading
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings
 from sidecar.coordination.controller import FleetController
+from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
 from sidecar.metrics import Metrics
 from sidecar.ratelimit import build_bucket
@@ -192,8 +193,10 @@ class Runtime:
                         config_digest=s.priority.digest)
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,
                                   TenantPolicy(s.priority.tenant_policies, s.default_max_class))
-        self.completion = CompletionService(self.controller, metrics)
-        self.response_path = ResponsePathService(self.controller, metrics)
+        self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
+                                        wall_clock=time.time)
+        self.completion = CompletionService(self.controller, metrics, self.features)
+        self.response_path = ResponsePathService(self.controller, metrics, self.features)
 
         self._grpc = grpc.aio.server(options=list(authz.GRPC_SERVER_OPTIONS))
         p = codec.passthrough

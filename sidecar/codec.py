@@ -16,6 +16,7 @@ serialised once at start-up and reused as bytes.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -169,6 +170,10 @@ class LogEntry:
     cls: str  # effective class, as the Check put it in the metadata
     tenant: str
     response_code: int
+    # How long the request had lived when the entry was written, and the wall-clock time it
+    # ended (final entries; 0.0 when Envoy did not say): configuration detection only.
+    lived_secs: float = 0.0
+    ended_at: float = 0.0
 
 
 def decode_access_logs(data: bytes) -> list[LogEntry]:
@@ -198,8 +203,25 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             cls=cls if len(cls) <= MAX_CLASS_LEN else "",  # no class: never adopted
             tenant=tenant if len(tenant) <= MAX_TENANT_LEN else "",
             response_code=entry.response.response_code.value,
+            lived_secs=_lived_secs(cp),
+            ended_at=_ended_at(cp),
         ))
     return out
+
+
+def _lived_secs(cp: accesslog_pb2.AccessLogCommon) -> float:
+    if cp.HasField("duration"):
+        return float(cp.duration.ToTimedelta().total_seconds())
+    if cp.HasField("time_to_last_downstream_tx_byte"):
+        return float(cp.time_to_last_downstream_tx_byte.ToTimedelta().total_seconds())
+    return 0.0
+
+
+def _ended_at(cp: accesslog_pb2.AccessLogCommon) -> float:
+    if not cp.HasField("start_time") or not cp.HasField("time_to_last_downstream_tx_byte"):
+        return 0.0
+    start = cp.start_time.ToDatetime(tzinfo=datetime.UTC).timestamp()
+    return float(start + cp.time_to_last_downstream_tx_byte.ToTimedelta().total_seconds())
 
 
 ALS_RESPONSE: bytes = als_pb2.StreamAccessLogsResponse().SerializeToString()

@@ -28,6 +28,7 @@ import grpc
 from sidecar import codec, logs
 from sidecar.admission import AdmissionService
 from sidecar.classes import PriorityClass
+from sidecar.envoy_features import FeatureDetector
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.responses import Rejection, reply
 from sidecar.scheduler import ReleaseReason, ReleaseResult
@@ -53,9 +54,11 @@ class CompletionService:
     """
 
     def __init__(self, controller: AdmissionService,
-                 metrics: Recorder | None = None) -> None:
+                 metrics: Recorder | None = None,
+                 features: FeatureDetector | None = None) -> None:
         self.controller = controller
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
+        self.features = features
         self._refused_log = logs.Throttled(log, "adoption_refused")
 
     def adoption_bound(self) -> int:
@@ -86,6 +89,8 @@ class CompletionService:
             except Exception as exc:
                 log.warning("access_log_decode_failed", error=str(exc))
                 continue
+            if self.features is not None:
+                self._observe(entries)
             for entry in entries:
                 if entry.final:
                     result = self.controller.release(entry.admission_id, ReleaseReason.COMPLETED)
@@ -98,6 +103,15 @@ class CompletionService:
                     log.debug("renewal_unmatched", admission_id=entry.admission_id)
         return codec.ALS_RESPONSE
 
+    def _observe(self, entries: list[codec.LogEntry]) -> None:
+        assert self.features is not None
+        self.features.access_log_message(len(entries))
+        for entry in entries:
+            if entry.final:
+                self.features.final_entry(lived_secs=entry.lived_secs, ended_at=entry.ended_at)
+            else:
+                self.features.periodic_entry()
+
 
 _IMMEDIATE_PREEMPTED = codec.encode_immediate(reply(Rejection.PREEMPTED))
 
@@ -106,9 +120,11 @@ class ResponsePathService:
     """ext_proc: first-byte marking and preemption delivery."""
 
     def __init__(self, controller: AdmissionService,
-                 metrics: Recorder | None = None) -> None:
+                 metrics: Recorder | None = None,
+                 features: FeatureDetector | None = None) -> None:
         self.controller = controller
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
+        self.features = features
 
     async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]
                     ) -> codec.ProcessingEvent | None:
@@ -142,6 +158,8 @@ class ResponsePathService:
                 await context.write(codec.continue_for(first.kind))
                 return
             aid = first.admission_id
+            if self.features is not None:
+                self.features.ext_proc_stream()
             watch = self.controller.open_stop_channel(aid)
             if watch is not None and watch.done():
                 # A queued higher-class request took it the moment it became a

@@ -37,6 +37,7 @@ verb                        caller                 metrics
 ``fleet_seen``              fleet controller       ``smg_sidecar_fleet_inflight``,
                             (heartbeat)            ``smg_sidecar_live_replicas``
 ``coordination_changed``    fleet controller       ``smg_sidecar_coordination_state``
+``envoy_feature``           envoy_features         ``smg_sidecar_envoy_feature``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -168,6 +169,9 @@ class Recorder(Protocol):
 
     def coordination_changed(self, state: str) -> None:
         """The fleet controller's state is now ``ok`` or ``degraded``."""
+    def envoy_feature(self, feature: str, state: str) -> None:
+        """What the sidecar inferred about an Envoy setting it relies on
+        (``sidecar.envoy_features``): unknown, present or absent."""
 
 
 class NullRecorder:
@@ -218,6 +222,9 @@ class NullRecorder:
         pass
 
     def coordination_changed(self, state: str) -> None:
+        pass
+
+    def envoy_feature(self, feature: str, state: str) -> None:
         pass
 
 
@@ -290,6 +297,10 @@ class Metrics:
                                       registry=r)
         self._healthy_workers = Gauge("smg_sidecar_healthy_workers",
                                       "Workers counted healthy", registry=r)
+        self._envoy_feature = Gauge(
+            "smg_sidecar_envoy_feature",
+            "Envoy settings the sidecar relies on, as inferred from traffic (1 = current state)",
+            ["feature", "state"], registry=self.registry)
         self._mode = Gauge("smg_sidecar_admission_mode",
                            "Admission path in force (1 = active)", ["mode"], registry=r)
         self._fleet_inflight = Gauge("smg_sidecar_fleet_inflight",
@@ -417,6 +428,9 @@ class Metrics:
     def coordination_changed(self, state: str) -> None:
         for s in COORDINATION_STATES:
             self._coordination.labels(s).set(1 if s == state else 0)
+    def envoy_feature(self, feature: str, state: str) -> None:
+        for st in ("unknown", "present", "absent"):
+            self._envoy_feature.labels(feature, st).set(1 if st == state else 0)
 
 
 class _WorkerCapacityCollector(Collector):

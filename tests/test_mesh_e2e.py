@@ -60,6 +60,18 @@ async def test_mesh_batched_releases_balance_exactly(make_stack: StackFactory) -
     assert m['smg_scheduler_admit_total{class="bulk",outcome="admitted"}'] == 8
     assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 8
     assert m.get('smg_sidecar_lease_expired_total{class="bulk"}', 0) == 0
+    # the sidecar names the missing setting itself
+    assert m['smg_sidecar_envoy_feature{feature="unbuffered_access_log",state="absent"}'] == 1
+    assert m['smg_sidecar_envoy_feature{feature="ext_proc",state="present"}'] == 1
+
+
+async def test_mesh_without_ext_proc_is_reported(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=BURST, preemption=False, mesh=True)
+    for _ in range(3):
+        assert (await request(stack.listen_port, headers={"x-smg-priority": "bulk"})).status == 200
+    absent = 'smg_sidecar_envoy_feature{feature="ext_proc",state="absent"}'
+    await until(stack, lambda m: m.get(absent) == 1)
+    assert "envoy_feature_absent" in stack.sidecar_log.read_text()
 
 
 async def test_mesh_preemption_works_where_ext_proc_is_present(make_stack: StackFactory) -> None:

@@ -56,6 +56,9 @@ def _template_ext_proc() -> dict[str, Any]:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
     cfg: dict[str, Any] = ext_proc["typed_config"]
+    if cfg["@type"].endswith("ExtensionWithMatcher"):  # skipped for non-admitted requests
+        inner: dict[str, Any] = cfg["extension_config"]["typed_config"]
+        return inner
     return cfg
 
 

@@ -93,6 +93,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "config_reload_failed": lambda r: r.config_reload_failed(),
     "fleet_seen": lambda r: r.fleet_seen({S: 1, B: 3}, 2),
     "coordination_changed": lambda r: r.coordination_changed("degraded"),
+    "envoy_feature": lambda r: r.envoy_feature("ext_proc", "absent"),
 }
 
 
