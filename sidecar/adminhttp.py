@@ -148,11 +148,10 @@ class AdminServer:
         return bound
 
     async def stop(self) -> None:
+        # The handler stays installed: asyncio's accept retry, scheduled after an
+        # EMFILE, may still fire once on the closed socket (see _loop_exception).
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._loop is not None:
-            self._loop.set_exception_handler(None)
-            self._loop = None
 
     def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         """asyncio reports a failed accept here, with a traceback, once per attempt."""
@@ -164,6 +163,11 @@ class AdminServer:
                 self._server.drop_oldest_stalled()
             self._exhausted_log.event(error=errno.errorcode.get(exc.errno or 0, "?"),
                                       detail=str(context.get("message", "")))
+            return
+        if isinstance(exc, ValueError) and "_start_serving" in repr(context.get("handle")):
+            # asyncio's accept retry (scheduled 1 s after an EMFILE) ran after the
+            # server closed its socket (fd -1): nothing is left to serve, nothing lost.
+            log.debug("accept_retry_after_close")
             return
         loop.default_exception_handler(context)
 

@@ -178,7 +178,7 @@ async def test_descriptor_exhaustion_is_logged_once_per_interval_and_recovers(
     finally:
         proc.stop()
     lines = proc.log_lines()
-    assert not any("Traceback" in line for line in lines)
+    assert not any("Traceback" in line for line in lines), "\n".join(lines)[-3000:]
     logged = [json.loads(x) for x in lines if x.startswith("{")]
     exhausted = [e for e in logged if e["event"] == "resource_exhausted"]
     assert 1 <= len(exhausted) <= 3, len(exhausted)
