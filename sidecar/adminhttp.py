@@ -125,7 +125,6 @@ class AdminServer:
         self._server: _BoundedServer | None = None
         self._runner: web.ServerRunner | None = None
         self._exhausted_log = logs.Throttled(log, "resource_exhausted")
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, host: str, port: int) -> int:
         max_connections, request_deadline, idle = self._limits
@@ -140,7 +139,6 @@ class AdminServer:
         loop = asyncio.get_running_loop()
         if loop.get_exception_handler() is None:
             loop.set_exception_handler(self._loop_exception)
-            self._loop = loop
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         address = self._runner.addresses[0]
