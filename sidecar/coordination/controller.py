@@ -60,6 +60,7 @@ from sidecar.coordination.ledger import (
     FleetLedger,
     FleetStatus,
     Holding,
+    degraded_limit,
 )
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.ratelimit import TokenBucket
@@ -172,6 +173,11 @@ class FleetController:
         self._new_id = id_factory
         self._fleet_capacity = 0
         self._live = 0  # 0: never reached the fleet
+        # The rest of the last consistent view (degraded_limit): fleet in flight, ours.
+        self._fleet_inflight = 0
+        self._held_in_ledger = 0
+        # Degraded, after a resync the server answered: only slots freed from then on.
+        self._recycle_only: int | None = None
         self._held: dict[str, Held] = {}
         self._ended = EndedIds()
         self._waiting: dict[str, _Waiter] = {}
@@ -279,7 +285,17 @@ class FleetController:
 
     @property
     def share(self) -> int:
+        """floor(capacity / live replicas): the most the degraded limit can ever be."""
         return degraded_share(self._fleet_capacity, self._capacity, self._live)
+
+    @property
+    def degraded_limit(self) -> int:
+        """What this replica may hold on its own while degraded (module docstring)."""
+        limit = degraded_limit(min(self._fleet_capacity, self._capacity), self._live,
+                               self._fleet_inflight, self._held_in_ledger)
+        if self._recycle_only is not None:
+            limit = min(limit, self._recycle_only)
+        return limit
 
     @property
     def lease_count(self) -> int:
@@ -409,9 +425,11 @@ class FleetController:
         now = self._clock()
         self._held[aid] = Held(cls, tenant, now)
         if self._local is not None:
-            # Granted by a call that returned after the switch: the local core counts it.
-            self._local.core.adopt(aid, cls, tenant)
-            self._local.core.take_events()
+            # Granted by a call that returned after the switch: the local core counts it
+            # (before its first byte: it may still get a stop channel and be a victim).
+            core = self._local.core
+            assert isinstance(core, Scheduler)  # _degrade builds it
+            core.carry(aid, cls, tenant, now, streaming=False)
         event = Admitted(Admission(aid, cls, tenant, now), waited, queued, starvation, preempted)
         self._metrics.on_events([event])
         return event
@@ -501,9 +519,7 @@ class FleetController:
         h.preemptible = True
         h.acknowledged = True
         if self._local is not None:
-            inner = self._local.open_stop_channel(aid)
-            if inner is not None:
-                inner.add_done_callback(lambda _: self._signal_preempted(aid))
+            self._chain_stop_signal(self._local, aid)
         else:
             self._send("preemptible", aid)
         return fut
@@ -530,7 +546,7 @@ class FleetController:
             return
         self._capacity = capacity
         if self._local is not None:
-            self._local.set_capacity(self.share)
+            self._local.set_capacity(self.degraded_limit)
         self._heartbeat_wake.set()
 
     def capacity_read(self, reading: CapacityReading) -> None:
@@ -601,22 +617,35 @@ class FleetController:
         if self._local is not None:
             return
         self._server_back_at = None
+        self._recycle_only = None
         self._outbox.clear()  # the resync on return covers what it held
-        share = self.share
-        core = Scheduler(self._classes, share, self._clock)
+        limit = self.degraded_limit
+        core = Scheduler(self._classes, limit, self._clock)
         for aid, h in self._held.items():
-            core.adopt(aid, h.cls, h.tenant)
-        core.take_events()  # carried over, not new admissions
-        self._local = AdmissionController(core, lease_secs=_NO_LEASE_SECS,
-                                          metrics=_LocalRecorder(self), clock=self._clock,
-                                          id_factory=self._new_id)
+            # Carried over as they stand (they count, even past the limit).
+            core.carry(aid, h.cls, h.tenant, h.admitted_at, streaming=h.first_byte)
+        local = self._local = AdmissionController(
+            core, lease_secs=_NO_LEASE_SECS, metrics=_LocalRecorder(self), clock=self._clock,
+            id_factory=self._new_id)
+        # Carried-over admissions whose stop channel is open (ext_proc stream, no first
+        # byte yet) stay preemption candidates locally, in the order they were admitted.
+        for aid in sorted((a for a in self._stop_signals if a in self._held),
+                          key=lambda a: self._held[a].admitted_at):
+            self._chain_stop_signal(local, aid)
         self._metrics.coordination_changed(DEGRADED)
         if announce:
-            log.warning("coordination_degraded", error=_describe(exc), share=share,
+            log.warning("coordination_degraded", error=_describe(exc), share=limit,
                         fleet_capacity=self._fleet_capacity, live_replicas=self._live,
-                        held=len(self._held), queued_in_ledger=len(self._waiting))
+                        fleet_inflight=self._fleet_inflight, held=len(self._held),
+                        queued_in_ledger=len(self._waiting))
         self._wake_movers()
         self._heartbeat_wake.set()
+
+    def _chain_stop_signal(self, local: AdmissionController, aid: str) -> None:
+        """Open ``aid``'s stop channel in the local core; its preemption stops the request."""
+        inner = local.open_stop_channel(aid)
+        if inner is not None:
+            inner.add_done_callback(lambda _: self._signal_preempted(aid))
 
     def _wake_movers(self) -> None:
         changed, self._changed = self._changed, asyncio.get_running_loop().create_future()
@@ -633,7 +662,8 @@ class FleetController:
                 [h.holding(aid) for aid, h in self._held.items()], self._capacity))
         except BaseException:
             self._server_back_at = None  # it must answer for a whole interval again
-            local.set_capacity(self.share)
+            self._recycle_only = None  # unreachable again: the outage rule
+            local.set_capacity(self.degraded_limit)
             raise
         now = self._clock()
         if self._server_back_at is None:
@@ -642,11 +672,16 @@ class FleetController:
             if aid in self._held:
                 local.release(aid, ReleaseReason.PREEMPTED)
                 self._signal_preempted(aid)
+        self._metrics.fleet_seen(status.by_class, status.live_replicas)
         if not status.known or now - self._server_back_at < self._interval * 0.99:
-            # The share stays the one from before the outage: after a data loss the
-            # ledger knows only the replicas that have re-registered so far.
-            local.set_capacity(self.share)
+            # The view stays the one from before the outage: after a data loss the ledger
+            # knows only the replicas that have re-registered so far. What this replica
+            # holds is in the ledger again, but replicas that are back to ok admit against
+            # it without seeing local admissions: only slots freed from now on are reused.
+            self._recycle_only = len(self._held)
+            local.set_capacity(self.degraded_limit)
             return
+        self._recycle_only = None
         self._seen(status)
         self._local = None
         local.close()
@@ -661,8 +696,12 @@ class FleetController:
         self._outbox_wake.set()
 
     def _seen(self, status: FleetStatus) -> None:
+        """A consistent view while ok: what the degraded limit is computed from."""
         self._fleet_capacity = status.capacity
         self._live = status.live_replicas
+        self._fleet_inflight = status.inflight
+        self._held_in_ledger = status.held
+        self._metrics.fleet_seen(status.by_class, status.live_replicas)
 
     # ------------------------------------------------------------------ loops
 
@@ -703,8 +742,6 @@ class FleetController:
                     self._seen(status)
                 else:
                     await self._try_recover()
-                snap = await self._call(self.ledger.snapshot())
-                self._metrics.fleet_seen(snap.inflight, len(snap.replicas))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

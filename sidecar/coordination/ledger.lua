@@ -346,8 +346,22 @@ local function next_in()
   return fmt(best - now)
 end
 
-local function fleet_reply(status)
-  return {status, cap, redis.call('ZCARD', K_REPLICAS), total}
+-- How many admissions replica r holds as the ledger counts them (its own set also holds
+-- its waiters). O(its admissions + waiters); run once per heartbeat.
+local function held_by(r)
+  local n = 0
+  for _, id in ipairs(redis.call('SMEMBERS', k_own(r))) do
+    n = n + redis.call('HEXISTS', K_ADM, id)
+  end
+  return n
+end
+
+-- One consistent view for the degraded-mode limit (controller.degraded_limit): fleet
+-- capacity, live replicas, fleet in flight, this replica's own admissions, and the fleet's
+-- in flight per class 0..3 (its gauges), all read in the same atomic run.
+local function fleet_reply(status, r)
+  return {status, cap, redis.call('ZCARD', K_REPLICAS), total, held_by(r),
+          inf[0], inf[1], inf[2], inf[3]}
 end
 
 -- ---------------------------------------------------------------------- operations
@@ -358,7 +372,8 @@ reap()
 -- heartbeat replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended
 -- Registers or refreshes the replica and its capacity report. The class configuration is
 -- written when force is 1 (start, reload) or when none is stored (after data loss).
--- Reply: {"ok" | "new", fleet capacity, live replicas, fleet in flight}; "new" means the
+-- Reply: {"ok" | "new", fleet capacity, live replicas, fleet in flight, the replica's own
+-- admissions, fleet in flight per class 0..3}; "new" means the
 -- ledger did not know the replica (first start, its registration lapsed, or the server lost
 -- its data): the replica must reregister what it holds.
 local function heartbeat(a)
@@ -382,7 +397,7 @@ end
 local ops = {}
 
 ops.heartbeat = function(a)
-  return fleet_reply(heartbeat(a))
+  return fleet_reply(heartbeat(a), a[1])
 end
 
 -- reregister <heartbeat args> then groups of (id cls first_byte preemptible tenant):
@@ -413,7 +428,7 @@ ops.reregister = function(a)
     end
   end
   dispatch()
-  local reply = fleet_reply(status)
+  local reply = fleet_reply(status, a[1])
   for _, id in ipairs(refused) do reply[#reply + 1] = id end
   return reply
 end

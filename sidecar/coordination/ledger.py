@@ -31,9 +31,10 @@ changes in ``sidecar/scheduler/`` first, then in the script.
 * *Liveness.* :meth:`FleetLedger.heartbeat` every ``ttl / 3`` or so refreshes the
   replica's registration and capacity report; its admissions need no per-request
   heartbeats. A replica that stops for ``ttl`` loses its admissions and waiters.
-* *Degraded mode.* Every heartbeat answers the fleet capacity and the number of live
-  replicas, which is what a replica needs to admit locally within
-  ``floor(capacity / live)`` while the server is unreachable. A heartbeat answering
+* *Degraded mode.* Every heartbeat (and resync, reregister) answers, from one atomic
+  run, the fleet capacity, the live replicas, the fleet's admissions in flight and the
+  caller's own, which is what a replica needs to admit locally within
+  :func:`degraded_limit` while the server is unreachable. A heartbeat answering
   ``new`` (registration lapsed, or the server lost its data) is followed by
   :meth:`FleetLedger.reregister` with what the replica holds; it is idempotent and never
   double counts.
@@ -57,7 +58,7 @@ import enum
 import hashlib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Literal
 
@@ -126,17 +127,42 @@ class CancelResult(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class FleetStatus:
-    """A heartbeat's answer."""
+    """A heartbeat's answer: one consistent view of the fleet (one atomic script run)."""
 
     known: bool  # False: the ledger did not know this replica; reregister its holdings
     capacity: int
     live_replicas: int
-    inflight: int
+    inflight: int  # the fleet's admissions in flight (H)
+    held: int = 0  # this replica's admissions as the ledger counts them (h_i)
+    by_class: Mapping[PriorityClass, int] = field(default_factory=dict)  # fleet, per class
     refused: tuple[str, ...] = ()  # reregister: ids that ended meanwhile (not added back)
 
     def degraded_share(self) -> int:
-        """Slots this replica may hold on its own while the server is unreachable."""
+        """floor(capacity / live replicas): the most one replica may hold on its own."""
         return self.capacity // max(1, self.live_replicas)
+
+    def degraded_limit(self, own_capacity: int | None = None) -> int:
+        """Slots this replica may hold on its own if the server stops answering now.
+
+        See :func:`degraded_limit` (the proof is in the controller's module docstring).
+        """
+        cap = self.capacity if own_capacity is None else min(self.capacity, own_capacity)
+        return degraded_limit(cap, self.live_replicas, self.inflight, self.held)
+
+
+def degraded_limit(capacity: int, live_replicas: int, fleet_inflight: int, held: int) -> int:
+    """L = max(0, min(floor(C / N), h + floor((C − H) / N))) from one consistent view.
+
+    C capacity, N live replicas (this one included), H the fleet's admissions in flight,
+    h this replica's. Summed over the replicas of one view, max(h_i, L_i) ≤ C: each
+    replica's new local admissions come out of an N-th of the free slots C − H.
+    No view of the fleet (N < 1): no share at all.
+    """
+    if live_replicas < 1:
+        return 0
+    capacity = max(0, capacity)
+    return max(0, min(capacity // live_replicas,
+                      held + (capacity - fleet_inflight) // live_replicas))
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +281,7 @@ class FleetLedger:
     @staticmethod
     def _status(reply: Sequence[Any]) -> FleetStatus:
         return FleetStatus(reply[0] == "ok", int(reply[1]), int(reply[2]), int(reply[3]),
-                           tuple(reply[4:]))
+                           int(reply[4]), _per_class(reply[5:9]), tuple(reply[9:]))
 
     # ---------------------------------------------------------------- registration
 

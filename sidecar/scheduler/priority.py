@@ -233,6 +233,24 @@ class Scheduler:
         self._events.append(Admitted(adm, 0.0, queued=False, adopted=True))
         return True
 
+    def carry(self, id: str, cls: PriorityClass, tenant: str, admitted_at: float, *,
+              streaming: bool) -> bool:
+        """new → ADMITTED (or STREAMING): an admission another authority made, as it stands.
+
+        The fleet controller seeds its degraded-mode core with what its replica holds
+        (issue 11). Unlike :meth:`adopt`, the stop channel is still alive: one before its
+        first byte keeps its admission time (the victim order) and becomes a candidate
+        again through :meth:`mark_preemptible`. Counts as in flight, even past capacity.
+        No event: it is not a new admission.
+        """
+        if id in self._admitted or id in self._waiting:
+            return False
+        state = State.STREAMING if streaming else State.ADMITTED
+        self._admitted[id] = Admission(id, cls, tenant, admitted_at, state)
+        self._inflight[cls] += 1
+        self._total += 1
+        return True
+
     def mark_preemptible(self, id: str) -> bool:
         """ADMITTED → PREEMPTIBLE: a channel to stop it exists, so it may be a victim.
 
