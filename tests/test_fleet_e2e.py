@@ -69,7 +69,8 @@ async def make_replicas(tmp_path: Path) -> AsyncIterator[ReplicasFactory]:
         kw.setdefault("workers", 2)
         kw.setdefault("max_running_requests", 2)
         kw.setdefault("sidecar_args", OPEN_CEILING)
-        r = Replicas(StackConfig(**kw), workdir=tmp_path, ttl_secs=TTL)
+        ttl = kw.pop("ttl", TTL)
+        r = Replicas(StackConfig(**kw), workdir=tmp_path, ttl_secs=ttl)
         started.append(r)
         await r.start()
         return r
@@ -134,6 +135,11 @@ def admitted(m: Metrics) -> float:
 
 def inflight(m: Metrics) -> float:
     return sum(v for k, v in m.items() if k.startswith("smg_scheduler_inflight{"))
+
+
+def fleet_inflight(m: Metrics) -> float:
+    """The fleet's in flight as this replica's last view of the ledger saw it."""
+    return sum(v for k, v in m.items() if k.startswith("smg_sidecar_fleet_inflight{"))
 
 
 def total(ms: list[Metrics], prefix: str) -> float:
@@ -323,6 +329,87 @@ async def test_server_paused_then_killed_degraded_share_then_recovery(
     for s in (a, b):
         m = await s.metrics()
         assert m['smg_sidecar_coordination_state{state="degraded"}'] == 0
+
+
+async def test_server_paused_while_b_holds_the_whole_fleet_a_adds_nothing(
+        make_replicas: ReplicasFactory) -> None:
+    """The gap of floor(C/N) alone: B legally holds all 4 slots (no stranded capacity)
+    when the server stops; A's share would be 2, so the workers would run 6. A's limit
+    counts the fleet as its last view saw it: min(2, 0 + floor((4 - 4)/2)) = 0."""
+    r = await make_replicas()
+    a, b = r.stacks
+    for s in (a, b):
+        await until(s, lambda m: m.get("smg_sidecar_live_replicas") == 2)
+    holders = [await held(b, "bulk", "b-done") for _ in range(CAPACITY)]
+    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
+    # A's heartbeat has seen the fleet full (the gauge comes from the same reply).
+    await until(a, lambda m: fleet_inflight(m) == CAPACITY, timeout=TTL)
+    r.server.pause()
+    flood = [asyncio.ensure_future(send(a, "default")) for _ in range(6)]
+    for s in (a, b):
+        await until(s, state_is("degraded"), timeout=TTL + 3)
+    # Degraded: the workers still run B's 4 only (the ground truth), A admits nothing
+    # and its flood waits in its local queue.
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert r.fleet.tally.peak == CAPACITY
+        assert inflight(await a.metrics()) == 0
+        await asyncio.sleep(0.05)
+    await until(a, lambda m: m.get('smg_scheduler_queue_depth{class="default"}') == 6)
+    assert not any(f.done() for f in flood)
+    # B's requests end while the server is still away: A's limit stays 0 (B may reuse
+    # its own slots), so the fleet stays within capacity; A is served after recovery.
+    r.fleet.gates.open("b-done")
+    for ex in holders:
+        await asyncio.wait_for(ex.read_head(), 10)
+        assert ex.status == 200
+    await until(b, lambda m: inflight(m) == 0)
+    assert inflight(await a.metrics()) == 0
+    r.server.resume()
+    for s in (a, b):
+        await until(s, state_is("ok"), timeout=2 * TTL + 2)
+    assert [x.status for x in await asyncio.wait_for(asyncio.gather(*flood), 30)] == [200] * 6
+    assert r.fleet.tally.peak == CAPACITY
+    for ex in holders:
+        await ex.close()
+
+
+async def test_degraded_b_preempts_a_carried_over_bulk_locally(
+        make_replicas: ReplicasFactory) -> None:
+    """Admissions carried into degraded mode keep their stop channel: a system request on
+    B, degraded and at its limit, preempts B's most recent bulk request locally."""
+    r = await make_replicas(priority_yaml=PREEMPT)
+    _, b = r.stacks
+    await until(b, lambda m: m.get("smg_sidecar_live_replicas") == 2)
+    victims = []
+    for _ in range(2):  # before any byte, ext_proc stream open: preemption candidates
+        victims.append(await held(b, "bulk", "never"))
+        await wait_for(lambda: r.fleet.tally.running == len(victims), 5)
+    records = [rec for w in r.fleet.workers for rec in w.records]
+    newest = max(records, key=lambda rec: rec.started_at)
+    # B's view: H = 2, its own 2: limit min(2, 2 + floor(2/2)) = 2, all of it in use.
+    await until(b, lambda m: fleet_inflight(m) == 2, timeout=TTL)
+    r.server.pause()
+    await until(b, state_is("degraded"), timeout=TTL + 3)
+    resp = await send(b, "system")
+    assert resp.status == 200
+    victim = victims[-1]
+    await victim.read_head()
+    p = Response(victim.status, victim.headers, await asyncio.wait_for(victim.read_body(), 10))
+    assert_denied(p, 503, "scheduler_preempted", "1")
+    assert p.headers["x-smg-preempted"] == "true"
+    await wait_for(lambda: newest.outcome == "cancelled", 5)  # B's worker saw the cancel
+    assert [rec.outcome for rec in records].count("cancelled") == 1  # only the victim
+    mb = await b.metrics()
+    assert mb['smg_scheduler_admit_total{class="bulk",outcome="preempted"}'] == 1
+    assert mb['smg_scheduler_preemption_total{by_class="system",victim_class="bulk"}'] == 1
+    assert mb['smg_scheduler_admit_total{class="system",outcome="admitted"}'] == 1
+    assert mb['smg_sidecar_coordination_state{state="degraded"}'] == 1
+    assert r.fleet.tally.peak == 2
+    r.server.resume()
+    await until(b, state_is("ok"), timeout=2 * TTL + 2)
+    for ex in victims:
+        await ex.close()
 
 
 @pytest.mark.soak
