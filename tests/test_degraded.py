@@ -205,3 +205,42 @@ def test_a_carried_admission_before_its_first_byte_can_be_preempted_locally() ->
     preempted = [e for e in core.take_events() if isinstance(e, Preempted)]
     # the most recently admitted candidate, by its admission time before the outage
     assert [e.victim.id for e in preempted] == ["newer"]
+
+
+# ------------------------------------------ views taken at different moments: the window
+
+event = st.tuples(st.sampled_from(["admit", "admit", "release", "view"]), st.integers(0, 3))
+
+
+@settings(max_examples=EXAMPLES * 4, deadline=None)
+@given(n=st.integers(2, 4), cap=st.integers(1, 12), events=st.lists(event, max_size=60))
+def test_stale_views_overshoot_at_most_the_admissions_since_the_oldest_view(
+        n: int, cap: int, events: list[tuple[str, int]]) -> None:
+    """What the reference states for views of different ages (pure arithmetic).
+
+    The ledger admits while H < C; each replica's limit is from its own last view. If
+    the server stopped now, the fleet could reach Σ max(h_i, L_i) (each replica keeps
+    what it holds and fills up to its limit). That is at most C plus the admissions the
+    ledger made after the oldest of the views, and at most C plus what the replicas hold
+    beyond floor(C/N); with every view fresh, exactly within C.
+    """
+    held = [0] * n
+    limit = [degraded_limit(cap, n, 0, 0)] * n
+    view_at = [0] * n
+    admitted_at: list[int] = []
+    for t, (op, who) in enumerate(events, start=1):
+        i = who % n
+        if op == "admit" and sum(held) < cap:
+            held[i] += 1
+            admitted_at.append(t)
+        elif op == "release" and held[i] > 0:
+            held[i] -= 1
+        elif op == "view":
+            limit[i] = degraded_limit(cap, n, sum(held), held[i])
+            view_at[i] = t
+        reach = sum(max(h, lim) for h, lim in zip(held, limit, strict=True))
+        since_oldest = sum(1 for a in admitted_at if a > min(view_at))
+        over_share = sum(max(0, h - cap // n) for h in held)
+        assert reach - cap <= min(since_oldest, over_share), (held, limit, view_at)
+    fresh = [degraded_limit(cap, n, sum(held), h) for h in held]
+    assert sum(max(h, lim) for h, lim in zip(held, fresh, strict=True)) <= cap
