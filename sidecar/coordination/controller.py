@@ -19,21 +19,63 @@ the stop channel), but decides through :class:`~sidecar.coordination.ledger.Flee
   lives. A replica that dies loses them after ``--replica-ttl-secs``.
 
 **Degraded mode** (issue point 6). A ledger call that fails or takes longer than
-``call_timeout`` switches the replica to a local :class:`~sidecar.scheduler.Scheduler` whose
-capacity is the degraded share, ``floor(min(fleet capacity, own capacity) / live replicas)``
-as last seen, seeded with what the replica holds (it counts, so nothing new is admitted
-while the holdings exceed the share). Requests beyond the share follow the class rules
-locally (queue, time out, 429). Requests that were waiting in the ledger are re-queued in
-the local scheduler (and back) keeping their first queue deadline. Holdings
-carried over cannot be preempted locally (their stop channel is kept, but the local core
-treats them as streaming). The heartbeat keeps trying; each success is a ``resync`` that
-makes the ledger's view of this replica exactly what it holds (adds back local
-admissions, drops what ended meanwhile), during which local admission pauses. The replica
-returns to ``ok`` once a resync finds its registration still known and at least one
-heartbeat interval has passed since the server answered again, so every replica alive has
-re-registered its holdings after a data loss; waiters queued locally then re-arrive at the
-ledger. A replica that has never reached the server (start-up during an outage) has no
-share: it queues by the class rules until the server answers.
+``call_timeout`` switches the replica to a local :class:`~sidecar.scheduler.Scheduler`
+seeded with what the replica holds (they count: nothing new is admitted while they reach
+the limit), whose capacity is the *degraded limit*
+
+    L_i = max(0, min(floor(C / N), h_i + floor((C − H) / N)))
+
+from the replica's last view of the ledger: C the fleet capacity (or our own, if smaller),
+N the live replicas, H the fleet's admissions in flight and h_i ours, all four from ONE
+atomic script run (every heartbeat and resync answers them). Requests beyond it follow
+the class rules locally (queue, time out, 429); requests that were waiting in the ledger
+are re-queued locally (and back) keeping their first queue deadline.
+
+*Why Σ ≤ C.* While degraded a replica holds at most max(h_i, L_i): what it held, draining,
+or at most L_i once below it. For views taken from one state (H = Σ h_i ≤ C):
+Σ_i max(h_i, L_i) ≤ Σ_i (h_i + max(0, floor((C − H)/N))) ≤ H + (C − H) = C, since L_i ≤
+h_i + floor((C − H)/N). Each replica's new local admissions come out of its N-th of the
+slots free in that state; a replica that held more than floor(C/N) (legal: no stranded
+capacity) drains to its share and is not joined by the others' full shares. If H > C (a
+capacity shrink) nobody admits anything new and Σ ≤ H drains.
+
+*The remaining window.* Each replica's view is from its own last heartbeat, at most one
+heartbeat interval (ttl/3) plus one call timeout before the outage. Two bounds hold for
+the in flight the fleet can reach after an outage at t*, whatever the views' ages:
+Σ ≤ C + Σ_i max(0, h_i(t*) − floor(C/N)) (what was held beyond the shares; the old rule's
+bound), and Σ ≤ C + the admissions the ledger made after the oldest of the views (an
+admission raises the reachable total by at most one, a release never raises it; checked
+by ``tests/test_degraded.py``). So the excess needs admissions in the last heartbeat
+interval before the outage that pushed a replica past its share, and it lasts only until
+those drain. Closing it entirely would mean holding back a replica's admissions past its
+share until every other replica has heard of them (one heartbeat each time: stranded
+capacity, against issue point 4), so it is bounded, not closed.
+
+*Partition* (only this replica loses the server; the others still use the ledger). Until
+its registration lapses (0.9 ttl after its last heartbeat) the ledger still counts what
+it held (its releases no longer arrive), so reusing those slots is safe and only its new
+headroom L_i − h_i is uncounted: excess ≤ L_i − h_i. Once the registration lapses the
+ledger releases its admissions and the others may fill them while this replica still runs
+up to L_i: excess ≤ L_i ≤ floor(C/N), for as long as the partition lasts. Admitting
+nothing new once the registration may have lapsed would drain it instead, but a replica
+cannot tell a partition from an outage of the server itself, so the whole fleet would
+stop admitting ~0.6 ttl into every server outage; the share is kept (the issue's point
+6), and this bound is documented (reference §9).
+
+The heartbeat keeps trying; each success is a ``resync`` that makes the ledger's view of
+this replica exactly what it holds (adds back local admissions, drops what ended
+meanwhile), during which local admission pauses. After it, while the replica still
+waits to return to ``ok``, it only reuses slots freed from then on (the ledger counts
+what it holds again, and replicas already back admit against that). The replica returns
+to ``ok`` once a resync finds its registration still known and at least one heartbeat
+interval has passed since the server answered again, so every replica alive has
+re-registered its holdings after a data loss; waiters queued locally then re-arrive at
+the ledger. A replica that has never reached the server (start-up during an outage) has
+no view: it queues by the class rules until the server answers.
+
+Carried-over admissions stay as they are in the local core: one before its first byte
+whose stop channel (ext_proc stream) is open remains a preemption candidate, so a class
+that may preempt takes it locally, and this replica, its owner, delivers the 503.
 """
 
 from __future__ import annotations
