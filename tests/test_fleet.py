@@ -551,3 +551,31 @@ async def test_a_request_moved_to_the_local_queue_keeps_its_first_deadline(
         await a.end(held)
     finally:
         await a.close()
+
+
+async def test_after_the_server_answers_again_a_degraded_replica_only_reuses_its_slots(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    # Until it is back to ok the replica's holdings are in the ledger again, and replicas
+    # already back admit against them without seeing its local admissions: new local
+    # admissions would be uncounted. So from the first answered resync: reuse only.
+    ttl = 2.0
+    a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
+    b = await start_replica(tmp_path, own_server.url, "b", capacity=4, ttl=ttl)
+    try:
+        await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
+        held = await ok(a.check())
+        assert own_server.proc is not None
+        own_server.proc.send_signal(signal.SIGSTOP)
+        await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="A degraded")
+        assert a.fleet.degraded_limit == 2  # min(2, 1 + floor((4 - 1) / 2))
+        own_server.proc.send_signal(signal.SIGCONT)
+        await eventually(lambda: a.fleet.state == "ok" or a.fleet.degraded_limit == 1,
+                         timeout=2 * ttl, what="resync answered")
+        assert a.fleet.state == "degraded", "back to ok without a reuse-only interval"
+        assert a.fleet.snapshot().capacity == 1  # the local core: its one slot, no more
+        await eventually(lambda: a.fleet.state == "ok", timeout=2 * ttl, what="A back to ok")
+        assert a.fleet.degraded_limit == 2  # a fresh view: H = 1, h = 1
+        await a.end(held)
+    finally:
+        await a.close()
+        await b.close()
