@@ -42,10 +42,12 @@ capacity shrink) nobody admits anything new and Σ ≤ H drains.
 *The remaining window.* Each replica's view is from its own last heartbeat, at most one
 heartbeat interval (ttl/3) plus one call timeout before the outage. Two bounds hold for
 the in flight the fleet can reach after an outage at t*, whatever the views' ages:
-Σ ≤ C + Σ_i max(0, h_i(t*) − floor(C/N)) (what was held beyond the shares; the old rule's
-bound), and Σ ≤ C + the admissions the ledger made after the oldest of the views (an
-admission raises the reachable total by at most one, a release never raises it; checked
-by ``tests/test_degraded.py``). So the excess needs admissions in the last heartbeat
+Σ ≤ C + Σ_i max(0, h_i(t*) − floor(C/N)) (what was held beyond the shares: proved, since
+L_i ≤ floor(C/N) gives Σ_i max(h_i, L_i) ≤ N·floor(C/N) + Σ_i max(0, h_i − floor(C/N))),
+and Σ ≤ C + the admissions the ledger made after the oldest of the views (an admission
+raises the reachable total by at most one and a release never does; with view refreshes
+in between this one is checked over random interleavings by ``tests/test_degraded.py``,
+not proved). So the excess needs admissions in the last heartbeat
 interval before the outage that pushed a replica past its share, and it lasts only until
 those drain. Closing it entirely would mean holding back a replica's admissions past its
 share until every other replica has heard of them (one heartbeat each time: stranded
