@@ -8,6 +8,7 @@ stand-in (Check, access-log entries, ext_proc streams). The two-Envoy tests are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -576,6 +577,78 @@ async def test_after_the_server_answers_again_a_degraded_replica_only_reuses_its
         await eventually(lambda: a.fleet.state == "ok", timeout=2 * ttl, what="A back to ok")
         assert a.fleet.degraded_limit == 2  # a fresh view: H = 1, h = 1
         await a.end(held)
+    finally:
+        await a.close()
+        await b.close()
+
+
+class Cuttable:
+    """A TCP relay to the server that a test can cut: one replica loses the server while
+    the others keep it (a network partition), over real sockets."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"redis://127.0.0.1:{port}"
+
+    async def _relay(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            w.close()
+            return
+        self._writers |= {w, uw}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+    def cut(self) -> None:
+        """Refuse new connections and reset the open ones."""
+        assert self._server is not None
+        self._server.close()
+        for w in self._writers:
+            w.transport.abort()
+
+
+async def test_a_partitioned_replica_adds_at_most_its_headroom(
+        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
+        ledger_client: redis.Redis) -> None:
+    # Documents the partition bound (reference §9): A loses the server, B does not. A
+    # cannot tell this from an outage and admits within its limit L = 2 (it held nothing
+    # of a free fleet of 4); the ledger does not see those, so B may fill all 4: the
+    # fleet runs C + (L - h) = 6, never more.
+    ttl = 2.0
+    relay = Cuttable(valkey_server.port)
+    a = await start_replica(tmp_path, await relay.start(), "a", capacity=4, ttl=ttl)
+    b = await start_replica(tmp_path, valkey_server.url, "b", capacity=4, ttl=ttl)
+    try:
+        await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
+        assert a.fleet.degraded_limit == 2
+        relay.cut()
+        calls_a = [a.check() for _ in range(3)]
+        await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="A degraded")
+        on_b = [await ok(b.check()) for _ in range(4)]
+        await eventually(lambda: sum(c.done() for c in calls_a) == 2, what="A's limit used")
+        await asyncio.sleep(0.3)
+        assert sum(c.done() for c in calls_a) == 2  # never past its limit
+        assert len(a.fleet.held) + len(b.fleet.held) == 4 + 2
+        assert b.fleet.state == "ok" and await inflight(ledger_client) == 4
+        done = [admission_id(await c) for c in calls_a if c.done()]
+        await a.end(*done)
+        await b.end(*on_b)
+        for c in calls_a:
+            c.cancel()
     finally:
         await a.close()
         await b.close()
