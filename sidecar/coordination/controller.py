@@ -48,9 +48,10 @@ and Σ ≤ C + the admissions the ledger made after the oldest of the views (an 
 raises the reachable total by at most one and a release never does; with view refreshes
 in between this one is checked over random interleavings by ``tests/test_degraded.py``,
 not proved). So the excess needs admissions in the last heartbeat interval before the
-outage that pushed a replica past its share, and it lasts only until those drain. Closing it entirely would mean holding back a replica's admissions past its
-share until every other replica has heard of them (one heartbeat each time: stranded
-capacity, against issue point 4), so it is bounded, not closed.
+outage that pushed a replica past its share, and it lasts only until those drain. Closing
+it entirely would mean holding back a replica's admissions past its share until every
+other replica has heard of them (one heartbeat each time: stranded capacity, against issue
+point 4), so it is bounded, not closed.
 
 *Partition* (only this replica loses the server; the others still use the ledger). Until
 its registration lapses (0.9 ttl after its last heartbeat) the ledger still counts what
