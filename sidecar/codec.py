@@ -254,8 +254,6 @@ def decode_processing_request(data: bytes) -> ProcessingEvent:
 
 CONTINUE_REQUEST_HEADERS: bytes = ext_proc_pb2.ProcessingResponse(
     request_headers=ext_proc_pb2.HeadersResponse()).SerializeToString()
-CONTINUE_RESPONSE_HEADERS: bytes = ext_proc_pb2.ProcessingResponse(
-    response_headers=ext_proc_pb2.HeadersResponse()).SerializeToString()
 
 
 _CONTINUE: dict[str, bytes] = {

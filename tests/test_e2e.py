@@ -100,6 +100,12 @@ async def test_admitted_non_streaming_reaches_worker_and_releases(make_stack: St
     assert m['smg_scheduler_admit_total{class="bulk",outcome="admitted"}'] == 1
     assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 1
     assert m.get('smg_sidecar_lease_expired_total{class="bulk"}', 0) == 0
+    # One ext_proc stream, answered once (request_headers) and then closed by the sidecar
+    # at the response headers instead of a second CONTINUE: a clean end, not a failure.
+    assert await stack.envoy_stat("http.ingress.ext_proc.streams_started") == 1
+    assert await stack.envoy_stat("http.ingress.ext_proc.stream_msgs_received") == 1
+    assert await stack.envoy_stat("http.ingress.ext_proc.streams_failed") == 0
+    assert await stack.envoy_stat("http.ingress.ext_proc.failure_mode_allowed") == 0
 
 
 async def test_admitted_streaming_releases_at_end(make_stack: StackFactory) -> None:
