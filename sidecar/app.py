@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +21,7 @@ from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController, AdmissionService
 from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.capacity import CapacityReading
+from sidecar.classes import PriorityClass
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings
 from sidecar.coordination.controller import FleetController
@@ -30,6 +32,7 @@ from sidecar.ratelimit import build_bucket
 from sidecar.reload import ConfigWatcher
 from sidecar.scheduler import (
     AdmissionCore,
+    ClassSettings,
     LegacyAdmission,
     Scheduler,
     desired_reservations,
@@ -192,7 +195,8 @@ class Runtime:
         metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,
                         config_digest=s.priority.digest)
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,
-                                  TenantPolicy(s.priority.tenant_policies, s.default_max_class))
+                                  TenantPolicy(s.priority.tenant_policies, s.default_max_class),
+                                  self._preemptible(s.priority.classes))
         self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
                                         wall_clock=time.time)
         self.completion = CompletionService(self.controller, metrics, self.features)
@@ -267,8 +271,14 @@ class Runtime:
             log.warning("config_reload_legacy_mode",
                         hint="class knobs apply only to the scheduler; tenant ceilings apply")
         self.authz.policy = TenantPolicy(cfg.tenant_policies, self.settings.default_max_class)
+        self.authz.preemptible = self._preemptible(cfg.classes)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
+
+    def _preemptible(self, classes: Mapping[PriorityClass, ClassSettings]
+                     ) -> frozenset[PriorityClass]:
+        # Legacy admission never preempts: no request needs a stream.
+        return frozenset() if self.legacy else authz.preemptible_classes(classes)
 
     def _validate_reload(self, cfg: PriorityConfig) -> None:
         """The start-up rule holds on reload too: Envoy must outwait every queue."""

@@ -23,7 +23,7 @@ from sidecar.admission import AdmissionService, Denied
 from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
 from sidecar.metrics import Recorder
-from sidecar.scheduler import Outcome
+from sidecar.scheduler import ClassSettings, Outcome
 
 ANONYMOUS = "anonymous"
 # Checks held open at once (queued, or being decided) before a new one is shed with
@@ -61,6 +61,25 @@ class TenantPolicy:
         return self.policies.get(tenant, self.default_max)
 
 
+def preemptible_classes(classes: Mapping[PriorityClass, ClassSettings]
+                        ) -> frozenset[PriorityClass]:
+    """The classes a request can be preempted in: some strictly higher class ``can_preempt``.
+
+    The others are admitted with ``preemptible: false`` in the metadata, so Envoy opens
+    no ext_proc stream for them (the stream is most of the cost of an admitted request
+    through Envoy; issue 13). A class above that cannot preempt still has nothing to
+    stop them with, whatever the load.
+    """
+    out: set[PriorityClass] = set()
+    preemptor_above = False
+    for cls in sorted(PriorityClass, reverse=True):  # high to low
+        if preemptor_above:
+            out.add(cls)
+        if classes[cls].can_preempt:
+            preemptor_above = True
+    return frozenset(out)
+
+
 def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
     """The tenant key from the trusted source only; no identity -> ``anonymous``."""
     value: object = None
@@ -81,11 +100,14 @@ class AuthzService:
     """The Check handler."""
 
     def __init__(self, controller: AdmissionService, metrics: Recorder,
-                 tenant_source: TenantSource, policy: TenantPolicy) -> None:
+                 tenant_source: TenantSource, policy: TenantPolicy,
+                 preemptible: frozenset[PriorityClass] = frozenset(PriorityClass)) -> None:
         self.controller = controller
         self.metrics = metrics
         self.tenant_source = tenant_source
         self.policy = policy
+        # Replaced as a whole on config reload, like the policy.
+        self.preemptible = preemptible
         self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
@@ -138,4 +160,5 @@ class AuthzService:
                       effective=c.effective.label, admission_id=aid,
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
                       request_id=request_id)
-        return codec.encode_allow(aid, c.effective.label, tenant)
+        return codec.encode_allow(aid, c.effective.label, tenant,
+                                  c.effective in self.preemptible)

@@ -34,6 +34,11 @@ from sidecar.responses import Reply
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 JWT_NAMESPACE = "envoy.filters.http.jwt_authn"
 ADMISSION_ID_KEY = "admission_id"
+# Set (to false) only on an allow whose class no class above may preempt: Envoy's
+# ext_proc matcher then opens no stream for it, and the access log tells the
+# configuration detector not to expect one. Absent means preemptible, so an Envoy
+# or sidecar that predates the key keeps opening a stream for every admission.
+PREEMPTIBLE_KEY = "preemptible"
 # The sidecar's ids are 32 hex characters (admission.new_admission_id); anything
 # longer in a caller's message is not one of ours and is treated as absent, so a
 # caller of the gRPC port cannot make the sidecar store or log big strings.
@@ -104,11 +109,12 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 _ID_MARK = "\x00" * 32  # stands in for the 32-hex-digit id in cached templates
-_ALLOW_TEMPLATES: dict[tuple[str, str], bytes] = {}
+_ALLOW_TEMPLATES: dict[tuple[str, str, bool], bytes] = {}
 _ALLOW_TEMPLATE_LIMIT = 4096
 
 
-def encode_allow(admission_id: str, effective_class: str, tenant: str) -> bytes:
+def encode_allow(admission_id: str, effective_class: str, tenant: str,
+                 preemptible: bool = True) -> bytes:
     """OK, the admission id in dynamic metadata (trusted: the access log and the
     ext_proc filter read it there) and in headers to the worker (for its logs).
 
@@ -117,22 +123,25 @@ def encode_allow(admission_id: str, effective_class: str, tenant: str) -> bytes:
     replaced; a 32-character id has the same encoded length as the marker.
     """
     if len(admission_id) != len(_ID_MARK):
-        return build_allow(admission_id, effective_class, tenant)
-    key = (effective_class, tenant)
+        return build_allow(admission_id, effective_class, tenant, preemptible)
+    key = (effective_class, tenant, preemptible)
     template = _ALLOW_TEMPLATES.get(key)
     if template is None:
-        template = build_allow(_ID_MARK, effective_class, tenant)
+        template = build_allow(_ID_MARK, effective_class, tenant, preemptible)
         if len(_ALLOW_TEMPLATES) < _ALLOW_TEMPLATE_LIMIT:
             _ALLOW_TEMPLATES[key] = template
     return template.replace(_ID_MARK.encode(), admission_id.encode())
 
 
-def build_allow(admission_id: str, effective_class: str, tenant: str) -> bytes:
+def build_allow(admission_id: str, effective_class: str, tenant: str,
+                preemptible: bool = True) -> bytes:
     """The allow response built field by field (the reference for the template)."""
     md = struct_pb2.Struct()
     md.fields[ADMISSION_ID_KEY].string_value = admission_id
     md.fields["class"].string_value = effective_class
     md.fields["tenant"].string_value = tenant
+    if not preemptible:
+        md.fields[PREEMPTIBLE_KEY].bool_value = False
     resp = external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.OK),
         dynamic_metadata=md,
@@ -174,6 +183,8 @@ class LogEntry:
     # ended (final entries; 0.0 when Envoy did not say): configuration detection only.
     lived_secs: float = 0.0
     ended_at: float = 0.0
+    # False when the allow said no class above may preempt it (no ext_proc stream expected).
+    preemptible: bool = True
 
 
 def decode_access_logs(data: bytes) -> list[LogEntry]:
@@ -195,6 +206,7 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             continue  # upstream-side entry types are not ours to act on
         cls_value = fields.get("class")
         tenant_value = fields.get("tenant")
+        preemptible_value = fields.get(PREEMPTIBLE_KEY)
         cls = cls_value.string_value if cls_value is not None else ""
         tenant = tenant_value.string_value if tenant_value is not None else ""
         out.append(LogEntry(
@@ -205,6 +217,7 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             response_code=entry.response.response_code.value,
             lived_secs=_lived_secs(cp),
             ended_at=_ended_at(cp),
+            preemptible=preemptible_value is None or preemptible_value.bool_value,
         ))
     return out
 

@@ -11,9 +11,11 @@
   opened at its request headers and kept open until its response headers.
   Response headers are the request's first byte (it can no longer be
   preempted); the sidecar then ends the stream rather than answering, which
-  Envoy takes as "carry on" and costs one message less. While the stream is open the sidecar can stop the request: an
-  unsolicited ``immediate_response`` makes Envoy answer the client with 503
-  ``scheduler_preempted`` and reset the upstream request to the worker.
+  Envoy takes as "carry on" and costs one message less. While the stream is
+  open the sidecar can stop the request: an unsolicited ``immediate_response``
+  makes Envoy answer the client with 503 ``scheduler_preempted`` and reset the
+  upstream request to the worker. An allow marked ``preemptible: false`` (no
+  class above can preempt it) gets no stream: Envoy's matcher skips the filter.
 
 Neither path trusts anything but the metadata; an entry for an unknown or
 already-released id is ignored and counted.
@@ -109,7 +111,8 @@ class CompletionService:
         self.features.access_log_message(len(entries))
         for entry in entries:
             if entry.final:
-                self.features.final_entry(lived_secs=entry.lived_secs, ended_at=entry.ended_at)
+                self.features.final_entry(lived_secs=entry.lived_secs, ended_at=entry.ended_at,
+                                          preemptible=entry.preemptible)
             else:
                 self.features.periodic_entry()
 

@@ -85,7 +85,8 @@ class FeatureDetector:
     def periodic_entry(self) -> None:
         self._set(Feature.PERIODIC_ACCESS_LOG, State.PRESENT)
 
-    def final_entry(self, *, lived_secs: float, ended_at: float) -> None:
+    def final_entry(self, *, lived_secs: float, ended_at: float,
+                    preemptible: bool = True) -> None:
         if ended_at > 0:
             late = self._wall_clock() - ended_at
             if late > LATE_SECS:
@@ -93,7 +94,8 @@ class FeatureDetector:
         if (lived_secs > self._lease_secs
                 and self._state[Feature.PERIODIC_ACCESS_LOG] is not State.PRESENT):
             self._set(Feature.PERIODIC_ACCESS_LOG, State.ABSENT, lived_secs=lived_secs)
-        if self._state[Feature.EXT_PROC] is State.UNKNOWN:
+        # A request admitted as not preemptible gets no stream by design.
+        if preemptible and self._state[Feature.EXT_PROC] is State.UNKNOWN:
             self._ended_without_ext_proc += 1
             if self._ended_without_ext_proc >= EXT_PROC_SAMPLE:
                 self._set(Feature.EXT_PROC, State.ABSENT,

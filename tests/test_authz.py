@@ -339,6 +339,46 @@ def test_allow_template_equals_full_build(tenant: str) -> None:
         assert codec.encode_allow(aid, cls, tenant) == codec.build_allow(aid, cls, tenant)
     assert codec.encode_allow("short", "bulk", tenant) == codec.build_allow("short", "bulk",
                                                                              tenant)
+    for preemptible in (True, False):
+        aid = new_admission_id()
+        assert (codec.encode_allow(aid, "system", tenant, preemptible)
+                == codec.build_allow(aid, "system", tenant, preemptible))
+
+
+def test_allow_says_not_preemptible_only_when_asked() -> None:
+    from envoy.service.auth.v3 import external_auth_pb2
+
+    from sidecar import codec
+    from sidecar.admission import new_admission_id
+
+    def metadata(preemptible: bool) -> dict[str, object]:
+        data = codec.encode_allow(new_admission_id(), "system", "t", preemptible)
+        md = external_auth_pb2.CheckResponse.FromString(data).dynamic_metadata
+        return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
+                for k, v in md.fields.items()}
+
+    # Absent means preemptible: an Envoy matcher that predates the key opens a stream.
+    assert codec.PREEMPTIBLE_KEY not in metadata(True)
+    assert metadata(False)[codec.PREEMPTIBLE_KEY] is False
+
+
+def test_preemptible_classes_are_those_below_a_preempting_class() -> None:
+    from dataclasses import replace
+
+    from sidecar.authz import preemptible_classes
+    from sidecar.classes import PriorityClass as P
+    from sidecar.config import BUILTIN_CLASSES
+
+    def with_preemptors(*preemptors: P) -> frozenset[P]:
+        return preemptible_classes({c: replace(x, can_preempt=c in preemptors)
+                                    for c, x in BUILTIN_CLASSES.items()})
+
+    # built-in: system and interactive preempt, so only system is never a victim
+    assert preemptible_classes(BUILTIN_CLASSES) == {P.INTERACTIVE, P.DEFAULT, P.BULK}
+    assert with_preemptors() == frozenset()
+    assert with_preemptors(P.INTERACTIVE) == {P.DEFAULT, P.BULK}
+    assert with_preemptors(P.DEFAULT) == {P.BULK}
+    assert with_preemptors(P.BULK) == frozenset()  # nothing below bulk
 
 
 async def test_periodic_entry_adopts_a_stream_of_a_previous_process(h: Harness) -> None:

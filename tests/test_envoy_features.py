@@ -86,6 +86,17 @@ def test_ext_proc_absent_after_a_sample_then_present(
     assert gauge(m, "ext_proc") == {"unknown": 0, "present": 1, "absent": 0}
 
 
+def test_requests_admitted_as_not_preemptible_do_not_count_as_missing_streams(
+        setup: tuple[FeatureDetector, Metrics, FakeClock]) -> None:
+    d, _, clock = setup
+    for _ in range(EXT_PROC_SAMPLE * 2):
+        d.final_entry(lived_secs=0.1, ended_at=clock(), preemptible=False)
+    assert d.state(Feature.EXT_PROC) is State.UNKNOWN  # Envoy skips those by design
+    for _ in range(EXT_PROC_SAMPLE):
+        d.final_entry(lived_secs=0.1, ended_at=clock())
+    assert d.state(Feature.EXT_PROC) is State.ABSENT
+
+
 def test_ext_proc_seen_first_is_never_reported_absent(
         setup: tuple[FeatureDetector, Metrics, FakeClock]) -> None:
     d, _, clock = setup

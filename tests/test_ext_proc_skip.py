@@ -1,4 +1,4 @@
-"""Through a real Envoy: ext_proc streams only for admitted requests.
+"""Through a real Envoy: ext_proc streams only for admitted, preemptible requests.
 
 ext_authz's own 429/503 local replies used to open an ext_proc stream at their
 response headers, so a 429 flood cost two RPCs per request. Envoy now skips the
@@ -39,3 +39,22 @@ async def test_a_denied_request_opens_no_ext_proc_stream(make_stack: StackFactor
     assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_full"}'] == 10
     assert m[STREAMS % "false"] == 0  # none for the ten local replies
     assert m[STREAMS % "true"] == 1
+
+
+async def test_a_class_nothing_can_preempt_opens_no_ext_proc_stream(
+        make_stack: StackFactory) -> None:
+    # System and interactive preempt (built-in); every class allowed to everyone.
+    stack = await make_stack(priority_yaml=PRIORITY,
+                             sidecar_args=["--priority-scheduler-default-max-class", "system"])
+    r = await request(stack.listen_port, headers={"x-smg-priority": "system"})
+    assert r.status == 200
+    m = await settle(stack)
+    assert m['smg_sidecar_released_total{class="system",reason="completed"}'] == 1
+    assert m.get(STREAMS % "true", 0) == 0  # nobody could stop it: no stream
+    assert await stack.envoy_stat("http.ingress.ext_proc.streams_started") == 0
+    r = await request(stack.listen_port, headers={"x-smg-priority": "interactive"})
+    assert r.status == 200  # system can preempt interactive: it gets its stream
+    m = await settle(stack)
+    assert m['smg_sidecar_released_total{class="interactive",reason="completed"}'] == 1
+    assert m[STREAMS % "true"] == 1
+    assert await stack.envoy_stat("http.ingress.ext_proc.streams_started") == 1
