@@ -5,7 +5,10 @@ fake workers in this process with ~0 service time, Envoy --concurrency 1); in th
 baseline the authz/ALS cluster points at ``bench.noop`` instead of the sidecar.
 The HTTP/1.1 load client (keep-alive, asyncio) runs in its own process. Preemption
 (ext_proc) is off in both for the ratio; a third row shows the sidecar with
-preemption on (one extra ext_proc stream per request).
+preemption on (one extra ext_proc stream per request, as the built-in classes let
+system and interactive preempt the default class sent here), and a fourth the same
+stack sent ``system`` requests, which nothing can preempt: admitted with
+``preemptible: false``, so Envoy opens no stream for them.
 
     python -m bench.e2e [--seconds 3] [--quick]
 """
@@ -31,10 +34,14 @@ class NoopStack(Stack):
         await asyncio.to_thread(wait_tcp, self.grpc_port, timeout, self.sidecar)
 
 
-def config(preemption: bool) -> StackConfig:
+DEFAULT_HEADERS = {"x-smg-tenant": "t1"}
+SYSTEM_HEADERS = {"x-smg-priority": "system"}
+
+
+def config(preemption: bool, sidecar_args: tuple[str, ...] = ()) -> StackConfig:
     return StackConfig(workers=2, max_running_requests=1000, service_time=0.0,
                        preemption=preemption, log_level="warning", flush_interval_secs=5.0,
-                       health_interval_secs=1.0)
+                       health_interval_secs=1.0, sidecar_args=sidecar_args)
 
 
 def summary(r: dict[str, Any]) -> dict[str, float]:
@@ -53,11 +60,12 @@ def fmt(s: dict[str, float]) -> str:
 
 
 async def point(stack: Stack, seconds: float, *, concurrency: int = 0,
-                rate: float = 0.0) -> dict[str, float]:
+                rate: float = 0.0, headers: dict[str, str] | None = None) -> dict[str, float]:
     assert stack.envoy is not None and stack.sidecar is not None
     spec: dict[str, object] = {
         "port": stack.listen_port, "seconds": seconds, "concurrency": concurrency,
-        "streams": [{"name": "default", "rate": rate, "headers": {"x-smg-tenant": "t1"}}],
+        "streams": [{"name": "default", "rate": rate,
+                     "headers": headers if headers is not None else DEFAULT_HEADERS}],
         "pids": [stack.envoy.pid, stack.sidecar.pid], "timeout": 10}
     return summary(await run_client_async("bench.httpload", spec, timeout=seconds + 60))
 
@@ -66,33 +74,38 @@ async def main_async(seconds: float, levels: list[int]) -> int:
     print("e2e: HTTP/1.1 through Envoy (concurrency 1) -> ext_authz -> 2 fake workers "
           "(0 s service time, in the bench process); load client in its own process "
           "(asyncio, keep-alive).")
-    kinds: list[tuple[str, type[Stack], bool]] = [
-        ("no-op", NoopStack, False), ("sidecar", Stack, False),
-        ("sidecar+ext_proc", Stack, True)]
+    every_class = ("--priority-scheduler-default-max-class", "system")
+    kinds: list[tuple[str, type[Stack], bool, tuple[str, ...], dict[str, str]]] = [
+        ("no-op", NoopStack, False, (), DEFAULT_HEADERS),
+        ("sidecar", Stack, False, (), DEFAULT_HEADERS),
+        ("sidecar+ext_proc", Stack, True, (), DEFAULT_HEADERS),
+        ("+ext_proc, system", Stack, True, every_class, SYSTEM_HEADERS)]
     stacks: dict[str, Stack] = {}
+    heads: dict[str, dict[str, str]] = {}
     best: dict[str, dict[str, float]] = {}
     try:
-        for name, cls, preempt in kinds:
-            stack = stacks[name] = cls(config(preempt))
+        for name, cls, preempt, args, head in kinds:
+            stack = stacks[name] = cls(config(preempt, args))
+            heads[name] = head
             await stack.start()
         print(f"  saturation (closed loop, {seconds:g} s per point):")
         for name, stack in stacks.items():
             for c in levels:
-                s = await point(stack, seconds, concurrency=c)
+                s = await point(stack, seconds, concurrency=c, headers=heads[name])
                 print(f"    {name:<17} conns={c:<3} {fmt(s)}")
                 if name not in best or s["rps"] > best[name]["rps"]:
                     best[name] = s
         a = best["no-op"]["rps"]
-        for name in ("sidecar", "sidecar+ext_proc"):
+        for name in ("sidecar", "sidecar+ext_proc", "+ext_proc, system"):
             print(f"  max rate {name}/no-op: {best[name]['rps']:,.0f} / {a:,.0f} = "
                   f"{best[name]['rps'] / a:.2f}")
         rate = 0.5 * a
         print(f"  latency, open loop at 50% of no-op max = {rate:,.0f} req/s:")
         lat: dict[str, dict[str, float]] = {}
         for name, stack in stacks.items():
-            lat[name] = s = await point(stack, seconds, rate=rate)
+            lat[name] = s = await point(stack, seconds, rate=rate, headers=heads[name])
             print(f"    {name:<17} {fmt(s)}")
-        for name in ("sidecar", "sidecar+ext_proc"):
+        for name in ("sidecar", "sidecar+ext_proc", "+ext_proc, system"):
             print(f"  added p99 {name}: {(lat[name]['p99'] - lat['no-op']['p99']) * 1e6:+.0f} us"
                   f" (p99 ratio x{lat[name]['p99'] / lat['no-op']['p99']:.2f}), added p50 "
                   f"{(lat[name]['p50'] - lat['no-op']['p50']) * 1e6:+.0f} us")
