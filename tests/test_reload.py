@@ -29,6 +29,12 @@ classes:
 tenant_policies:
   "auth:vip": {max_class: system}
 """
+NOBODY_PREEMPTS = """
+classes:
+  default: {reserved_per_slot: 0.0, queue_size: 2, queue_timeout_secs: 20}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0, can_preempt: false}
+  system: {reserved_floor: 0, can_preempt: false}
+"""
 BROKEN = """
 classes:
   default: {queue_size: 0, queue_timout_secs: 20}
@@ -205,3 +211,25 @@ async def test_reload_turning_fair_queuing_on_re_sorts_the_queued_and_loses_none
     assert value(app, "smg_scheduler_admit_total", **{"class": "default",
                                                       "outcome": "rejected_queue_full"}) == 0
     await eventually(lambda: app.core.snapshot().inflight == 0)
+
+
+async def test_reload_of_can_preempt_changes_which_allows_say_preemptible(
+        running: tuple[Runtime, EnvoyStandIn, ConfigMapDir]) -> None:
+    from sidecar import codec
+
+    app, envoy, cm = running
+
+    async def preemptible_key() -> bool | None:
+        resp = await envoy.check({})  # default class
+        await envoy.log((admission_id(resp), "end"))
+        fields = resp.dynamic_metadata.fields
+        if codec.PREEMPTIBLE_KEY not in fields:
+            return None
+        return bool(fields[codec.PREEMPTIBLE_KEY].bool_value)
+
+    # system and interactive preempt (built-in): default can be a victim, no key
+    assert await preemptible_key() is None
+    cm.swap(NOBODY_PREEMPTS)
+    await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
+    assert app.authz.preemptible == frozenset()
+    assert await preemptible_key() is False  # Envoy then opens no ext_proc stream for it
