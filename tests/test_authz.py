@@ -362,6 +362,29 @@ def test_allow_says_not_preemptible_only_when_asked() -> None:
     assert metadata(False)[codec.PREEMPTIBLE_KEY] is False
 
 
+def test_access_log_entry_carries_the_allows_preemptible_flag() -> None:
+    from envoy.data.accesslog.v3 import accesslog_pb2
+    from envoy.service.accesslog.v3 import als_pb2
+    from envoy.service.auth.v3 import external_auth_pb2
+
+    from sidecar import codec
+    from sidecar.admission import new_admission_id
+
+    def logged(preemptible: bool) -> codec.LogEntry:
+        allow = external_auth_pb2.CheckResponse.FromString(
+            codec.encode_allow(new_admission_id(), "system", "t", preemptible))
+        msg = als_pb2.StreamAccessLogsMessage()
+        cp = msg.http_logs.log_entry.add().common_properties
+        cp.access_log_type = accesslog_pb2.DownstreamEnd
+        # Envoy copies ext_authz's dynamic metadata into the entry as it stands.
+        cp.metadata.filter_metadata[codec.AUTHZ_NAMESPACE].CopyFrom(allow.dynamic_metadata)
+        [entry] = codec.decode_access_logs(msg.SerializeToString())
+        return entry
+
+    assert logged(True).preemptible is True
+    assert logged(False).preemptible is False
+
+
 def test_preemptible_classes_are_those_below_a_preempting_class() -> None:
     from dataclasses import replace
 
