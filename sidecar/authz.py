@@ -20,7 +20,7 @@ import grpc
 
 from sidecar import codec, logs, responses
 from sidecar.admission import AdmissionService, Denied
-from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
+from sidecar.classes import HIGH_TO_LOW, PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
 from sidecar.metrics import Recorder
 from sidecar.scheduler import ClassSettings, Outcome
@@ -67,12 +67,11 @@ def preemptible_classes(classes: Mapping[PriorityClass, ClassSettings]
 
     The others are admitted with ``preemptible: false`` in the metadata, so Envoy opens
     no ext_proc stream for them (the stream is most of the cost of an admitted request
-    through Envoy; issue 13). A class above that cannot preempt still has nothing to
-    stop them with, whatever the load.
+    through Envoy; issue 13): whatever the load, nothing could ever stop them.
     """
     out: set[PriorityClass] = set()
     preemptor_above = False
-    for cls in sorted(PriorityClass, reverse=True):  # high to low
+    for cls in HIGH_TO_LOW:
         if preemptor_above:
             out.add(cls)
         if classes[cls].can_preempt:
