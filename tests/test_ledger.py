@@ -510,7 +510,8 @@ async def test_batch_runs_releases_and_marks_in_one_pipeline_even_after_a_script
     await a.register(PLAIN, 3)
     for aid in ("x", "y", "z"):
         assert (await a.arrive(aid, BULK, "t")).status is ArriveStatus.ADMITTED
-    await client.script_flush()  # a restarted server has no scripts loaded
+    await client.script_flush()  # a restarted server has no scripts loaded...
+    await client.function_flush()  # ...and no functions
     replies = await a.batch([("mark_preemptible", ["x", "y"]), ("release", ["x", "completed"]),
                              ("release", ["x", "completed"]), ("mark_first_byte", ["y"])])
     assert replies == [2, "released", "already_released", 1]

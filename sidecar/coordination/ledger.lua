@@ -5,7 +5,12 @@
 -- float arithmetic on times. tests/test_ledger_differential.py drives both with the same
 -- random operations and requires identical decisions. Change the core first, then this.
 --
--- Call: EVALSHA sha 1 <prefix> <op> <now> args...
+-- A function library (FUNCTION LOAD once, then FCALL): its code and closures are built once
+-- per server, not per call, which was most of a small operation's cost as an EVAL script.
+-- sidecar/coordination/ledger.py loads it under a name carrying a digest of this text
+-- (__LIBRARY__, __FUNCTION__ below), so replicas of different versions never share code.
+--
+-- Call: FCALL __FUNCTION__ 1 <prefix> <op> <now> args...
 --   prefix  "pg:{<fleet>}": every key below is prefix..":<name>", so all share the {fleet}
 --           hash tag and one Redis Cluster slot (the derived keys are not declared; they are in
 --           the declared key's slot, which is what cluster mode checks).
@@ -32,28 +37,26 @@
 --   P:ended     HASH id -> why it ended; P:endq ZSET id -> when (forgotten after keep_ended s)
 --   P:seq       counter for arrival and candidate order
 
-local P = KEYS[1]
-local op = ARGV[1]
-local now
-if ARGV[2] ~= '' then
-  now = tonumber(ARGV[2])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+-- Set at the start of every call (run, at the end): the library's state outlives a call.
+local P, now
+local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
+  K_ENDQ, K_SEQ
 
-local K_REPLICAS = P .. ':replicas'
-local K_REPORTS = P .. ':reports'
-local K_DIGESTS = P .. ':digests'
-local K_CFG = P .. ':cfg'
-local K_FLEET = P .. ':fleet'
-local K_INF = P .. ':inflight'
-local K_ADM = P .. ':adm'
-local K_W = P .. ':w'
-local K_DL = P .. ':dl'
-local K_ENDED = P .. ':ended'
-local K_ENDQ = P .. ':endq'
-local K_SEQ = P .. ':seq'
+local function set_prefix(p)
+  P = p
+  K_REPLICAS = P .. ':replicas'
+  K_REPORTS = P .. ':reports'
+  K_DIGESTS = P .. ':digests'
+  K_CFG = P .. ':cfg'
+  K_FLEET = P .. ':fleet'
+  K_INF = P .. ':inflight'
+  K_ADM = P .. ':adm'
+  K_W = P .. ':w'
+  K_DL = P .. ':dl'
+  K_ENDED = P .. ':ended'
+  K_ENDQ = P .. ':endq'
+  K_SEQ = P .. ':seq'
+end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
 local function k_own(r) return P .. ':own:' .. r end
@@ -366,9 +369,6 @@ end
 
 -- ---------------------------------------------------------------------- operations
 
-load_state()
-reap()
-
 -- heartbeat replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended
 -- Registers or refreshes the replica and its capacity report. The class configuration is
 -- written when force is 1 (start, reload) or when none is stored (after data loss).
@@ -595,8 +595,56 @@ ops.snapshot = function(_)
           {res[0], res[1], res[2], res[3]}, digests, fmt(now)}
 end
 
-local fn = ops[op]
-if fn == nil then return redis.error_reply('ERR unknown ledger op ' .. tostring(op)) end
-local args = {}
-for i = 3, #ARGV do args[#args + 1] = ARGV[i] end
-return fn(args)
+-- The single-operation calls ---------------------------------------------------------
+local BATCHABLE = {arrive = true, release = true, cancel = true, mark_preemptible = true,
+                   mark_first_byte = true, tick = true}
+
+-- multi n1 op1 args1... n2 op2 args2... : several of the batchable operations in one
+-- invocation (n = the op's own argument count), decided in order exactly as the same calls
+-- one by one at the same instant would be. A replica sends what it has pending (arrivals,
+-- releases, marks) as one multi call, so the per-call costs (the round trip, EVALSHA, loading
+-- the fleet state, reaping) are paid once per batch. Reply: one reply per op, in order; an
+-- op that failed answers {"!error", message} and the ops after it still run.
+ops.multi = function(a)
+  local replies = {}
+  local i = 1
+  while i <= #a do
+    local n, name = tonumber(a[i]), a[i + 1]
+    local args = {}
+    for j = i + 2, i + n do args[#args + 1] = a[j] end
+    i = i + n + 1
+    local fn = BATCHABLE[name] and ops[name]
+    if not fn then
+      replies[#replies + 1] = {'!error', 'ERR unknown ledger op ' .. tostring(name)}
+    else
+      local ok, r = pcall(fn, args)
+      if ok then
+        replies[#replies + 1] = r
+      else
+        if type(r) == 'table' then r = r.err end
+        replies[#replies + 1] = {'!error', tostring(r)}
+      end
+    end
+  end
+  return replies
+end
+
+local function run(keys, argv)
+  set_prefix(keys[1])
+  if argv[2] ~= '' then
+    now = tonumber(argv[2])
+  else
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  end
+  cfg = nil
+  load_state()
+  reap()
+  local fn = ops[argv[1]]
+  if fn == nil then return redis.error_reply('ERR unknown ledger op ' .. tostring(argv[1])) end
+  local args = {}
+  for i = 3, #argv do args[#args + 1] = argv[i] end
+  return fn(args)
+end
+
+redis.register_function('__FUNCTION__', run)

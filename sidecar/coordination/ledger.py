@@ -54,6 +54,7 @@ changes in ``sidecar/scheduler/`` first, then in the script.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 import re
@@ -63,13 +64,18 @@ from importlib import resources
 from typing import Any, Literal
 
 import redis.asyncio as redis
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import ClassSettings, ReleaseReason, ReleaseResult, scaled_reservations
 
-LUA = resources.files("sidecar.coordination").joinpath("ledger.lua").read_text()
+_SOURCE = resources.files("sidecar.coordination").joinpath("ledger.lua").read_text()
+# The library and its function are named after the code: a server shared by replicas of
+# two versions (a rolling upgrade) holds both, and each runs its own.
+_DIGEST = hashlib.sha1(_SOURCE.encode()).hexdigest()[:16]
+FUNCTION = f"pg_ledger_{_DIGEST}"
+LUA = (f"#!lua name=pgledger_{_DIGEST}\n"
+       + _SOURCE.replace("__FUNCTION__", FUNCTION).replace("__LIBRARY__", f"pgledger_{_DIGEST}"))
 
 # How long the ledger remembers ended ids (to tell a duplicate release from a stranger).
 DEFAULT_REMEMBER_ENDED_SECS = 600.0
@@ -217,6 +223,10 @@ class FleetSnapshot:
         return sum(self.inflight.values())
 
 
+def _function_missing(exc: ResponseError) -> bool:
+    return "function not found" in str(exc).lower()
+
+
 def _per_class(values: Sequence[Any]) -> dict[PriorityClass, int]:
     return {PriorityClass(i): int(v) for i, v in enumerate(values)}
 
@@ -249,10 +259,9 @@ class FleetLedger:
         self.ttl = ttl
         self._remember = remember_ended_secs
         self._clock = clock
-        # redis-py's Script: EVALSHA, and on NOSCRIPT (server restarted) SCRIPT LOAD + retry.
-        self._script: AsyncScript = client.register_script(LUA)
         self._classes: Mapping[PriorityClass, ClassSettings] | None = None
         self._capacity = 0
+        self._loading: asyncio.Future[Any] | None = None
 
     @property
     def client(self) -> redis.Redis:
@@ -264,7 +273,24 @@ class FleetLedger:
 
     async def _call(self, op: str, *args: str | int) -> Any:
         now = "" if self._clock is None else _num(self._clock())
-        return await self._script(keys=[self._prefix], args=[op, now, *args])
+        try:
+            return await self._client.fcall(FUNCTION, 1, self._prefix, op, now, *args)
+        except ResponseError as exc:
+            if not _function_missing(exc):
+                raise
+        # First call on this server, or it restarted without its data: load, then retry.
+        await self.load_library()
+        return await self._client.fcall(FUNCTION, 1, self._prefix, op, now, *args)
+
+    async def load_library(self) -> None:
+        """Load the ledger's function library (idempotent: REPLACE of the same code).
+
+        Calls that all find it missing at once (a restarted server) share one load.
+        """
+        if self._loading is None or self._loading.done():
+            self._loading = asyncio.ensure_future(
+                self._client.function_load(LUA, replace=True))
+        await asyncio.shield(self._loading)
 
     def _heartbeat_args(self, capacity: int, force: bool) -> list[str | int]:
         if self._classes is None:
@@ -361,33 +387,19 @@ class FleetLedger:
                              _per_class(depth), _per_class(reserved), tuple(digests), float(now))
 
     async def batch(self, ops: Sequence[tuple[str, Sequence[str | int]]]) -> list[Any]:
-        """Run several operations in one round trip: a pipeline, not a transaction (each is
-        still its own atomic script, decided in order). Replies in order; the first error
-        is raised after all ran. For the owner's releases and marks.
+        """Run several request-path operations (arrive, release, cancel, the marks, tick) in
+        one call: one round trip, one run of the library, each operation decided in order as
+        the same calls one by one would be. Replies in order; the first error is raised after
+        all ran. For the owner's outbox (releases and marks).
         """
-        now = "" if self._clock is None else _num(self._clock())
-        results: list[Any] = [None] * len(ops)
-        todo = list(range(len(ops)))
-        for attempt in range(2):
-            pipe = self._client.pipeline(transaction=False)
-            for i in todo:
-                op, args = ops[i]
-                pipe.evalsha(self._script.sha, 1, self._prefix, op, now, *args)
-            replies = await pipe.execute(raise_on_error=False)
-            missing = []
-            for i, r in zip(todo, replies, strict=True):
-                if isinstance(r, NoScriptError) and attempt == 0:
-                    missing.append(i)  # not run: the server restarted and lost the script
-                else:
-                    results[i] = r
-            if not missing:
-                break
-            await self._client.script_load(LUA)
-            todo = missing
-        for r in results:
-            if isinstance(r, Exception):
-                raise r
-        return results
+        argv: list[str | int] = []
+        for op, args in ops:
+            argv += [len(args) + 1, op, *args]
+        replies = await self._call("multi", *argv)
+        for r in replies:
+            if isinstance(r, list) and r and r[0] == "!error":
+                raise ResponseError(str(r[1]))
+        return list(replies)
 
     # ------------------------------------------------------------------ notifications
 
