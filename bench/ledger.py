@@ -3,7 +3,10 @@
 1. Client round trip: a trivial EVALSHA with redis.asyncio + hiredis (sequential and
    pipelined), and valkey-glide when it is installed (not a dependency).
 2. Server round trips per admitted request on the uncontended path, counted by the
-   server (INFO commandstats): arrive + release; and with the two marks a sidecar adds.
+   server (INFO commandstats): arrive + release; and what the sidecar's admission
+   controller really sends for a request with an ext_proc stream (its marks included),
+   one request at a time and 16 at once, for a response that starts at once and for one
+   that starts after the mark delay.
 3. µs per arrive+release pair with D bulk waiters queued in the fleet (the pair is an
    interactive request on its reserved slot; every release runs dispatch over the queues).
 4. Pairs per second with 32 pairs in flight at once over one connection pool.
@@ -24,6 +27,7 @@ import redis.asyncio as redis
 from bench._util import loadavg, out_path
 from devtools.valkey import ValkeyServer
 from sidecar.classes import PriorityClass
+from sidecar.coordination.controller import MARK_DELAY_SECS, FleetController
 from sidecar.coordination.ledger import ArriveStatus, FleetLedger
 from sidecar.scheduler import ClassSettings
 
@@ -40,8 +44,8 @@ CAPACITY = 64
 
 
 async def evalsha_stats(c: redis.Redis) -> tuple[int, float]:
-    """EVALSHA calls so far and server µs spent in them."""
-    stats = (await c.info("commandstats")).get("cmdstat_evalsha", {})
+    """Ledger calls (FCALL) so far and server µs spent in them."""
+    stats = (await c.info("commandstats")).get("cmdstat_fcall", {})
     return int(stats.get("calls", 0)), float(stats.get("usec", 0))
 
 
@@ -108,15 +112,6 @@ async def ledger_runs(port: int, pairs: int, depths: list[int]) -> list[str]:
         await led.release(f"u{i}")
     rt = (await evalsha_calls(c) - before) / pairs
     lines.append(f"round trips per admitted request, uncontended: {rt:.2f} (arrive + release)")
-    before = await evalsha_calls(c)
-    for i in range(pairs // 4):
-        await led.arrive(f"m{i}", INT, "t")
-        await led.mark_preemptible(f"m{i}")
-        await led.mark_first_byte(f"m{i}")
-        await led.release(f"m{i}")
-    rt = (await evalsha_calls(c) - before) / (pairs // 4)
-    lines.append(f"  with the sidecar's two marks, one call each: {rt:.2f} "
-                 "(marks take several ids per call, so they can be batched)")
 
     for i in range(CAPACITY - 32):
         await led.arrive(f"b{i}", BULK, "t")
@@ -125,14 +120,11 @@ async def ledger_runs(port: int, pairs: int, depths: list[int]) -> list[str]:
                  "server's scripts) | pairs/s, 32 in flight")
     for depth in depths:
         while queued < depth:
-            pipe = c.pipeline(transaction=False)
+            fill: list[tuple[str, list[str | int]]] = []
             for _ in range(min(500, depth - queued)):
-                # The same script through a pipeline: fills the queue fast.
-                await led._script(keys=["pg:{bench}"],
-                                  args=["arrive", "", "a", f"q{queued}", int(BULK), "t"],
-                                  client=pipe)
+                fill.append(("arrive", ["a", f"q{queued}", int(BULK), "t"]))
                 queued += 1
-            await pipe.execute()
+            await led.batch(fill)  # one multi call: fills the queue fast
         snap = await led.snapshot()
         assert snap.queue_depth[BULK] == depth, snap
         _, usec0 = await evalsha_stats(c)
@@ -159,6 +151,54 @@ async def ledger_runs(port: int, pairs: int, depths: list[int]) -> list[str]:
     return lines
 
 
+async def controller_round_trips(url: str, port: int, n: int) -> list[str]:
+    """What the sidecar's FleetController sends per admitted request with an ext_proc
+    stream (admit, stream opens, first byte, release), counted by the server."""
+    c = redis.Redis(port=port, decode_responses=True)
+    await c.flushall()
+    ctl = await FleetController.connect(url, fleet="rt", replica="a", ttl=10.0,
+                                        classes=CLASSES, capacity=CAPACITY)
+    ctl.start()
+    lines = []
+
+    async def request(first_byte_after: float) -> None:
+        adm = await ctl.admit(INT, "t")
+        aid = adm.admission.id
+        ctl.open_stop_channel(aid)
+        if first_byte_after:
+            await asyncio.sleep(first_byte_after)
+        assert await ctl.confirm_first_byte(aid)
+        ctl.mark_first_byte(aid)
+        ctl.release(aid)
+
+    async def settled() -> None:
+        while ctl.held or ctl._outbox:  # the last release reached the ledger
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)
+
+    try:
+        await request(0.0)
+        await settled()
+        slow = 2 * MARK_DELAY_SECS
+        for label, after, conc in (("first byte at once", 0.0, 1),
+                                   (f"first byte after {slow * 1e3:.0f} ms", slow, 1),
+                                   ("first byte at once", 0.0, 16),
+                                   (f"first byte after {slow * 1e3:.0f} ms", slow, 16)):
+            count = n if after == 0.0 else n // 10
+            before = await evalsha_calls(c)
+            for start in range(0, count, conc):
+                await asyncio.gather(*(request(after)
+                                       for _ in range(min(conc, count - start))))
+            await settled()
+            rt = (await evalsha_calls(c) - before) / count
+            lines.append(f"  sidecar, ext_proc stream, {label}, {conc:2d} at a time: "
+                         f"{rt:.2f} ledger calls per admitted request (heartbeats aside)")
+    finally:
+        await ctl.aclose()
+        await c.aclose()
+    return lines
+
+
 async def amain(pairs: int, depths: list[int]) -> list[str]:
     server = ValkeyServer(Path(tempfile.mkdtemp(prefix="bench-valkey-")))
     server.start()
@@ -166,6 +206,7 @@ async def amain(pairs: int, depths: list[int]) -> list[str]:
         lines = [f"valkey-server on loopback; load average {loadavg()}"]
         lines += await client_round_trip(server.port, max(pairs, 2000))
         lines += await ledger_runs(server.port, pairs, depths)
+        lines += await controller_round_trips(server.url, server.port, pairs // 2)
         return lines
     finally:
         server.stop()

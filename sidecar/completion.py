@@ -203,6 +203,11 @@ class ResponsePathService:
                         await locked_write(codec.continue_for(event.kind))
                         continue
                     watch.remove_done_callback(preempt)
+                    if not await self.controller.confirm_first_byte(aid):
+                        # Across a fleet: the ledger gave its slot away before it learned
+                        # of the first byte. Stop it; it must not run on uncounted.
+                        preempt()
+                        break
                     self.controller.mark_first_byte(aid)
                     # End the stream instead of answering CONTINUE: a clean close is
                     # Envoy's "carry on without the processor" and saves a message

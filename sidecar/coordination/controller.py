@@ -139,6 +139,10 @@ DEGRADED = "degraded"
 _NO_LEASE_SECS = 10.0 * 365 * 24 * 3600
 # How long one blocking pop of notifications waits before looping.
 _EVENT_BLOCK_SECS = 1.0
+# How long a preemptible mark waits before it is sent: a request whose response starts (or
+# that ends) sooner needs neither mark, so the common short request costs the ledger only
+# arrive + release. A queued preemptor waits at most this long for the candidate.
+MARK_DELAY_SECS = 0.005
 # Set in the task of a local admit that is being moved back to the ledger: its
 # cancellation is not a client's, so it is not counted as client_cancelled.
 _MOVING: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
@@ -162,6 +166,9 @@ class Held:
     # the replica's heartbeat alone keeps the slot. Until then an admission whose client
     # left just as Check answered has no owner that will ever release it.
     acknowledged: bool = False
+    # The ledger was told it is a candidate (the deferred preemptible mark left): its first
+    # byte must then reach the ledger before the response may start.
+    mark_sent: bool = False
 
     def holding(self, id: str) -> Holding:
         return Holding(id, self.cls, self.tenant, self.first_byte,
@@ -200,6 +207,7 @@ class FleetController:
         metrics: Recorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         id_factory: Callable[[], str] = new_admission_id,
+        mark_delay: float = MARK_DELAY_SECS,
     ) -> None:
         self.ledger = ledger
         self._events_client = events_client
@@ -231,6 +239,13 @@ class FleetController:
         self._server_back_at: float | None = None
         self._config_dirty = False
         self._outbox: deque[tuple[str, Any]] = deque()
+        self._mark_delay = mark_delay
+        self._marks: deque[tuple[float, str]] = deque()  # (loop time due, id), in order
+        self._marks_timer: asyncio.TimerHandle | None = None
+        # First-byte marks whose reply a response is waiting for (confirm_first_byte).
+        self._first_byte_waits: dict[str, asyncio.Future[bool]] = {}
+        # Stopped on a first-byte mark's reply, before the preempt notification was read.
+        self._stopped_by_reply: set[str] = set()
         self._outbox_wake = asyncio.Event()
         self._heartbeat_wake = asyncio.Event()
         self._tick_wake = asyncio.Event()
@@ -519,6 +534,7 @@ class FleetController:
             self._metrics.completion_unmatched(result.value)
             return result
         self._stop_signals.pop(aid, None)
+        self._stopped_by_reply.discard(aid)
         if self._local is not None:
             return self._local.release(aid, reason)  # the mirror follows its events
         h = self._held.pop(aid)
@@ -565,8 +581,30 @@ class FleetController:
         if self._local is not None:
             self._chain_stop_signal(self._local, aid)
         else:
-            self._send("preemptible", aid)
+            self._defer_mark(aid)
         return fut
+
+    def _defer_mark(self, aid: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._marks.append((loop.time() + self._mark_delay, aid))
+        if self._marks_timer is None:
+            self._marks_timer = loop.call_at(self._marks[0][0], self._send_due_marks)
+
+    def _send_due_marks(self) -> None:
+        """Send the preemptible marks whose delay is over, for requests still before their
+        first byte; they join whatever the outbox sends next (one multi call)."""
+        self._marks_timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._marks and self._marks[0][0] <= now:
+            _, aid = self._marks.popleft()
+            h = self._held.get(aid)
+            if (h is not None and h.preemptible and not h.first_byte and not h.mark_sent
+                    and self._local is None):
+                h.mark_sent = True
+                self._send("preemptible", aid)
+        if self._marks:
+            self._marks_timer = loop.call_at(self._marks[0][0], self._send_due_marks)
 
     def mark_first_byte(self, aid: str) -> bool:
         self._stop_signals.pop(aid, None)
@@ -577,9 +615,42 @@ class FleetController:
         h.acknowledged = True
         if self._local is not None:
             self._local.mark_first_byte(aid)
-        else:
+        elif h.mark_sent:
             self._send("first_byte", aid)
+        # else its preemptible mark never left: the ledger never saw it as a candidate.
         return True
+
+    async def confirm_first_byte(self, aid: str) -> bool:
+        """The response is about to start. True once the ledger can no longer choose it as a
+        victim (then it is marked as past its first byte); False if the ledger preempted it
+        first: its stop channel stays open and the caller answers 503 instead, so a request
+        counted as preempted never runs on.
+
+        Waits for the ledger only when its preemptible mark was sent (the request waited
+        longer than the mark delay); otherwise, and while degraded, it answers at once.
+        """
+        h = self._held.get(aid)
+        if h is None or h.first_byte or not h.mark_sent or self._local is not None:
+            return True
+        fut = self._first_byte_waits.get(aid)
+        if fut is None:
+            fut = self._first_byte_waits[aid] = asyncio.get_running_loop().create_future()
+        h.first_byte = True
+        h.acknowledged = True
+        self._send("first_byte", aid)
+        try:
+            # A switch to degraded mode drops the outbox: stop waiting then too.
+            await asyncio.wait((fut, self._changed), timeout=2 * self._call_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._first_byte_waits.pop(aid, None)
+        # No answer: the ledger is away (degraded), and the local share counts it from here.
+        ok = fut.result() if fut.done() else True
+        if ok:
+            self._stop_signals.pop(aid, None)
+        else:
+            self._stopped_by_reply.add(aid)
+        return ok
 
     def close_stop_channel(self, aid: str) -> None:
         self.mark_first_byte(aid)
@@ -640,9 +711,11 @@ class FleetController:
             self._ended.add(aid, ReleaseReason.PREEMPTED)
             adm = Admission(aid, h.cls, h.tenant, h.admitted_at)
             self._metrics.on_events([Preempted(adm, by), Released(adm, ReleaseReason.PREEMPTED)])
-        if not self._signal_preempted(aid):
-            # The ledger chose it before our first-byte mark reached it (a round trip's
-            # window): it has no stop channel any more and runs on, uncounted.
+        delivered = aid in self._stopped_by_reply  # the caller of confirm_first_byte stopped it
+        self._stopped_by_reply.discard(aid)
+        if not self._signal_preempted(aid) and not delivered:
+            # Its response started without the ledger's word (confirm_first_byte gave up:
+            # the server was away): it has no stop channel any more and runs on, uncounted.
             log.warning("preemption_delivery_failed", admission_id=aid,
                         error="response already started")
             self._metrics.preemption_undelivered()
@@ -868,7 +941,7 @@ class FleetController:
         ops: list[tuple[str, list[str | int]]] = []
         calls: list[Awaitable[Any]] = []
         preemptible: list[str | int] = []
-        first_byte: list[str | int] = []
+        first_byte: list[str] = []  # one op each: a response may wait for its own reply
         released = {arg[0] for op, arg in batch if op == "release"}
         for op, arg in batch:
             if op in ("preemptible", "first_byte") and arg in released:
@@ -885,11 +958,25 @@ class FleetController:
                 calls.append(self.ledger.register(self._classes, self._capacity))
         if preemptible:
             ops.append(("mark_preemptible", preemptible))
-        if first_byte:
-            ops.append(("mark_first_byte", first_byte))
+        ops += [("mark_first_byte", [aid]) for aid in first_byte]
         if ops:
             calls.append(self.ledger.batch(ops))
-        await asyncio.gather(*calls)
+        try:
+            replies = await asyncio.gather(*calls)
+        except BaseException:
+            self._answer_first_byte(first_byte, None)
+            raise
+        if ops:
+            self._answer_first_byte(first_byte, replies[-1][len(ops) - len(first_byte):])
+
+    def _answer_first_byte(self, ids: list[str], replies: list[Any] | None) -> None:
+        """A first-byte mark's reply: 1, still admitted (now never a victim); 0, the ledger
+        had already ended it (preempted: its notification is on the way). No reply (the
+        call failed; degraded from here): let the response go, the local share counts it."""
+        for i, aid in enumerate(ids):
+            fut = self._first_byte_waits.get(aid)
+            if fut is not None and not fut.done():
+                fut.set_result(replies is None or int(replies[i]) > 0)
 
     def _background_task(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

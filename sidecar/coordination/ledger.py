@@ -262,6 +262,7 @@ class FleetLedger:
         self._classes: Mapping[PriorityClass, ClassSettings] | None = None
         self._capacity = 0
         self._loading: asyncio.Future[Any] | None = None
+        self.calls = 0  # ledger calls sent (round trips; for tests and benchmarks)
 
     @property
     def client(self) -> redis.Redis:
@@ -273,6 +274,7 @@ class FleetLedger:
 
     async def _call(self, op: str, *args: str | int) -> Any:
         now = "" if self._clock is None else _num(self._clock())
+        self.calls += 1
         try:
             return await self._client.fcall(FUNCTION, 1, self._prefix, op, now, *args)
         except ResponseError as exc:

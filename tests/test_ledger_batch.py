@@ -1,0 +1,243 @@
+"""The ledger's ``multi`` call and the owner's deferred marks (issue 11, round trips).
+
+* Property: a random sequence of request-path operations sent in random ``multi`` batches
+  decides exactly as the same operations sent one call each, at the same instant: same
+  replies, same notifications, same ledger state (a real valkey-server, the test's clock).
+* The controller defers a preemptible mark: a request whose first byte (or end) comes
+  within the delay costs the ledger no mark at all; a longer one becomes a candidate.
+* The first-byte race made sound: when the ledger preempted a candidate before its
+  first-byte mark arrived, ``confirm_first_byte`` says so (the response must not start)
+  and the later notification counts the preemption as delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from devtools.valkey import ValkeyServer
+from sidecar.classes import PriorityClass
+from sidecar.coordination.controller import FleetController
+from sidecar.coordination.ledger import ArriveStatus, FleetLedger
+from sidecar.metrics import NullRecorder
+from sidecar.scheduler import ClassSettings
+from tests.clock import FakeClock
+from tests.ledger_support import connect, valkey_server
+from tests.test_ledger_differential import configs
+
+__all__ = ["valkey_server"]
+
+EXAMPLES = 1000 if os.environ.get("HYPOTHESIS_PROFILE") == "long" else 80
+
+classes = st.sampled_from(list(PriorityClass))
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), classes, st.booleans()),
+        st.tuples(st.just("arrive"), classes, st.booleans()),
+        st.tuples(st.just("release"), st.integers(0, 60), st.booleans()),
+        st.tuples(st.just("cancel"), st.integers(0, 60), st.booleans()),
+        st.tuples(st.just("mark_preemptible"), st.integers(0, 60), st.booleans()),
+        st.tuples(st.just("mark_first_byte"), st.integers(0, 60), st.booleans()),
+        st.tuples(st.just("tick"), st.just(0), st.booleans()),
+        st.tuples(st.just("advance"), st.sampled_from([0.3, 1.0, 3.0]), st.just(True)),
+    ),
+    min_size=5, max_size=60,
+)
+
+
+async def _state(c: redis.Redis, fleet: str) -> dict[str, Any]:
+    """Everything the ledger holds for a fleet, the fleet's name taken out."""
+    out: dict[str, Any] = {}
+    p = f"pg:{{{fleet}}}"
+    for key in await c.keys(f"{p}:*"):
+        name = key.removeprefix(p)
+        kind = await c.type(key)
+        if kind == "hash":
+            out[name] = await c.hgetall(key)
+        elif kind == "zset":
+            out[name] = await c.zrange(key, 0, -1, withscores=True)
+        elif kind == "set":
+            out[name] = sorted(await c.smembers(key))
+        elif kind == "list":
+            out[name] = await c.lrange(key, 0, -1)
+        else:
+            out[name] = await c.get(key)
+    out.pop(":digests", None)
+    return out
+
+
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(cfg=configs, capacity=st.integers(1, 6), plan=steps)
+def test_a_multi_batch_decides_as_the_same_calls_one_by_one(
+        valkey_server: ValkeyServer, cfg: dict[PriorityClass, ClassSettings], capacity: int,
+        plan: list[tuple[str, Any, bool]]) -> None:
+    async def run() -> None:
+        c = connect(valkey_server)
+        try:
+            await c.flushall()
+            clock = FakeClock(1000.0)
+            one = FleetLedger(c, "one", "a", clock=clock)
+            many = FleetLedger(c, "many", "a", clock=clock)
+            for led in (one, many):
+                await led.register(cfg, capacity)
+            ids: list[str] = []
+            batch: list[tuple[str, list[str | int]]] = []
+            replies_one: list[Any] = []
+            replies_many: list[Any] = []
+
+            async def send() -> None:
+                if batch:
+                    replies_many.extend(await many.batch(batch))
+                    batch.clear()
+
+            for op, arg, cut in plan:
+                if op == "advance":
+                    await send()  # one instant per batch
+                    clock.advance(arg)
+                    continue
+                if op == "arrive":
+                    ids.append(f"r{len(ids)}")
+                    args: list[str | int] = ["a", ids[-1], int(arg), "t"]
+                elif op == "tick":
+                    args = []
+                elif not ids:
+                    continue
+                else:
+                    args = [ids[arg % len(ids)]]
+                    if op == "release":
+                        args.append("completed")
+                replies_one.append((await one.batch([(op, args)]))[0])
+                batch.append((op, args))
+                if cut:
+                    await send()
+            await send()
+            assert replies_many == replies_one
+            assert await _state(c, "many") == await _state(c, "one")
+        finally:
+            await c.aclose()
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------------ the owner's marks
+
+BULK, SYSTEM = PriorityClass.BULK, PriorityClass.SYSTEM
+PREEMPTING = {c: ClassSettings(0, 0.0, 4, 10.0, 1e6, c is SYSTEM) for c in PriorityClass}
+
+
+class Undelivered(NullRecorder):
+    def __init__(self) -> None:
+        self.undelivered = 0
+
+    def preemption_undelivered(self) -> None:
+        self.undelivered += 1
+
+
+@pytest.fixture
+async def ledger_client(valkey_server: ValkeyServer) -> AsyncIterator[redis.Redis]:
+    c = connect(valkey_server)
+    await c.flushall()
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+async def _controller(server: ValkeyServer, metrics: NullRecorder, *, mark_delay: float,
+                      events: bool) -> FleetController:
+    ctl = await FleetController.connect(server.url, fleet="f", replica="b", ttl=10.0,
+                                        classes=PREEMPTING, capacity=1, metrics=metrics)
+    ctl._mark_delay = mark_delay
+    # The outbox always; the notification reader only where the test wants it (without
+    # it, a preemption decided in the ledger waits unread, as in the race).
+    ctl._tasks.append(asyncio.create_task(ctl._outbox_loop()))
+    if events:
+        ctl._tasks.append(asyncio.create_task(ctl._event_loop()))
+    return ctl
+
+
+async def _eventually(check: Any, what: str) -> None:
+    async with asyncio.timeout(5):
+        while not await check():
+            await asyncio.sleep(0.002)
+
+
+async def test_a_request_whose_response_starts_within_the_delay_costs_no_mark(
+        valkey_server: ValkeyServer, ledger_client: redis.Redis) -> None:
+    ctl = await _controller(valkey_server, NullRecorder(), mark_delay=0.2, events=True)
+    try:
+        calls0 = ctl.ledger.calls
+        adm = await ctl.admit(BULK, "t")
+        aid = adm.admission.id
+        assert ctl.open_stop_channel(aid) is not None
+        assert await ctl.confirm_first_byte(aid)  # no mark left: nothing to wait for
+        assert ctl.mark_first_byte(aid)
+        ctl.release(aid)
+        await _eventually(lambda: _inflight(ledger_client, 0), "released in the ledger")
+        await asyncio.sleep(0.25)  # past the delay: the dropped mark stays dropped
+        assert ctl.ledger.calls - calls0 == 2  # arrive + release
+        assert await ledger_client.zcard("pg:{f}:pre:0") == 0
+    finally:
+        await ctl.aclose()
+
+
+async def test_a_longer_request_becomes_a_candidate_after_the_delay(
+        valkey_server: ValkeyServer, ledger_client: redis.Redis) -> None:
+    ctl = await _controller(valkey_server, NullRecorder(), mark_delay=0.01, events=True)
+    try:
+        adm = await ctl.admit(BULK, "t")
+        aid = adm.admission.id
+        assert ctl.open_stop_channel(aid) is not None
+        assert await ledger_client.zcard("pg:{f}:pre:0") == 0  # not yet
+        await _eventually(lambda: _zcard(ledger_client, "pg:{f}:pre:0", 1), "marked")
+        assert await ctl.confirm_first_byte(aid)  # the ledger answered: still admitted
+        assert await ledger_client.zcard("pg:{f}:pre:0") == 0  # never a victim from here
+        ctl.release(aid)
+        await _eventually(lambda: _inflight(ledger_client, 0), "released in the ledger")
+    finally:
+        await ctl.aclose()
+
+
+async def test_a_victim_preempted_before_its_first_byte_mark_arrived_does_not_start(
+        valkey_server: ValkeyServer, ledger_client: redis.Redis) -> None:
+    metrics = Undelivered()
+    ctl = await _controller(valkey_server, metrics, mark_delay=0.0, events=False)
+    other = FleetLedger(ledger_client, "f", "a")
+    try:
+        adm = await ctl.admit(BULK, "t")
+        aid = adm.admission.id
+        watch = ctl.open_stop_channel(aid)
+        assert watch is not None
+        await _eventually(lambda: _zcard(ledger_client, "pg:{f}:pre:0", 1), "marked")
+        await other.register(PREEMPTING, 1)
+        got = await other.arrive("sys", SYSTEM, "t")  # takes the fleet's one slot
+        assert got.status is ArriveStatus.ADMITTED and got.victim == aid
+        # The owner has not read the notification yet; its response is about to start.
+        assert not await ctl.confirm_first_byte(aid)
+        assert not watch.done()  # the caller stops it (503) instead of continuing
+        for e in await ctl.ledger.take_events():  # now the notification comes
+            ctl._on_event(e)
+        assert aid not in ctl.held
+        assert metrics.undelivered == 0  # delivered: the 503 went out on the reply
+        ctl.release(aid)  # Envoy's access-log entry for the 503: released once only
+        assert await other.release("sys") is not None
+        await _eventually(lambda: _inflight(ledger_client, 0), "ledger empty")
+    finally:
+        await ctl.aclose()
+
+
+async def _zcard(c: redis.Redis, key: str, n: int) -> bool:
+    return int(await c.zcard(key)) == n
+
+
+async def _inflight(c: redis.Redis, n: int) -> bool:
+    counts = await c.hgetall("pg:{f}:inflight")
+    return sum(int(v) for v in counts.values()) == n
