@@ -10,8 +10,11 @@ the stop channel), but decides through :class:`~sidecar.coordination.ledger.Flee
   grant won the race the slot is released at once.
 * ``release`` (the final access-log entry), the stop channel (``mark_preemptible``) and
   the first byte (``mark_first_byte``) answer from the local mirror of what this replica
-  holds, synchronously, and reach the ledger through one ordered outbox (marks batched).
-  The ledger releases each id once fleet-wide; duplicates change nothing.
+  holds, synchronously, and reach the ledger through one ordered outbox (one ``multi``
+  call per flush). The preemptible mark waits ``MARK_DELAY_SECS`` and is dropped if the
+  response starts (or the request ends) first; once it has left, the response's first
+  byte waits for the ledger's answer (``confirm_first_byte``), so a victim the ledger chose
+  never starts. The ledger releases each id once fleet-wide; duplicates change nothing.
 * A ``preempt`` notification for one of this replica's admissions is delivered through its
   ext_proc stream exactly like a local preemption: the victim's owner delivers it.
 * No per-request leases: the replica's heartbeat covers its admissions (issue point 7),
@@ -823,7 +826,9 @@ class FleetController:
     # ------------------------------------------------------------------ loops
 
     async def _call(self, call: Awaitable[T]) -> T:
-        return await asyncio.wait_for(call, self._call_timeout)
+        # A timeout scope, not wait_for: no task per call (this is on every request's path).
+        async with asyncio.timeout(self._call_timeout):
+            return await call
 
     def expire_unacknowledged(self) -> int:
         """Release admissions Envoy never showed it runs, ``ack_timeout`` after admission.

@@ -1,8 +1,9 @@
 """The fleet ledger's client: one async method per script operation, typed results.
 
 N gateway replicas become one admission controller by sharing a ledger in a Valkey or Redis
-server (issue 11). Every decision is one atomic run of ``ledger.lua`` on the server, using
-the server's clock, so the fleet admits exactly as one in-process :class:`Scheduler` would.
+server (issue 11). Every decision is one atomic run of ``ledger.lua`` on the server (a
+function library: ``FUNCTION LOAD`` once, ``FCALL`` per call), using the server's clock,
+so the fleet admits exactly as one in-process :class:`Scheduler` would.
 
 **Which text is the specification.** The contract's rules are written in
 :mod:`sidecar.scheduler` (the in-process core). ``ledger.lua`` is a port of it: same
@@ -38,12 +39,12 @@ changes in ``sidecar/scheduler/`` first, then in the script.
   ``new`` (registration lapsed, or the server lost its data) is followed by
   :meth:`FleetLedger.reregister` with what the replica holds; it is idempotent and never
   double counts.
-* *Round trips.* Only ``arrive`` is on a request's latency path. Off it, an admitted
-  request with an ext_proc stream costs ``mark_preemptible``, ``mark_first_byte`` and
-  ``release``: 4 script calls uncontended (measured: 3.99 per request one at a time, 3.15
-  with 16 concurrent). The owner sends its releases and marks through one outbox, each
-  flush one pipelined round trip (:meth:`FleetLedger.batch`), and the marks take several
-  ids per call (deciding as the same calls one by one would).
+* *Round trips.* Only ``arrive`` is on a request's latency path. Off it, the owner sends
+  its releases and marks through one outbox, each flush one ``multi`` call
+  (:meth:`FleetLedger.batch`). The preemptible mark is deferred a few ms and dropped when
+  the response starts first, so a short request costs arrive + release; a longer one adds
+  the mark and a first-byte mark whose answer the response waits for (see
+  ``FleetController.confirm_first_byte``).
 * *Connections.* Many concurrent requests share a bounded
   ``redis.asyncio.BlockingConnectionPool`` (the default pool raises once it runs out);
   the blocking pop for notifications holds one more connection of its own.
