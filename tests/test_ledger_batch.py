@@ -241,3 +241,41 @@ async def _zcard(c: redis.Redis, key: str, n: int) -> bool:
 async def _inflight(c: redis.Redis, n: int) -> bool:
     counts = await c.hgetall("pg:{f}:inflight")
     return sum(int(v) for v in counts.values()) == n
+
+
+# ------------------------------------------------------------ the pipelined connection
+
+PLAIN = {c: ClassSettings(0, 0.0, 5, 30.0, 1e6, False) for c in PriorityClass}
+
+
+async def test_pipelined_calls_are_answered_in_order_and_survive_a_dropped_connection(
+        valkey_server: ValkeyServer, ledger_client: redis.Redis) -> None:
+    own = connect(valkey_server)
+    led = FleetLedger(own, "f", "a", pipelined=True)
+    try:
+        await led.register(PLAIN, 10)
+        # 30 calls in one turn: one write; the server decides them in order, so exactly
+        # the first 10 are admitted, the next 5 queued and the rest refused.
+        got = await asyncio.gather(*(led.arrive(f"x{i}", BULK, "t") for i in range(30)))
+        assert [g.status for g in got] == ([ArriveStatus.ADMITTED] * 10
+                                           + [ArriveStatus.QUEUED] * 5
+                                           + [ArriveStatus.REJECTED_QUEUE_FULL] * 15)
+        # The server drops every client connection but ours: the next call reconnects
+        # (at most one call may fail, if it was written before the loss was seen).
+        killed = await ledger_client.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 1
+        failures = 0
+        for aid in ("x0", "x1"):
+            while True:
+                try:
+                    assert await led.release(aid) is not None
+                    break
+                except ConnectionError:
+                    failures += 1
+                    assert failures <= 1
+        snap = await led.snapshot()
+        assert snap.total_inflight == 10  # two released, two waiters granted
+        assert snap.queue_depth[BULK] == 3
+    finally:
+        await led.aclose()
+        await own.aclose()

@@ -287,7 +287,7 @@ class FleetController:
             socket_connect_timeout=call_timeout)
         # Registered for 0.9 ttl, and reaped within ttl/20 of that by any replica with
         # waiters: a dead replica's slots are back within --replica-ttl-secs.
-        ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl)
+        ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl, pipelined=True)
         self = cls(ledger, events_client, classes=classes, capacity=capacity,
                    call_timeout=call_timeout, ack_timeout=ack_timeout, bucket=bucket,
                    metrics=metrics)
@@ -320,6 +320,7 @@ class FleetController:
         if self._local is not None:
             self._local.close()
         await self._events_client.aclose()
+        await self.ledger.aclose()
         await self.ledger.client.aclose(close_connection_pool=True)
 
     def close(self) -> None:

@@ -56,9 +56,12 @@ changes in ``sidecar/scheduler/`` first, then in the script.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hashlib
+import math
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -235,6 +238,123 @@ def _per_class(values: Sequence[Any]) -> dict[PriorityClass, int]:
 # ---------------------------------------------------------------------------- client
 
 
+class _Pipelined:
+    """One connection on which calls are written as they come and answered in order.
+
+    A server answers one connection's commands in order, so a FIFO of futures matches
+    replies to callers: no connection is taken from and given back to a pool per call, the
+    calls made in one event-loop turn leave in one write (one syscall, and one read for the
+    server), and one replica's calls run in the order it made them. redis-py's connection
+    does the rest (connecting, TLS, AUTH/HELLO, RESP encoding, the hiredis parser). No read
+    timeout per call: the callers bound their own waits (a caller that gives up leaves its
+    future cancelled, and its reply is read and dropped). A connection whose oldest
+    unanswered call is older than the pool's ``socket_timeout`` is dropped by the next
+    call, which connects afresh (a server that vanished without closing the connection).
+    """
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self._pool = pool
+        self._conn: Any = None
+        self._connecting: asyncio.Future[Any] | None = None
+        self._waiting: deque[tuple[float, asyncio.Future[Any]]] = deque()  # (sent at, reply)
+        kwargs = pool.connection_kwargs
+        self._stall = float(kwargs.get("socket_timeout") or 5.0)
+        self._connect_timeout = float(kwargs.get("socket_connect_timeout") or self._stall)
+        self._out: list[bytes] = []
+        self._reader: asyncio.Task[None] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._closing: asyncio.Future[Any] | None = None
+
+    async def call(self, *args: str | int) -> Any:
+        loop = asyncio.get_running_loop()
+        conn = self._conn
+        if conn is not None and self._waiting and loop.time() - self._waiting[0][0] > self._stall:
+            self._fail(conn, TimeoutError(f"no reply for {self._stall:g} s"))
+            conn = None
+        if conn is None:
+            conn = await self._connect()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._waiting.append((loop.time(), fut))
+        self._out += conn.pack_command(*args)
+        if self._writer is None:
+            self._writer = asyncio.ensure_future(self._write(conn))
+        return await fut
+
+    async def _connect(self) -> Any:
+        if self._connecting is None or self._connecting.done():
+            self._connecting = asyncio.ensure_future(self._open())
+        return await asyncio.shield(self._connecting)
+
+    async def _open(self) -> Any:
+        kwargs = {**self._pool.connection_kwargs, "socket_timeout": None}
+        conn: Any = self._pool.connection_class(**kwargs)
+        try:
+            async with asyncio.timeout(self._connect_timeout):  # the handshake included
+                await conn.connect()
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        self._conn = conn
+        self._reader = asyncio.ensure_future(self._read(conn))
+        return conn
+
+    async def _write(self, conn: Any) -> None:
+        # Started by the first call of a turn: by the time it runs, that turn's calls are
+        # all buffered, and they go out in one write.
+        try:
+            while self._out and self._conn is conn:
+                data, self._out = self._out, []
+                await conn.send_packed_command(data, check_health=False)
+        except Exception as exc:
+            self._fail(conn, exc)
+        finally:
+            self._writer = None
+
+    async def _read(self, conn: Any) -> None:
+        try:
+            while True:
+                try:
+                    reply = await conn.read_response(timeout=math.inf)
+                except ResponseError as exc:
+                    reply = exc
+                _, fut = self._waiting.popleft()
+                if fut.done():
+                    continue  # its caller gave up; the call still ran
+                if isinstance(reply, ResponseError):
+                    fut.set_exception(reply)
+                else:
+                    fut.set_result(reply)
+        except asyncio.CancelledError:
+            self._fail(conn, ConnectionError("closed"))
+            raise
+        except Exception as exc:
+            self._fail(conn, exc)
+
+    def _fail(self, conn: Any, exc: BaseException) -> None:
+        """The connection broke: fail what waits on it; the next call reconnects."""
+        if self._conn is not conn:
+            return
+        self._conn = None
+        self._out = []
+        waiting, self._waiting = self._waiting, deque()
+        for _, fut in waiting:
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"ledger connection lost: {exc!r}"))
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        self._reader = None
+        self._closing = asyncio.ensure_future(conn.disconnect(nowait=True))
+
+    async def aclose(self) -> None:
+        conn, reader = self._conn, self._reader
+        if conn is not None:
+            self._fail(conn, ConnectionError("closed"))
+        for task in (reader, self._closing):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
 class FleetLedger:
     """One replica's handle on its fleet's ledger.
 
@@ -251,6 +371,7 @@ class FleetLedger:
         ttl: float = 10.0,
         remember_ended_secs: float = DEFAULT_REMEMBER_ENDED_SECS,
         clock: Callable[[], float] | None = None,
+        pipelined: bool = False,
     ) -> None:
         if not _NAME.match(replica):
             raise ValueError(f"replica id must be non-empty, without spaces or braces: {replica!r}")
@@ -264,6 +385,9 @@ class FleetLedger:
         self._capacity = 0
         self._loading: asyncio.Future[Any] | None = None
         self.calls = 0  # ledger calls sent (round trips; for tests and benchmarks)
+        # pipelined: every call on one connection of our own (see _Pipelined), the client's
+        # pool only for the load of the library.
+        self._pipe = _Pipelined(client.connection_pool) if pipelined else None
 
     @property
     def client(self) -> redis.Redis:
@@ -277,13 +401,23 @@ class FleetLedger:
         now = "" if self._clock is None else _num(self._clock())
         self.calls += 1
         try:
-            return await self._client.fcall(FUNCTION, 1, self._prefix, op, now, *args)
+            return await self._fcall(op, now, *args)
         except ResponseError as exc:
             if not _function_missing(exc):
                 raise
         # First call on this server, or it restarted without its data: load, then retry.
         await self.load_library()
-        return await self._client.fcall(FUNCTION, 1, self._prefix, op, now, *args)
+        return await self._fcall(op, now, *args)
+
+    async def _fcall(self, *args: str | int) -> Any:
+        if self._pipe is not None:
+            return await self._pipe.call("FCALL", FUNCTION, 1, self._prefix, *args)
+        return await self._client.fcall(FUNCTION, 1, self._prefix, *args)
+
+    async def aclose(self) -> None:
+        """Close the pipelined connection, if any (the client is the caller's)."""
+        if self._pipe is not None:
+            await self._pipe.aclose()
 
     async def load_library(self) -> None:
         """Load the ledger's function library (idempotent: REPLACE of the same code).
