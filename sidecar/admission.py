@@ -86,6 +86,9 @@ class AdmissionService(Protocol):
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
                        tenant: str = "") -> bool: ...
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None: ...
+    def holds(self, aid: str) -> bool: ...
+    def hold_without_lease(self, aid: str) -> bool: ...
+    def lease_again(self, aid: str) -> bool: ...
     def mark_first_byte(self, aid: str) -> bool: ...
     async def confirm_first_byte(self, aid: str) -> bool: ...
     def close_stop_channel(self, aid: str) -> None: ...
@@ -116,6 +119,10 @@ class AdmissionController:
         self._new_id = id_factory
         self._waiters: dict[str, asyncio.Future[Admitted]] = {}
         self._leases = Leases(lease_secs)
+        # Admissions Envoy acknowledged while its access-log stream was open
+        # (sidecar.liveness): no timer; their end, a preemption or their Envoy's
+        # death frees them.
+        self._unleased: set[str] = set()
         # The stop signal of every admission with an open stop channel.
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -182,6 +189,8 @@ class AdmissionController:
         when the entry names its class, so capacity in use is known again within
         one flush interval. False if it was neither renewed nor adopted.
         """
+        if aid in self._unleased:
+            return True
         if not self._leases.renew(aid, self._clock()):
             if cls is None or not self.core.adopt(aid, cls, tenant):
                 return False
@@ -204,6 +213,27 @@ class AdmissionController:
         self.core.mark_preemptible(aid)
         self._apply_events()  # a queued head may have preempted this very request
         return fut
+
+    def holds(self, aid: str) -> bool:
+        """``aid`` holds a slot here."""
+        return self.core.is_admitted(aid)
+
+    def hold_without_lease(self, aid: str) -> bool:
+        """Its Envoy is watched and ran it: only its end or that Envoy's death frees it."""
+        if not self.core.is_admitted(aid):
+            return False
+        self._leases.drop(aid)
+        self._unleased.add(aid)
+        return True
+
+    def lease_again(self, aid: str) -> bool:
+        """Back under the lease from now (its Envoy may have been replaced)."""
+        if aid not in self._unleased:
+            return False
+        self._unleased.discard(aid)
+        self._leases.grant(aid, self._clock())
+        self._arm_timer()
+        return True
 
     def mark_first_byte(self, aid: str) -> bool:
         """→ STREAMING: the response started, so the request can no longer be preempted."""
@@ -238,7 +268,8 @@ class AdmissionController:
 
     @property
     def lease_count(self) -> int:
-        return len(self._leases)
+        """Admissions in flight here: under a lease, or held without one."""
+        return len(self._leases) + len(self._unleased)
 
     @property
     def waiting(self) -> int:
@@ -269,6 +300,7 @@ class AdmissionController:
                         fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
                 elif isinstance(e, Released):
                     self._leases.drop(e.admission.id)
+                    self._unleased.discard(e.admission.id)
                 elif isinstance(e, Preempted):
                     self._signal_preempted(e.victim.id)
             self._metrics.on_events(events)

@@ -27,6 +27,7 @@ from sidecar.config import ConfigError, PriorityConfig, Settings
 from sidecar.coordination.controller import FleetController
 from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
+from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Metrics
 from sidecar.ratelimit import build_bucket
 from sidecar.reload import ConfigWatcher
@@ -194,13 +195,20 @@ class Runtime:
         monitor.on_change = self._on_capacity
         metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,
                         config_digest=s.priority.digest)
+        # Which Envoy asked for each admission and whether it is still there: slots of
+        # requests Envoy still runs are never reclaimed by a timer alone.
+        self.liveness = EnvoyLiveness(self.controller, grace=s.envoy_owner_grace_secs,
+                                      metrics=metrics)
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,
                                   TenantPolicy(s.priority.tenant_policies, s.default_max_class),
-                                  self._preemptible(s.priority.classes))
+                                  self._preemptible(s.priority.classes),
+                                  liveness=self.liveness)
         self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
                                         wall_clock=time.time)
-        self.completion = CompletionService(self.controller, metrics, self.features)
-        self.response_path = ResponsePathService(self.controller, metrics, self.features)
+        self.completion = CompletionService(self.controller, metrics, self.features,
+                                            self.liveness)
+        self.response_path = ResponsePathService(self.controller, metrics, self.features,
+                                                 self.liveness)
 
         self._grpc = grpc.aio.server(options=list(authz.GRPC_SERVER_OPTIONS))
         p = codec.passthrough
@@ -313,6 +321,7 @@ class Runtime:
             # only to stop it at once.
             await self._grpc.start()
         await self._grpc.stop(grace=1.0)
+        self.liveness.close()
         await self._admin.stop()
         await self.monitor.close()
         self.controller.close()

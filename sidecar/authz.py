@@ -22,6 +22,7 @@ from sidecar import codec, logs, responses
 from sidecar.admission import AdmissionService, Denied
 from sidecar.classes import HIGH_TO_LOW, PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
+from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
 from sidecar.scheduler import ClassSettings, Outcome
 
@@ -37,10 +38,20 @@ MAX_OPEN_CHECKS = 16384
 # answers it with a decision. A call still waits there while the loop is busy; its
 # own deadline (Envoy's authz timeout) is what ends a wait that is too long.
 MAX_PENDING_CALLS = 2 * MAX_OPEN_CHECKS
+# Keepalive pings on every connection, also with no call open (an idle Envoy's only
+# call is its access-log stream): a host that vanished without closing its sockets
+# loses its streams within KEEPALIVE_TIME + KEEPALIVE_TIMEOUT, and then its slots
+# after --envoy-owner-grace-secs (sidecar.liveness).
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 GRPC_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.so_reuseport", 0),
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
     ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 )
 # A tenant key longer than this is not an identity anyone configured: anonymous.
 MAX_TENANT_LEN = codec.MAX_TENANT_LEN
@@ -100,8 +111,10 @@ class AuthzService:
 
     def __init__(self, controller: AdmissionService, metrics: Recorder,
                  tenant_source: TenantSource, policy: TenantPolicy,
-                 preemptible: frozenset[PriorityClass] = frozenset(PriorityClass)) -> None:
+                 preemptible: frozenset[PriorityClass] = frozenset(PriorityClass),
+                 liveness: EnvoyLiveness | None = None) -> None:
         self.controller = controller
+        self.liveness = liveness
         self.metrics = metrics
         self.tenant_source = tenant_source
         self.policy = policy
@@ -154,6 +167,8 @@ class AuthzService:
                      request_id=request_id)
             raise
         aid = admitted.admission.id
+        if self.liveness is not None:
+            self.liveness.admitted(aid, context.peer())  # which Envoy asked
         if logs.debug_enabled():
             log.debug("admitted", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, admission_id=aid,

@@ -32,6 +32,7 @@ from sidecar import codec, logs
 from sidecar.admission import AdmissionService
 from sidecar.classes import PriorityClass
 from sidecar.envoy_features import FeatureDetector
+from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.responses import Rejection, reply
 from sidecar.scheduler import ReleaseReason, ReleaseResult
@@ -58,10 +59,12 @@ class CompletionService:
 
     def __init__(self, controller: AdmissionService,
                  metrics: Recorder | None = None,
-                 features: FeatureDetector | None = None) -> None:
+                 features: FeatureDetector | None = None,
+                 liveness: EnvoyLiveness | None = None) -> None:
         self.controller = controller
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self.features = features
+        self.liveness = liveness
         self._refused_log = logs.Throttled(log, "adoption_refused")
 
     def adoption_bound(self) -> int:
@@ -84,26 +87,40 @@ class CompletionService:
     async def stream_access_logs(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> bytes:
-        # Do not release anything when a stream closes: Envoy keeps one stream per
-        # worker thread and may close one at any time; leases cover a real crash.
-        async for data in requests:
-            try:
-                entries = codec.decode_access_logs(data)
-            except Exception as exc:
-                log.warning("access_log_decode_failed", error=str(exc))
-                continue
-            if self.features is not None:
-                self._observe(entries)
-            for entry in entries:
-                if entry.final:
-                    result = self.controller.release(entry.admission_id, ReleaseReason.COMPLETED)
-                    if result is not ReleaseResult.RELEASED:
-                        log.info("completion_unmatched", admission_id=entry.admission_id,
-                                 reason=result.value, response_code=entry.response_code)
-                elif not self._renew_or_adopt(entry):
-                    # An id this process already ended (e.g. a preempted victim
-                    # still draining in Envoy): nothing to renew or adopt.
-                    log.debug("renewal_unmatched", admission_id=entry.admission_id)
+        # Closing a stream releases nothing by itself: Envoy keeps one stream per worker
+        # thread open while it lives, and liveness releases an Envoy's admissions only
+        # once all its streams stayed closed past the grace (sidecar.liveness).
+        liveness = self.liveness
+        peer = context.peer() if liveness is not None else ""
+        owner = liveness.stream_opened(peer) if liveness is not None else ""
+        try:
+            async for data in requests:
+                try:
+                    entries = codec.decode_access_logs(data)
+                except Exception as exc:
+                    log.warning("access_log_decode_failed", error=str(exc))
+                    continue
+                if self.features is not None:
+                    self._observe(entries)
+                for entry in entries:
+                    if entry.final:
+                        result = self.controller.release(entry.admission_id,
+                                                         ReleaseReason.COMPLETED)
+                        if liveness is not None:
+                            liveness.ended(entry.admission_id)
+                        if result is not ReleaseResult.RELEASED:
+                            log.info("completion_unmatched", admission_id=entry.admission_id,
+                                     reason=result.value, response_code=entry.response_code)
+                    elif self._renew_or_adopt(entry):
+                        if liveness is not None:
+                            liveness.acknowledged(entry.admission_id, peer)
+                    else:
+                        # An id this process already ended (e.g. a preempted victim
+                        # still draining in Envoy): nothing to renew or adopt.
+                        log.debug("renewal_unmatched", admission_id=entry.admission_id)
+        finally:
+            if liveness is not None:
+                liveness.stream_closed(owner)
         return codec.ALS_RESPONSE
 
     def _observe(self, entries: list[codec.LogEntry]) -> None:
@@ -125,10 +142,12 @@ class ResponsePathService:
 
     def __init__(self, controller: AdmissionService,
                  metrics: Recorder | None = None,
-                 features: FeatureDetector | None = None) -> None:
+                 features: FeatureDetector | None = None,
+                 liveness: EnvoyLiveness | None = None) -> None:
         self.controller = controller
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self.features = features
+        self.liveness = liveness
 
     async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]
                     ) -> codec.ProcessingEvent | None:
@@ -174,6 +193,8 @@ class ResponsePathService:
             await context.write(codec.CONTINUE_REQUEST_HEADERS)
             if watch is None:
                 return  # not in flight any more: nothing to mark or stop
+            if self.liveness is not None:
+                self.liveness.acknowledged(aid)  # Envoy runs it: no timer once watched
 
             # One write at a time on the stream: the preemption may come while the
             # handler is itself writing.

@@ -533,6 +533,7 @@ class Settings:
     coordination_url: str | None = None
     fleet_id: str = "default"
     replica_id: str = ""
+    envoy_owner_grace_secs: float = 5.0
     replica_ttl_secs: float = 10.0
 
     @property
@@ -615,7 +616,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "jwt:PAYLOAD_KEY.CLAIM (jwt_authn metadata)")
     sc.add_argument("--admission-lease-secs", type=float, default=30.0, metavar="SECS",
                     help="an admission not renewed by an access-log entry within this time is "
-                         "reclaimed (keep it > 3x Envoy's access_log_flush_interval)")
+                         "reclaimed, unless Envoy acknowledged it while its access-log "
+                         "stream was open (then only its end or that Envoy's death frees it)")
+    sc.add_argument("--envoy-owner-grace-secs", type=float, default=5.0, metavar="SECS",
+                    help="an Envoy whose access-log streams all closed and stayed closed this "
+                         "long is dead: the admissions it asked for are released")
     sc.add_argument("--envoy-authz-timeout", type=float, default=None, metavar="SECS",
                     help="Envoy's ext_authz timeout; start-up is refused if it is not longer "
                          "than every class queue_timeout_secs")
@@ -715,6 +720,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     for flag, v in (("--health-interval-secs", ns.health_interval_secs),
                     ("--health-timeout-secs", ns.health_timeout_secs),
                     ("--admission-lease-secs", ns.admission_lease_secs),
+                    ("--envoy-owner-grace-secs", ns.envoy_owner_grace_secs),
                     ("--config-poll-secs", ns.config_poll_secs)):
         if not (math.isfinite(v) and v > 0):
             raise ConfigError(f"{flag} must be a finite number > 0")
@@ -781,6 +787,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         saturation_guard=ns.saturation_guard,
         tenant_source=TenantSource.parse(ns.tenant_source),
         admission_lease_secs=ns.admission_lease_secs,
+        envoy_owner_grace_secs=ns.envoy_owner_grace_secs,
         envoy_authz_timeout=authz_timeout,
         config_poll_secs=ns.config_poll_secs,
         startup_capacity_wait_secs=float(ns.startup_capacity_wait_secs),

@@ -38,6 +38,10 @@ verb                        caller                 metrics
                             (heartbeat)            ``smg_sidecar_live_replicas``
 ``coordination_changed``    fleet controller       ``smg_sidecar_coordination_state``
 ``envoy_feature``           envoy_features         ``smg_sidecar_envoy_feature``
+``envoy_streams``           liveness (ALS)         ``smg_sidecar_envoy_access_log_streams``,
+                                                   ``smg_sidecar_envoy_owners_alive``
+``owner_lost``              liveness (timer)       ``smg_sidecar_envoy_owner_lost_total``,
+                                                   ``smg_sidecar_envoy_owner_released_total``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -173,6 +177,12 @@ class Recorder(Protocol):
         """What the sidecar inferred about an Envoy setting it relies on
         (``sidecar.envoy_features``): unknown, present or absent."""
 
+    def envoy_streams(self, open_streams: int, alive_owners: int) -> None:
+        """Access-log streams open now, and the Envoys (owners) they come from."""
+
+    def owner_lost(self, released: int) -> None:
+        """An Envoy's streams stayed closed past the grace: ``released`` admissions freed."""
+
 
 class NullRecorder:
     """Records nothing."""
@@ -225,6 +235,12 @@ class NullRecorder:
         pass
 
     def envoy_feature(self, feature: str, state: str) -> None:
+        pass
+
+    def envoy_streams(self, open_streams: int, alive_owners: int) -> None:
+        pass
+
+    def owner_lost(self, released: int) -> None:
         pass
 
 
@@ -301,6 +317,18 @@ class Metrics:
             "smg_sidecar_envoy_feature",
             "Envoy settings the sidecar relies on, as inferred from traffic (1 = current state)",
             ["feature", "state"], registry=self.registry)
+        self._als_streams = Gauge("smg_sidecar_envoy_access_log_streams",
+                                  "Access-log streams Envoy holds open to this sidecar",
+                                  registry=r)
+        self._owners_alive = Gauge("smg_sidecar_envoy_owners_alive",
+                                   "Envoys (by peer host) with an access-log stream open",
+                                   registry=r)
+        self._owner_lost = Counter("smg_sidecar_envoy_owner_lost",
+                                   "Envoys whose access-log streams stayed closed past "
+                                   "--envoy-owner-grace-secs", registry=r)
+        self._owner_released = Counter("smg_sidecar_envoy_owner_released",
+                                       "Admissions released because the Envoy that asked "
+                                       "for them died", registry=r)
         self._mode = Gauge("smg_sidecar_admission_mode",
                            "Admission path in force (1 = active)", ["mode"], registry=r)
         self._fleet_inflight = Gauge("smg_sidecar_fleet_inflight",
@@ -431,6 +459,14 @@ class Metrics:
     def envoy_feature(self, feature: str, state: str) -> None:
         for st in ("unknown", "present", "absent"):
             self._envoy_feature.labels(feature, st).set(1 if st == state else 0)
+
+    def envoy_streams(self, open_streams: int, alive_owners: int) -> None:
+        self._als_streams.set(open_streams)
+        self._owners_alive.set(alive_owners)
+
+    def owner_lost(self, released: int) -> None:
+        self._owner_lost.inc()
+        self._owner_released.inc(released)
 
 
 class _WorkerCapacityCollector(Collector):

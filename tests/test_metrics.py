@@ -94,6 +94,8 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "fleet_seen": lambda r: r.fleet_seen({S: 1, B: 3}, 2),
     "coordination_changed": lambda r: r.coordination_changed("degraded"),
     "envoy_feature": lambda r: r.envoy_feature("ext_proc", "absent"),
+    "envoy_streams": lambda r: r.envoy_streams(2, 1),
+    "owner_lost": lambda r: r.owner_lost(3),
 }
 
 

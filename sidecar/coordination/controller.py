@@ -172,6 +172,9 @@ class Held:
     # The ledger was told it is a candidate (the deferred preemptible mark left): its first
     # byte must then reach the ledger before the response may start.
     mark_sent: bool = False
+    # Set when its Envoy may have been replaced (sidecar.liveness): the ack timeout runs
+    # again from here, as if just admitted.
+    unacked_since: float | None = None
 
     def holding(self, id: str) -> Holding:
         return Holding(id, self.cls, self.tenant, self.first_byte,
@@ -831,6 +834,27 @@ class FleetController:
         async with asyncio.timeout(self._call_timeout):
             return await call
 
+    def holds(self, aid: str) -> bool:
+        return aid in self._held
+
+    def hold_without_lease(self, aid: str) -> bool:
+        """Its Envoy ran it (sidecar.liveness): kept until its end, a preemption, or the
+        death of that Envoy (released by the liveness tracker) or of this replica."""
+        h = self._held.get(aid)
+        if h is None:
+            return False
+        h.acknowledged = True
+        return True
+
+    def lease_again(self, aid: str) -> bool:
+        """Its Envoy may have been replaced: unacknowledged again, ack timeout from now."""
+        h = self._held.get(aid)
+        if h is None:
+            return False
+        h.acknowledged = False
+        h.unacked_since = self._clock()
+        return True
+
     def expire_unacknowledged(self) -> int:
         """Release admissions Envoy never showed it runs, ``ack_timeout`` after admission.
 
@@ -841,7 +865,7 @@ class FleetController:
         """
         cutoff = self._clock() - self._ack_timeout
         stale = [aid for aid, h in self._held.items()
-                 if not h.acknowledged and h.admitted_at <= cutoff]
+                 if not h.acknowledged and (h.unacked_since or h.admitted_at) <= cutoff]
         for aid in stale:
             self.release(aid, ReleaseReason.LEASE_EXPIRED)
         return len(stale)
