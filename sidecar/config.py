@@ -533,7 +533,7 @@ class Settings:
     coordination_url: str | None = None
     fleet_id: str = "default"
     replica_id: str = ""
-    envoy_owner_grace_secs: float = 5.0
+    envoy_owner_grace_secs: float = 2.0
     replica_ttl_secs: float = 10.0
 
     @property
@@ -618,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an admission not renewed by an access-log entry within this time is "
                          "reclaimed, unless Envoy acknowledged it while its access-log "
                          "stream was open (then only its end or that Envoy's death frees it)")
-    sc.add_argument("--envoy-owner-grace-secs", type=float, default=5.0, metavar="SECS",
+    sc.add_argument("--envoy-owner-grace-secs", type=float, default=2.0, metavar="SECS",
                     help="an Envoy whose access-log streams all closed and stayed closed this "
                          "long is dead: the admissions it asked for are released")
     sc.add_argument("--envoy-authz-timeout", type=float, default=None, metavar="SECS",

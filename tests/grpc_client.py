@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -62,8 +65,37 @@ class EnvoyStandIn:
             e.response.response_code.value = 200
         await self._als(iter([msg]))
 
+    def open_log_stream(self) -> LogStream:
+        """An ALS stream held open, as Envoy holds one per worker thread while it lives."""
+        return LogStream(self._als)
+
     async def close(self) -> None:
         await self.channel.close()
+
+
+class LogStream:
+    """One access-log stream: its first message (node identifier, no entries) is sent at
+    once; ``end()`` half-closes it as an Envoy shutting down would, ``cancel()`` resets it
+    as a killed one does."""
+
+    def __init__(self, method: grpc.aio.StreamUnaryMultiCallable) -> None:
+        self._out: asyncio.Queue[als_pb2.StreamAccessLogsMessage | None] = asyncio.Queue()
+        first = als_pb2.StreamAccessLogsMessage()
+        first.identifier.node.id = "test"
+        first.identifier.log_name = "smg_completion"
+        self._out.put_nowait(first)
+        self.call = method(self._messages())
+
+    async def _messages(self) -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+        while (m := await self._out.get()) is not None:
+            yield m
+
+    async def end(self) -> None:
+        self._out.put_nowait(None)
+        await self.call
+
+    def cancel(self) -> None:
+        self.call.cancel()
 
 
 def admission_id(resp: external_auth_pb2.CheckResponse) -> str:

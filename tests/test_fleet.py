@@ -291,6 +291,38 @@ async def test_a_long_admission_keeps_its_slot_past_the_lease(
         await b.close()
 
 
+async def test_an_acknowledged_slot_is_released_when_its_envoy_dies_not_its_replica(
+        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
+        ledger_client: redis.Redis) -> None:
+    """Issue 12 on the fleet path: the replica lives on, the Envoy that asked is gone
+    (its access-log stream reset, as by SIGKILL): its acknowledged admission comes back
+    fleet-wide within the grace instead of staying held until the replica dies."""
+    grace = 0.5
+    a = await start_replica(tmp_path, valkey_server.url, "a", "--admission-lease-secs", "0.3",
+                            "--envoy-owner-grace-secs", str(grace))
+    try:
+        stream = a.envoy.open_log_stream()
+        await eventually(lambda: a.sample("smg_sidecar_envoy_access_log_streams") == 1)
+        held = await ok(a.check())
+        call = a.ext_proc(iter([request_headers(held)]))
+        assert [m.WhichOneof("response") async for m in call] == ["request_headers"]
+        await asyncio.sleep(1.0)  # > 3 leases: acknowledged, no timer reclaims it
+        assert held in a.fleet.held and a.fleet.held[held].acknowledged
+        assert await inflight(ledger_client) == 1
+        stream.cancel()
+        took = await eventually(lambda: held not in a.fleet.held, timeout=grace + 2)
+        assert took >= grace * 0.9
+        await eventually(lambda: _zero(ledger_client), what="ledger empty")
+        assert a.sample("smg_sidecar_envoy_owner_released_total") == 1
+        assert a.sample("smg_sidecar_released_total", **{"class": "default",
+                                                          "reason": "lease_expired"}) == 1
+        await a.end(held)  # a late final entry releases nothing twice
+        assert a.sample("smg_sidecar_completion_unmatched_total",
+                        reason="already_released") == 1
+    finally:
+        await a.close()
+
+
 async def test_duplicate_and_late_completions_release_once(
         pair: tuple[Replica, Replica], ledger_client: redis.Redis) -> None:
     a, b = pair

@@ -7,18 +7,28 @@ the controller's real leases.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar import codec
 from sidecar.admission import AdmissionController
+from sidecar.app import build_runtime
 from sidecar.classes import PriorityClass
+from sidecar.config import parse_settings
 from sidecar.liveness import UNIX_OWNER, EnvoyLiveness, OwnerTable, owner_of
 from sidecar.metrics import NullRecorder
 from sidecar.scheduler import ClassSettings, ReleaseResult, Scheduler
 from tests.clock import FakeClock
+from tests.grpc_client import EnvoyStandIn, admission_id
 
 GRACE = 5.0
 LEASE = 10.0
@@ -280,7 +290,7 @@ async def test_a_stream_opening_later_unleases_what_was_acknowledged_before() ->
 
 
 async def test_two_envoys_on_one_sidecar_lose_only_their_own_slots() -> None:
-    ctl, lv, clock, rec = await make()
+    ctl, lv, clock, _ = await make()
     oa, _ = lv.stream_opened(A), lv.stream_opened(B)
     xa, xb = await admit(ctl, lv, A), await admit(ctl, lv, B)
     lv.acknowledged(xa)
@@ -321,7 +331,7 @@ async def test_an_adopted_stream_is_owned_by_the_envoy_that_logged_it() -> None:
 
 
 async def test_closed_liveness_releases_nothing_at_shutdown() -> None:
-    ctl, lv, clock, _ = await make()
+    ctl, lv, _, _ = await make()
     owner = lv.stream_opened(A)
     aid = await admit(ctl, lv, A)
     lv.acknowledged(aid)
@@ -329,3 +339,72 @@ async def test_closed_liveness_releases_nothing_at_shutdown() -> None:
     lv.stream_closed(owner)  # the server stopping closes every stream
     assert lv._timer is None
     ctl.close()
+
+
+# ------------------------------------------------------------ a whole sidecar over gRPC
+
+
+async def test_over_grpc_a_slot_outlives_its_lease_and_returns_when_its_envoy_dies(
+        tmp_path: Path) -> None:
+    """The in-process runtime over loopback gRPC: Check, ext_proc and a held ALS stream
+    (the stand-in plays Envoy); the stream reset plays SIGKILL."""
+    lease, grace = 0.3, 0.5
+    settings = parse_settings([
+        "--priority-scheduler-enabled", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--worker-capacity-override", "4",
+        "--admission-lease-secs", str(lease), "--envoy-owner-grace-secs", str(grace),
+        "--log-format", "json"])
+    app = await build_runtime(settings)
+    await app.serve()
+    envoy = EnvoyStandIn(app.grpc_port)
+
+    def sample(name: str, **labels: str) -> float:
+        v = app.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+    try:
+        stream = envoy.open_log_stream()
+        await eventually(lambda: sample("smg_sidecar_envoy_access_log_streams") == 1)
+        resp = await asyncio.wait_for(envoy.check({"x-smg-priority": "default"}), 5)
+        aid = admission_id(resp)
+        await ext_proc_to_first_byte(envoy, aid)
+        await asyncio.sleep(4 * lease)  # the condition under test is the passage of time
+        assert app.controller.holds(aid)
+        assert sample("smg_sidecar_lease_expired_total", **{"class": "default"}) == 0
+        stream.cancel()  # the Envoy is gone
+        took = await eventually(lambda: not app.controller.holds(aid), timeout=grace + 2)
+        assert took >= grace * 0.9
+        assert sample("smg_sidecar_lease_expired_total", **{"class": "default"}) == 1
+        assert sample("smg_sidecar_released_total", **{"class": "default",
+                                                        "reason": "lease_expired"}) == 1
+        assert sample("smg_sidecar_envoy_owner_lost_total") == 1
+        assert sample("smg_sidecar_envoy_owner_released_total") == 1
+        assert sample("smg_sidecar_envoy_owners_alive") == 0
+        assert sample("smg_scheduler_inflight", **{"class": "default"}) == 0
+    finally:
+        await envoy.close()
+        await asyncio.wait_for(app.stop(), 15)
+
+
+async def ext_proc_to_first_byte(envoy: EnvoyStandIn, aid: str) -> None:
+    process = envoy.channel.stream_stream(
+        "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+        request_serializer=ep.ProcessingRequest.SerializeToString,
+        response_deserializer=ep.ProcessingResponse.FromString)
+    first = ep.ProcessingRequest(request_headers=ep.HttpHeaders())
+    md = struct_pb2.Struct()
+    md.update({codec.ADMISSION_ID_KEY: aid})
+    first.metadata_context.filter_metadata[codec.AUTHZ_NAMESPACE].CopyFrom(md)
+    msgs = [first, ep.ProcessingRequest(response_headers=ep.HttpHeaders())]
+    call = process(iter(msgs))
+    kinds = [m.WhichOneof("response") async for m in call]
+    assert kinds == ["request_headers", "response_headers"]
+
+
+async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not reached within {timeout} s")
+        await asyncio.sleep(0.005)
+    return time.monotonic() - t0

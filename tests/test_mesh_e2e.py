@@ -9,18 +9,27 @@ header), ext_proc as the recipes' EnvoyFilter / EnvoyExtensionPolicy add it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 from devtools.fleet import wait_for
-from devtools.httpclient import Exchange, Response, chat_body, request
-from devtools.stack import load_renderer
+from devtools.httpclient import HTTP_ERRORS, Exchange, Response, chat_body, request
+from devtools.httpclient import get as http_get
+from devtools.proc import die_with_parent
+from devtools.stack import Stack, envoy_binary, free_port, load_renderer
 from tests.conftest import StackFactory, settle
 from tests.test_e2e import PREEMPT, SECRET, assert_denied, inflight_is, token, until
 from tests.test_faults import bulk_streams
 
 pytestmark = pytest.mark.e2e
+
+ALS_STREAMS = "smg_sidecar_envoy_access_log_streams"
 
 # Enough queue room that a burst of 8 is all admitted (2 workers x 2 slots).
 BURST = """
@@ -104,13 +113,21 @@ async def test_mesh_killed_envoy_slots_come_back_in_bounded_time(
     assert await stack.metric("smg_sidecar_lease_expired_total", **{"class": "bulk"}) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 point 4: without periodic access-log entries "
-                   "the lease alone reclaims a slot whose stream still runs")
+async def warm_up(stack: Stack, port: int | None = None, streams: int = 1) -> None:
+    """One request through Envoy ends: its access-log entry makes Envoy open its ALS
+    stream (lazily, at a worker thread's first entry; envoy/NOTES.md), which it then keeps
+    open while it lives: from here on the sidecar watches that Envoy."""
+    r = await request(port or stack.listen_port, headers={"x-smg-priority": "bulk"})
+    assert r.status == 200
+    await until(stack, lambda m: m.get(ALS_STREAMS, 0) >= streams, timeout=5)
+
+
 async def test_mesh_long_stream_keeps_its_slot(make_stack: StackFactory) -> None:
     # The lease is the only timer involved, so a stream 3x the lease is the same condition as
     # the 90 s stream under the default 30 s lease, in 6 s instead of 95 s.
     lease = 2.0
     stack = await make_stack(priority_yaml=BURST, lease_secs=lease, mesh=True)
+    await warm_up(stack)
     [ex] = await bulk_streams(stack, 1, gate="finish")
     try:
         await asyncio.sleep(3 * lease)  # the condition under test is the passage of time
@@ -120,3 +137,122 @@ async def test_mesh_long_stream_keeps_its_slot(make_stack: StackFactory) -> None
         stack.fleet.gates.open("finish")
         await asyncio.wait_for(ex.read_body(), 10)
         await ex.close()
+    m = await settle(stack)
+    assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 2
+
+
+async def test_mesh_killed_envoy_frees_its_acknowledged_slots_after_the_grace(
+        make_stack: StackFactory) -> None:
+    """SIGKILL the (watched) Envoy while its sidecar lives: its acknowledged slots, which no
+    lease covers, come back once its streams stayed closed for the grace."""
+    grace = 1.0
+    stack = await make_stack(priority_yaml=BURST, lease_secs=60.0, mesh=True,
+                             sidecar_args=["--envoy-owner-grace-secs", str(grace)])
+    await warm_up(stack)
+    streams = await bulk_streams(stack, 2)
+    await until(stack, inflight_is("bulk", 2))
+    assert stack.fleet.tally.running == 2  # ground truth: the workers run them
+    t0 = time.monotonic()
+    stack.kill_envoy()  # SIGKILL: no final access-log entry will ever come
+    for ex in streams:
+        await ex.abort()
+    await until(stack, inflight_is("bulk", 0), timeout=grace + 3)
+    took = time.monotonic() - t0
+    assert grace * 0.9 <= took < grace + 3, took
+    assert stack.fleet.tally.running == 0
+    m = await stack.metrics()
+    assert m['smg_sidecar_lease_expired_total{class="bulk"}'] == 2
+    assert m["smg_sidecar_envoy_owner_lost_total"] == 1
+    assert m["smg_sidecar_envoy_owner_released_total"] == 2
+    assert m[ALS_STREAMS] == 0
+    print(f"slots back {took:.3f} s after SIGKILL (grace {grace} s)")
+
+
+async def test_two_envoys_sharing_one_sidecar_killing_one_frees_only_its_slots(
+        make_stack: StackFactory, tmp_path: Path) -> None:
+    """A shared authz service: two Envoys (distinct source addresses, as distinct pods
+    have) admitted through one sidecar; SIGKILL one, only its slots come back."""
+    grace = 1.0
+    stack = await make_stack(priority_yaml=BURST, lease_secs=60.0, mesh=True,
+                             sidecar_args=["--envoy-owner-grace-secs", str(grace)])
+    other = await start_second_envoy(stack, tmp_path, source="127.0.0.2")
+    try:
+        await warm_up(stack)
+        await warm_up(stack, other.port, streams=2)
+        await until(stack, lambda m: m.get("smg_sidecar_envoy_owners_alive") == 2)
+        [mine] = await bulk_streams(stack, 1)
+        [theirs] = await bulk_streams_via(other.port, 1)
+        await until(stack, inflight_is("bulk", 2))
+        other.kill()
+        await theirs.abort()
+        await until(stack, inflight_is("bulk", 1), timeout=grace + 3)
+        assert stack.fleet.tally.running == 1
+        m = await stack.metrics()
+        assert m['smg_sidecar_lease_expired_total{class="bulk"}'] == 1
+        assert m["smg_sidecar_envoy_owner_released_total"] == 1
+        assert m["smg_sidecar_envoy_owners_alive"] == 1
+        await asyncio.sleep(grace)  # the surviving Envoy's slot is not touched
+        assert await stack.metric("smg_scheduler_inflight", **{"class": "bulk"}) == 1
+        await mine.abort()  # its final entry (client disconnect) releases it
+        m = await settle(stack)
+        assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 3
+    finally:
+        other.kill()
+
+
+class SecondEnvoy:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int) -> None:
+        self.proc = proc
+        self.port = port
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+async def start_second_envoy(stack: Stack, tmp_path: Path, *, source: str) -> SecondEnvoy:
+    """The stack's Envoy config on new ports, reaching the sidecar from ``source``."""
+    boot = yaml.safe_load(stack.envoy_config.read_text())
+    port, admin = free_port(), free_port()
+    boot["admin"]["address"]["socket_address"]["port_value"] = admin
+    (listener,) = boot["static_resources"]["listeners"]
+    listener["address"]["socket_address"]["port_value"] = port
+    for cluster in boot["static_resources"]["clusters"]:
+        if cluster["name"] != "workers":
+            cluster["upstream_bind_config"] = {"source_address": {
+                "address": source, "port_value": 0}}
+    path = tmp_path / "envoy-2.yaml"
+    path.write_text(yaml.safe_dump(boot, sort_keys=False))
+    log = open(tmp_path / "envoy-2.log", "ab")  # noqa: SIM115 (lives as long as Envoy)
+    proc = subprocess.Popen(
+        die_with_parent([envoy_binary(), "-c", str(path), "--concurrency", "1", "-l",
+                         "warning", "--disable-hot-restart", "--base-id", "7"]),
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    second = SecondEnvoy(proc, port)
+    deadline = time.monotonic() + 20
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp_path / "envoy-2.log").read_text()[-3000:])
+        with contextlib.suppress(*HTTP_ERRORS):
+            status, body = await http_get(
+                f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.workers\\."
+                "membership_healthy$", 0.5)
+            if status == 200 and body.decode().strip().endswith(
+                    f" {len(stack.fleet.workers)}"):
+                return second
+        if time.monotonic() > deadline:
+            second.kill()
+            raise TimeoutError("second envoy not ready")
+        await asyncio.sleep(0.05)
+
+
+async def bulk_streams_via(port: int, n: int) -> list[Exchange]:
+    out = []
+    for _ in range(n):
+        ex = await Exchange.send(port, body=chat_body(stream=True),
+                                 headers={"x-smg-priority": "bulk", "x-fake-stream-gate": "never"})
+        await ex.read_head()
+        out.append(ex)
+    return out
