@@ -8,7 +8,9 @@ things that keep slot accounting exact whatever fails:
 * **Leases** (:class:`~sidecar.scheduler.leases.Leases`). Every admission has a
   lease; completion entries renew it and the final one releases it. A lease that
   is not renewed in time is reclaimed, so a lost completion cannot leak a slot
-  forever.
+  forever. An admission Envoy acknowledged while its access-log stream was open
+  is held without one (``hold_without_lease``): :mod:`sidecar.liveness` releases
+  it if that Envoy dies, so no timer alone reclaims a request Envoy still runs.
 * **Idempotent release by admission id.** The core ignores a second release
   and counts it; nothing here keeps a second copy of "who is in flight".
 

@@ -4,9 +4,11 @@
   sends exactly one end-of-stream entry per request, whatever ended it
   (completion, upstream failure, client disconnect), and periodic entries
   while a long stream runs (``access_log_flush_interval``). The final entry
-  releases the slot; periodic entries renew its lease. The admission id is read
-  from the ext_authz dynamic metadata the entry carries, which only ext_authz
-  can set: a client-sent header could release someone else's slot.
+  releases the slot; periodic entries renew its lease. The streams themselves,
+  held open while Envoy lives, are its liveness signal (:mod:`sidecar.liveness`).
+  The admission id is read from the ext_authz dynamic metadata the entry
+  carries, which only ext_authz can set: a client-sent header could release
+  someone else's slot.
 * ``ExternalProcessor/Process`` — an ext_proc stream per admitted request,
   opened at its request headers and kept open until its response headers.
   Response headers are the request's first byte (it can no longer be

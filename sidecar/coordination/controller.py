@@ -19,7 +19,9 @@ the stop channel), but decides through :class:`~sidecar.coordination.ledger.Flee
   ext_proc stream exactly like a local preemption: the victim's owner delivers it.
 * No per-request leases: the replica's heartbeat covers its admissions (issue point 7),
   so a long stream without periodic access-log entries keeps its slot while the replica
-  lives. A replica that dies loses them after ``--replica-ttl-secs``.
+  lives. A replica that dies loses them after ``--replica-ttl-secs``; an Envoy that dies
+  while the replica lives loses them after ``--envoy-owner-grace-secs``
+  (:mod:`sidecar.liveness` calls ``release``).
 
 **Degraded mode** (issue point 6). A ledger call that fails or takes longer than
 ``call_timeout`` switches the replica to a local :class:`~sidecar.scheduler.Scheduler`

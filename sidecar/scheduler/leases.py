@@ -1,7 +1,8 @@
 """Leases: how a slot whose completion never arrives is reclaimed.
 
-Every admission holds a lease; periodic access-log entries renew it and the
-final one releases the slot. A lease not renewed within its time to live is
+Every admission holds a lease until Envoy acknowledges it while its access-log
+stream is open (then :mod:`sidecar.liveness` covers it); periodic access-log
+entries renew it and the final one releases the slot. A lease not renewed within its time to live is
 due, and the adapter releases its admission with reason ``lease_expired`` (the
 lifecycle table's way out for a lost completion). Pure: the caller passes the
 time in.

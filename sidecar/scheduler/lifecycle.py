@@ -33,7 +33,8 @@ STREAMING      yes    no      ``release`` → a released state [Released].
 released:      no     no      ``preempted`` (above), ``completed`` (the final access-log
                               entry, whatever ended the request), ``cancelled`` (the
                               client left in the instant it was admitted), ``lease_expired``
-                              (no access-log entry within the lease, see :mod:`.leases`).
+                              (no access-log entry within the lease, see :mod:`.leases`,
+                              or the Envoy that asked died: :mod:`sidecar.liveness`).
                               Only lease_expired has a way back: ``adopt`` → STREAMING, for a
                               stream that kept running while its heartbeats were lost. Every
                               other end is final.
