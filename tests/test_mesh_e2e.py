@@ -23,6 +23,7 @@ from devtools.httpclient import HTTP_ERRORS, Exchange, Response, chat_body, requ
 from devtools.httpclient import get as http_get
 from devtools.proc import die_with_parent
 from devtools.stack import Stack, envoy_binary, free_port, load_renderer
+from sidecar.authz import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from tests.conftest import StackFactory, settle
 from tests.test_e2e import PREEMPT, SECRET, assert_denied, inflight_is, token, until
 from tests.test_faults import bulk_streams
@@ -166,6 +167,32 @@ async def test_mesh_killed_envoy_frees_its_acknowledged_slots_after_the_grace(
     assert m["smg_sidecar_envoy_owner_released_total"] == 2
     assert m[ALS_STREAMS] == 0
     print(f"slots back {took:.3f} s after SIGKILL (grace {grace} s)")
+
+
+async def test_mesh_vanished_envoy_is_found_by_keepalive(make_stack: StackFactory) -> None:
+    """An Envoy host that vanished without closing its sockets (SIGSTOP: the kernel keeps
+    the connections, nothing answers on them): the gRPC server's keepalive ping goes
+    unanswered, the connection and its access-log stream close, and the grace runs."""
+    grace = 1.0
+    bound = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + grace
+    stack = await make_stack(priority_yaml=BURST, lease_secs=120.0, mesh=True,
+                             sidecar_args=["--envoy-owner-grace-secs", str(grace)])
+    await warm_up(stack)
+    [ex] = await bulk_streams(stack, 1)
+    await until(stack, inflight_is("bulk", 1))
+    assert stack.envoy is not None
+    t0 = time.monotonic()
+    stack.envoy.send_signal(signal.SIGSTOP)
+    try:
+        await until(stack, inflight_is("bulk", 0), timeout=bound + 3)
+        took = time.monotonic() - t0
+        print(f"slots back {took:.3f} s after SIGSTOP (keepalive bound + grace {bound} s)")
+        m = await stack.metrics()
+        assert m["smg_sidecar_envoy_owner_released_total"] == 1
+        assert m['smg_sidecar_lease_expired_total{class="bulk"}'] == 1
+    finally:
+        stack.envoy.send_signal(signal.SIGCONT)
+        await ex.abort()
 
 
 async def test_two_envoys_sharing_one_sidecar_killing_one_frees_only_its_slots(
