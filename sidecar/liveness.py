@@ -134,6 +134,10 @@ class OwnerTable:
         gone = [aid for aid in self._ids if not holds(aid)]
         for aid in gone:
             self.ended(aid)
+        # Owners with nothing left to track (pods that came and went): forgotten.
+        for key in [k for k, o in self._owners.items()
+                    if not o.ids and o.streams == 0 and o.lost_at is None]:
+            del self._owners[key]
         return len(gone)
 
     def owner(self, aid: str) -> str | None:

@@ -134,8 +134,10 @@ def test_prune_forgets_what_ended_elsewhere() -> None:
     t = OwnerTable(GRACE)
     for aid in ("a", "b", "c"):
         t.admitted(aid, "e1", 0.0)
-    assert t.prune(lambda aid: aid == "b") == 2
+    t.admitted("d", "e2", 0.0)
+    assert t.prune(lambda aid: aid == "b") == 3
     assert len(t) == 1 and t.owner("b") == "e1"
+    assert not t.watched("e2") and "e2" not in t._owners  # an owner with nothing left
 
 
 OPS = st.lists(st.one_of(
