@@ -320,8 +320,8 @@ class Runtime:
             # grpc.aio frees a bound port only when a started server stops: start it
             # only to stop it at once.
             await self._grpc.start()
+        self.liveness.close()  # streams the stop closes are not Envoys dying
         await self._grpc.stop(grace=1.0)
-        self.liveness.close()
         await self._admin.stop()
         await self.monitor.close()
         self.controller.close()
