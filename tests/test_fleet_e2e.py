@@ -277,6 +277,43 @@ async def test_replica_killed_its_slots_return_within_the_ttl(
     assert [x.status for x in await asyncio.gather(*waiting)] == [200] * CAPACITY
 
 
+async def test_envoy_killed_while_its_sidecar_lives_its_slots_return_within_the_grace(
+        make_replicas: ReplicasFactory) -> None:
+    """Issue 12 on the fleet path: B's Envoy dies (SIGKILL), B's sidecar lives on and keeps
+    heartbeating. B's acknowledged streams have no lease; they come back fleet-wide once
+    B's sidecar has seen no access-log stream from that Envoy for the grace (not when the
+    replica dies, which it does not)."""
+    grace = 1.0
+    r = await make_replicas(sidecar_args=[*OPEN_CEILING, "--envoy-owner-grace-secs",
+                                          str(grace)])
+    a, b = r.stacks
+    await until(a, lambda m: m.get("smg_sidecar_live_replicas") == 2)
+    assert (await send(b, "bulk")).status == 200  # B's Envoy opens its access-log stream
+    await until(b, lambda m: m.get("smg_sidecar_envoy_access_log_streams") == 1)
+    streams = [await held(b, "bulk", "never", stream=True) for _ in range(CAPACITY)]
+    for ex in streams:
+        await ex.read_head()
+    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
+    waiting = [asyncio.ensure_future(send(a, "default", **{"x-fake-gate": "a-done"}))
+               for _ in range(CAPACITY)]
+    await until(a, lambda m: m.get('smg_scheduler_queue_depth{class="default"}') == CAPACITY)
+    t0 = time.monotonic()
+    b.kill_envoy()  # only the Envoy: B's sidecar and its heartbeat live on
+    for ex in streams:
+        await ex.abort()
+    await until(a, lambda m: m.get('smg_scheduler_inflight{class="default"}') == CAPACITY,
+                timeout=grace + 3)
+    returned = time.monotonic() - t0
+    print(f"envoy killed: its slots filled on A after {returned:.2f} s (grace {grace} s)")
+    m = await until(b, lambda m: m.get("smg_sidecar_envoy_owner_released_total") == CAPACITY)
+    assert m.get("smg_sidecar_live_replicas") == 2  # the replica never died
+    assert m['smg_sidecar_released_total{class="bulk",reason="lease_expired"}'] == CAPACITY
+    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
+    assert r.fleet.tally.peak == CAPACITY
+    r.fleet.gates.open("a-done")
+    assert [x.status for x in await asyncio.gather(*waiting)] == [200] * CAPACITY
+
+
 async def test_server_paused_then_killed_degraded_share_then_recovery(
         make_replicas: ReplicasFactory) -> None:
     r = await make_replicas(service_time=0.05)
