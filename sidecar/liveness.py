@@ -27,7 +27,9 @@ when the connection or the process goes. So:
   (periodic entries, if any, keep them), so neither a restart leaks them forever nor a
   blip drops them at once.
 
-Pure: the caller passes the time in and applies what the methods return.
+:class:`OwnerTable` is the pure part (the caller passes the time in and applies what
+its methods return); :class:`EnvoyLiveness` wires it to the admission service, the
+gRPC hooks and a timer.
 """
 
 from __future__ import annotations
