@@ -30,7 +30,9 @@ from sidecar import codec
 from sidecar.app import Runtime, build_runtime
 from sidecar.config import parse_settings
 from tests.grpc_client import EnvoyStandIn, admission_id, headers_of
-from tests.ledger_support import valkey_server  # noqa: F401 (a fixture)
+from tests.ledger_support import client, valkey_server
+
+__all__ = ["client", "valkey_server"]  # fixtures used by name
 
 PRIORITY = """
 classes:
@@ -88,6 +90,27 @@ async def start_replica(tmp_path: Path, url: str, name: str, *extra: str,
     return Replica(app)
 
 
+@contextlib.asynccontextmanager
+async def replicas(tmp_path: Path, url: str, *extra: str, url_a: str | None = None,
+                   capacity: int = 1, ttl: float = 10.0) -> AsyncIterator[tuple[Replica, Replica]]:
+    """Replicas A and B on one ledger (A through ``url_a`` where given), both closed after."""
+    a = await start_replica(tmp_path, url_a or url, "a", *extra, capacity=capacity, ttl=ttl)
+    try:
+        b = await start_replica(tmp_path, url, "b", *extra, capacity=capacity, ttl=ttl)
+    except BaseException:
+        await a.close()
+        raise
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def both_live(a: Replica) -> None:
+    await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
+
+
 async def eventually(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0,
                      what: str = "condition") -> float:
     """Wait until ``cond`` holds (bounded); seconds it took."""
@@ -121,29 +144,16 @@ async def inflight(client: redis.Redis) -> int:
 
 
 @pytest.fixture
-async def ledger_client(valkey_server: ValkeyServer) -> AsyncIterator[redis.Redis]:  # noqa: F811
-    c = redis.Redis(port=valkey_server.port, decode_responses=True)
-    await c.flushall()
-    yield c
-    await c.aclose()
-
-
-@pytest.fixture
-async def pair(tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
-               ledger_client: redis.Redis) -> AsyncIterator[tuple[Replica, Replica]]:
-    a = await start_replica(tmp_path, valkey_server.url, "a")
-    b = await start_replica(tmp_path, valkey_server.url, "b")
-    yield a, b
-    await a.close()
-    await b.close()
+async def pair(tmp_path: Path, valkey_server: ValkeyServer,
+               client: redis.Redis) -> AsyncIterator[tuple[Replica, Replica]]:
+    async with replicas(tmp_path, valkey_server.url) as ab:
+        yield ab
 
 
 async def test_both_replicas_together_never_exceed_fleet_capacity(
-        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
-        ledger_client: redis.Redis) -> None:
-    a = await start_replica(tmp_path, valkey_server.url, "a", capacity=3)
-    b = await start_replica(tmp_path, valkey_server.url, "b", capacity=3)
-    try:
+        tmp_path: Path, valkey_server: ValkeyServer,
+        client: redis.Redis) -> None:
+    async with replicas(tmp_path, valkey_server.url, capacity=3) as (a, b):
         classes = ["bulk", "default", "interactive", "system"]
         calls = [r.check(classes[i % 4]) for i in range(12) for r in (a, b)]
         owner = {id(c): r for c, r in zip(calls, [r for _ in range(12) for r in (a, b)],
@@ -158,19 +168,16 @@ async def test_both_replicas_together_never_exceed_fleet_capacity(
             holding = [(t.result(), owner[id(pending[t])]) for t in done]
             assert len(holding) <= 3
             assert len(a.fleet.held) + len(b.fleet.held) <= 3
-            assert await inflight(ledger_client) == len(holding)
+            assert await inflight(client) == len(holding)
             for t in done:
                 del pending[t]
             for aid, r in holding:
                 await r.end(aid)
                 admitted += 1
         assert admitted == 24
-        await eventually(lambda: _zero(ledger_client), what="ledger empty")
+        await eventually(lambda: _zero(client), what="ledger empty")
         assert a.sample("smg_scheduler_admit_total", **{"class": "bulk",
                                                        "outcome": "admitted"}) == 3
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def _wrap(call: grpc.aio.UnaryUnaryCall) -> str:
@@ -230,7 +237,7 @@ def request_headers(aid: str) -> ep.ProcessingRequest:
 
 
 async def test_a_system_request_on_a_preempts_a_bulk_admission_of_b(
-        pair: tuple[Replica, Replica], ledger_client: redis.Redis) -> None:
+        pair: tuple[Replica, Replica], client: redis.Redis) -> None:
     a, b = pair
     victim = await ok(b.check("bulk"))
     outgoing: asyncio.Queue[ep.ProcessingRequest | None] = asyncio.Queue()
@@ -243,7 +250,7 @@ async def test_a_system_request_on_a_preempts_a_bulk_admission_of_b(
     await outgoing.put(request_headers(victim))
     first = await stream.read()
     assert first.WhichOneof("response") == "request_headers"
-    await eventually(lambda: _zcard(ledger_client, f"pg:{{{FLEET}}}:pre:0"),
+    await eventually(lambda: _zcard(client, f"pg:{{{FLEET}}}:pre:0"),
                      what="victim marked preemptible in the ledger")
     winner = await a.check("system")
     assert winner.status.code == 0
@@ -264,7 +271,7 @@ async def test_a_system_request_on_a_preempts_a_bulk_admission_of_b(
     await b.end(victim)
     assert b.sample("smg_sidecar_completion_unmatched_total", reason="already_released") == 1
     await a.end(admission_id(winner))
-    await eventually(lambda: _zero(ledger_client), what="ledger empty")
+    await eventually(lambda: _zero(client), what="ledger empty")
 
 
 async def _zcard(client: redis.Redis, key: str) -> bool:
@@ -272,28 +279,24 @@ async def _zcard(client: redis.Redis, key: str) -> bool:
 
 
 async def test_a_long_admission_keeps_its_slot_past_the_lease(
-        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
-        ledger_client: redis.Redis) -> None:
-    a = await start_replica(tmp_path, valkey_server.url, "a", "--admission-lease-secs", "0.3")
-    b = await start_replica(tmp_path, valkey_server.url, "b", "--admission-lease-secs", "0.3")
-    try:
+        tmp_path: Path, valkey_server: ValkeyServer,
+        client: redis.Redis) -> None:
+    async with replicas(tmp_path, valkey_server.url,
+                        "--admission-lease-secs", "0.3") as (a, b):
         held = await ok(a.check())
         await asyncio.sleep(1.0)  # > 3 leases, no access-log entry at all
         assert held in a.fleet.held
-        assert await inflight(ledger_client) == 1
+        assert await inflight(client) == 1
         waiting = asyncio.ensure_future(b.check())
         await asyncio.sleep(0.2)
         assert not waiting.done()
         await a.end(held)
         await b.end(await ok(waiting))
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def test_an_acknowledged_slot_is_released_when_its_envoy_dies_not_its_replica(
-        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
-        ledger_client: redis.Redis) -> None:
+        tmp_path: Path, valkey_server: ValkeyServer,
+        client: redis.Redis) -> None:
     """Issue 12 on the fleet path: the replica lives on, the Envoy that asked is gone
     (its access-log stream reset, as by SIGKILL): its acknowledged admission comes back
     fleet-wide within the grace instead of staying held until the replica dies."""
@@ -308,11 +311,11 @@ async def test_an_acknowledged_slot_is_released_when_its_envoy_dies_not_its_repl
         assert [m.WhichOneof("response") async for m in call] == ["request_headers"]
         await asyncio.sleep(1.0)  # > 3 leases: acknowledged, no timer reclaims it
         assert held in a.fleet.held and a.fleet.held[held].acknowledged
-        assert await inflight(ledger_client) == 1
+        assert await inflight(client) == 1
         stream.cancel()
         took = await eventually(lambda: held not in a.fleet.held, timeout=grace + 2)
         assert took >= grace * 0.9
-        await eventually(lambda: _zero(ledger_client), what="ledger empty")
+        await eventually(lambda: _zero(client), what="ledger empty")
         assert a.sample("smg_sidecar_envoy_owner_released_total") == 1
         assert a.sample("smg_sidecar_released_total", **{"class": "default",
                                                           "reason": "lease_expired"}) == 1
@@ -324,7 +327,7 @@ async def test_an_acknowledged_slot_is_released_when_its_envoy_dies_not_its_repl
 
 
 async def test_duplicate_and_late_completions_release_once(
-        pair: tuple[Replica, Replica], ledger_client: redis.Redis) -> None:
+        pair: tuple[Replica, Replica], client: redis.Redis) -> None:
     a, b = pair
     aid = await ok(a.check())
     await a.end(aid)
@@ -335,7 +338,7 @@ async def test_duplicate_and_late_completions_release_once(
                                                     "reason": "completed"}) == 1
     assert a.sample("smg_sidecar_completion_unmatched_total", reason="already_released") == 1
     assert b.sample("smg_sidecar_completion_unmatched_total", reason="unknown") == 1
-    await eventually(lambda: _zero(ledger_client), what="ledger empty")
+    await eventually(lambda: _zero(client), what="ledger empty")
     # The ledger itself also answers exactly once.
     assert str(await a.fleet.ledger.release(aid)) == "already_released"
     # The slot is really free: B gets it at once.
@@ -343,18 +346,18 @@ async def test_duplicate_and_late_completions_release_once(
 
 
 async def test_a_client_leaving_the_queue_leaves_the_ledger(
-        pair: tuple[Replica, Replica], ledger_client: redis.Redis) -> None:
+        pair: tuple[Replica, Replica], client: redis.Redis) -> None:
     a, b = pair
     held = await ok(a.check())
     call = b.check()
     await eventually(lambda: b.fleet.waiting == 1, what="B queued")
     call.cancel()
     await eventually(lambda: b.fleet.waiting == 0, what="waiter gone")
-    await eventually(lambda: _queue_empty(ledger_client), what="ledger queue empty")
+    await eventually(lambda: _queue_empty(client), what="ledger queue empty")
     assert b.sample("smg_scheduler_admit_total", **{"class": "default",
                                                    "outcome": "client_cancelled"}) == 1
     await a.end(held)
-    await eventually(lambda: _zero(ledger_client), what="ledger empty")
+    await eventually(lambda: _zero(client), what="ledger empty")
 
 
 async def _queue_empty(client: redis.Redis) -> bool:
@@ -373,8 +376,8 @@ def _sidecar_cmd(url: str, name: str, grpc_port: int, ttl: float, cfg: Path) -> 
 
 
 async def test_a_killed_replica_loses_its_slots_within_the_ttl(
-        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
-        ledger_client: redis.Redis) -> None:
+        tmp_path: Path, valkey_server: ValkeyServer,
+        client: redis.Redis) -> None:
     ttl = 2.0
     cfg = tmp_path / "priority.yaml"
     cfg.write_text(PRIORITY)
@@ -422,10 +425,8 @@ async def own_server(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
 async def test_server_paused_then_back_degraded_share_then_ok(
         tmp_path: Path, own_server: ValkeyServer) -> None:
     ttl = 2.0
-    a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
-    b = await start_replica(tmp_path, own_server.url, "b", capacity=4, ttl=ttl)
-    try:
-        await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
+    async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl) as (a, _):
+        await both_live(a)
         held = await ok(a.check())
         assert own_server.proc is not None
         own_server.proc.send_signal(signal.SIGSTOP)
@@ -463,18 +464,13 @@ async def test_server_paused_then_back_degraded_share_then_ok(
                 raise
         finally:
             await client.aclose()
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def test_a_server_restart_that_loses_the_data_is_an_outage_and_a_return(
         tmp_path: Path, own_server: ValkeyServer) -> None:
     ttl = 2.0
-    a = await start_replica(tmp_path, own_server.url, "a", capacity=2, ttl=ttl)
-    b = await start_replica(tmp_path, own_server.url, "b", capacity=2, ttl=ttl)
-    try:
-        await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
+    async with replicas(tmp_path, own_server.url, capacity=2, ttl=ttl) as (a, b):
+        await both_live(a)
         held_a = await ok(a.check())
         held_b = await ok(b.check())
         own_server.restart()  # every key gone
@@ -503,9 +499,6 @@ async def test_a_server_restart_that_loses_the_data_is_an_outage_and_a_return(
             await eventually(lambda: _zero(client), what="ledger empty")
         finally:
             await client.aclose()
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def _equals(client: redis.Redis, n: int) -> bool:
@@ -544,15 +537,15 @@ async def test_a_replica_started_while_the_server_is_down_queues_until_it_answer
 
 
 async def test_a_config_reload_becomes_the_fleets_class_settings(
-        pair: tuple[Replica, Replica], ledger_client: redis.Redis, tmp_path: Path) -> None:
+        pair: tuple[Replica, Replica], client: redis.Redis, tmp_path: Path) -> None:
     a, _ = pair
-    assert (await ledger_client.hget(f"pg:{{{FLEET}}}:cfg", "0") or "").split()[2] == "50"
+    assert (await client.hget(f"pg:{{{FLEET}}}:cfg", "0") or "").split()[2] == "50"
     (tmp_path / "priority.yaml").write_text(PRIORITY.replace(
         "bulk: {queue_size: 50", "bulk: {queue_size: 7"))
     assert await a.app.reload_now()
 
     async def stored() -> bool:
-        return (await ledger_client.hget(f"pg:{{{FLEET}}}:cfg", "0") or "").split()[2] == "7"
+        return (await client.hget(f"pg:{{{FLEET}}}:cfg", "0") or "").split()[2] == "7"
 
     await eventually(stored, what="the new bulk queue_size in the ledger")
 
@@ -592,10 +585,8 @@ async def test_after_the_server_answers_again_a_degraded_replica_only_reuses_its
     # already back admit against them without seeing its local admissions: new local
     # admissions would be uncounted. So from the first answered resync: reuse only.
     ttl = 2.0
-    a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
-    b = await start_replica(tmp_path, own_server.url, "b", capacity=4, ttl=ttl)
-    try:
-        await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
+    async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl) as (a, _):
+        await both_live(a)
         held = await ok(a.check())
         assert own_server.proc is not None
         own_server.proc.send_signal(signal.SIGSTOP)
@@ -609,9 +600,6 @@ async def test_after_the_server_answers_again_a_degraded_replica_only_reuses_its
         await eventually(lambda: a.fleet.state == "ok", timeout=2 * ttl, what="A back to ok")
         assert a.fleet.degraded_limit == 2  # a fresh view: H = 1, h = 1
         await a.end(held)
-    finally:
-        await a.close()
-        await b.close()
 
 
 class Cuttable:
@@ -654,18 +642,17 @@ class Cuttable:
 
 
 async def test_a_partitioned_replica_adds_at_most_its_headroom(
-        tmp_path: Path, valkey_server: ValkeyServer,  # noqa: F811
-        ledger_client: redis.Redis) -> None:
+        tmp_path: Path, valkey_server: ValkeyServer,
+        client: redis.Redis) -> None:
     # Documents the partition bound (reference §9): A loses the server, B does not. A
     # cannot tell this from an outage and admits within its limit L = 2 (it held nothing
     # of a free fleet of 4); the ledger does not see those, so B may fill all 4: the
     # fleet runs C + (L - h) = 6, never more.
     ttl = 2.0
     relay = Cuttable(valkey_server.port)
-    a = await start_replica(tmp_path, await relay.start(), "a", capacity=4, ttl=ttl)
-    b = await start_replica(tmp_path, valkey_server.url, "b", capacity=4, ttl=ttl)
-    try:
-        await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
+    async with replicas(tmp_path, valkey_server.url, url_a=await relay.start(), capacity=4,
+                        ttl=ttl) as (a, b):
+        await both_live(a)
         assert a.fleet.degraded_limit == 2
         relay.cut()
         calls_a = [a.check() for _ in range(3)]
@@ -675,12 +662,9 @@ async def test_a_partitioned_replica_adds_at_most_its_headroom(
         await asyncio.sleep(0.3)
         assert sum(c.done() for c in calls_a) == 2  # never past its limit
         assert len(a.fleet.held) + len(b.fleet.held) == 4 + 2
-        assert b.fleet.state == "ok" and await inflight(ledger_client) == 4
+        assert b.fleet.state == "ok" and await inflight(client) == 4
         done = [admission_id(await c) for c in calls_a if c.done()]
         await a.end(*done)
         await b.end(*on_b)
         for c in calls_a:
             c.cancel()
-    finally:
-        await a.close()
-        await b.close()

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 import redis.asyncio as redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,10 +27,10 @@ from sidecar.coordination.ledger import ArriveStatus, FleetLedger
 from sidecar.metrics import NullRecorder
 from sidecar.scheduler import ClassSettings
 from tests.clock import FakeClock
-from tests.ledger_support import connect, valkey_server
+from tests.ledger_support import client, connect, valkey_server
 from tests.test_ledger_differential import configs
 
-__all__ = ["valkey_server"]
+__all__ = ["client", "valkey_server"]  # fixtures used by name
 
 EXAMPLES = 1000 if os.environ.get("HYPOTHESIS_PROFILE") == "long" else 80
 
@@ -141,16 +139,6 @@ class Undelivered(NullRecorder):
         self.undelivered += 1
 
 
-@pytest.fixture
-async def ledger_client(valkey_server: ValkeyServer) -> AsyncIterator[redis.Redis]:
-    c = connect(valkey_server)
-    await c.flushall()
-    try:
-        yield c
-    finally:
-        await c.aclose()
-
-
 async def _controller(server: ValkeyServer, metrics: NullRecorder, *, mark_delay: float,
                       events: bool) -> FleetController:
     ctl = await FleetController.connect(server.url, fleet="f", replica="b", ttl=10.0,
@@ -171,7 +159,7 @@ async def _eventually(check: Any, what: str) -> None:
 
 
 async def test_a_request_whose_response_starts_within_the_delay_costs_no_mark(
-        valkey_server: ValkeyServer, ledger_client: redis.Redis) -> None:
+        valkey_server: ValkeyServer, client: redis.Redis) -> None:
     ctl = await _controller(valkey_server, NullRecorder(), mark_delay=0.2, events=True)
     try:
         calls0 = ctl.ledger.calls
@@ -181,42 +169,42 @@ async def test_a_request_whose_response_starts_within_the_delay_costs_no_mark(
         assert await ctl.confirm_first_byte(aid)  # no mark left: nothing to wait for
         assert ctl.mark_first_byte(aid)
         ctl.release(aid)
-        await _eventually(lambda: _inflight(ledger_client, 0), "released in the ledger")
+        await _eventually(lambda: _inflight(client, 0), "released in the ledger")
         await asyncio.sleep(0.25)  # past the delay: the dropped mark stays dropped
         assert ctl.ledger.calls - calls0 == 2  # arrive + release
-        assert await ledger_client.zcard("pg:{f}:pre:0") == 0
+        assert await client.zcard("pg:{f}:pre:0") == 0
     finally:
         await ctl.aclose()
 
 
 async def test_a_longer_request_becomes_a_candidate_after_the_delay(
-        valkey_server: ValkeyServer, ledger_client: redis.Redis) -> None:
+        valkey_server: ValkeyServer, client: redis.Redis) -> None:
     ctl = await _controller(valkey_server, NullRecorder(), mark_delay=0.01, events=True)
     try:
         adm = await ctl.admit(BULK, "t")
         aid = adm.admission.id
         assert ctl.open_stop_channel(aid) is not None
-        assert await ledger_client.zcard("pg:{f}:pre:0") == 0  # not yet
-        await _eventually(lambda: _zcard(ledger_client, "pg:{f}:pre:0", 1), "marked")
+        assert await client.zcard("pg:{f}:pre:0") == 0  # not yet
+        await _eventually(lambda: _zcard(client, "pg:{f}:pre:0", 1), "marked")
         assert await ctl.confirm_first_byte(aid)  # the ledger answered: still admitted
-        assert await ledger_client.zcard("pg:{f}:pre:0") == 0  # never a victim from here
+        assert await client.zcard("pg:{f}:pre:0") == 0  # never a victim from here
         ctl.release(aid)
-        await _eventually(lambda: _inflight(ledger_client, 0), "released in the ledger")
+        await _eventually(lambda: _inflight(client, 0), "released in the ledger")
     finally:
         await ctl.aclose()
 
 
 async def test_a_victim_preempted_before_its_first_byte_mark_arrived_does_not_start(
-        valkey_server: ValkeyServer, ledger_client: redis.Redis) -> None:
+        valkey_server: ValkeyServer, client: redis.Redis) -> None:
     metrics = Undelivered()
     ctl = await _controller(valkey_server, metrics, mark_delay=0.0, events=False)
-    other = FleetLedger(ledger_client, "f", "a")
+    other = FleetLedger(client, "f", "a")
     try:
         adm = await ctl.admit(BULK, "t")
         aid = adm.admission.id
         watch = ctl.open_stop_channel(aid)
         assert watch is not None
-        await _eventually(lambda: _zcard(ledger_client, "pg:{f}:pre:0", 1), "marked")
+        await _eventually(lambda: _zcard(client, "pg:{f}:pre:0", 1), "marked")
         await other.register(PREEMPTING, 1)
         got = await other.arrive("sys", SYSTEM, "t")  # takes the fleet's one slot
         assert got.status is ArriveStatus.ADMITTED and got.victim == aid
@@ -229,7 +217,7 @@ async def test_a_victim_preempted_before_its_first_byte_mark_arrived_does_not_st
         assert metrics.undelivered == 0  # delivered: the 503 went out on the reply
         ctl.release(aid)  # Envoy's access-log entry for the 503: released once only
         assert await other.release("sys") is not None
-        await _eventually(lambda: _inflight(ledger_client, 0), "ledger empty")
+        await _eventually(lambda: _inflight(client, 0), "ledger empty")
     finally:
         await ctl.aclose()
 
@@ -249,7 +237,7 @@ PLAIN = {c: ClassSettings(0, 0.0, 5, 30.0, 1e6, False) for c in PriorityClass}
 
 
 async def test_pipelined_calls_are_answered_in_order_and_survive_a_dropped_connection(
-        valkey_server: ValkeyServer, ledger_client: redis.Redis) -> None:
+        valkey_server: ValkeyServer, client: redis.Redis) -> None:
     own = connect(valkey_server)
     led = FleetLedger(own, "f", "a", pipelined=True)
     try:
@@ -262,7 +250,7 @@ async def test_pipelined_calls_are_answered_in_order_and_survive_a_dropped_conne
                                            + [ArriveStatus.REJECTED_QUEUE_FULL] * 15)
         # The server drops every client connection but ours: the next call reconnects
         # (at most one call may fail, if it was written before the loss was seen).
-        killed = await ledger_client.client_kill_filter(_type="normal", skipme=True)
+        killed = await client.client_kill_filter(_type="normal", skipme=True)
         assert killed >= 1
         failures = 0
         for aid in ("x0", "x1"):
