@@ -1,15 +1,23 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from devtools.fleet import wait_for
+from devtools.httpclient import Exchange, Response, chat_body, request
 from devtools.stack import Stack, StackConfig
 
 StackFactory = Callable[..., Awaitable[Stack]]
+Metrics = dict[str, float]
+
+# The end-to-end helpers shared by the test modules live here rather than in devtools:
+# they are assertions (pytest rewrites them in conftest, so failures show the values), and
+# devtools is the stack itself, used by the demo and the benchmarks too.
 
 
 async def settle(stack: Stack, timeout: float = 8.0) -> dict[str, float]:
@@ -24,6 +32,55 @@ async def settle(stack: Stack, timeout: float = 8.0) -> dict[str, float]:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"not settled: inflight={inflight} queued={depth}")
         await asyncio.sleep(0.05)
+
+
+async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 5.0) -> Metrics:
+    """Poll the sidecar's metrics until ``cond(metrics)`` holds; return them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = await stack.metrics()
+        if cond(m):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; last metrics: {m}")
+        await asyncio.sleep(0.05)
+
+
+def assert_denied(r: Response, status: int, code: str, retry_after: str | None) -> None:
+    """A rejection as the contract has it: status, X-SMG-Error-Code, Retry-After, JSON body."""
+    assert r.status == status, (r.status, r.body)
+    assert r.headers["x-smg-error-code"] == code
+    assert r.headers["content-type"] == "application/json"
+    assert r.headers.get("retry-after") == retry_after
+    body = r.json()
+    assert body["error"]["code"] == code and body["error"]["param"] is None
+    assert body["error"]["type"] in ("Too Many Requests", "Service Unavailable")
+    assert body["error"]["message"]
+
+
+async def assert_preempted(victim: Exchange) -> Response:
+    """The victim's client got the contract's preemption answer (503, Retry-After: 1,
+    X-SMG-Preempted: true) before any byte of the response; read with bounded waits."""
+    await asyncio.wait_for(victim.read_head(), 10)
+    r = Response(victim.status, victim.headers, await asyncio.wait_for(victim.read_body(), 10))
+    assert_denied(r, 503, "scheduler_preempted", "1")
+    assert r.headers["x-smg-preempted"] == "true"
+    return r
+
+
+async def preempt_held_bulk(stack: Stack, preemptor: dict[str, str]) -> None:
+    """A bulk request held at the stack's only worker (before any byte) is preempted by one
+    sent with the ``preemptor`` headers: that one is admitted, the victim gets the 503."""
+    victim = await Exchange.send(stack.listen_port, body=chat_body(),
+                                 headers={"x-smg-priority": "bulk", "x-fake-gate": "never"})
+    worker = stack.fleet.workers[0]
+    await wait_for(lambda: worker.running == 1, 5)
+    r = await request(stack.listen_port, headers=preemptor)
+    assert r.status == 200
+    try:
+        await assert_preempted(victim)
+    finally:
+        await victim.close()
 
 
 @pytest.fixture

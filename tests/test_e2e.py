@@ -14,9 +14,9 @@ import pytest
 
 from devtools.demo import make_token
 from devtools.fleet import wait_for
-from devtools.httpclient import Exchange, Response, chat_body, request
+from devtools.httpclient import Exchange, chat_body, request
 from devtools.stack import Stack
-from tests.conftest import StackFactory, settle
+from tests.conftest import Metrics, StackFactory, assert_denied, preempt_held_bulk, settle, until
 
 pytestmark = pytest.mark.e2e
 
@@ -37,17 +37,6 @@ def token(tenant: str) -> str:
     return make_token(tenant, SECRET)
 
 
-def assert_denied(r: Response, status: int, code: str, retry_after: str | None) -> None:
-    assert r.status == status, (r.status, r.body)
-    assert r.headers["x-smg-error-code"] == code
-    assert r.headers["content-type"] == "application/json"
-    assert r.headers.get("retry-after") == retry_after
-    body = r.json()
-    assert body["error"]["code"] == code and body["error"]["param"] is None
-    assert body["error"]["type"] in ("Too Many Requests", "Service Unavailable")
-    assert body["error"]["message"]
-
-
 async def hold(stack: Stack, gate: str, priority: str = "default") -> Exchange:
     """Start a request the worker holds until the test opens ``gate``
     (``stack.fleet.gates.open(gate)``); return its exchange."""
@@ -58,21 +47,6 @@ async def hold(stack: Stack, gate: str, priority: str = "default") -> Exchange:
 async def inflight(stack: Stack) -> float:
     m = await stack.metrics()
     return sum(v for k, v in m.items() if k.startswith("smg_scheduler_inflight{"))
-
-
-Metrics = dict[str, float]
-
-
-async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 5.0) -> Metrics:
-    """Poll the sidecar's metrics until ``cond(metrics)`` holds; return them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = await stack.metrics()
-        if cond(m):
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out; last metrics: {m}")
-        await asyncio.sleep(0.05)
 
 
 def inflight_is(cls: str, n: int) -> Callable[[Metrics], bool]:
@@ -191,19 +165,9 @@ tenant_policies:
 async def test_preemption_of_bulk_by_interactive(make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PREEMPT, workers=1, max_running_requests=1,
                              jwt_secret=SECRET)
-    gold = {"authorization": f"Bearer {token('auth:gold')}"}
-    victim = await Exchange.send(stack.listen_port, body=chat_body(),
-                                 headers={"x-smg-priority": "bulk", "x-fake-gate": "never"})
+    await preempt_held_bulk(stack, {"x-smg-priority": "interactive",
+                                    "authorization": f"Bearer {token('auth:gold')}"})
     worker = stack.fleet.workers[0]
-    await wait_for(lambda: worker.running == 1, 5)
-    r = await request(stack.listen_port, headers={"x-smg-priority": "interactive", **gold})
-    assert r.status == 200
-    await victim.read_head()
-    body = await victim.read_body()
-    await victim.close()
-    resp = Response(victim.status, victim.headers, body)
-    assert_denied(resp, 503, "scheduler_preempted", "1")
-    assert resp.headers["x-smg-preempted"] == "true"
     bulk = [rec for rec in worker.records if rec.priority_class == "bulk"]
     await wait_for(lambda: bulk[0].outcome == "cancelled", 5)  # the worker saw the cancel
     m = await settle(stack)

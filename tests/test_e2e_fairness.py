@@ -16,8 +16,8 @@ import pytest
 
 from devtools.demo import make_token
 from devtools.httpclient import Response, request
-from tests.conftest import StackFactory, settle
-from tests.test_e2e import assert_denied, hold, queued_is, until
+from tests.conftest import StackFactory, assert_denied, settle, until
+from tests.test_e2e import hold, queued_is
 
 pytestmark = pytest.mark.e2e
 

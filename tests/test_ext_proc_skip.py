@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from devtools.httpclient import request
-from tests.conftest import StackFactory, settle
-from tests.test_e2e import assert_denied, hold, inflight_is, until
+from tests.conftest import StackFactory, assert_denied, settle, until
+from tests.test_e2e import hold, inflight_is
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,8 @@ import pytest
 from devtools.fleet import wait_for
 from devtools.httpclient import Exchange, chat_body, request
 from devtools.stack import Stack
-from tests.conftest import StackFactory, settle
-from tests.test_e2e import PRIORITY, SECRET, capacity_is, inflight_is, queued_is, token, until
+from tests.conftest import StackFactory, settle, until
+from tests.test_e2e import PRIORITY, SECRET, capacity_is, inflight_is, queued_is, token
 
 pytestmark = pytest.mark.e2e
 

@@ -19,9 +19,9 @@ from devtools.httpclient import request
 from sidecar import listen
 from sidecar.app import build_runtime
 from sidecar.config import ConfigError, parse_settings
-from tests.conftest import StackFactory, settle
+from tests.conftest import StackFactory, assert_denied, settle, until
 from tests.grpc_client import admission_id, check_request
-from tests.test_e2e import assert_denied, hold, inflight_is, until
+from tests.test_e2e import hold, inflight_is
 
 PRIORITY = """
 classes:

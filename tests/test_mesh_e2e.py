@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devtools.fleet import wait_for
-from devtools.httpclient import HTTP_ERRORS, Exchange, Response, chat_body, request
+from devtools.httpclient import HTTP_ERRORS, Exchange, chat_body, request
 from devtools.httpclient import get as http_get
 from devtools.proc import die_with_parent
 from devtools.stack import Stack, envoy_binary, free_port, load_renderer
 from sidecar.authz import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
-from tests.conftest import StackFactory, settle
-from tests.test_e2e import PREEMPT, SECRET, assert_denied, inflight_is, token, until
+from tests.conftest import StackFactory, preempt_held_bulk, settle, until
+from tests.test_e2e import PREEMPT, SECRET, inflight_is, token
 from tests.test_faults import bulk_streams
 
 pytestmark = pytest.mark.e2e
@@ -87,17 +86,8 @@ async def test_mesh_without_ext_proc_is_reported(make_stack: StackFactory) -> No
 async def test_mesh_preemption_works_where_ext_proc_is_present(make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PREEMPT, workers=1, max_running_requests=1,
                              jwt_secret=SECRET, mesh=True)
-    gold = {"authorization": f"Bearer {token('auth:gold')}"}
-    victim = await Exchange.send(stack.listen_port, body=chat_body(),
-                                 headers={"x-smg-priority": "bulk", "x-fake-gate": "never"})
-    worker = stack.fleet.workers[0]
-    await wait_for(lambda: worker.running == 1, 5)
-    r = await request(stack.listen_port, headers={"x-smg-priority": "interactive", **gold})
-    assert r.status == 200
-    await victim.read_head()
-    body = await victim.read_body()
-    await victim.close()
-    assert_denied(Response(victim.status, victim.headers, body), 503, "scheduler_preempted", "1")
+    await preempt_held_bulk(stack, {"x-smg-priority": "interactive",
+                                    "authorization": f"Bearer {token('auth:gold')}"})
     m = await settle(stack)
     assert m['smg_scheduler_preemption_total{by_class="interactive",victim_class="bulk"}'] == 1
 
