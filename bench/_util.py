@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -100,6 +101,20 @@ async def run_client_async(module: str, spec: dict[str, object], timeout: float
         raise RuntimeError(f"client failed ({proc.returncode}): {err.decode()[-2000:]}")
     result: dict[str, object] = json.loads(lines[-1])
     return result
+
+
+def seconds_and_levels(argv: list[str] | None, description: str | None
+                       ) -> tuple[float, list[int]]:
+    """The saturation benchmarks' flags: seconds per point and closed-loop connection
+    counts (``--quick``: 1 s points, one level)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--concurrency", default="8,32")
+    p.add_argument("--quick", action="store_true", help="1 s points, one concurrency")
+    args = p.parse_args(argv)
+    if args.quick:
+        return 1.0, [16]
+    return args.seconds, [int(c) for c in args.concurrency.split(",")]
 
 
 def loadavg() -> str:

@@ -17,7 +17,6 @@ valkey-server on loopback (``devtools.valkey``). Reported:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import re
 import tempfile
@@ -26,8 +25,9 @@ from typing import Any
 
 import redis
 
-from bench._util import cpu_seconds, out_path, pct, run_client_async
-from bench.e2e import config
+from bench._util import cpu_seconds, out_path, pct, seconds_and_levels
+from bench.e2e import DEFAULT_HEADERS, config
+from bench.httpload import through_envoy
 from devtools.stack import Stack
 from devtools.valkey import ValkeyServer
 from sidecar.coordination import ledger
@@ -60,15 +60,12 @@ async def admitted(stack: Stack) -> float:
 
 async def point(stack: Stack, server: ValkeyServer | None, seconds: float, *,
                 concurrency: int = 0, rate: float = 0.0) -> dict[str, Any]:
-    assert stack.envoy is not None and stack.sidecar is not None
-    spec: dict[str, object] = {
-        "port": stack.listen_port, "seconds": seconds, "concurrency": concurrency,
-        "streams": [{"name": "default", "rate": rate, "headers": {"x-smg-tenant": "t1"}}],
-        "pids": [stack.envoy.pid, stack.sidecar.pid], "timeout": 10}
     before_cmds = commandstats(server) if server else {}
     before_adm = await admitted(stack)
     server_cpu0 = cpu_seconds(server.proc.pid) if server and server.proc else 0.0
-    r = await run_client_async("bench.httpload", spec, timeout=seconds + 60)
+    r = await through_envoy(stack, seconds, [{"name": "default", "rate": rate,
+                                              "headers": DEFAULT_HEADERS}],
+                            concurrency=concurrency)
     server_cpu = (cpu_seconds(server.proc.pid) if server and server.proc else 0.0) - server_cpu0
     adm = await admitted(stack) - before_adm
     recs = r["records"]
@@ -176,16 +173,7 @@ async def main_async(seconds: float, levels: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--seconds", type=float, default=3.0)
-    p.add_argument("--concurrency", default="8,32")
-    p.add_argument("--quick", action="store_true", help="1 s points, one concurrency")
-    args = p.parse_args(argv)
-    if args.quick:
-        rc = asyncio.run(main_async(1.0, [16]))
-    else:
-        rc = asyncio.run(main_async(args.seconds,
-                                    [int(c) for c in args.concurrency.split(",")]))
+    rc = asyncio.run(main_async(*seconds_and_levels(argv, __doc__)))
     out_path("coordination.txt").write_text("\n".join(LINES) + "\n")
     return rc
 

@@ -15,12 +15,12 @@ stack sent ``system`` requests, which nothing can preempt: admitted with
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from typing import Any
 
-from bench._util import pct, run_client_async, wait_tcp
+from bench._util import pct, seconds_and_levels, wait_tcp
+from bench.httpload import through_envoy
 from devtools.stack import Stack, StackConfig
 
 
@@ -61,13 +61,9 @@ def fmt(s: dict[str, float]) -> str:
 
 async def point(stack: Stack, seconds: float, *, concurrency: int = 0,
                 rate: float = 0.0, headers: dict[str, str] | None = None) -> dict[str, float]:
-    assert stack.envoy is not None and stack.sidecar is not None
-    spec: dict[str, object] = {
-        "port": stack.listen_port, "seconds": seconds, "concurrency": concurrency,
-        "streams": [{"name": "default", "rate": rate,
-                     "headers": headers if headers is not None else DEFAULT_HEADERS}],
-        "pids": [stack.envoy.pid, stack.sidecar.pid], "timeout": 10}
-    return summary(await run_client_async("bench.httpload", spec, timeout=seconds + 60))
+    streams = [{"name": "default", "rate": rate,
+                "headers": headers if headers is not None else DEFAULT_HEADERS}]
+    return summary(await through_envoy(stack, seconds, streams, concurrency=concurrency))
 
 
 async def main_async(seconds: float, levels: list[int]) -> int:
@@ -116,14 +112,7 @@ async def main_async(seconds: float, levels: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--seconds", type=float, default=3.0)
-    p.add_argument("--concurrency", default="8,32")
-    p.add_argument("--quick", action="store_true", help="1 s points, one concurrency")
-    args = p.parse_args(argv)
-    if args.quick:
-        return asyncio.run(main_async(1.0, [16]))
-    return asyncio.run(main_async(args.seconds, [int(c) for c in args.concurrency.split(",")]))
+    return asyncio.run(main_async(*seconds_and_levels(argv, __doc__)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ and an open-loop mode (several paced streams, each its own rate and headers; a
 request takes an idle connection or opens one, so the schedule never waits for a
 response). Records per request: stream, start offset, latency, status, error code.
 
-    python -m bench.httpload --client JSON   (used by bench.e2e and bench.isolation)
+    python -m bench.httpload --client JSON   (started by :func:`through_envoy`)
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import argparse
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from bench._util import cpu_seconds
+from bench._util import cpu_seconds, run_client_async
+
+if TYPE_CHECKING:  # the client process itself needs no stack
+    from devtools.stack import Stack
 
 BODY = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}).encode()
 ERRORS = (aiohttp.ClientError, TimeoutError, OSError, ValueError)
@@ -125,6 +128,20 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     await pool.close()
     return {"wall": wall, "send_wall": send_wall, "send_start": send_start, "records": records,
             "errors": errors, "client_cpu": cpu, "cpu": pcpu, "connections": pool.opened}
+
+
+async def through_envoy(stack: Stack, seconds: float, streams: list[dict[str, Any]], *,
+                        concurrency: int = 0, timeout: float = 10, margin: float = 60,
+                        **extra: object) -> dict[str, object]:
+    """Run this client in its own process against ``stack``'s Envoy for ``seconds``: closed
+    loop with ``concurrency`` connections, else the open-loop ``streams``; Envoy's and the
+    sidecar's CPU are sampled. ``extra``: more spec keys (warmup, warmup_headers)."""
+    assert stack.envoy is not None and stack.sidecar is not None
+    spec: dict[str, object] = {
+        "port": stack.listen_port, "seconds": seconds, "concurrency": concurrency,
+        "streams": streams, "pids": [stack.envoy.pid, stack.sidecar.pid], "timeout": timeout,
+        **extra}
+    return await run_client_async("bench.httpload", spec, timeout=seconds + margin)
 
 
 def main(argv: list[str] | None = None) -> int:

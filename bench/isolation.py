@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import slots
-from bench._util import out_path, pct, run_client_async
+from bench._util import out_path, pct
+from bench.httpload import through_envoy
 from devtools.demo import make_token
 from devtools.httpclient import get as http_get
 from devtools.stack import Stack, StackConfig
@@ -90,12 +91,8 @@ def delta(m0: dict[str, float], m1: dict[str, float], prefix: str) -> float:
 
 async def run_load(stack: Stack, spec_streams: list[dict[str, object]], seconds: float
                    ) -> dict[str, Any]:
-    assert stack.envoy is not None and stack.sidecar is not None
-    spec: dict[str, object] = {
-        "port": stack.listen_port, "seconds": seconds, "streams": spec_streams,
-        "pids": [stack.envoy.pid, stack.sidecar.pid], "timeout": 20, "warmup": 5,
-        "warmup_headers": {"x-smg-priority": "system"}}
-    return await run_client_async("bench.httpload", spec, timeout=seconds + 60)
+    return await through_envoy(stack, seconds, spec_streams, timeout=20, warmup=5,
+                               warmup_headers={"x-smg-priority": "system"})
 
 
 def report(label: str, r: dict[str, Any], m0: dict[str, float], m1: dict[str, float],

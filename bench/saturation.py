@@ -20,7 +20,8 @@ import argparse
 import asyncio
 from typing import Any
 
-from bench._util import pct, run_client_async
+from bench._util import pct
+from bench.httpload import through_envoy
 from devtools.demo import make_token
 from devtools.stack import Stack, StackConfig
 
@@ -64,12 +65,8 @@ async def run_mode(guard: bool, seconds: float) -> dict[str, Any]:
     worker.engine, worker.batch_limit = "vllm", REAL_SLOTS  # read per request
     try:
         await stack.start()
-        assert stack.envoy is not None and stack.sidecar is not None
-        spec: dict[str, object] = {
-            "port": stack.listen_port, "seconds": seconds, "streams": streams(3.0),
-            "pids": [stack.envoy.pid, stack.sidecar.pid], "timeout": 30, "warmup": 2,
-            "warmup_headers": {"x-smg-priority": "system"}}
-        r = await run_client_async("bench.httpload", spec, timeout=seconds + 90)
+        r = await through_envoy(stack, seconds, streams(3.0), timeout=30, margin=90, warmup=2,
+                                warmup_headers={"x-smg-priority": "system"})
         metrics = await stack.metrics()
     finally:
         await stack.stop()
