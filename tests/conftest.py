@@ -68,6 +68,14 @@ async def assert_preempted(victim: Exchange) -> Response:
     return r
 
 
+async def complete_held(stack: Stack, ex: Exchange, gate: str) -> None:
+    """Open ``gate``: the request held there is answered 200; then hang up."""
+    stack.fleet.gates.open(gate)
+    await ex.read_head()
+    assert ex.status == 200
+    await ex.close()
+
+
 async def preempt_held_bulk(stack: Stack, preemptor: dict[str, str]) -> None:
     """A bulk request held at the stack's only worker (before any byte) is preempted by one
     sent with the ``preemptor`` headers: that one is admitted, the victim gets the 503."""

@@ -16,7 +16,15 @@ from devtools.demo import make_token
 from devtools.fleet import wait_for
 from devtools.httpclient import Exchange, chat_body, request
 from devtools.stack import Stack
-from tests.conftest import Metrics, StackFactory, assert_denied, preempt_held_bulk, settle, until
+from tests.conftest import (
+    Metrics,
+    StackFactory,
+    assert_denied,
+    complete_held,
+    preempt_held_bulk,
+    settle,
+    until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -110,10 +118,7 @@ async def test_queue_full_429_and_timeout_503(make_stack: StackFactory) -> None:
     assert_denied(full, 429, "scheduler_queue_full", "2")
     timed_out = await asyncio.wait_for(queued, 5)
     assert_denied(timed_out, 503, "scheduler_queue_timeout", "2")
-    stack.fleet.gates.open("busy")
-    await busy.read_head()
-    assert busy.status == 200
-    await busy.close()
+    await complete_held(stack, busy, "busy")
     m = await settle(stack)
     assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_full"}'] == 1
     assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_timeout"}'] == 1

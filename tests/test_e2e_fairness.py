@@ -16,7 +16,7 @@ import pytest
 
 from devtools.demo import make_token
 from devtools.httpclient import Response, request
-from tests.conftest import StackFactory, assert_denied, settle, until
+from tests.conftest import StackFactory, assert_denied, complete_held, settle, until
 from tests.test_e2e import hold, queued_is
 
 pytestmark = pytest.mark.e2e
@@ -62,10 +62,7 @@ async def test_a_light_tenant_gets_its_share_behind_a_heavy_one(
     assert m['smg_sidecar_tenant_queue_depth{class="bulk",tenant="auth:light"}'] == 6
     assert m['smg_scheduler_admit_total{class="bulk",outcome="rejected_queue_full"}'] == 1
 
-    stack.fleet.gates.open("busy")
-    await blocker.read_head()
-    assert blocker.status == 200
-    await blocker.close()
+    await complete_held(stack, blocker, "busy")
     done: list[Response] = await asyncio.wait_for(asyncio.gather(*heavy, *light), 30)
     assert all(r.status == 200 for r in done)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from devtools.httpclient import request
-from tests.conftest import StackFactory, assert_denied, settle, until
+from tests.conftest import StackFactory, assert_denied, complete_held, settle, until
 from tests.test_e2e import hold, inflight_is
 
 pytestmark = pytest.mark.e2e
@@ -31,10 +31,7 @@ async def test_a_denied_request_opens_no_ext_proc_stream(make_stack: StackFactor
     assert m[STREAMS % "true"] == 1  # the admitted request has its stream
     for _ in range(10):
         assert_denied(await request(stack.listen_port), 429, "scheduler_queue_full", "2")
-    stack.fleet.gates.open("busy")
-    await busy.read_head()
-    assert busy.status == 200
-    await busy.close()
+    await complete_held(stack, busy, "busy")
     m = await settle(stack)
     assert m['smg_scheduler_admit_total{class="default",outcome="rejected_queue_full"}'] == 10
     assert m[STREAMS % "false"] == 0  # none for the ten local replies

@@ -417,9 +417,7 @@ async def own_server(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
     server = ValkeyServer(tmp_path / "valkey-own")
     server.start()
     yield server
-    if server.proc is not None and server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGCONT)
-    server.stop()
+    server.stop()  # resumes a paused server first
 
 
 async def test_server_paused_then_back_degraded_share_then_ok(
@@ -428,8 +426,7 @@ async def test_server_paused_then_back_degraded_share_then_ok(
     async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl) as (a, _):
         await both_live(a)
         held = await ok(a.check())
-        assert own_server.proc is not None
-        own_server.proc.send_signal(signal.SIGSTOP)
+        own_server.pause()
         t0 = time.monotonic()
         calls = [a.check() for _ in range(4)]
         await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="A degraded")
@@ -442,7 +439,7 @@ async def test_server_paused_then_back_degraded_share_then_ok(
         await asyncio.sleep(0.3)
         assert sum(c.done() for c in calls) == 1
         assert len(a.fleet.held) == 2
-        own_server.proc.send_signal(signal.SIGCONT)
+        own_server.resume()
         t1 = time.monotonic()
         await eventually(lambda: a.fleet.state == "ok", timeout=2 * ttl, what="A back to ok")
         print(f"back to ok {time.monotonic() - t1:.2f} s after SIGCONT (ttl {ttl} s)")
@@ -562,8 +559,7 @@ async def test_a_request_moved_to_the_local_queue_keeps_its_first_deadline(
         t0 = time.monotonic()
         waiting = asyncio.ensure_future(a.check("bulk"))
         await eventually(lambda: a.fleet.waiting == 1, what="queued in the ledger")
-        assert own_server.proc is not None
-        own_server.proc.send_signal(signal.SIGSTOP)
+        own_server.pause()
         await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="degraded")
         resp = await asyncio.wait_for(waiting, 2 * timeout)
         took = time.monotonic() - t0
@@ -573,7 +569,7 @@ async def test_a_request_moved_to_the_local_queue_keeps_its_first_deadline(
                                                        "outcome": "rejected_queue_timeout"}) == 1
         assert a.sample("smg_scheduler_admit_total", **{"class": "bulk",
                                                        "outcome": "client_cancelled"}) == 0
-        own_server.proc.send_signal(signal.SIGCONT)
+        own_server.resume()
         await a.end(held)
     finally:
         await a.close()
@@ -588,11 +584,10 @@ async def test_after_the_server_answers_again_a_degraded_replica_only_reuses_its
     async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl) as (a, _):
         await both_live(a)
         held = await ok(a.check())
-        assert own_server.proc is not None
-        own_server.proc.send_signal(signal.SIGSTOP)
+        own_server.pause()
         await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="A degraded")
         assert a.fleet.degraded_limit == 2  # min(2, 1 + floor((4 - 1) / 2))
-        own_server.proc.send_signal(signal.SIGCONT)
+        own_server.resume()
         await eventually(lambda: a.fleet.state == "ok" or a.fleet.degraded_limit == 1,
                          timeout=2 * ttl, what="resync answered")
         assert a.fleet.state == "degraded", "back to ok without a reuse-only interval"

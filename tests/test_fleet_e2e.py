@@ -172,6 +172,20 @@ async def assert_newest_preempted(victims: list[Exchange], records: list[Request
     assert [rec.outcome for rec in records].count("cancelled") == 1
 
 
+async def b_full_a_queued(r: Replicas) -> tuple[list[Exchange], list[asyncio.Future[Response]]]:
+    """B's streams hold every slot of the fleet (past their first byte); A queues as many
+    default requests, which the workers hold at gate ``a-done`` once admitted."""
+    a, b = r.stacks
+    streams = [await held(b, "bulk", "never", stream=True) for _ in range(CAPACITY)]
+    for ex in streams:
+        await ex.read_head()
+    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
+    waiting = [asyncio.ensure_future(send(a, "default", **{"x-fake-gate": "a-done"}))
+               for _ in range(CAPACITY)]
+    await until(a, lambda m: m.get('smg_scheduler_queue_depth{class="default"}') == CAPACITY)
+    return streams, waiting
+
+
 # -------------------------------------------------------------------------- tests
 
 
@@ -255,13 +269,7 @@ async def test_replica_killed_its_slots_return_within_the_ttl(
     r = await make_replicas()
     a, b = r.stacks
     await until(a, lambda m: m.get("smg_sidecar_live_replicas") == 2)
-    streams = [await held(b, "bulk", "never", stream=True) for _ in range(CAPACITY)]
-    for ex in streams:
-        await ex.read_head()
-    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
-    waiting = [asyncio.ensure_future(send(a, "default", **{"x-fake-gate": "a-done"}))
-               for _ in range(CAPACITY)]
-    await until(a, lambda m: m.get('smg_scheduler_queue_depth{class="default"}') == CAPACITY)
+    streams, waiting = await b_full_a_queued(r)
     t0 = time.monotonic()
     b.kill()  # SIGKILL Envoy and sidecar: no goodbye to the ledger
     for ex in streams:
@@ -293,13 +301,7 @@ async def test_envoy_killed_while_its_sidecar_lives_its_slots_return_within_the_
     await until(a, lambda m: m.get("smg_sidecar_live_replicas") == 2)
     assert (await send(b, "bulk")).status == 200  # B's Envoy opens its access-log stream
     await until(b, lambda m: m.get("smg_sidecar_envoy_access_log_streams") == 1)
-    streams = [await held(b, "bulk", "never", stream=True) for _ in range(CAPACITY)]
-    for ex in streams:
-        await ex.read_head()
-    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
-    waiting = [asyncio.ensure_future(send(a, "default", **{"x-fake-gate": "a-done"}))
-               for _ in range(CAPACITY)]
-    await until(a, lambda m: m.get('smg_scheduler_queue_depth{class="default"}') == CAPACITY)
+    streams, waiting = await b_full_a_queued(r)
     t0 = time.monotonic()
     b.kill_envoy()  # only the Envoy: B's sidecar and its heartbeat live on
     for ex in streams:

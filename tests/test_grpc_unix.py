@@ -19,7 +19,7 @@ from devtools.httpclient import request
 from sidecar import listen
 from sidecar.app import build_runtime
 from sidecar.config import ConfigError, parse_settings
-from tests.conftest import StackFactory, assert_denied, settle, until
+from tests.conftest import StackFactory, assert_denied, complete_held, settle, until
 from tests.grpc_client import admission_id, check_request
 from tests.test_e2e import hold, inflight_is
 
@@ -44,10 +44,7 @@ async def test_envoy_reaches_the_sidecar_on_a_unix_socket(make_stack: StackFacto
     m = await until(stack, inflight_is("default", 1))
     assert m['smg_sidecar_ext_proc_streams_total{admitted="true"}'] == 1
     assert_denied(await request(stack.listen_port), 429, "scheduler_queue_full", "2")
-    stack.fleet.gates.open("busy")
-    await busy.read_head()
-    assert busy.status == 200
-    await busy.close()
+    await complete_held(stack, busy, "busy")
     m = await settle(stack)
     assert m['smg_sidecar_released_total{class="default",reason="completed"}'] == 1
 
