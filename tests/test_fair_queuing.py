@@ -36,6 +36,7 @@ from sidecar.scheduler.lifecycle import Waiter
 from sidecar.scheduler.queues import FifoQueue, TenantQueue
 from tests.clock import FakeClock
 from tests.oracle_scheduler import OracleScheduler
+from tests.strategies import classes, configs
 from tests.test_scheduler_properties import CheckedScheduler  # also: the suite's profile
 
 B = PriorityClass.BULK
@@ -233,17 +234,6 @@ def test_oldest_can_differ_from_the_head() -> None:
 # ------------------------------------------------- identical to the scheduler before
 
 
-class_config = st.builds(
-    ClassSettings,
-    reserved_floor=st.integers(0, 4),
-    reserved_per_slot=st.sampled_from([0.0, 0.1, 0.25, 0.5]),
-    queue_size=st.integers(0, 4),
-    queue_timeout_secs=st.sampled_from([0.5, 1.0, 3.0, 10.0]),
-    starvation_threshold_secs=st.sampled_from([0.5, 2.0, 5.0]),
-    can_preempt=st.booleans(),
-)
-configs = st.fixed_dictionaries({c: class_config for c in PriorityClass})
-classes = st.sampled_from(list(PriorityClass))
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("arrive"), st.tuples(classes, st.sampled_from("ABC"))),

@@ -35,21 +35,13 @@ from sidecar.scheduler import (
 )
 from tests.clock import FakeClock
 from tests.ledger_support import connect, valkey_server
+from tests.strategies import class_config, classes
 
 __all__ = ["valkey_server"]
 
 LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
 EXAMPLES = 3000 if LONG else 200
 
-class_config = st.builds(
-    ClassSettings,
-    reserved_floor=st.integers(0, 4),
-    reserved_per_slot=st.sampled_from([0.0, 0.1, 0.25, 0.5]),
-    queue_size=st.integers(0, 4),
-    queue_timeout_secs=st.sampled_from([0.5, 1.0, 3.0, 10.0]),
-    starvation_threshold_secs=st.sampled_from([0.5, 2.0, 5.0]),
-    can_preempt=st.booleans(),
-)
 # Preemption needs a class that may preempt to find available == 0 exactly: few
 # reservations and small queues make that (and the victim rules) common.
 preempting_config = st.builds(
@@ -65,7 +57,6 @@ configs = st.one_of(
     st.fixed_dictionaries({c: class_config for c in PriorityClass}),
     st.fixed_dictionaries({c: preempting_config for c in PriorityClass}),
 )
-classes = st.sampled_from(list(PriorityClass))
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("arrive"), classes),

@@ -42,6 +42,7 @@ from sidecar.scheduler import (
 )
 from sidecar.scheduler.lifecycle import HOLDS_A_SLOT
 from tests.clock import FakeClock
+from tests.strategies import classes, configs
 
 settings.register_profile("ci", max_examples=2000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -62,17 +63,6 @@ class CheckedScheduler(Scheduler):
         return super()._admit(id, cls, tenant, now, **kw)
 
 
-class_config = st.builds(
-    ClassSettings,
-    reserved_floor=st.integers(0, 4),
-    reserved_per_slot=st.sampled_from([0.0, 0.1, 0.25, 0.5]),
-    queue_size=st.integers(0, 4),
-    queue_timeout_secs=st.sampled_from([0.5, 1.0, 3.0, 10.0]),
-    starvation_threshold_secs=st.sampled_from([0.5, 2.0, 5.0]),
-    can_preempt=st.booleans(),
-)
-configs = st.fixed_dictionaries({c: class_config for c in PriorityClass})
-classes = st.sampled_from(list(PriorityClass))
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("arrive"), classes),
