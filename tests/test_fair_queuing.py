@@ -37,7 +37,7 @@ from sidecar.scheduler.queues import FifoQueue, TenantQueue
 from tests.clock import FakeClock
 from tests.oracle_scheduler import OracleScheduler
 from tests.strategies import classes, configs
-from tests.test_scheduler_properties import CheckedScheduler  # also: the suite's profile
+from tests.test_scheduler_properties import CheckedScheduler, drain  # also: the suite's profile
 
 B = PriorityClass.BULK
 
@@ -591,14 +591,6 @@ def test_fair_queuing_keeps_the_invariants_through_reloads(
             assert s.queued_ids(c) == [r for r, ct in queued.items() if ct[0] == c]
             depths = s.snapshot().classes[c].tenant_depths
             assert sum(depths.values()) == s.queue_depth(c)
-    for _ in range(1000):  # drain
-        if not live and not queued:
-            break
-        if live:
-            s.release(live[0])
-        else:
-            clock.advance(1.0)
-            s.tick()
-        absorb(s.take_events())
+    drain(s, clock, live, queued, absorb)
     assert not live and not queued
     assert len(decided) == sum(1 for op, _ in steps if op == "arrive")

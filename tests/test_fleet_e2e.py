@@ -186,6 +186,14 @@ async def b_full_a_queued(r: Replicas) -> tuple[list[Exchange], list[asyncio.Fut
     return streams, waiting
 
 
+async def a_runs_in_bs_place(r: Replicas, waiting: list[asyncio.Future[Response]]) -> None:
+    """A's waiters hold every slot B's streams had, never more; then they finish."""
+    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
+    assert r.fleet.tally.peak == CAPACITY
+    r.fleet.gates.open("a-done")
+    assert [x.status for x in await asyncio.gather(*waiting)] == [200] * CAPACITY
+
+
 # -------------------------------------------------------------------------- tests
 
 
@@ -282,10 +290,7 @@ async def test_replica_killed_its_slots_return_within_the_ttl(
     assert returned <= TTL + 1.0, returned
     print(f"replica killed: its slots filled on A after {returned:.2f} s (TTL {TTL} s)")
     await until(a, lambda m: m.get("smg_sidecar_live_replicas") == 1)
-    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
-    assert r.fleet.tally.peak == CAPACITY
-    r.fleet.gates.open("a-done")
-    assert [x.status for x in await asyncio.gather(*waiting)] == [200] * CAPACITY
+    await a_runs_in_bs_place(r, waiting)
 
 
 async def test_envoy_killed_while_its_sidecar_lives_its_slots_return_within_the_grace(
@@ -313,10 +318,7 @@ async def test_envoy_killed_while_its_sidecar_lives_its_slots_return_within_the_
     m = await until(b, lambda m: m.get("smg_sidecar_envoy_owner_released_total") == CAPACITY)
     assert m.get("smg_sidecar_live_replicas") == 2  # the replica never died
     assert m['smg_sidecar_released_total{class="bulk",reason="lease_expired"}'] == CAPACITY
-    await wait_for(lambda: r.fleet.tally.running == CAPACITY, 5)
-    assert r.fleet.tally.peak == CAPACITY
-    r.fleet.gates.open("a-done")
-    assert [x.status for x in await asyncio.gather(*waiting)] == [200] * CAPACITY
+    await a_runs_in_bs_place(r, waiting)
 
 
 async def test_server_paused_then_killed_degraded_share_then_recovery(
