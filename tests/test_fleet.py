@@ -92,8 +92,10 @@ async def start_replica(tmp_path: Path, url: str, name: str, *extra: str,
 
 @contextlib.asynccontextmanager
 async def replicas(tmp_path: Path, url: str, *extra: str, url_a: str | None = None,
-                   capacity: int = 1, ttl: float = 10.0) -> AsyncIterator[tuple[Replica, Replica]]:
-    """Replicas A and B on one ledger (A through ``url_a`` where given), both closed after."""
+                   capacity: int = 1, ttl: float = 10.0,
+                   live: bool = False) -> AsyncIterator[tuple[Replica, Replica]]:
+    """Replicas A and B on one ledger (A through ``url_a`` where given), both closed after;
+    ``live``: first wait until A sees both registered."""
     a = await start_replica(tmp_path, url_a or url, "a", *extra, capacity=capacity, ttl=ttl)
     try:
         b = await start_replica(tmp_path, url, "b", *extra, capacity=capacity, ttl=ttl)
@@ -101,14 +103,12 @@ async def replicas(tmp_path: Path, url: str, *extra: str, url_a: str | None = No
         await a.close()
         raise
     try:
+        if live:
+            await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
         yield a, b
     finally:
         await a.close()
         await b.close()
-
-
-async def both_live(a: Replica) -> None:
-    await eventually(lambda: a.fleet.live_replicas == 2, what="A sees two replicas")
 
 
 async def eventually(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0,
@@ -423,8 +423,7 @@ async def own_server(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
 async def test_server_paused_then_back_degraded_share_then_ok(
         tmp_path: Path, own_server: ValkeyServer) -> None:
     ttl = 2.0
-    async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl) as (a, _):
-        await both_live(a)
+    async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl, live=True) as (a, _):
         held = await ok(a.check())
         own_server.pause()
         t0 = time.monotonic()
@@ -466,8 +465,7 @@ async def test_server_paused_then_back_degraded_share_then_ok(
 async def test_a_server_restart_that_loses_the_data_is_an_outage_and_a_return(
         tmp_path: Path, own_server: ValkeyServer) -> None:
     ttl = 2.0
-    async with replicas(tmp_path, own_server.url, capacity=2, ttl=ttl) as (a, b):
-        await both_live(a)
+    async with replicas(tmp_path, own_server.url, capacity=2, ttl=ttl, live=True) as (a, b):
         held_a = await ok(a.check())
         held_b = await ok(b.check())
         own_server.restart()  # every key gone
@@ -581,8 +579,7 @@ async def test_after_the_server_answers_again_a_degraded_replica_only_reuses_its
     # already back admit against them without seeing its local admissions: new local
     # admissions would be uncounted. So from the first answered resync: reuse only.
     ttl = 2.0
-    async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl) as (a, _):
-        await both_live(a)
+    async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl, live=True) as (a, _):
         held = await ok(a.check())
         own_server.pause()
         await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="A degraded")
@@ -646,8 +643,7 @@ async def test_a_partitioned_replica_adds_at_most_its_headroom(
     ttl = 2.0
     relay = Cuttable(valkey_server.port)
     async with replicas(tmp_path, valkey_server.url, url_a=await relay.start(), capacity=4,
-                        ttl=ttl) as (a, b):
-        await both_live(a)
+                        ttl=ttl, live=True) as (a, b):
         assert a.fleet.degraded_limit == 2
         relay.cut()
         calls_a = [a.check() for _ in range(3)]
