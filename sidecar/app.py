@@ -199,12 +199,15 @@ class Runtime:
         # requests Envoy still runs are never reclaimed by a timer alone.
         self.liveness = EnvoyLiveness(self.controller, grace=s.envoy_owner_grace_secs,
                                       metrics=metrics)
+        if fleet is not None:
+            fleet.liveness_decides = True  # acknowledged only while its Envoy is watched
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,
                                   TenantPolicy(s.priority.tenant_policies, s.default_max_class),
                                   self._preemptible(s.priority.classes),
                                   liveness=self.liveness)
         self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
                                         wall_clock=time.time)
+        self.features.on_periodic_present = self._periodic_entries_seen
         self.completion = CompletionService(self.controller, metrics, self.features,
                                             self.liveness)
         self.response_path = ResponsePathService(self.controller, metrics, self.features,
@@ -282,6 +285,11 @@ class Runtime:
         self.authz.preemptible = self._preemptible(cfg.classes)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
+
+    def _periodic_entries_seen(self) -> None:
+        # From now on an admission nobody may preempt needs no ext_proc stream: periodic
+        # entries acknowledge it (sidecar.liveness) and renew its lease.
+        self.authz.streams_optional = True
 
     def _preemptible(self, classes: Mapping[PriorityClass, ClassSettings]
                      ) -> frozenset[PriorityClass]:

@@ -44,7 +44,7 @@ MAX_PENDING_CALLS = 2 * MAX_OPEN_CHECKS
 # after --envoy-owner-grace-secs (sidecar.liveness). Measured with grpcio 1.85 and a
 # SIGSTOPped Envoy: keepalive_timeout alone never closed the connection (an
 # unanswered ping stayed pending until Envoy resumed); with ping_timeout_ms set too
-# the slots were back 16.2 s after the stop (10 + 5 + a 1 s grace). BDP probing is
+# the slots were back 16.0–16.2 s after the stop (10 + 5 + a 1 s grace). BDP probing is
 # off so no other ping is in flight when the keepalive one goes; the messages here
 # are small, so flow-control tuning gains nothing.
 KEEPALIVE_TIME_MS = 10_000
@@ -127,6 +127,12 @@ class AuthzService:
         self.policy = policy
         # Replaced as a whole on config reload, like the policy.
         self.preemptible = preemptible
+        # An allow may say `preemptible: false` (Envoy then opens no ext_proc stream) only
+        # once Envoy is known to send periodic access-log entries: without them the
+        # ext_proc stream is the only sign that Envoy runs the request, and an admission
+        # nothing acknowledges keeps its lease, which a long stream outlives (issue 12).
+        # Set by the configuration detector (sidecar.envoy_features); never unset.
+        self.streams_optional = False
         self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
@@ -182,4 +188,4 @@ class AuthzService:
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
                       request_id=request_id)
         return codec.encode_allow(aid, c.effective.label, tenant,
-                                  c.effective in self.preemptible)
+                                  c.effective in self.preemptible or not self.streams_optional)

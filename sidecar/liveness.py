@@ -6,8 +6,9 @@ Envoy sends no heartbeat, but it keeps its gRPC access-log (ALS) stream open whi
 when the connection or the process goes. So:
 
 * **Owner.** Each admission records the Envoy that asked: the peer host (IP, no port) of
-  its Check call. Envoy reaches the sidecar over several connections (per cluster, per
-  worker thread), so the port names a connection, not an Envoy; the host is what all of
+  its Check call. Envoy reaches the sidecar over several connections (per worker thread,
+  and per cluster where ext_authz, ext_proc and the ALS use different ones), so the port
+  names a connection, not an Envoy; the host is what all of
   one Envoy's connections share, and what meshes give without any configuration (a
   sidecar per pod sees loopback, a shared authz service sees each Envoy's pod IP). Two
   Envoys behind one IP count as one owner (see :class:`OwnerTable`).
@@ -24,8 +25,9 @@ when the connection or the process goes. So:
 * **A gap.** An owner that comes back within the grace (its last stream closed, then one
   opened again) may be a new Envoy process behind the same IP, or the same one after a
   connection blip: the admissions acknowledged before the gap go back under the lease
-  (periodic entries, if any, keep them), so neither a restart leaks them forever nor a
-  blip drops them at once.
+  (periodic entries, if any, keep them), so a restart does not leak them. Envoy reopens a
+  closed ALS stream only at its next entry, so a blip followed by no request ending
+  within the grace reads as a death (docs/reference.md, "Leases and Envoy liveness").
 
 :class:`OwnerTable` is the pure part (the caller passes the time in and applies what
 its methods return); :class:`EnvoyLiveness` wires it to the admission service, the
@@ -130,6 +132,10 @@ class OwnerTable:
             o = self._owners.get(t.owner)
             if o is not None:
                 o.ids.pop(aid, None)
+                # Nothing left to know about it (no admissions, no stream, no grace
+                # running): forgotten, so churning peers cannot grow the table.
+                if not o.ids and o.streams == 0 and o.lost_at is None:
+                    del self._owners[t.owner]
 
     def prune(self, holds: Callable[[str], bool]) -> int:
         """Forget every admission ``holds`` says has ended; returns how many."""
@@ -332,8 +338,10 @@ class EnvoyLiveness:
                         and self.controller.release(aid, LEASE_EXPIRED)
                         is ReleaseResult.RELEASED):
                     released += 1
-            log.warning("envoy_owner_lost", owner=owner, released=released,
-                        grace_secs=self.table.grace)
+            # A clean Envoy exit leaves nothing to release: not worth a warning.
+            (log.warning if released else log.info)(
+                "envoy_owner_lost", owner=owner, released=released,
+                grace_secs=self.table.grace)
             self._metrics.owner_lost(released)
             total += released
         return total

@@ -326,6 +326,29 @@ async def test_an_acknowledged_slot_is_released_when_its_envoy_dies_not_its_repl
         await a.close()
 
 
+async def test_a_sign_from_an_envoy_never_watched_keeps_the_ack_timeout(
+        tmp_path: Path, valkey_server: ValkeyServer,
+        client: redis.Redis) -> None:
+    """No access-log stream from that Envoy yet: its ext_proc stream restarts the timeout
+    (like a lease) but does not make the hold permanent, so an Envoy that dies before its
+    first access-log entry leaves nothing held until the replica dies (in-process alike)."""
+    lease = 0.3
+    a = await start_replica(tmp_path, valkey_server.url, "a", "--admission-lease-secs",
+                            str(lease), ttl=0.9)  # heartbeats (timeout checks) every 0.3 s
+    try:
+        held = await ok(a.check())
+        call = a.ext_proc(iter([request_headers(held)]))
+        assert [m.WhichOneof("response") async for m in call] == ["request_headers"]
+        assert not a.fleet.held[held].acknowledged
+        took = await eventually(lambda: held not in a.fleet.held, timeout=3)
+        assert took >= lease * 0.9
+        await eventually(lambda: _zero(client), what="ledger empty")
+        assert a.sample("smg_sidecar_released_total", **{"class": "default",
+                                                          "reason": "lease_expired"}) == 1
+    finally:
+        await a.close()
+
+
 async def test_duplicate_and_late_completions_release_once(
         pair: tuple[Replica, Replica], client: redis.Redis) -> None:
     a, b = pair

@@ -140,6 +140,18 @@ def test_prune_forgets_what_ended_elsewhere() -> None:
     assert not t.watched("e2") and "e2" not in t._owners  # an owner with nothing left
 
 
+
+def test_churning_peers_leave_no_owner_behind() -> None:
+    t = OwnerTable(GRACE)
+    for i in range(1000):  # a shared service: each request from another pod IP
+        t.admitted(f"r{i}", f"10.0.{i // 256}.{i % 256}", float(i))
+        t.ended(f"r{i}")
+    assert len(t) == 0 and not t._owners
+    t.admitted("w", "e1", 0.0)
+    t.stream_opened("e1", 0.0)
+    t.ended("w")
+    assert t.alive("e1") and t.watched("e1")  # one with a stream open is kept
+
 OPS = st.lists(st.one_of(
     st.tuples(st.just("admit"), st.sampled_from(["e1", "e2"])),
     st.tuples(st.just("ack"), st.integers(0, 30)),

@@ -119,19 +119,33 @@ async def warm_up(stack: Stack, port: int | None = None, streams: int = 1) -> No
 ], ids=["3x-lease", "90s-default-lease"])
 async def test_mesh_long_stream_keeps_its_slot(make_stack: StackFactory, lease: float,
                                                hold: float) -> None:
-    stack = await make_stack(priority_yaml=BURST, lease_secs=lease, mesh=True)
+    # A bulk stream, and a system one: nobody may preempt system, yet without periodic entries
+    # it still gets its ext_proc stream, the sign that Envoy runs it (sidecar.authz).
+    stack = await make_stack(priority_yaml=BURST, lease_secs=lease, mesh=True,
+                             sidecar_args=["--priority-scheduler-default-max-class", "system"])
     await warm_up(stack)
-    [ex] = await bulk_streams(stack, 1, gate="finish")
+    classes = ("bulk", "system")
+    streams = []
+    for cls in classes:
+        ex = await Exchange.send(stack.listen_port, body=chat_body(stream=True),
+                                 headers={"x-smg-priority": cls, "x-fake-stream-gate": "finish"})
+        await ex.read_head()
+        assert ex.status == 200
+        streams.append(ex)
     try:
         await asyncio.sleep(hold)  # the condition under test is the passage of time
-        assert await stack.metric("smg_scheduler_inflight", **{"class": "bulk"}) == 1
-        assert await stack.metric("smg_sidecar_lease_expired_total", **{"class": "bulk"}) == 0
+        m = await stack.metrics()
+        for cls in classes:
+            assert m[f'smg_scheduler_inflight{{class="{cls}"}}'] == 1, cls
+            assert m.get(f'smg_sidecar_lease_expired_total{{class="{cls}"}}', 0) == 0, cls
     finally:
         stack.fleet.gates.open("finish")
-        await asyncio.wait_for(ex.read_body(), 10)
-        await ex.close()
+        for ex in streams:
+            await asyncio.wait_for(ex.read_body(), 10)
+            await ex.close()
     m = await settle(stack)
     assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 2
+    assert m['smg_sidecar_released_total{class="system",reason="completed"}'] == 1
 
 
 async def test_mesh_killed_envoy_frees_its_acknowledged_slots_after_the_grace(

@@ -223,6 +223,12 @@ class FleetController:
         self._capacity = capacity
         self._call_timeout = call_timeout
         self._ack_timeout = ack_timeout
+        # Set when an EnvoyLiveness is wired to this controller (sidecar.app): then only it
+        # drops an admission's ack timeout (hold_without_lease: acknowledged while its Envoy
+        # is watched and alive), as the in-process lease; a sign from an Envoy never
+        # watched only restarts the timeout, so an Envoy that dies before its first
+        # access-log stream cannot leave slots held until this replica dies.
+        self.liveness_decides = False
         self._interval = ledger.ttl / 3
         self._reap_every = ledger.ttl / 20
         # Older than any call in flight (a call taking longer degrades the replica).
@@ -562,7 +568,7 @@ class FleetController:
         """
         held = self._held.get(aid)
         if held is not None:
-            held.acknowledged = True
+            self._signed(held)
             return True
         if cls is None or not self._ended.adoptable(aid):
             return False
@@ -586,7 +592,7 @@ class FleetController:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._stop_signals[aid] = fut
         h.preemptible = True
-        h.acknowledged = True
+        self._signed(h)
         if self._local is not None:
             self._chain_stop_signal(self._local, aid)
         else:
@@ -621,7 +627,7 @@ class FleetController:
         if h is None or h.first_byte:
             return False
         h.first_byte = True
-        h.acknowledged = True
+        self._signed(h)
         if self._local is not None:
             self._local.mark_first_byte(aid)
         elif h.mark_sent:
@@ -645,7 +651,7 @@ class FleetController:
         if fut is None:
             fut = self._first_byte_waits[aid] = asyncio.get_running_loop().create_future()
         h.first_byte = True
-        h.acknowledged = True
+        self._signed(h)
         self._send("first_byte", aid)
         try:
             # A switch to degraded mode drops the outbox: stop waiting then too.
@@ -835,6 +841,14 @@ class FleetController:
         # A timeout scope, not wait_for: no task per call (this is on every request's path).
         async with asyncio.timeout(self._call_timeout):
             return await call
+
+    def _signed(self, h: Held) -> None:
+        """Envoy showed it runs the admission (ext_proc stream, first byte, periodic entry)."""
+        if self.liveness_decides:
+            if not h.acknowledged:
+                h.unacked_since = self._clock()  # like a lease renewed
+        else:
+            h.acknowledged = True
 
     def holds(self, aid: str) -> bool:
         return aid in self._held
