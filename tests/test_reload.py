@@ -227,6 +227,11 @@ async def test_reload_of_can_preempt_changes_which_allows_say_preemptible(
             return None
         return bool(fields[codec.PREEMPTIBLE_KEY].bool_value)
 
+    # The key is only ever set once Envoy is seen sending periodic entries (sidecar.authz).
+    resp = await envoy.check({})
+    await envoy.log((admission_id(resp), "periodic"), cls="default")
+    await envoy.log((admission_id(resp), "end"))
+    await eventually(lambda: app.authz.streams_optional)
     # system and interactive preempt (built-in): default can be a victim, no key
     assert await preemptible_key() is None
     cm.swap(NOBODY_PREEMPTS)
