@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +36,16 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.auth.v3 import external_auth_pb2
 from google.rpc import code_pb2
 
-from bench._util import cpu_seconds, free_port, pct, run_client, spawn, terminate, wait_tcp
+from bench._util import (
+    cpu_seconds,
+    free_port,
+    loadavg,
+    pct,
+    run_client,
+    spawn,
+    terminate,
+    wait_tcp,
+)
 from bench.codec import check_request_bytes
 from devtools.httpclient import get as http_get
 from sidecar import codec
@@ -244,21 +254,48 @@ def start_sidecar(log: Path | None = None, *, capacity: int = 1000000,
     return Server(name, port, proc, http)
 
 
-def shed_cost(seconds: float, rate: float, log_level: str) -> None:
-    """Sidecar CPU per Check answered "queue full" vs per admitted Check (+ its ALS release)."""
+def shed_cost(seconds: float, rate: float, log_level: str, rounds: int = 3) -> None:
+    """Sidecar CPU per Check answered "queue full" vs per admitted Check (+ its ALS release),
+    and vs an admitted request with its ext_proc stream too (the shipped config's loop).
+
+    Shapes alternate round by round and the medians are compared: on a shared box one
+    window's figure moves by tens of microseconds. The stream's cost is measured as
+    bench.ext_proc_cost does (closed loop, Check+ALS vs Check+stream+ALS on the admitting
+    sidecar, with bench.ext_proc_cost's client; an open loop at ``rate`` with streams
+    would saturate the 2-core box).
+    """
     side = start_sidecar(log_level=log_level)
     shed = start_sidecar(capacity=1, priority_yaml=SHED_ONLY, log_level=log_level,
                          name="shedding")
+    stream_secs = min(seconds, 2.0)
     try:
         print(f"  shed vs admitted (open loop {rate:,.0f} req/s, {seconds:g} s, --log-level "
-              f"{log_level}; sidecar CPU per request = server cpu / rate):")
-        cost = {}
-        for server, release in ((side, True), (shed, False)):
-            r = measure(server, seconds=seconds, rate=rate, release=release)
-            cost[server.name] = num(r, "server_cpu") / max(1.0, num(r, "rps")) * 1e6
-            print(f"    {server.name:<8} {fmt(r)}  -> {cost[server.name]:.0f} us cpu/request")
-        print(f"  a shed Check costs {cost['shedding'] / cost['sidecar']:.2f}x an admitted one "
-              f"(admitted includes its ALS entry; not its ext_proc stream)")
+              f"{log_level}, {rounds} alternating rounds; sidecar CPU per request = server "
+              f"cpu / rate; ext_proc stream = closed-loop difference, 8 callers, "
+              f"{stream_secs:g} s):")
+        per: dict[str, list[float]] = {"admitted": [], "shed": [], "stream": []}
+        for i in range(rounds):
+            order = [(side, True), (shed, False)]
+            for server, release in (order if i % 2 == 0 else order[::-1]):
+                r = measure(server, seconds=seconds, rate=rate, release=release)
+                us = num(r, "server_cpu") / max(1.0, num(r, "rps")) * 1e6
+                per["admitted" if server is side else "shed"].append(us)
+                print(f"    round {i} {server.name:<8} {fmt(r)}  -> {us:.0f} us cpu/request")
+            pair = {}
+            for with_stream in (False, True):
+                r = run_client("bench.ext_proc_cost", {
+                    "port": side.port, "server_pid": side.pid, "seconds": stream_secs,
+                    "callers": 8, "stream": with_stream}, timeout=120)
+                pair[with_stream] = num(r, "us")
+            per["stream"].append(pair[True] - pair[False])
+            print(f"    round {i} ext_proc stream: check+als {pair[False]:.0f} us, "
+                  f"check+stream+als {pair[True]:.0f} us -> stream "
+                  f"{pair[True] - pair[False]:+.0f} us  (load {loadavg()})")
+        adm, sh, st = (statistics.median(per[k]) for k in ("admitted", "shed", "stream"))
+        print(f"  medians: admitted {adm:.0f} us (Check + ALS entry), with its ext_proc stream "
+              f"{adm + st:.0f} us; shed {sh:.0f} us")
+        print(f"  a shed Check costs {sh / adm:.2f}x an admitted one (Check + ALS entry), "
+              f"{sh / (adm + st):.2f}x an admitted one with its ext_proc stream")
     finally:
         terminate(side.proc)  # type: ignore[arg-type]
         terminate(shed.proc)  # type: ignore[arg-type]
@@ -302,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(client(json.loads(args.client))))
         return 0
     if args.shed_only:
-        shed_cost(args.seconds, 2000.0, args.log_level)
+        shed_cost(args.seconds, 2000.0, args.log_level, 2 if args.quick else 3)
         return 0
     seconds = 1.0 if args.quick else args.seconds
     levels = [64] if args.quick else [int(c) for c in args.concurrency.split(",")]
@@ -362,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         terminate(noop.proc)  # type: ignore[arg-type]
         terminate(side.proc)  # type: ignore[arg-type]
-    shed_cost(seconds, 1000.0 if args.quick else 2000.0, "info")
+    shed_cost(seconds, 1000.0 if args.quick else 2000.0, "info", 2 if args.quick else 3)
     return 0
 
 

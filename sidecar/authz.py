@@ -136,6 +136,7 @@ class AuthzService:
         self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
+        self._rejections = logs.RejectionSummary(log)
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
@@ -167,17 +168,20 @@ class AuthzService:
         except Denied as d:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,
                                              rate_limited=d.rate_limited)
-            log.info("rejected", tenant=tenant, requested=c.requested.label,
-                     effective=c.effective.label,
-                     outcome="rate_limited" if d.rate_limited else d.outcome.value,
-                     legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id)
+            outcome = "rate_limited" if d.rate_limited else d.outcome.value
+            # Per rejection at debug only; info gets the throttled summary (docs/reference.md).
+            log.debug("rejected", tenant=tenant, requested=c.requested.label,
+                      effective=c.effective.label, outcome=outcome,
+                      legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id)
+            self._rejections.add(c.effective.label, outcome, tenant)
             return self._deny[(rejection, c.effective)]
         except asyncio.CancelledError:
             # Envoy cancelled the call: the client is gone, so there is nobody to send
             # a 499 to. The core counted it as client_cancelled (see sidecar.responses).
-            log.info("rejected", tenant=tenant, requested=c.requested.label,
-                     effective=c.effective.label, outcome=Outcome.CLIENT_CANCELLED.value,
-                     request_id=request_id)
+            outcome = Outcome.CLIENT_CANCELLED.value
+            log.debug("rejected", tenant=tenant, requested=c.requested.label,
+                      effective=c.effective.label, outcome=outcome, request_id=request_id)
+            self._rejections.add(c.effective.label, outcome, tenant)
             raise
         aid = admitted.admission.id
         if self.liveness is not None:

@@ -302,8 +302,3 @@ def encode_immediate(reply: Reply) -> bytes:
     )
     out: bytes = resp.SerializeToString()
     return out
-
-
-def passthrough(data: bytes) -> bytes:
-    """Identity (de)serialiser: handlers work on bytes and precomputed responses."""
-    return data

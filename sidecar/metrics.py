@@ -348,12 +348,15 @@ class Metrics:
                              for cls in HIGH_TO_LOW for outcome in Outcome}
         self._wait_child = {cls: self._queue_wait.labels(cls.label) for cls in HIGH_TO_LOW}
         self._released_child: dict[tuple[PriorityClass, str], Counter] = {}
-        # Keyed by the capped label, so it stays as small as the label set.
+        # Keyed by the capped label, so they stay as small as the label sets. A flood of
+        # clamped or mislabelled Checks reaches classified() on every one of them.
         self._tenant_child: dict[tuple[PriorityClass, str], Counter] = {}
-        for result in ("allowed", "rejected"):
-            self._rate_limit.labels(result)
+        self._clamp_child: dict[tuple[str, PriorityClass, PriorityClass], Counter] = {}
+        self._unknown_child: dict[str, Counter] = {}
+        self._rate_child = {allowed: self._rate_limit.labels("allowed" if allowed else "rejected")
+                            for allowed in (True, False)}
+        self._overload_child = {cls: self._overload.labels(cls.label) for cls in HIGH_TO_LOW}
         for cls in HIGH_TO_LOW:
-            self._overload.labels(cls.label)
             self._adoption_refused.labels(cls.label)
         for admitted in ("true", "false"):
             self._ext_proc_streams.labels(admitted)
@@ -397,13 +400,13 @@ class Metrics:
                 self._preemption.labels(e.victim.cls.label, e.by_class.label).inc()
 
     def rate_limit(self, allowed: bool) -> None:
-        self._rate_limit.labels("allowed" if allowed else "rejected").inc()
+        self._rate_child[allowed].inc()
 
     def completion_unmatched(self, reason: str) -> None:
         self._unmatched.labels(reason).inc()
 
     def overloaded(self, cls: PriorityClass) -> None:
-        self._overload.labels(cls.label).inc()
+        self._overload_child[cls].inc()
 
     def adoption_refused(self, cls: PriorityClass) -> None:
         self._adoption_refused.labels(cls.label).inc()
@@ -413,10 +416,19 @@ class Metrics:
 
     def classified(self, tenant: str, requested: PriorityClass, effective: PriorityClass,
                    unknown: bool) -> None:
+        label = self._tenant(tenant)
         if unknown:
-            self._unknown_priority.labels(self._tenant(tenant)).inc()
+            child = self._unknown_child.get(label)
+            if child is None:
+                child = self._unknown_child[label] = self._unknown_priority.labels(label)
+            child.inc()
         if effective < requested:
-            self._clamp.labels(self._tenant(tenant), requested.label, effective.label).inc()
+            key = (label, requested, effective)
+            child = self._clamp_child.get(key)
+            if child is None:
+                child = self._clamp_child[key] = self._clamp.labels(
+                    label, requested.label, effective.label)
+            child.inc()
 
     def ext_proc_stream(self, admitted: bool) -> None:
         self._ext_proc_streams.labels("true" if admitted else "false").inc()

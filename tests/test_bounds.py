@@ -120,6 +120,11 @@ async def test_a_long_request_id_is_logged_cut(h: Harness) -> None:
     assert shed.status.code != 0
     ids = [e["request_id"] for e in logs if e["event"] == "rejected" and e["request_id"]]
     assert ids and all(len(i) == MAX_REQUEST_ID_LEN + 1 for i in ids)
+    # Per rejection at debug; at info the first one of an interval gives the summary line.
+    assert {e["log_level"] for e in logs if e["event"] == "rejected"} == {"debug"}
+    [summary] = [e for e in logs if e["event"] == "rejections"]
+    assert summary["log_level"] == "info" and summary["total"] == 1
+    assert summary["by_class_outcome"] == {"bulk/rejected_queue_full": 1}
     for q in (queued, queued2):
         assert (await q).status.code != 0  # timed out (0.3 s)
     await h.envoy.log((admission_id(first), "end"))
