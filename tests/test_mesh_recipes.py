@@ -8,13 +8,24 @@ timeout or tenant header on one side fails here until the recipes follow.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from sidecar.config import parse_priority_config
-from tests.test_k8s import K8S, _arg, _dig, _docs, _envoy_bootstrap, _priority_text, _sidecar
+from tests.test_k8s import (
+    K8S,
+    _arg,
+    _dig,
+    _docs,
+    _envoy_bin,
+    _envoy_bootstrap,
+    _priority_text,
+    _sidecar,
+)
 
 ISTIO = K8S / "istio"
 EG = K8S / "envoy-gateway"
@@ -51,15 +62,36 @@ def _secs(duration: str) -> float:
     return float(duration[:-1])
 
 
-def _template_ext_proc() -> dict[str, Any]:
-    (listener,) = _envoy_bootstrap()["static_resources"]["listeners"]
+def _template_ext_proc_filter(bootstrap: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The bootstrap's ext_proc http filter, as written (wrapped in its matcher)."""
+    (listener,) = (bootstrap or _envoy_bootstrap())["static_resources"]["listeners"]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
-    cfg: dict[str, Any] = ext_proc["typed_config"]
-    if cfg["@type"].endswith("ExtensionWithMatcher"):  # skipped for non-admitted requests
+    return ext_proc
+
+
+def _unwrap(cfg: dict[str, Any]) -> dict[str, Any]:
+    if cfg["@type"].endswith("ExtensionWithMatcher"):  # skipped for some requests
         inner: dict[str, Any] = cfg["extension_config"]["typed_config"]
         return inner
     return cfg
+
+
+def _template_ext_proc() -> dict[str, Any]:
+    return _unwrap(_template_ext_proc_filter()["typed_config"])
+
+
+def _skip_inputs(cfg: dict[str, Any]) -> list[tuple[str, Any]]:
+    """What each skip rule of an ExtensionWithMatcher reads and how it matches."""
+    out = []
+    for m in cfg["xds_matcher"]["matcher_list"]["matchers"]:
+        assert m["on_match"]["action"]["typed_config"]["@type"].endswith("SkipFilter")
+        pred = m["predicate"]["single_predicate"]
+        inp = pred["input"]["typed_config"]
+        assert inp["filter"] == EXT_AUTHZ_NS
+        match = pred["custom_match"]["typed_config"]
+        out.append(([p["key"] for p in inp["path"]], (match["value"], match.get("invert", False))))
+    return out
 
 
 def _istio_providers() -> dict[str, dict[str, Any]]:
@@ -113,9 +145,39 @@ def test_istio_tenant_header_is_verified_and_client_copies_removed() -> None:
     assert {header, "x-smg-admission-id"} <= removed
 
 
+def test_istio_ext_proc_skips_what_the_bootstrap_skips() -> None:
+    """No stream where ext_authz did not admit, nor for an allow with preemptible: false."""
+    (value,) = _patch_values(_one(ISTIO, "EnvoyFilter", "priority-gate-ext-proc"))
+    want = _template_ext_proc_filter()["typed_config"]
+    assert value["typed_config"]["@type"] == want["@type"]
+    assert value["typed_config"]["xds_matcher"] == want["xds_matcher"]
+    assert sorted(_skip_inputs(value["typed_config"])) == [
+        (["admission_id"], ({"present_match": True}, True)),
+        (["preemptible"], ({"bool_match": False}, False))]
+
+
+def test_istio_ext_proc_filter_passes_envoy_validate(tmp_path: Path) -> None:
+    """The EnvoyFilter's value, put where the bootstrap has its ext_proc, is valid Envoy
+    config (istiod inserts it as is; only the cluster name is Istio's)."""
+    envoy = _envoy_bin()
+    if envoy is None:
+        pytest.skip("no Envoy binary (set ENVOY_BIN or run `make envoy`)")
+    (value,) = _patch_values(_one(ISTIO, "EnvoyFilter", "priority-gate-ext-proc"))
+    inner = _unwrap(value["typed_config"])
+    inner["grpc_service"]["envoy_grpc"]["cluster_name"] = "sidecar"  # the bootstrap's
+    bootstrap = _envoy_bootstrap()
+    _template_ext_proc_filter(bootstrap).update(value)
+    cfg = tmp_path / "envoy.yaml"
+    cfg.write_text(yaml.safe_dump(bootstrap), encoding="utf-8")
+    out = subprocess.run([str(envoy), "--mode", "validate", "-c", str(cfg),
+                          "--disable-hot-restart", "--log-level", "warn"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_istio_ext_proc_matches_the_bootstrap() -> None:
     (value,) = _patch_values(_one(ISTIO, "EnvoyFilter", "priority-gate-ext-proc"))
-    cfg = value["typed_config"]
+    cfg = _unwrap(value["typed_config"])
     want = _template_ext_proc()
     for key in ("processing_mode", "metadata_options", "message_timeout", "failure_mode_allow"):
         assert cfg[key] == want[key], key
