@@ -14,8 +14,9 @@ accesslog.go; recipes in k8s/istio/ and k8s/envoy-gateway/):
 - ext_authz: only what Istio's ``generateGRPCConfig`` sets (``status_on_error``,
   ``failure_mode_allow``, ``transport_api_version``, ``grpc_service`` with a timeout): no
   ``metadata_context_namespaces``, no ``include_peer_certificate``;
-- ext_proc: kept as rendered (an EnvoyFilter / EnvoyExtensionPolicy copies it), or absent when
-  the bootstrap was rendered with ``--no-preemption``;
+- ext_proc: kept as rendered, skip matcher included (the Istio recipe's EnvoyFilter inserts the
+  same; Envoy Gateway's generated filter has no matcher, see k8s/envoy-gateway/README.md), or
+  absent when the bootstrap was rendered with ``--no-preemption``;
 - node: an Istio-shaped node id (``router~<ip>~<pod>.<ns>~<ns>.svc.cluster.local``).
 
     python envoy/render.py ... | python envoy/mesh.py [--node-id ID] > envoy-mesh.yaml
