@@ -80,7 +80,7 @@ class RejectionSummary:
     """Rejections counted by class and outcome, logged as one ``rejections`` line at info
     at most once per ``interval`` (each rejection itself is a ``rejected`` line at debug).
 
-    At 10x overload most Checks are shed: a JSON line each cost about a third of the
+    At 10x overload most Checks are shed: a JSON line each cost ~40 % of the
     handler's own time and ~1,400 lines/s bury everything else, while the metrics
     already count every rejection. The first rejection after a quiet interval is
     logged at once; the ones after it are summed and logged when the interval ends
