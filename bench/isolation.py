@@ -49,9 +49,19 @@ tenant_policies:
   "auth:acme": {{max_class: interactive}}
   "auth:internal-cron": {{max_class: system}}
 """
+# --no-reservations (issue 13): the same table with system's and interactive's reservations
+# at 0, to see what the admission loop itself leaves idle once the contract's reservation
+# rule (available(c) keeps higher classes' unused reservations free) holds nothing back.
+PRIORITY_NO_RESERVATIONS = (PRIORITY
+                            .replace("system: {reserved_floor: 1,", "system: {reserved_floor: 0,")
+                            .replace("reserved_floor: 2, reserved_per_slot: 0.25",
+                                     "reserved_floor: 0, reserved_per_slot: 0.0"))
 CLASSES = ("system", "interactive", "bulk")
-RESERVED = {c.label: n for c, n in desired_reservations(
-    parse_priority_config(PRIORITY).classes, WORKERS * SLOTS).items()}
+
+
+def reserved_of(priority_yaml: str) -> dict[str, int]:
+    return {c.label: n for c, n in desired_reservations(
+        parse_priority_config(priority_yaml).classes, WORKERS * SLOTS).items()}
 
 
 def streams(multiple: float) -> list[dict[str, object]]:
@@ -96,7 +106,7 @@ async def run_load(stack: Stack, spec_streams: list[dict[str, object]], seconds:
 
 
 def report(label: str, r: dict[str, Any], m0: dict[str, float], m1: dict[str, float],
-           base: dict[str, float], stack: Stack) -> dict[str, bool]:
+           base: dict[str, float], stack: Stack, reserved: dict[str, int]) -> dict[str, bool]:
     recs = r["records"]
     sent = (len(recs) + r["errors"]) / r["send_wall"]
     print(f"  {label}: sent {sent:,.0f} req/s, {r['errors']} client errors, "
@@ -133,7 +143,7 @@ def report(label: str, r: dict[str, Any], m0: dict[str, float], m1: dict[str, fl
     records = [rec for w in stack.fleet.workers for rec in w.records]
     t0 = r["send_start"]
     breakdown = slots.account(trace, records, WORKERS * SLOTS, t0, t0 + r["send_wall"],
-                              reserved=RESERVED)
+                              reserved=reserved)
     print("\n".join(breakdown.lines(CLASSES)))
     print(f"    sidecar counters: preemptions "
           f"{delta(m0, m1, 'smg_scheduler_preemption_total'):.0f}, starvation promotions "
@@ -227,9 +237,10 @@ def add_flood_guard(stack: Stack) -> None:
 
 
 async def main_async(seconds: float, multiples: list[float], preemption: bool = True,
-                     flood_guard: bool = False) -> int:
+                     flood_guard: bool = False, reservations: bool = True) -> int:
+    priority = PRIORITY if reservations else PRIORITY_NO_RESERVATIONS
     cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=SERVICE,
-                      priority_yaml=PRIORITY, jwt_secret=SECRET, preemption=preemption,
+                      priority_yaml=priority, jwt_secret=SECRET, preemption=preemption,
                       log_level="warning", flush_interval_secs=5.0, health_interval_secs=1.0)
     stack = Stack(cfg)
     # The sidecar traces each admission's life; bench.slots accounts for the slot time.
@@ -260,7 +271,7 @@ async def main_async(seconds: float, multiples: list[float], preemption: bool = 
                                          "?filter=http_local_rate_limit.rate_limited", 2.0)
                 print("  flood guard (Envoy, cumulative): " + " ".join(body.decode().split()))
             label = f"{mult:g}x capacity ({mult * CAPACITY_RPS:,.0f} req/s offered, {seconds:g} s)"
-            checks = report(label, r, m0, m1, base, stack)
+            checks = report(label, r, m0, m1, base, stack, reserved_of(priority))
             all_ok = all_ok and all(checks.values())
             results.append((label, r))
         plot(results)
@@ -277,13 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="3 s per load level")
     p.add_argument("--no-preemption", action="store_true",
                    help="Envoy without the ext_proc filter (to measure what it costs)")
+    p.add_argument("--no-reservations", action="store_true",
+                   help="system and interactive reserve nothing (what the loop itself costs)")
     p.add_argument("--flood-guard", action="store_true",
                    help="Envoy's local rate limit on bulk before ext_authz (operator option)")
     args = p.parse_args(argv)
     seconds = 3.0 if args.quick else args.seconds
     return asyncio.run(main_async(seconds, [float(m) for m in args.multiples.split(",")],
                                   preemption=not args.no_preemption,
-                                  flood_guard=args.flood_guard))
+                                  flood_guard=args.flood_guard,
+                                  reservations=not args.no_reservations))
 
 
 if __name__ == "__main__":
