@@ -27,7 +27,7 @@ from sidecar.config import ConfigError, PriorityConfig, Settings
 from sidecar.coordination.controller import FleetController
 from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
-from sidecar.liveness import EnvoyLiveness
+from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
 from sidecar.metrics import Metrics
 from sidecar.ratelimit import build_bucket
 from sidecar.reload import ConfigWatcher
@@ -197,8 +197,14 @@ class Runtime:
                         config_digest=s.priority.digest)
         # Which Envoy asked for each admission and whether it is still there: slots of
         # requests Envoy still runs are never reclaimed by a timer alone.
-        self.liveness = EnvoyLiveness(self.controller, grace=s.envoy_owner_grace_secs,
-                                      metrics=metrics)
+        # With the local Envoy's admin known, a loopback owner's restart and a blip of its
+        # connection are told apart by that process's start (GET /server_info).
+        admin_url = s.envoy_admin_url
+        self.liveness = EnvoyLiveness(
+            self.controller, grace=s.envoy_owner_grace_secs, metrics=metrics,
+            start_of=None if admin_url is None else AdminProcessStart(
+                admin_url, lambda: self.monitor.session),
+            identifiable=None if admin_url is None else local_owners(admin_url))
         if fleet is not None:
             fleet.liveness_decides = True  # acknowledged only while its Envoy is watched
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,

@@ -37,13 +37,19 @@ gRPC hooks and a timer.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
+
+import aiohttp
 
 from sidecar import logs
+from sidecar.health import PROBE_ERRORS, http_get
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.scheduler import LEASE_EXPIRED, ReleaseResult
 
@@ -56,6 +62,12 @@ UNIX_OWNER = "unix"
 # The table forgets ended admissions it was not told about (a preemption, a lease
 # expiry) once it holds this many more than are in flight.
 PRUNE_SLACK = 1024
+
+
+# GET /server_info: a few KiB (build, options, node metadata).
+SERVER_INFO_LIMIT = 1 << 20
+ADMIN_TIMEOUT_SECS = 1.0  # no answer within it: the process is taken for dead
+StartSource = Callable[[], Awaitable["ProcessStart | None"]]
 
 
 def owner_of(peer: str) -> str:
@@ -79,6 +91,7 @@ class _Tracked:
     admitted_at: float
     acked_at: float | None = None  # last time Envoy showed it runs it
     unleased: bool = False  # acknowledged while its owner was alive: no lease
+    relapsed: bool = False  # unleased, then back under the lease at a gap (maybe a restart)
 
 
 @dataclass(slots=True)
@@ -87,6 +100,34 @@ class _Owner:
     watched: bool = False
     lost_at: float | None = None  # last stream closed at; None while alive or never watched
     ids: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
+    # Identified owners (their Envoy's admin answers): when to ask it next whether the
+    # process that was lost still lives; None while alive or while an answer is pending.
+    check_at: float | None = None
+    blip_seen: bool = False  # this loss was already found to be a blip (counted once)
+    # Bumped at every open after none and every last close: an admin answer asked for
+    # under an older one describes a state that has passed and is dropped.
+    epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStart:
+    """When the Envoy process answering an owner's admin started, on the table's clock.
+
+    Envoy reports its uptime in whole seconds, so the start lies in
+    ``[earliest, latest]`` (about a second wide); times within that window, give or take
+    :data:`START_MARGIN`, cannot be told before or after it.
+    """
+
+    earliest: float
+    latest: float
+
+    def before(self, t: float) -> bool:
+        """``t`` was surely before this process started."""
+        return t < self.earliest - START_MARGIN
+
+    def after(self, t: float) -> bool:
+        """``t`` was surely after this process started."""
+        return t > self.latest + START_MARGIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +138,52 @@ class Reopened:
     """Acknowledged while the owner was not alive: the owner is alive now, drop their lease."""
     relapse: list[str]
     """Acknowledged before a gap: back under the lease (a new process may have replaced it)."""
+    ask: int | None = None
+    """An identified owner's first stream after none: ask its admin when its process
+    started and pass this back to :meth:`OwnerTable.identified` with the answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identified:
+    """What an admin's answer at an owner's (re)opening asks of the caller."""
+
+    release: list[str]
+    """Admitted before the current process started: its predecessor's, and it is dead."""
+    unlease: list[str]
+    """Put back under the lease at the gap, but this process's: no lease again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """The verdict on a lost, identified owner once its admin answered (or did not)."""
+
+    verdict: str
+    """``blip`` (the same process lives), ``restarted`` (a new one started after the loss),
+    ``dead`` (no answer, or no telling), ``stale`` (a stream opened or closed meanwhile)."""
+    release: list[str]
+    first_blip: bool = False
+    """The first ``blip`` verdict of this loss (count and log it once)."""
+
+
+BLIP, RESTARTED, DEAD, STALE = "blip", "restarted", "dead", "stale"
+# Slack on top of the uptime's one-second resolution when comparing a time with a process
+# start: the two clock readings that convert Envoy's wall-clock start to the monotonic clock.
+START_MARGIN = 0.1
 
 
 class OwnerTable:
-    """Owners (by peer host) with their open ALS streams and the admissions they asked for."""
+    """Owners (by peer host) with their open ALS streams and the admissions they asked for.
 
-    def __init__(self, grace: float) -> None:
+    ``identifiable(owner)``: the caller can ask that owner's Envoy when its process started
+    (its admin API: a loopback owner, the pod's own Envoy). For those owners a loss past the
+    grace and a first stream after none are decided on the process's start
+    (:meth:`due_checks`, :meth:`checked`, :meth:`identified`); for the others, on time alone.
+    """
+
+    def __init__(self, grace: float,
+                 identifiable: Callable[[str], bool] = lambda owner: False) -> None:
         self.grace = grace
+        self.identifiable = identifiable
         self._owners: dict[str, _Owner] = {}
         self._ids: dict[str, _Tracked] = {}
 
@@ -124,6 +204,7 @@ class OwnerTable:
         if self._owners[t.owner].streams == 0:
             return False  # never watched, or lost: the lease stays until it is alive
         t.unleased = True
+        t.relapsed = False
         return True
 
     def ended(self, aid: str) -> None:
@@ -165,6 +246,9 @@ class OwnerTable:
             return Reopened([], [])
         lost_at, o.lost_at = o.lost_at, None
         o.watched = True
+        o.check_at = None
+        o.blip_seen = False
+        o.epoch += 1
         unlease: list[str] = []
         relapse: list[str] = []
         for aid in o.ids:
@@ -175,11 +259,38 @@ class OwnerTable:
                 t.acked_at = None  # only a new sign from Envoy unleases it again
                 if t.unleased:
                     t.unleased = False
+                    t.relapsed = True  # unless the admin says the same process lives
                     relapse.append(aid)
             elif not t.unleased:  # acknowledged while not alive: alive now
                 t.unleased = True
                 unlease.append(aid)
-        return Reopened(unlease, relapse)
+        # Until the admin answers, the above holds (what is decided without it).
+        return Reopened(unlease, relapse, o.epoch if self.identifiable(owner) else None)
+
+    def identified(self, owner: str, ask: int, start: ProcessStart | None,
+                   now: float) -> Identified:
+        """The admin's answer to :attr:`Reopened.ask`: when the process now running started
+        (None: no answer, or none to trust). Admissions surely asked for before that start
+        are a dead process's; those surely after are this one's, and what a gap put back
+        under the lease is unleased again. Within the start's resolution nothing changes
+        (what :meth:`stream_opened` decided holds: the time-only rule)."""
+        o = self._owners.get(owner)
+        if start is None or o is None or o.epoch != ask or o.streams == 0:
+            return Identified([], [])  # stale: a later open asks again, a loss checks
+        release: list[str] = []
+        unlease: list[str] = []
+        for aid in o.ids:
+            t = self._ids[aid]
+            if start.before(t.admitted_at):
+                release.append(aid)
+            elif start.after(t.admitted_at) and t.relapsed and not t.unleased:
+                t.relapsed = False
+                t.unleased = True
+                t.acked_at = now
+                unlease.append(aid)
+        for aid in release:
+            self.ended(aid)
+        return Identified(release, unlease)
 
     def stream_closed(self, owner: str, now: float) -> None:
         o = self._owners.get(owner)
@@ -188,6 +299,8 @@ class OwnerTable:
         o.streams -= 1
         if o.streams == 0:
             o.lost_at = now
+            o.epoch += 1
+            o.check_at = now + self.grace if self.identifiable(owner) else None
 
     def alive(self, owner: str) -> bool:
         o = self._owners.get(owner)
@@ -215,31 +328,165 @@ class OwnerTable:
         """Asked for before its owner was lost, and no sign from Envoy since."""
         return t.admitted_at <= lost_at and (t.acked_at is None or t.acked_at <= lost_at)
 
+    def _due(self, key: str, o: _Owner) -> float | None:
+        if o.lost_at is None:
+            return None
+        if self.identifiable(key):
+            return o.check_at  # None while its admin's answer is pending
+        return o.lost_at + self.grace
+
     def next_deadline(self) -> float | None:
-        due = [o.lost_at + self.grace for o in self._owners.values() if o.lost_at is not None]
+        due = [d for k, o in self._owners.items() if (d := self._due(k, o)) is not None]
         return min(due) if due else None
+
+    def _bury(self, key: str, o: _Owner, ids: list[str]) -> None:
+        """``o``'s process is dead: forget ``ids`` (the caller releases them); what it
+        asks for from now on is a new process's, not watched yet."""
+        for aid in ids:
+            self.ended(aid)
+        o.lost_at = None
+        o.check_at = None
+        o.watched = False
+        if not o.ids and key in self._owners:
+            del self._owners[key]
 
     def pop_dead(self, now: float) -> list[tuple[str, list[str]]]:
         """Owners lost for ``grace`` or longer, with the admissions they asked for before.
 
         Those admissions are forgotten here; the caller releases them. Admissions that
         arrived while the owner was lost (a new process behind the same host, not yet
-        watched) stay, under their lease.
+        watched) stay, under their lease. Identified owners are not decided here but by
+        their admin's answer (:meth:`due_checks`).
         """
         dead: list[tuple[str, list[str]]] = []
         for key, o in list(self._owners.items()):
-            if o.lost_at is None or o.lost_at + self.grace > now:
+            if (o.lost_at is None or self.identifiable(key)
+                    or o.lost_at + self.grace > now):
                 continue
             lost_at = o.lost_at
             ids = [aid for aid in o.ids if self._is_before(self._ids[aid], lost_at)]
-            for aid in ids:
-                self.ended(aid)
-            o.lost_at = None
-            o.watched = False
-            if not o.ids:
-                del self._owners[key]
+            self._bury(key, o, ids)
             dead.append((key, ids))
         return dead
+
+    def due_checks(self, now: float) -> list[tuple[str, int]]:
+        """Identified owners lost for ``grace`` (or since their last check) by ``now``:
+        ask each one's admin and pass the answer with its token to :meth:`checked`."""
+        due: list[tuple[str, int]] = []
+        for key, o in self._owners.items():
+            if (o.lost_at is not None and o.check_at is not None and o.check_at <= now
+                    and self.identifiable(key)):
+                o.check_at = None
+                due.append((key, o.epoch))
+        return due
+
+    def checked(self, owner: str, ask: int, start: ProcessStart | None,
+                now: float) -> Checked:
+        """A lost owner's admin answered (``start``) or not (None)."""
+        o = self._owners.get(owner)
+        if o is None or o.epoch != ask or o.lost_at is None:
+            return Checked(STALE, [])  # a stream opened (or closed again) meanwhile
+        lost_at = o.lost_at
+        if start is not None and start.after(lost_at):
+            # The process that held the streams still runs: only its connection went.
+            # Envoy reopens the stream at its next entry; until then nothing is released
+            # and the admin is asked again every grace.
+            first = not o.blip_seen
+            o.blip_seen = True
+            o.check_at = now + self.grace
+            return Checked(BLIP, [], first)
+        if start is not None and start.before(lost_at):
+            # A new process: whatever was asked for before it started is its
+            # predecessor's, lost or not yet; what came after is its own, under the lease.
+            ids = [aid for aid in o.ids if start.before(self._ids[aid].admitted_at)]
+            self._bury(owner, o, ids)
+            return Checked(RESTARTED, ids)
+        # No answer: dead, as without an admin. A start within the uptime's resolution
+        # of the loss cannot say which side it is on: the time-only rule (dead) too.
+        ids = [aid for aid in o.ids if self._is_before(self._ids[aid], lost_at)]
+        self._bury(owner, o, ids)
+        return Checked(DEAD, ids)
+
+
+def local_owners(admin_url: str) -> Callable[[str], bool]:
+    """Which owners are the Envoy behind ``admin_url``: a loopback peer (a sidecar per pod:
+    the pod's own Envoy), the ``unix`` owner (only local processes reach a socket), or the
+    admin URL's own host."""
+    host = (urlsplit(admin_url).hostname or "").strip("[]")
+
+    def identifiable(owner: str) -> bool:
+        if owner == UNIX_OWNER or (host and owner == host):
+            return True
+        try:
+            return ipaddress.ip_address(owner.partition("%")[0]).is_loopback
+        except ValueError:
+            return False
+
+    return identifiable
+
+
+def _seconds(value: object) -> int | None:
+    """A protobuf JSON Duration as Envoy writes its uptime (``"93s"``): whole seconds."""
+    if not isinstance(value, str) or not value.endswith("s"):
+        return None
+    try:
+        secs = float(value[:-1])
+    except ValueError:
+        return None
+    return int(secs) if math.isfinite(secs) and secs >= 0 else None
+
+
+def process_start(info: object, sent: tuple[float, float],
+                  received: tuple[float, float]) -> ProcessStart | None:
+    """When the Envoy that answered ``/server_info`` with ``info`` started, on the monotonic
+    clock; ``sent``/``received``: (monotonic, wall) readings around the request.
+
+    Envoy computes ``uptime_current_epoch`` as ``time(now) - time(start)``, both whole
+    seconds (``time_t``), at some instant between the two readings: so the start lies in
+    ``[floor(sent) - uptime, floor(received) - uptime + 1)`` in wall time, converted with
+    each reading's own offset so the window never depends on wall-clock jumps between.
+    None when unreadable, or after a hot restart (``uptime_all_epochs`` differs): the
+    parent process may still be draining its requests, so a start says nothing about them.
+    """
+    if not isinstance(info, dict):
+        return None
+    uptime = _seconds(info.get("uptime_current_epoch"))
+    if uptime is None or _seconds(info.get("uptime_all_epochs")) != uptime:
+        return None
+    (mono0, wall0), (mono1, wall1) = sent, received
+    earliest = mono0 - (wall0 - math.floor(wall0)) - uptime
+    latest = mono1 - (wall1 - math.floor(wall1)) - uptime + 1.0
+    return ProcessStart(earliest, latest)
+
+
+class AdminProcessStart:
+    """Asks the Envoy behind ``--envoy-admin-url`` when its process started
+    (``GET /server_info``), over the capacity monitor's HTTP session."""
+
+    def __init__(self, admin_url: str, session: Callable[[], aiohttp.ClientSession], *,
+                 timeout: float = ADMIN_TIMEOUT_SECS,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.url = admin_url.rstrip("/") + "/server_info"
+        self._session = session
+        self.timeout = timeout
+        self._clock = clock
+        self._wall = wall
+
+    async def __call__(self) -> ProcessStart | None:
+        sent = (self._clock(), self._wall())
+        try:
+            status, body = await http_get(self._session(), self.url, self.timeout,
+                                          SERVER_INFO_LIMIT)
+            received = (self._clock(), self._wall())
+            if status != 200:
+                log.info("envoy_admin_server_info_unreadable", url=self.url, status=status)
+                return None
+            return process_start(json.loads(body), sent, received)
+        except PROBE_ERRORS as exc:
+            log.info("envoy_admin_server_info_unreadable", url=self.url,
+                     error=str(exc)[:200] or type(exc).__name__)
+            return None
 
 
 class EnvoyLiveness:
@@ -253,14 +500,22 @@ class EnvoyLiveness:
 
     def __init__(self, controller: AdmissionService, *, grace: float,
                  metrics: Recorder | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 start_of: StartSource | None = None,
+                 identifiable: Callable[[str], bool] | None = None) -> None:
+        """``start_of``: asks the local Envoy's admin when its process started (on
+        ``clock``); ``identifiable``: the owners that Envoy is. Without them every owner
+        is decided on time alone."""
         self.controller = controller
-        self.table = OwnerTable(grace)
+        self._start_of = start_of
+        self.table = OwnerTable(grace, identifiable if start_of is not None and
+                                identifiable is not None else lambda owner: False)
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self._clock = clock
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._closed = False
+        self._asks: set[asyncio.Task[None]] = set()
 
     def admitted(self, aid: str, peer: str) -> None:
         self.table.admitted(aid, owner_of(peer), self._clock())
@@ -292,8 +547,54 @@ class EnvoyLiveness:
         if first or r.relapse:
             log.info("envoy_owner_watched", owner=owner, unleased=len(r.unlease),
                      back_under_lease=len(r.relapse))
+        if r.ask is not None:
+            self._ask(self._identify(owner, r.ask))
         self._report()
         return owner
+
+    async def _identify(self, owner: str, ask: int) -> None:
+        assert self._start_of is not None
+        start = await self._start_of()
+        if self._closed:
+            return
+        r = self.table.identified(owner, ask, start, self._clock())
+        for aid in r.unlease:
+            self.controller.hold_without_lease(aid)
+        if r.unlease:
+            log.info("envoy_owner_blip", owner=owner, unleased_again=len(r.unlease),
+                     reason="its access-log stream reopened and its admin says the "
+                            "same process runs")
+            self._metrics.owner_blip()
+        if r.release:
+            self._released(owner, r.release, "envoy_owner_restarted")
+
+    async def _check(self, owner: str, ask: int) -> None:
+        assert self._start_of is not None
+        start = await self._start_of()
+        if self._closed:
+            return
+        c = self.table.checked(owner, ask, start, self._clock())
+        if c.verdict == BLIP:
+            if c.first_blip:
+                log.info("envoy_owner_blip", owner=owner, grace_secs=self.table.grace,
+                         reason="no access-log stream for the grace, but its admin says "
+                                "the same process runs: nothing released")
+                self._metrics.owner_blip()
+        elif c.verdict == RESTARTED:
+            self._released(owner, c.release, "envoy_owner_restarted")
+        elif c.verdict == DEAD:
+            self._released(owner, c.release, "envoy_owner_lost")
+        self._arm()
+
+    def _ask(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._asks.add(task)
+        task.add_done_callback(self._asks.discard)
+
+    async def settled(self) -> None:
+        """Wait for the admin answers asked for so far to be applied (tests)."""
+        while self._asks:
+            await asyncio.gather(*self._asks, return_exceptions=True)
 
     def stream_closed(self, owner: str) -> None:
         self.table.stream_closed(owner, self._clock())
@@ -308,6 +609,8 @@ class EnvoyLiveness:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        for task in self._asks:
+            task.cancel()
 
     def _report(self) -> None:
         self._metrics.envoy_streams(self.table.open_streams, self.table.alive_owners)
@@ -329,19 +632,24 @@ class EnvoyLiveness:
         self._arm()
 
     def sweep(self) -> int:
-        """Release the admissions of every owner dead by now; returns how many."""
+        """Release the admissions of every owner dead by now; returns how many. Owners
+        whose admin can be asked are asked (decided when it answers)."""
         total = 0
         for owner, ids in self.table.pop_dead(self._clock()):
-            released = 0
-            for aid in ids:
-                if (self.controller.holds(aid)
-                        and self.controller.release(aid, LEASE_EXPIRED)
-                        is ReleaseResult.RELEASED):
-                    released += 1
-            # A clean Envoy exit leaves nothing to release: not worth a warning.
-            (log.warning if released else log.info)(
-                "envoy_owner_lost", owner=owner, released=released,
-                grace_secs=self.table.grace)
-            self._metrics.owner_lost(released)
-            total += released
+            total += self._released(owner, ids, "envoy_owner_lost")
+        for owner, ask in self.table.due_checks(self._clock()):
+            self._ask(self._check(owner, ask))
         return total
+
+    def _released(self, owner: str, ids: list[str], event: str) -> int:
+        released = 0
+        for aid in ids:
+            if (self.controller.holds(aid)
+                    and self.controller.release(aid, LEASE_EXPIRED)
+                    is ReleaseResult.RELEASED):
+                released += 1
+        # A clean Envoy exit leaves nothing to release: not worth a warning.
+        (log.warning if released else log.info)(
+            event, owner=owner, released=released, grace_secs=self.table.grace)
+        self._metrics.owner_lost(released)
+        return released

@@ -42,6 +42,7 @@ verb                        caller                 metrics
                                                    ``smg_sidecar_envoy_owners_alive``
 ``owner_lost``              liveness (timer)       ``smg_sidecar_envoy_owner_lost_total``,
                                                    ``smg_sidecar_envoy_owner_released_total``
+``owner_blip``              liveness (admin)       ``smg_sidecar_envoy_owner_blips_total``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -183,6 +184,9 @@ class Recorder(Protocol):
     def owner_lost(self, released: int) -> None:
         """An Envoy's streams stayed closed past the grace: ``released`` admissions freed."""
 
+    def owner_blip(self) -> None:
+        """An Envoy's streams closed, but its admin says the same process runs."""
+
 
 class NullRecorder:
     """Records nothing."""
@@ -241,6 +245,9 @@ class NullRecorder:
         pass
 
     def owner_lost(self, released: int) -> None:
+        pass
+
+    def owner_blip(self) -> None:
         pass
 
 
@@ -329,6 +336,9 @@ class Metrics:
         self._owner_released = Counter("smg_sidecar_envoy_owner_released",
                                        "Admissions released because the Envoy that asked "
                                        "for them died", registry=r)
+        self._owner_blips = Counter("smg_sidecar_envoy_owner_blips",
+                                    "Envoys whose access-log streams closed while their "
+                                    "admin showed the same process running", registry=r)
         self._mode = Gauge("smg_sidecar_admission_mode",
                            "Admission path in force (1 = active)", ["mode"], registry=r)
         self._fleet_inflight = Gauge("smg_sidecar_fleet_inflight",
@@ -479,6 +489,9 @@ class Metrics:
     def owner_lost(self, released: int) -> None:
         self._owner_lost.inc()
         self._owner_released.inc(released)
+
+    def owner_blip(self) -> None:
+        self._owner_blips.inc()
 
 
 class _WorkerCapacityCollector(Collector):
