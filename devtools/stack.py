@@ -245,6 +245,13 @@ class Stack:
             self.envoy.wait(10)
             self.envoy = None
 
+    async def restart_envoy(self) -> None:
+        """SIGKILL Envoy (if running) and start a new process on the same ports and config
+        file (a container restart): the sidecar sees the same address, a new process."""
+        self.kill_envoy()
+        self.start_envoy()
+        await self.wait_envoy_ready()
+
     async def wait_envoy_ready(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         admin = f"http://127.0.0.1:{self.admin_port}"

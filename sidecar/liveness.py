@@ -28,6 +28,13 @@ when the connection or the process goes. So:
   (periodic entries, if any, keep them), so a restart does not leak them. Envoy reopens a
   closed ALS stream only at its next entry, so a blip followed by no request ending
   within the grace reads as a death (docs/reference.md, "Leases and Envoy liveness").
+* **Which process.** Those two limits go for the pod's own Envoy when its admin is known
+  (``--envoy-admin-url``; a loopback, ``unix`` or admin-host owner): its process start
+  (``/server_info``) says whether a lost owner is the same process (a blip: nothing
+  released, asked again every grace) or a new one (what was admitted before its start is
+  released), and at a first stream or a reopen which admissions are a dead predecessor's
+  (released) and which are this process's (no lease). Owners without an admin keep the
+  time-only rules.
 
 :class:`OwnerTable` is the pure part (the caller passes the time in and applies what
 its methods return); :class:`EnvoyLiveness` wires it to the admission service, the
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import json
 import math
 import time
@@ -184,6 +192,9 @@ class OwnerTable:
                  identifiable: Callable[[str], bool] = lambda owner: False) -> None:
         self.grace = grace
         self.identifiable = identifiable
+        # One sequence for every owner: a token never matches an owner forgotten and
+        # seen again.
+        self._epochs = itertools.count(1)
         self._owners: dict[str, _Owner] = {}
         self._ids: dict[str, _Tracked] = {}
 
@@ -248,7 +259,7 @@ class OwnerTable:
         o.watched = True
         o.check_at = None
         o.blip_seen = False
-        o.epoch += 1
+        o.epoch = next(self._epochs)
         unlease: list[str] = []
         relapse: list[str] = []
         for aid in o.ids:
@@ -299,7 +310,7 @@ class OwnerTable:
         o.streams -= 1
         if o.streams == 0:
             o.lost_at = now
-            o.epoch += 1
+            o.epoch = next(self._epochs)
             o.check_at = now + self.grace if self.identifiable(owner) else None
 
     def alive(self, owner: str) -> bool:
@@ -552,9 +563,16 @@ class EnvoyLiveness:
         self._report()
         return owner
 
-    async def _identify(self, owner: str, ask: int) -> None:
+    async def _start(self) -> ProcessStart | None:
         assert self._start_of is not None
-        start = await self._start_of()
+        try:
+            return await self._start_of()
+        except Exception:  # an answer must come, or a lost owner is never decided
+            log.exception("envoy_admin_server_info_unreadable")
+            return None
+
+    async def _identify(self, owner: str, ask: int) -> None:
+        start = await self._start()
         if self._closed:
             return
         r = self.table.identified(owner, ask, start, self._clock())
@@ -569,8 +587,7 @@ class EnvoyLiveness:
             self._released(owner, r.release, "envoy_owner_restarted")
 
     async def _check(self, owner: str, ask: int) -> None:
-        assert self._start_of is not None
-        start = await self._start_of()
+        start = await self._start()
         if self._closed:
             return
         c = self.table.checked(owner, ask, start, self._clock())

@@ -8,10 +8,14 @@ start source, so "released" and "held" are the controller's real answers.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
+from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +27,7 @@ from sidecar.liveness import (
     RESTARTED,
     STALE,
     UNIX_OWNER,
+    AdminProcessStart,
     EnvoyLiveness,
     OwnerTable,
     ProcessStart,
@@ -405,7 +410,7 @@ async def test_a_blip_keeps_a_long_stream_past_the_grace_and_the_lease() -> None
 
 
 async def test_without_an_admin_answer_a_lost_envoy_is_dead_after_the_grace() -> None:
-    ctl, lv, clock, rec, admin = await make()
+    ctl, lv, clock, rec, _ = await make()
     owner = lv.stream_opened(LOCAL)
     aid = await admit(ctl, lv)
     lv.acknowledged(aid)
@@ -418,7 +423,7 @@ async def test_without_an_admin_answer_a_lost_envoy_is_dead_after_the_grace() ->
 
 
 async def test_a_remote_envoy_is_decided_on_time_alone() -> None:
-    ctl, lv, clock, rec, admin = await make()
+    ctl, lv, clock, _, admin = await make()
     peer = "ipv4:10.0.0.1:40001"
     owner = lv.stream_opened(peer)
     aid = await admit(ctl, lv, peer)
@@ -430,7 +435,7 @@ async def test_a_remote_envoy_is_decided_on_time_alone() -> None:
 
 
 async def test_closed_liveness_applies_no_answer() -> None:
-    ctl, lv, clock, rec, admin = await make()
+    ctl, lv, clock, _, admin = await make()
     aid = await admit(ctl, lv)
     lv.acknowledged(aid)
     clock.advance(3.0)
@@ -441,3 +446,79 @@ async def test_closed_liveness_applies_no_answer() -> None:
     assert ctl.holds(aid)
     ctl.release(aid)
     ctl.close()
+
+
+async def test_a_failing_start_source_counts_as_no_answer() -> None:
+    ctl, lv, clock, rec, _ = await make()
+
+    async def broken() -> ProcessStart | None:
+        raise RuntimeError("bug")
+
+    lv._start_of = broken  # an answer must come, or the lost owner is never decided
+    owner = lv.stream_opened(LOCAL)
+    aid = await admit(ctl, lv)
+    lv.acknowledged(aid)
+    lv.stream_closed(owner)
+    clock.advance(GRACE)
+    lv.sweep()
+    await lv.settled()
+    assert not ctl.holds(aid) and rec.lost == [1]
+    ctl.close()
+
+
+# ----------------------------------------------------------------- the admin, over HTTP
+
+
+@pytest.fixture
+async def admin_server() -> AsyncIterator[tuple[str, dict[str, object]]]:
+    """A real HTTP server standing in for Envoy's admin ``/server_info``."""
+    state: dict[str, object] = {"status": 200, "body": {}, "gate": asyncio.Event()}
+
+    async def server_info(_: web.Request) -> web.Response:
+        if state.get("hang"):
+            gate = state["gate"]
+            assert isinstance(gate, asyncio.Event)
+            await gate.wait()  # never set: the client's timeout decides
+        return web.json_response(state["body"], status=int(str(state["status"])))
+
+    app = web.Application()
+    app.router.add_get("/server_info", server_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}/", state
+    gate = state["gate"]
+    assert isinstance(gate, asyncio.Event)
+    gate.set()  # a hung handler ends, so the server stops at once
+    await runner.cleanup()
+
+
+async def test_the_admin_start_is_read_from_server_info(
+        admin_server: tuple[str, dict[str, object]]) -> None:
+    url, state = admin_server
+    state["body"] = {"state": "LIVE", "uptime_current_epoch": "7s", "uptime_all_epochs": "7s"}
+    readings = iter([50.3, 50.4])
+    walls = iter([1000.3, 1000.4])
+    async with aiohttp.ClientSession() as session:
+        src = AdminProcessStart(url, lambda: session, clock=lambda: next(readings),
+                                wall=lambda: next(walls))
+        s = await src()
+    assert s is not None
+    assert math.isclose(s.earliest, 43.0) and math.isclose(s.latest, 44.0)
+
+
+@pytest.mark.parametrize("trouble", ["status", "hang", "garbage"])
+async def test_no_admin_answer_is_none(admin_server: tuple[str, dict[str, object]],
+                                       trouble: str) -> None:
+    url, state = admin_server
+    state["body"] = {"uptime_current_epoch": "7s", "uptime_all_epochs": "7s"}
+    if trouble == "status":
+        state["status"] = 503
+    elif trouble == "hang":
+        state["hang"] = True
+    else:
+        state["body"] = "not json server info"
+    async with aiohttp.ClientSession() as session:
+        assert await AdminProcessStart(url, lambda: session, timeout=0.3)() is None
