@@ -96,6 +96,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "envoy_feature": lambda r: r.envoy_feature("ext_proc", "absent"),
     "envoy_streams": lambda r: r.envoy_streams(2, 1),
     "owner_lost": lambda r: r.owner_lost(3),
+    "owner_blip": lambda r: r.owner_blip(),
 }
 
 
