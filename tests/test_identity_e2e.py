@@ -131,12 +131,14 @@ async def test_a_blip_of_the_access_log_connection_keeps_a_long_streams_slot(
         await until(stack, inflight_is("bulk", 1))
         relay.reset()  # Envoy lives and streams; its ALS connection is gone
         await until(stack, lambda m: m.get(ALS_STREAMS, 0) == 0)
-        await until(stack, lambda m: m.get(BLIPS, 0) == 1, timeout=grace + 3)
-        await asyncio.sleep(lease + 2 * grace)  # the condition under test: time passing
+        # The condition under test is time passing: past the grace (checked twice or
+        # more since) and past the lease.
+        await asyncio.sleep(lease + 2 * grace)
         m = await stack.metrics()
         assert m['smg_scheduler_inflight{class="bulk"}'] == 1
         assert m.get('smg_sidecar_lease_expired_total{class="bulk"}', 0) == 0
-        assert m.get(RELEASED, 0) == 0 and m[BLIPS] == 1  # counted once, checked each grace
+        assert m.get(RELEASED, 0) == 0
+        assert m.get(BLIPS, 0) == 1  # counted once per loss, however often it is checked
         stack.fleet.gates.open("finish")  # its final entry reopens the stream and ends it
         await asyncio.wait_for(ex.read_body(), 10)
         await ex.close()
