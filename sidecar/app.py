@@ -213,7 +213,6 @@ class Runtime:
                                   liveness=self.liveness)
         self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
                                         wall_clock=time.time)
-        self.features.on_periodic_present = self._periodic_entries_seen
         self.completion = CompletionService(self.controller, metrics, self.features,
                                             self.liveness)
         self.response_path = ResponsePathService(self.controller, metrics, self.features,
@@ -293,11 +292,6 @@ class Runtime:
         self.authz.preemptible = self._preemptible(cfg.classes)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
-
-    def _periodic_entries_seen(self) -> None:
-        # From now on an admission nobody may preempt needs no ext_proc stream: periodic
-        # entries acknowledge it (sidecar.liveness) and renew its lease.
-        self.authz.streams_optional = True
 
     def _preemptible(self, classes: Mapping[PriorityClass, ClassSettings]
                      ) -> frozenset[PriorityClass]:

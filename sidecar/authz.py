@@ -127,12 +127,6 @@ class AuthzService:
         self.policy = policy
         # Replaced as a whole on config reload, like the policy.
         self.preemptible = preemptible
-        # An allow may say `preemptible: false` (Envoy then opens no ext_proc stream) only
-        # once Envoy is known to send periodic access-log entries: without them the
-        # ext_proc stream is the only sign that Envoy runs the request, and an admission
-        # nothing acknowledges keeps its lease, which a long stream outlives (issue 12).
-        # Set by the configuration detector (sidecar.envoy_features); never unset.
-        self.streams_optional = False
         self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
@@ -184,12 +178,16 @@ class AuthzService:
             self._rejections.add(c.effective.label, outcome, tenant)
             raise
         aid = admitted.admission.id
-        if self.liveness is not None:
-            self.liveness.admitted(aid, context.peer())  # which Envoy asked
+        # An allow may say `preemptible: false` (Envoy then opens no ext_proc stream) only
+        # when the Envoy that asked is known to send periodic access-log entries: without
+        # them the stream is the only sign that Envoy runs the request, and an admission
+        # nothing acknowledges keeps its lease, which a long stream outlives (issue 12).
+        periodic = (self.liveness is not None
+                    and self.liveness.admitted(aid, context.peer()))  # which Envoy asked
         if logs.debug_enabled():
             log.debug("admitted", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, admission_id=aid,
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
                       request_id=request_id)
         return codec.encode_allow(aid, c.effective.label, tenant,
-                                  c.effective in self.preemptible or not self.streams_optional)
+                                  c.effective in self.preemptible or not periodic)

@@ -113,13 +113,16 @@ class CompletionService:
                         if result is not ReleaseResult.RELEASED:
                             log.info("completion_unmatched", admission_id=entry.admission_id,
                                      reason=result.value, response_code=entry.response_code)
-                    elif self._renew_or_adopt(entry):
-                        if liveness is not None:
-                            liveness.acknowledged(entry.admission_id, peer)
                     else:
-                        # An id this process already ended (e.g. a preempted victim
-                        # still draining in Envoy): nothing to renew or adopt.
-                        log.debug("renewal_unmatched", admission_id=entry.admission_id)
+                        if liveness is not None:
+                            liveness.periodic_entry(owner)
+                        if self._renew_or_adopt(entry):
+                            if liveness is not None:
+                                liveness.acknowledged(entry.admission_id, peer)
+                        else:
+                            # An id this process already ended (e.g. a preempted victim
+                            # still draining in Envoy): nothing to renew or adopt.
+                            log.debug("renewal_unmatched", admission_id=entry.admission_id)
         finally:
             if liveness is not None:
                 liveness.stream_closed(owner)

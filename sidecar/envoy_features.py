@@ -60,8 +60,6 @@ class FeatureDetector:
         self._wall_clock = wall_clock
         self._state = dict.fromkeys(Feature, State.UNKNOWN)
         self._ended_without_ext_proc = 0
-        # Called once, when periodic entries are first seen (sidecar.authz streams_optional).
-        self.on_periodic_present: Callable[[], None] | None = None
         for f in Feature:
             metrics.envoy_feature(f.value, State.UNKNOWN.value)
 
@@ -85,11 +83,7 @@ class FeatureDetector:
             self._set(Feature.UNBUFFERED_ACCESS_LOG, State.ABSENT, entries_in_message=entries)
 
     def periodic_entry(self) -> None:
-        if self._state[Feature.PERIODIC_ACCESS_LOG] is State.PRESENT:
-            return
         self._set(Feature.PERIODIC_ACCESS_LOG, State.PRESENT)
-        if self.on_periodic_present is not None:
-            self.on_periodic_present()
 
     def final_entry(self, *, lived_secs: float, ended_at: float,
                     preemptible: bool = True) -> None:

@@ -75,7 +75,9 @@ PRUNE_SLACK = 1024
 # GET /server_info: ~120 KiB measured (Envoy 1.40 lists every extension in its node);
 # a mesh adds node metadata.
 SERVER_INFO_LIMIT = 4 << 20
-ADMIN_TIMEOUT_SECS = 1.0  # no answer within it: the process is taken for dead
+ADMIN_TIMEOUT_SECS = 1.0  # per attempt
+ADMIN_ATTEMPTS = 3  # a timeout or error status is asked again; a refused connection is not
+ADMIN_RETRY_SECS = 0.25
 StartSource = Callable[[], Awaitable["ProcessStart | None"]]
 
 
@@ -113,6 +115,12 @@ class _Owner:
     # process that was lost still lives; None while alive or while an answer is pending.
     check_at: float | None = None
     blip_seen: bool = False  # this loss was already found to be a blip (counted once)
+    # The reopening that ended a loss already counted as a blip: not counted again.
+    blip_counted: bool = False
+    # This Envoy process sends periodic access-log entries: they acknowledge its
+    # requests, so an allow may let it skip ext_proc (sidecar.authz), and after a blip its
+    # earlier admissions can wait for their next periodic entry under the lease.
+    periodic: bool = False
     # Bumped at every open after none and every last close: an admin answer asked for
     # under an older one describes a state that has passed and is dropped.
     epoch: int = 0
@@ -160,6 +168,8 @@ class Identified:
     """Admitted before the current process started: its predecessor's, and it is dead."""
     unlease: list[str]
     """Put back under the lease at the gap, but this process's: no lease again."""
+    blip_counted: bool = False
+    """The loss this reopening ended was already counted as a blip."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,8 +223,11 @@ class OwnerTable:
         if t is None:
             return False
         t.acked_at = now
-        if self._owners[t.owner].streams == 0:
-            return False  # never watched, or lost: the lease stays until it is alive
+        o = self._owners[t.owner]
+        # Never watched, or lost: the lease stays until it is alive, unless its admin
+        # confirmed since the loss that the same process runs (a blip).
+        if o.streams == 0 and not o.blip_seen:
+            return False
         t.unleased = True
         t.relapsed = False
         return True
@@ -249,6 +262,16 @@ class OwnerTable:
         t = self._ids.get(aid)
         return t is not None and t.unleased
 
+    def periodic_entry(self, owner: str) -> None:
+        """A periodic access-log entry arrived on one of ``owner``'s streams."""
+        o = self._owners.get(owner)
+        if o is not None:
+            o.periodic = True
+
+    def sends_periodic(self, owner: str) -> bool:
+        o = self._owners.get(owner)
+        return o is not None and o.periodic
+
     # ------------------------------------------------------------------ streams
 
     def stream_opened(self, owner: str, now: float) -> Reopened:
@@ -259,7 +282,7 @@ class OwnerTable:
         lost_at, o.lost_at = o.lost_at, None
         o.watched = True
         o.check_at = None
-        o.blip_seen = False
+        o.blip_counted, o.blip_seen = o.blip_seen, False
         o.epoch = next(self._epochs)
         unlease: list[str] = []
         relapse: list[str] = []
@@ -295,6 +318,10 @@ class OwnerTable:
             t = self._ids[aid]
             if start.before(t.admitted_at):
                 release.append(aid)
+            elif o.periodic:
+                # A final entry may have been lost with the connection: the live ones are
+                # acknowledged again by their next periodic entry, the rest expire.
+                continue
             elif start.after(t.admitted_at) and t.relapsed and not t.unleased:
                 t.relapsed = False
                 t.unleased = True
@@ -302,7 +329,7 @@ class OwnerTable:
                 unlease.append(aid)
         for aid in release:
             self.ended(aid)
-        return Identified(release, unlease)
+        return Identified(release, unlease, o.blip_counted)
 
     def stream_closed(self, owner: str, now: float) -> None:
         o = self._owners.get(owner)
@@ -359,6 +386,8 @@ class OwnerTable:
         o.lost_at = None
         o.check_at = None
         o.watched = False
+        o.periodic = False  # a new process: its config is not known yet
+        o.blip_seen = False
         if not o.ids and key in self._owners:
             del self._owners[key]
 
@@ -415,7 +444,10 @@ class OwnerTable:
             return Checked(RESTARTED, ids)
         # No answer: dead, as without an admin. A start within the uptime's resolution
         # of the loss cannot say which side it is on: the time-only rule (dead) too.
-        ids = [aid for aid in o.ids if self._is_before(self._ids[aid], lost_at)]
+        # After a blip was confirmed, admissions acknowledged since the loss had no lease
+        # (acknowledge): they die with the process too.
+        ids = [aid for aid in o.ids if self._is_before(self._ids[aid], lost_at)
+               or (o.blip_seen and self._ids[aid].unleased)]
         self._bury(owner, o, ids)
         return Checked(DEAD, ids)
 
@@ -425,16 +457,23 @@ def local_owners(admin_url: str) -> Callable[[str], bool]:
     the pod's own Envoy), the ``unix`` owner (only local processes reach a socket), or the
     admin URL's own host."""
     host = (urlsplit(admin_url).hostname or "").strip("[]")
+    # Loopback and unix callers are this Envoy only when the admin is local too: an admin
+    # elsewhere says nothing about the processes calling over loopback.
+    admin_local = host == "localhost" or _loopback(host)
 
     def identifiable(owner: str) -> bool:
-        if owner == UNIX_OWNER or (host and owner == host):
+        if host and owner == host:
             return True
-        try:
-            return ipaddress.ip_address(owner.partition("%")[0]).is_loopback
-        except ValueError:
-            return False
+        return admin_local and (owner == UNIX_OWNER or _loopback(owner))
 
     return identifiable
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _seconds(value: object) -> int | None:
@@ -486,19 +525,35 @@ class AdminProcessStart:
         self._wall = wall
 
     async def __call__(self) -> ProcessStart | None:
-        sent = (self._clock(), self._wall())
-        try:
-            status, body = await http_get(self._session(), self.url, self.timeout,
-                                          SERVER_INFO_LIMIT)
+        # A refused connection is an answer (no Envoy listens: the process is gone); a
+        # timeout or an error status may be a busy main thread (a big xDS push), so it is
+        # asked again before the caller takes silence for a death.
+        for attempt in range(ADMIN_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(ADMIN_RETRY_SECS)
+            sent = (self._clock(), self._wall())
+            try:
+                status, body = await http_get(self._session(), self.url, self.timeout,
+                                              SERVER_INFO_LIMIT)
+            except aiohttp.ClientConnectorError as exc:
+                log.info("envoy_admin_server_info_unreadable", url=self.url,
+                         error=str(exc)[:200] or type(exc).__name__)
+                return None
+            except PROBE_ERRORS as exc:
+                log.info("envoy_admin_server_info_unreadable", url=self.url,
+                         error=str(exc)[:200] or type(exc).__name__, attempt=attempt + 1)
+                continue
             received = (self._clock(), self._wall())
             if status != 200:
-                log.info("envoy_admin_server_info_unreadable", url=self.url, status=status)
-                return None
-            return process_start(json.loads(body), sent, received)
-        except PROBE_ERRORS as exc:
-            log.info("envoy_admin_server_info_unreadable", url=self.url,
-                     error=str(exc)[:200] or type(exc).__name__)
-            return None
+                log.info("envoy_admin_server_info_unreadable", url=self.url, status=status,
+                         attempt=attempt + 1)
+                continue
+            try:
+                info = json.loads(body)
+            except (ValueError, RecursionError):
+                return None  # not Envoy's server info: asking again will not change that
+            return process_start(info, sent, received)
+        return None
 
 
 class EnvoyLiveness:
@@ -528,11 +583,20 @@ class EnvoyLiveness:
         self._timer_at: float | None = None
         self._closed = False
         self._asks: set[asyncio.Task[None]] = set()
+        self._asking: dict[str, asyncio.Task[None]] = {}
 
-    def admitted(self, aid: str, peer: str) -> None:
-        self.table.admitted(aid, owner_of(peer), self._clock())
+    def admitted(self, aid: str, peer: str) -> bool:
+        """Check admitted ``aid`` for ``peer``. True: that Envoy sends periodic access-log
+        entries, so they, not an ext_proc stream, can acknowledge the request."""
+        owner = owner_of(peer)
+        self.table.admitted(aid, owner, self._clock())
         if len(self.table) > 2 * self.controller.lease_count + PRUNE_SLACK:
             self.table.prune(self.controller.holds)
+        return self.table.sends_periodic(owner)
+
+    def periodic_entry(self, owner: str) -> None:
+        """A periodic entry arrived on a stream of ``owner`` (from :meth:`stream_opened`)."""
+        self.table.periodic_entry(owner)
 
     def acknowledged(self, aid: str, peer: str | None = None) -> None:
         """Envoy runs ``aid``. ``peer``: the stream that said so, owner of an ``aid`` no
@@ -559,8 +623,8 @@ class EnvoyLiveness:
         if first or r.relapse:
             log.info("envoy_owner_watched", owner=owner, unleased=len(r.unlease),
                      back_under_lease=len(r.relapse))
-        if r.ask is not None:
-            self._ask(self._identify(owner, r.ask))
+        if r.ask is not None and not self._closed:
+            self._ask(owner, self._identify(owner, r.ask))
         self._report()
         return owner
 
@@ -583,7 +647,8 @@ class EnvoyLiveness:
             log.info("envoy_owner_blip", owner=owner, unleased_again=len(r.unlease),
                      reason="its access-log stream reopened and its admin says the "
                             "same process runs")
-            self._metrics.owner_blip()
+            if not r.blip_counted:  # the loss's check may have counted it already
+                self._metrics.owner_blip()
         if r.release:
             self._released(owner, r.release, "envoy_owner_restarted")
 
@@ -604,10 +669,18 @@ class EnvoyLiveness:
             self._released(owner, c.release, "envoy_owner_lost")
         self._arm()
 
-    def _ask(self, coro: Awaitable[None]) -> None:
+    def _ask(self, owner: str, coro: Awaitable[None]) -> None:
+        # One question per owner in flight: a newer one makes the older answer stale
+        # anyway (its token), so connection flaps cannot pile requests up on the admin.
+        old = self._asking.get(owner)
+        if old is not None:
+            old.cancel()
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._asking[owner] = task
         self._asks.add(task)
         task.add_done_callback(self._asks.discard)
+        task.add_done_callback(
+            lambda t: self._asking.pop(owner, None) if self._asking.get(owner) is t else None)
 
     async def settled(self) -> None:
         """Wait for the admin answers asked for so far to be applied (tests)."""
@@ -655,8 +728,10 @@ class EnvoyLiveness:
         total = 0
         for owner, ids in self.table.pop_dead(self._clock()):
             total += self._released(owner, ids, "envoy_owner_lost")
+        if self._closed:
+            return total
         for owner, ask in self.table.due_checks(self._clock()):
-            self._ask(self._check(owner, ask))
+            self._ask(owner, self._check(owner, ask))
         return total
 
     def _released(self, owner: str, ids: list[str], event: str) -> int:

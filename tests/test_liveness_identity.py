@@ -19,6 +19,7 @@ from aiohttp import web
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from devtools.stack import free_port
 from sidecar.admission import AdmissionController
 from sidecar.classes import PriorityClass
 from sidecar.liveness import (
@@ -57,13 +58,18 @@ def table() -> OwnerTable:
 # ----------------------------------------------------------------------------- parsing
 
 
-@pytest.mark.parametrize(("owner", "local"), [
-    ("127.0.0.1", True), ("127.0.0.6", True), ("::1", True), (UNIX_OWNER, True),
-    ("10.0.0.9", True),  # the admin URL's own host: the pod's Envoy
-    ("10.0.0.8", False), ("fe80::1%eth0", False), ("router~x", False),
+@pytest.mark.parametrize(("admin", "owner", "local"), [
+    ("http://127.0.0.1:9901", "127.0.0.1", True), ("http://127.0.0.1:9901", "127.0.0.6", True),
+    ("http://localhost:9901", "::1", True), ("http://[::1]:9901", UNIX_OWNER, True),
+    ("http://127.0.0.1:9901", "10.0.0.8", False), ("http://127.0.0.1:9901", "router~x", False),
+    ("http://10.0.0.9:9901", "10.0.0.9", True),  # the admin URL's own host: that Envoy
+    # An admin elsewhere says nothing about who calls over loopback or the socket.
+    ("http://10.0.0.9:9901", "127.0.0.1", False), ("http://10.0.0.9:9901", "127.0.0.6", False),
+    ("http://10.0.0.9:9901", UNIX_OWNER, False), ("http://10.0.0.9:9901", "fe80::1%eth0", False),
 ])
-def test_local_owners_are_loopback_unix_and_the_admin_host(owner: str, local: bool) -> None:
-    assert local_owners("http://10.0.0.9:9901")(owner) is local
+def test_local_owners_are_loopback_unix_and_the_admin_host(admin: str, owner: str,
+                                                           local: bool) -> None:
+    assert local_owners(admin)(owner) is local
 
 
 def test_a_localhost_admin_url_still_names_loopback_owners() -> None:
@@ -398,7 +404,9 @@ async def test_a_blip_keeps_a_long_stream_past_the_grace_and_the_lease() -> None
         await lv.settled()
         ctl.tick()
         assert ctl.holds(aid)
-    assert rec.blips == 1 and rec.lost == [] and admin.asked == 1 + 4  # its watch, 4 checks
+    # 4 checks; the watch's question was still pending when the first check replaced it
+    # (one question per owner in flight).
+    assert rec.blips == 1 and rec.lost == [] and admin.asked == 4
     # Its next entry reopens the stream; then its final entry ends it.
     lv.stream_opened(LOCAL)
     await lv.settled()
@@ -522,3 +530,149 @@ async def test_no_admin_answer_is_none(admin_server: tuple[str, dict[str, object
         state["body"] = "not json server info"
     async with aiohttp.ClientSession() as session:
         assert await AdminProcessStart(url, lambda: session, timeout=0.3)() is None
+
+
+# ------------------------------------------------------------ second review's findings
+
+
+async def test_after_a_blip_with_periodic_entries_a_lost_final_entry_does_not_leak() -> None:
+    """Y ended while the access-log connection was down (its final entry lost with it).
+    The admin says the same process runs, but this Envoy sends periodic entries: what was
+    acknowledged before the gap waits under the lease for its next periodic entry, so the
+    live X is acknowledged again and the ended Y expires instead of being held forever."""
+    ctl, lv, clock, _rec, admin = await make()
+    admin.start = started(clock() - 100.0)
+    owner = lv.stream_opened(LOCAL)
+    await lv.settled()
+    x, y = await admit(ctl, lv), await admit(ctl, lv)
+    lv.acknowledged(x)
+    lv.acknowledged(y)
+    lv.periodic_entry(owner)
+    lv.stream_closed(owner)  # the reset; Y's final entry is lost with it
+    clock.advance(1.0)
+    owner = lv.stream_opened(LOCAL)  # Envoy's next entry reopens it
+    await lv.settled()
+    clock.advance(LEASE / 2)
+    lv.acknowledged(x)  # X's next periodic entry
+    clock.advance(LEASE)
+    ctl.tick()
+    assert ctl.holds(x) and not ctl.holds(y)
+
+
+async def test_without_periodic_entries_a_blip_keeps_what_ran_before_it() -> None:
+    ctl, lv, clock, _rec, admin = await make()
+    admin.start = started(clock() - 100.0)
+    owner = lv.stream_opened(LOCAL)
+    await lv.settled()
+    x = await admit(ctl, lv)
+    lv.acknowledged(x)
+    lv.stream_closed(owner)
+    clock.advance(1.0)
+    lv.stream_opened(LOCAL)
+    await lv.settled()
+    clock.advance(3 * LEASE)
+    ctl.tick()
+    assert ctl.holds(x)  # the same process runs it: no timer takes it
+
+
+async def test_acknowledged_during_a_confirmed_blip_has_no_lease_and_dies_with_the_process(
+        ) -> None:
+    ctl, lv, clock, rec, admin = await make()
+    admin.start = started(clock() - 100.0)
+    owner = lv.stream_opened(LOCAL)
+    await lv.settled()
+    lv.stream_closed(owner)
+    clock.advance(GRACE)
+    lv.sweep()
+    await lv.settled()
+    assert rec.blips == 1
+    new = await admit(ctl, lv)  # a new long stream of the same, live process
+    lv.acknowledged(new)
+    clock.advance(3 * LEASE)
+    ctl.tick()
+    assert ctl.holds(new)
+    admin.start = None  # now the process is gone
+    for _ in range(int(3 * LEASE / GRACE) + 1):
+        clock.advance(GRACE)
+        lv.sweep()
+        await lv.settled()
+        if not ctl.holds(new):
+            break
+    assert not ctl.holds(new) and rec.lost == [1]
+
+
+async def test_periodic_entries_are_known_per_envoy_and_forgotten_with_its_process() -> None:
+    ctl, lv, clock, _rec, admin = await make()
+    other = "ipv4:10.0.0.8:40001"
+    mine = lv.stream_opened(LOCAL)
+    theirs = lv.stream_opened(other)
+    lv.periodic_entry(mine)
+    assert await admit_says_periodic(ctl, lv, LOCAL)
+    assert not await admit_says_periodic(ctl, lv, other)  # that Envoy sends none
+    lv.stream_closed(theirs)
+    lv.stream_closed(mine)
+    admin.start = None  # the pod's Envoy died
+    clock.advance(GRACE)
+    lv.sweep()
+    await lv.settled()
+    assert not await admit_says_periodic(ctl, lv, LOCAL)  # its successor: not known yet
+
+
+async def admit_says_periodic(ctl: AdmissionController, lv: EnvoyLiveness, peer: str) -> bool:
+    return lv.admitted((await ctl.admit(D, "t")).admission.id, peer)
+
+
+async def test_a_closed_liveness_asks_the_admin_nothing() -> None:
+    _ctl, lv, clock, _rec, admin = await make()
+    lv.close()
+    owner = lv.stream_opened(LOCAL)
+    lv.stream_closed(owner)
+    clock.advance(GRACE)
+    lv.sweep()
+    await lv.settled()
+    assert admin.asked == 0
+
+
+async def test_connection_flaps_keep_one_question_per_owner_in_flight() -> None:
+    _ctl, lv, clock, _rec, _admin = await make()
+    gate = asyncio.Event()
+    in_flight = 0
+    peak = 0
+
+    async def slow() -> ProcessStart | None:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await gate.wait()
+            return started(clock() - 100.0)
+        finally:
+            in_flight -= 1
+
+    lv._start_of = slow
+    for _ in range(50):
+        owner = lv.stream_opened(LOCAL)
+        await asyncio.sleep(0)
+        lv.stream_closed(owner)
+        await asyncio.sleep(0)
+    assert peak == 1
+    gate.set()
+    await lv.settled()
+
+
+async def test_a_busy_admin_is_asked_again_a_gone_one_is_not(
+        admin_server: tuple[str, dict[str, object]]) -> None:
+    url, state = admin_server
+    state["body"] = {"uptime_current_epoch": "7s", "uptime_all_epochs": "7s"}
+    state["status"] = 503
+    async with aiohttp.ClientSession() as session:
+        src = AdminProcessStart(url, lambda: session, timeout=0.3)
+        task = asyncio.ensure_future(src())
+        await asyncio.sleep(0.1)  # the first attempt got its 503
+        state["status"] = 200
+        assert await task is not None  # the retry found it
+        port = free_port()  # nothing listens there: refused, answered at once
+        gone = AdminProcessStart(f"http://127.0.0.1:{port}", lambda: session, timeout=0.3)
+        t0 = asyncio.get_running_loop().time()
+        assert await gone() is None
+        assert asyncio.get_running_loop().time() - t0 < 0.2

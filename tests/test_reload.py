@@ -231,7 +231,7 @@ async def test_reload_of_can_preempt_changes_which_allows_say_preemptible(
     resp = await envoy.check({})
     await envoy.log((admission_id(resp), "periodic"), cls="default")
     await envoy.log((admission_id(resp), "end"))
-    await eventually(lambda: app.authz.streams_optional)
+    await eventually(lambda: app.liveness.table.sends_periodic("127.0.0.1"))
     # system and interactive preempt (built-in): default can be a victim, no key
     assert await preemptible_key() is None
     cm.swap(NOBODY_PREEMPTS)
