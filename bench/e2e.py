@@ -75,7 +75,7 @@ async def periodic_entries_seen(stack: Stack) -> None:
     seen a periodic access-log entry (sidecar.authz streams_optional): hold one request
     past the flush interval, as any long LLM stream in production would."""
     r = await request(stack.listen_port,
-                      headers={**SYSTEM_HEADERS, SERVICE_TIME_HEADER: "1.5"})
+                      headers={**SYSTEM_HEADERS, SERVICE_TIME_HEADER: "3.5"})
     assert r.status == 200, r.status
     present = await stack.metric("smg_sidecar_envoy_feature",
                                  feature="periodic_access_log", state="present")

@@ -121,6 +121,7 @@ class _Owner:
     # requests, so an allow may let it skip ext_proc (sidecar.authz), and after a blip its
     # earlier admissions can wait for their next periodic entry under the lease.
     periodic: bool = False
+    periodic_at: float = 0.0  # the last one, to tell whose process it came from
     # Bumped at every open after none and every last close: an admin answer asked for
     # under an older one describes a state that has passed and is dropped.
     epoch: int = 0
@@ -262,11 +263,12 @@ class OwnerTable:
         t = self._ids.get(aid)
         return t is not None and t.unleased
 
-    def periodic_entry(self, owner: str) -> None:
+    def periodic_entry(self, owner: str, now: float) -> None:
         """A periodic access-log entry arrived on one of ``owner``'s streams."""
         o = self._owners.get(owner)
         if o is not None:
             o.periodic = True
+            o.periodic_at = now
 
     def sends_periodic(self, owner: str) -> bool:
         o = self._owners.get(owner)
@@ -312,6 +314,8 @@ class OwnerTable:
         o = self._owners.get(owner)
         if start is None or o is None or o.epoch != ask or o.streams == 0:
             return Identified([], [])  # stale: a later open asks again, a loss checks
+        if o.periodic and start.before(o.periodic_at):
+            o.periodic = False  # surely its predecessor's: this process's config is unknown
         release: list[str] = []
         unlease: list[str] = []
         for aid in o.ids:
@@ -596,7 +600,7 @@ class EnvoyLiveness:
 
     def periodic_entry(self, owner: str) -> None:
         """A periodic entry arrived on a stream of ``owner`` (from :meth:`stream_opened`)."""
-        self.table.periodic_entry(owner)
+        self.table.periodic_entry(owner, self._clock())
 
     def acknowledged(self, aid: str, peer: str | None = None) -> None:
         """Envoy runs ``aid``. ``peer``: the stream that said so, owner of an ``aid`` no

@@ -676,3 +676,17 @@ async def test_a_busy_admin_is_asked_again_a_gone_one_is_not(
         t0 = asyncio.get_running_loop().time()
         assert await gone() is None
         assert asyncio.get_running_loop().time() - t0 < 0.2
+
+
+async def test_a_restarted_envoy_must_show_its_own_periodic_entries() -> None:
+    ctl, lv, clock, _rec, admin = await make()
+    owner = lv.stream_opened(LOCAL)
+    lv.periodic_entry(owner)  # the first process sends them
+    assert await admit_says_periodic(ctl, lv, LOCAL)
+    lv.stream_closed(owner)
+    clock.advance(1.0)
+    admin.start = started(clock())  # replaced within the grace, maybe with another config
+    clock.advance(1.0)
+    lv.stream_opened(LOCAL)
+    await lv.settled()
+    assert not await admit_says_periodic(ctl, lv, LOCAL)
