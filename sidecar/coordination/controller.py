@@ -788,10 +788,10 @@ class FleetController:
         local = self._local
         assert local is not None
         local.set_capacity(0)  # no local admission while the ledger's view is being written
+        listed = [h.holding(aid) for aid, h in self._held.items()]
         try:
             self._outbox.clear()
-            status = await self._call(self.ledger.resync(
-                [h.holding(aid) for aid, h in self._held.items()], self._capacity))
+            status = await self._call(self.ledger.resync(listed, self._capacity))
         except BaseException:
             self._server_back_at = None  # it must answer for a whole interval again
             self._recycle_only = None  # unreachable again: the outage rule
@@ -804,6 +804,11 @@ class FleetController:
             if aid in self._held:
                 local.release(aid, ReleaseReason.PREEMPTED)
                 self._signal_preempted(aid)
+        # Ended here while the resync was in flight (its final entry came meanwhile): the
+        # ledger now holds it from the list, and nothing else would ever release it there.
+        refused = set(status.refused)
+        late = [(hd.id, ReleaseReason.COMPLETED) for hd in listed
+                if hd.id not in self._held and hd.id not in refused]
         self._metrics.fleet_seen(status.by_class, status.live_replicas)
         if not status.known or now - self._server_back_at < self._interval * 0.99:
             # The view stays the one from before the outage: after a data loss the ledger
@@ -817,6 +822,8 @@ class FleetController:
         self._seen(status)
         self._local = None
         local.close()
+        for op in late:
+            self._send("release", op)
         self._metrics.coordination_changed(OK)
         log.info("coordination_ok", fleet_capacity=status.capacity,
                  live_replicas=status.live_replicas, held=len(self._held),
