@@ -370,6 +370,23 @@ async def admit(ctl: AdmissionController, lv: EnvoyLiveness, peer: str = LOCAL) 
     return aid
 
 
+async def acked_then_lost(ctl: AdmissionController, lv: EnvoyLiveness,
+                          peer: str = LOCAL) -> str:
+    """An admission its Envoy acknowledged, then that Envoy's only access-log stream closes."""
+    owner = lv.stream_opened(peer)
+    aid = await admit(ctl, lv, peer)
+    lv.acknowledged(aid)
+    lv.stream_closed(owner)
+    return aid
+
+
+async def grace_passes(lv: EnvoyLiveness, clock: FakeClock) -> None:
+    """One grace later: the timer's sweep has run and the admin's answers are applied."""
+    clock.advance(GRACE)
+    lv.sweep()
+    await lv.settled()
+
+
 async def test_a_restarted_envoy_frees_its_predecessors_slots_at_its_first_stream() -> None:
     ctl, lv, clock, rec, admin = await make()
     dead = [await admit(ctl, lv) for _ in range(2)]
@@ -394,14 +411,9 @@ async def test_a_restarted_envoy_frees_its_predecessors_slots_at_its_first_strea
 async def test_a_blip_keeps_a_long_stream_past_the_grace_and_the_lease() -> None:
     ctl, lv, clock, rec, admin = await make()
     admin.start = started(clock() - 100.0)
-    owner = lv.stream_opened(LOCAL)
-    aid = await admit(ctl, lv)
-    lv.acknowledged(aid)
-    lv.stream_closed(owner)  # the connection reset; Envoy lives and streams
+    aid = await acked_then_lost(ctl, lv)  # the connection reset; Envoy lives and streams
     for _ in range(4):  # checked every grace, for longer than the lease
-        clock.advance(GRACE)
-        lv.sweep()
-        await lv.settled()
+        await grace_passes(lv, clock)
         ctl.tick()
         assert ctl.holds(aid)
     # 4 checks; the watch's question was still pending when the first check replaced it
@@ -419,13 +431,8 @@ async def test_a_blip_keeps_a_long_stream_past_the_grace_and_the_lease() -> None
 
 async def test_without_an_admin_answer_a_lost_envoy_is_dead_after_the_grace() -> None:
     ctl, lv, clock, rec, _ = await make()
-    owner = lv.stream_opened(LOCAL)
-    aid = await admit(ctl, lv)
-    lv.acknowledged(aid)
-    lv.stream_closed(owner)
-    clock.advance(GRACE)
-    lv.sweep()
-    await lv.settled()
+    aid = await acked_then_lost(ctl, lv)
+    await grace_passes(lv, clock)
     assert not ctl.holds(aid) and rec.lost == [1]
     ctl.close()
 
@@ -433,10 +440,7 @@ async def test_without_an_admin_answer_a_lost_envoy_is_dead_after_the_grace() ->
 async def test_a_remote_envoy_is_decided_on_time_alone() -> None:
     ctl, lv, clock, _, admin = await make()
     peer = "ipv4:10.0.0.1:40001"
-    owner = lv.stream_opened(peer)
-    aid = await admit(ctl, lv, peer)
-    lv.acknowledged(aid)
-    lv.stream_closed(owner)
+    await acked_then_lost(ctl, lv, peer)
     clock.advance(GRACE)
     assert lv.sweep() == 1 and admin.asked == 0
     ctl.close()
@@ -463,13 +467,8 @@ async def test_a_failing_start_source_counts_as_no_answer() -> None:
         raise RuntimeError("bug")
 
     lv._start_of = broken  # an answer must come, or the lost owner is never decided
-    owner = lv.stream_opened(LOCAL)
-    aid = await admit(ctl, lv)
-    lv.acknowledged(aid)
-    lv.stream_closed(owner)
-    clock.advance(GRACE)
-    lv.sweep()
-    await lv.settled()
+    aid = await acked_then_lost(ctl, lv)
+    await grace_passes(lv, clock)
     assert not ctl.holds(aid) and rec.lost == [1]
     ctl.close()
 
@@ -582,9 +581,7 @@ async def test_acknowledged_during_a_confirmed_blip_has_no_lease_and_dies_with_t
     owner = lv.stream_opened(LOCAL)
     await lv.settled()
     lv.stream_closed(owner)
-    clock.advance(GRACE)
-    lv.sweep()
-    await lv.settled()
+    await grace_passes(lv, clock)
     assert rec.blips == 1
     new = await admit(ctl, lv)  # a new long stream of the same, live process
     lv.acknowledged(new)
@@ -593,9 +590,7 @@ async def test_acknowledged_during_a_confirmed_blip_has_no_lease_and_dies_with_t
     assert ctl.holds(new)
     admin.start = None  # now the process is gone
     for _ in range(int(3 * LEASE / GRACE) + 1):
-        clock.advance(GRACE)
-        lv.sweep()
-        await lv.settled()
+        await grace_passes(lv, clock)
         if not ctl.holds(new):
             break
     assert not ctl.holds(new) and rec.lost == [1]
@@ -612,9 +607,7 @@ async def test_periodic_entries_are_known_per_envoy_and_forgotten_with_its_proce
     lv.stream_closed(theirs)
     lv.stream_closed(mine)
     admin.start = None  # the pod's Envoy died
-    clock.advance(GRACE)
-    lv.sweep()
-    await lv.settled()
+    await grace_passes(lv, clock)
     assert not await admit_says_periodic(ctl, lv, LOCAL)  # its successor: not known yet
 
 
@@ -627,9 +620,7 @@ async def test_a_closed_liveness_asks_the_admin_nothing() -> None:
     lv.close()
     owner = lv.stream_opened(LOCAL)
     lv.stream_closed(owner)
-    clock.advance(GRACE)
-    lv.sweep()
-    await lv.settled()
+    await grace_passes(lv, clock)
     assert admin.asked == 0
 
 
