@@ -72,8 +72,8 @@ async def point(stack: Stack, seconds: float, *, concurrency: int = 0,
 
 async def periodic_entries_seen(stack: Stack) -> None:
     """The sidecar lets Envoy skip ext_proc for a class nobody may preempt only once it has
-    seen a periodic access-log entry (sidecar.authz streams_optional): hold one request
-    past the flush interval, as any long LLM stream in production would."""
+    seen a periodic access-log entry from that Envoy (sidecar.liveness sends_periodic): hold
+    one request past two flush intervals, as any long LLM stream in production would."""
     r = await request(stack.listen_port,
                       headers={**SYSTEM_HEADERS, SERVICE_TIME_HEADER: "3.5"})
     assert r.status == 200, r.status
