@@ -617,6 +617,53 @@ async def test_after_the_server_answers_again_a_degraded_replica_only_reuses_its
         await a.end(held)
 
 
+async def test_after_a_data_loss_nobody_admits_through_the_ledger_until_the_fleet_settled(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    # The server restarts empty. A's first resync re-registers its holding and starts the
+    # fleet's settling window (ledger ops.resync): A stays degraded, reusing only its own
+    # slot, for that whole window on the server's clock, not just one interval of its own,
+    # because another replica's heartbeat may still be timing out when the server comes
+    # back and re-register a call timeout later. A replica that starts meanwhile admits
+    # nothing until the window is over either.
+    ttl = 2.0
+    settle = 2 * (0.9 * ttl / 3) + ttl / 5  # 2 x interval + call timeout
+    client = redis.Redis(port=own_server.port, decode_responses=True)
+    a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
+    c: Replica | None = None
+    try:
+        held = await ok(a.check())
+        own_server.restart()
+
+        async def a_registered() -> bool:
+            with contextlib.suppress(redis.ConnectionError):
+                return await client.zscore(f"pg:{{{FLEET}}}:replicas", "a") is not None
+            return False
+
+        await eventually(a_registered, timeout=2 * ttl, what="A re-registered")
+        t_registered = time.monotonic()
+        assert a.fleet.state == "degraded"
+        assert await inflight(client) == 1  # its holding is back in the ledger
+        c = await start_replica(tmp_path, own_server.url, "c", capacity=4, ttl=ttl)
+        assert c.fleet.state == "degraded" and c.fleet.degraded_limit == 0
+        waiting = asyncio.ensure_future(c.check())
+        await eventually(lambda: a.fleet.state == "ok", timeout=2 * ttl, what="A back to ok")
+        settled_after = time.monotonic() - t_registered
+        assert settled_after >= settle - 0.05, (settled_after, settle)
+        print(f"A back to ok {settled_after:.2f} s after its first answered resync "
+              f"(settling window {settle:.2f} s, interval {0.3 * ttl:.2f} s)")
+        await eventually(lambda: c is not None and c.fleet.state == "ok", timeout=ttl,
+                         what="C ok")
+        got = await ok(waiting)  # admitted through the ledger once settled
+        assert await inflight(client) == 2
+        await a.end(held)
+        await c.end(got)
+    finally:
+        await a.close()
+        if c is not None:
+            await c.close()
+        await client.aclose()
+
+
 class Cuttable:
     """A TCP relay to the server that a test can cut: one replica loses the server while
     the others keep it (a network partition), over real sockets."""

@@ -347,6 +347,32 @@ async def test_reregister_after_data_loss_is_idempotent(client: redis.Redis,
     assert (await b.arrive("s", SYS, "t")).victim == "a1"
 
 
+async def test_a_resync_after_a_loss_starts_one_settling_window_for_the_fleet(
+        client: redis.Redis, valkey_server: ValkeyServer) -> None:
+    """The first resync of a replica the ledger does not know starts the fleet's settling
+    on the ledger's clock; everyone's reply says how long is left; a later one within the
+    window does not extend it; a replica it knows never starts one."""
+    clock = FakeClock()
+    a, b = await replicas(client, 4, "a", "b", clock=clock)
+    assert (await a.resync([], settle=3.0)).settling == 0.0  # known: nothing to settle
+    await a.arrive("a1", BULK, "t")
+    valkey_server.restart()  # no persistence: every key is gone
+    await client.connection_pool.disconnect()
+    status = await a.resync([Holding("a1", BULK, "t")], settle=3.0)
+    assert not status.known and status.settling == 3.0 and status.inflight == 1
+    clock.advance(1.0)
+    assert (await b.register(PLAIN, 4)).settling == 2.0  # a fresh start is told too
+    later = await b.resync([], settle=3.0)  # known since its register: no new window
+    assert later.known and later.settling == 2.0
+    clock.advance(2.0)
+    assert (await a.resync([Holding("a1", BULK, "t")], settle=3.0)).settling == 0.0
+    # Settled: a replica whose registration lapsed later starts a new window.
+    clock.advance(11.0)
+    await b.heartbeat()
+    assert (await a.resync([Holding("a1", BULK, "t")], settle=3.0)).settling == 3.0
+    assert (await b.heartbeat()).settling == 3.0
+
+
 async def test_reregister_refuses_what_ended_and_readds_what_was_reaped(
         client: redis.Redis) -> None:
     clock = FakeClock()
@@ -540,6 +566,26 @@ async def test_resync_makes_the_ledger_hold_exactly_what_the_replica_lists(
     await a.arrive("fresh", BULK, "t")
     await a.resync([Holding("kept", BULK, "t"), Holding("local", DEF, "t")], min_age=60)
     assert (await a.snapshot()).total_inflight == 3
+
+
+async def test_resync_replacing_what_ended_grants_no_waiter_the_replacements_slots(
+        client: redis.Redis) -> None:
+    """A degraded replica's admissions ended locally and new ones took their slots; its
+    resync drops the old and adds the new in one step. The freed slots are never handed to
+    a waiter in between (the replacements would then be counted on top: over capacity)."""
+    a, b = await replicas(client, 2, "a", "b")
+    for aid in ("old1", "old2"):
+        assert (await a.arrive(aid, BULK, "t")).status is ArriveStatus.ADMITTED
+    assert (await b.arrive("wb", INT, "t")).status is ArriveStatus.QUEUED
+    status = await a.resync([Holding("new1", BULK, "t"), Holding("new2", BULK, "t")])
+    assert status.inflight == 2 and status.held == 2
+    snap = await a.snapshot()
+    assert snap.total_inflight == 2 and snap.queue_depth[INT] == 1
+    assert await b.take_events() == []
+    # The slot goes to the waiter only when one of the replacements really ends.
+    assert await a.release("new1") is ReleaseResult.RELEASED
+    assert [e.id for e in await b.take_events() if e.kind == "grant"] == ["wb"]
+    assert (await a.snapshot()).total_inflight == 2
 
 
 async def test_resync_keeps_listed_waiters_and_drops_unlisted_ones(client: redis.Redis) -> None:

@@ -74,11 +74,17 @@ this replica exactly what it holds (adds back local admissions, drops what ended
 meanwhile), during which local admission pauses. After it, while the replica still
 waits to return to ``ok``, it only reuses slots freed from then on (the ledger counts
 what it holds again, and replicas already back admit against that). The replica returns
-to ``ok`` once a resync finds its registration still known and at least one heartbeat
-interval has passed since the server answered again, so every replica alive has
-re-registered its holdings after a data loss; waiters queued locally then re-arrive at
-the ledger. A replica that has never reached the server (start-up during an outage) has
-no view: it queues by the class rules until the server answers.
+to ``ok`` once a resync finds its registration still known, at least one heartbeat
+interval has passed since the server answered again, and the fleet has settled: the first
+resync the ledger answers for a replica it does not know (data loss, or every registration
+lapsed) starts a settling window on the server's clock, ``2 × interval + call_timeout``,
+longer than any live replica's gap between two heartbeat attempts, so every replica alive
+has re-registered its holdings before anyone admits against them (one interval from each
+replica's own first answer is not enough: a replica whose previous attempt was still
+timing out when the server came back re-registers up to a call timeout later than that).
+Waiters queued locally then re-arrive at the ledger. A replica that starts while the fleet
+settles admits nothing until it has. A replica that has never reached the server (start-up
+during an outage) has no view: it queues by the class rules until the server answers.
 
 Carried-over admissions stay as they are in the local core: one before its first byte
 whose stop channel (ext_proc stream) is open remains a preemption candidate, so a class
@@ -230,6 +236,10 @@ class FleetController:
         # access-log stream cannot leave slots held until this replica dies.
         self.liveness_decides = False
         self._interval = ledger.ttl / 3
+        # After a loss the fleet settles this long from the first replica's resync (ledger
+        # ops.resync): longer than any live replica's gap between two heartbeat attempts
+        # (an interval plus a call that times out), with one interval to spare.
+        self._settle = 2 * self._interval + call_timeout
         self._reap_every = ledger.ttl / 20
         # Older than any call in flight (a call taking longer degrades the replica).
         self._orphan_age = 4 * call_timeout
@@ -310,9 +320,17 @@ class FleetController:
             self._degrade(exc, announce=False)
         else:
             self._seen(status)
-            self._metrics.coordination_changed(OK)
-            log.info("coordination_registered", fleet=fleet, replica=replica,
-                     fleet_capacity=status.capacity, live_replicas=status.live_replicas)
+            if status.settling > 0:
+                # The fleet is re-registering after a loss: replicas that held slots may
+                # not be in the ledger yet. Admit nothing until it has settled.
+                self._degrade(RuntimeError("fleet settling"), announce=False)
+                self._hold_until_settled(status)
+                log.info("coordination_settling", fleet=fleet, replica=replica,
+                         settling_secs=round(status.settling, 3))
+            else:
+                self._metrics.coordination_changed(OK)
+                log.info("coordination_registered", fleet=fleet, replica=replica,
+                         fleet_capacity=status.capacity, live_replicas=status.live_replicas)
         return self
 
     def start(self) -> None:
@@ -791,7 +809,8 @@ class FleetController:
         listed = [h.holding(aid) for aid, h in self._held.items()]
         try:
             self._outbox.clear()
-            status = await self._call(self.ledger.resync(listed, self._capacity))
+            status = await self._call(self.ledger.resync(listed, self._capacity,
+                                                         settle=self._settle))
         except BaseException:
             self._server_back_at = None  # it must answer for a whole interval again
             self._recycle_only = None  # unreachable again: the outage rule
@@ -810,13 +829,14 @@ class FleetController:
         late = [(hd.id, ReleaseReason.COMPLETED) for hd in listed
                 if hd.id not in self._held and hd.id not in refused]
         self._metrics.fleet_seen(status.by_class, status.live_replicas)
-        if not status.known or now - self._server_back_at < self._interval * 0.99:
+        if (not status.known or now - self._server_back_at < self._interval * 0.99
+                or status.settling > 0):
             # The view stays the one from before the outage: after a data loss the ledger
-            # knows only the replicas that have re-registered so far. What this replica
-            # holds is in the ledger again, but replicas that are back to ok admit against
-            # it without seeing local admissions: only slots freed from now on are reused.
-            self._recycle_only = len(self._held)
-            local.set_capacity(self.degraded_limit)
+            # knows only the replicas that have re-registered so far (the fleet settles
+            # until every replica alive has). What this replica holds is in the ledger
+            # again, but replicas that are back to ok admit against it without seeing
+            # local admissions: only slots freed from now on are reused.
+            self._hold_until_settled(status, recycle=len(self._held))
             return
         self._recycle_only = None
         self._seen(status)
@@ -833,6 +853,16 @@ class FleetController:
             self._config_dirty = False
             self._send("register", None)
         self._outbox_wake.set()
+
+    def _hold_until_settled(self, status: FleetStatus, recycle: int = 0) -> None:
+        """Degraded, the server answering: reuse only ``recycle`` slots locally, and ask
+        again as soon as the fleet has settled rather than a whole interval later."""
+        self._recycle_only = recycle
+        if self._local is not None:
+            self._local.set_capacity(self.degraded_limit)
+        if 0 < status.settling < self._interval:
+            asyncio.get_running_loop().call_later(status.settling + 0.001,
+                                                  self._heartbeat_wake.set)
 
     def _seen(self, status: FleetStatus) -> None:
         """A consistent view while ok: what the degraded limit is computed from."""
@@ -904,7 +934,8 @@ class FleetController:
                     # ran when a paused server resumed).
                     status = await self._call(self.ledger.resync(
                         [h.holding(aid) for aid, h in self._held.items()], self._capacity,
-                        min_age=self._orphan_age, waiting=list(self._waiting)))
+                        min_age=self._orphan_age, waiting=list(self._waiting),
+                        settle=self._settle))
                     if not status.known:
                         # Lapsed, or the server lost its data: an outage and a return.
                         self._degrade(RuntimeError("registration lost"))

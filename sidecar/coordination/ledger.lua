@@ -359,12 +359,20 @@ local function held_by(r)
   return n
 end
 
+-- Seconds until the fleet has settled after a loss (0: settled); see ops.resync.
+local function settling()
+  local left = (tonumber(redis.call('HGET', K_FLEET, 'settle')) or 0) - now
+  if left < 0 then return 0 end
+  return left
+end
+
 -- One consistent view for the degraded-mode limit (controller.degraded_limit): fleet
--- capacity, live replicas, fleet in flight, this replica's own admissions, and the fleet's
--- in flight per class 0..3 (its gauges), all read in the same atomic run.
+-- capacity, live replicas, fleet in flight, this replica's own admissions, the fleet's
+-- in flight per class 0..3 (its gauges), and the seconds until the fleet has settled, all
+-- read in the same atomic run.
 local function fleet_reply(status, r)
   return {status, cap, redis.call('ZCARD', K_REPLICAS), total, held_by(r),
-          inf[0], inf[1], inf[2], inf[3]}
+          inf[0], inf[1], inf[2], inf[3], fmt(settling())}
 end
 
 -- ---------------------------------------------------------------------- operations
@@ -373,9 +381,12 @@ end
 -- Registers or refreshes the replica and its capacity report. The class configuration is
 -- written when force is 1 (start, reload) or when none is stored (after data loss).
 -- Reply: {"ok" | "new", fleet capacity, live replicas, fleet in flight, the replica's own
--- admissions, fleet in flight per class 0..3}; "new" means the
+-- admissions, fleet in flight per class 0..3, seconds until settled}; "new" means the
 -- ledger did not know the replica (first start, its registration lapsed, or the server lost
 -- its data): the replica must reregister what it holds.
+-- No dispatch here: the caller dispatches once its own changes are in. A resync that drops
+-- what ended locally and dispatched before adding what replaced it would hand the freed
+-- slots to waiters and then count the replacements on top: over capacity.
 local function heartbeat(a)
   local r = a[1]
   local known = live(r)
@@ -390,14 +401,15 @@ local function heartbeat(a)
   recompute_fleet()
   load_state()
   forget_ended(1000)
-  dispatch()
   return known and 'ok' or 'new'
 end
 
 local ops = {}
 
 ops.heartbeat = function(a)
-  return fleet_reply(heartbeat(a), a[1])
+  local status = heartbeat(a)
+  dispatch()
+  return fleet_reply(status, a[1])
 end
 
 -- reregister <heartbeat args> then groups of (id cls first_byte preemptible tenant):
@@ -433,20 +445,29 @@ ops.reregister = function(a)
   return reply
 end
 
--- resync <heartbeat args> min_age then groups like reregister (class -1: a waiter, kept as
--- is): make the ledger's view of the
+-- resync <heartbeat args> min_age settle then groups like reregister (class -1: a waiter,
+-- kept as is): make the ledger's view of the
 -- replica exactly what it holds. Adds back what it holds (as reregister) and drops every
 -- admission or waiter the ledger has for it that it does not list and that is at least
 -- min_age seconds old: released or cancelled while the server was away, or decided by a
 -- call whose reply the replica never read (it timed out, or the server ran it late). After
 -- an outage min_age is 0; in steady state it is larger than any call's time in flight, so
 -- an admission whose reply is still on its way is not dropped. Reply: as reregister.
+-- A resync from a replica the ledger does not know (the server lost its data, or every
+-- registration lapsed while it was paused) starts the fleet's settling: for ``settle``
+-- seconds from the first such resync, every reply says how long is left, and no replica
+-- returns to admitting through the ledger until it is over, so each replica alive (each
+-- retries within that time) has re-registered its holdings before anyone admits against
+-- them. A later one within the window does not extend it.
 ops.resync = function(a)
-  local min_age = tonumber(a[11])
+  local min_age, settle = tonumber(a[11]), tonumber(a[12])
+  if settle > 0 and not live(a[1]) and settling() == 0 then
+    redis.call('HSET', K_FLEET, 'settle', fmt(now + settle))
+  end
   local rest = {}
   for i = 1, 10 do rest[i] = a[i] end
   local keep_ids = {}
-  for i = 12, #a, 5 do
+  for i = 13, #a, 5 do
     keep_ids[a[i]] = true
     if a[i + 1] ~= '-1' then -- class -1: a waiter of the replica, kept, not re-added
       for j = 0, 4 do rest[#rest + 1] = a[i + j] end

@@ -146,6 +146,9 @@ class FleetStatus:
     held: int = 0  # this replica's admissions as the ledger counts them (h_i)
     by_class: Mapping[PriorityClass, int] = field(default_factory=dict)  # fleet, per class
     refused: tuple[str, ...] = ()  # reregister: ids that ended meanwhile (not added back)
+    # Seconds until the fleet has settled after a loss (resync's ``settle``): until then no
+    # replica may return to admitting through the ledger. 0: settled.
+    settling: float = 0.0
 
     def degraded_share(self) -> int:
         """floor(capacity / live replicas): the most one replica may hold on its own."""
@@ -444,7 +447,8 @@ class FleetLedger:
     @staticmethod
     def _status(reply: Sequence[Any]) -> FleetStatus:
         return FleetStatus(reply[0] == "ok", int(reply[1]), int(reply[2]), int(reply[3]),
-                           int(reply[4]), _per_class(reply[5:9]), tuple(reply[9:]))
+                           int(reply[4]), _per_class(reply[5:9]), tuple(reply[10:]),
+                           float(reply[9]))
 
     # ---------------------------------------------------------------- registration
 
@@ -470,7 +474,8 @@ class FleetLedger:
         return self._status(await self._call("reregister", *args))
 
     async def resync(self, holdings: Iterable[Holding], capacity: int | None = None,
-                     min_age: float = 0.0, waiting: Iterable[str] = ()) -> FleetStatus:
+                     min_age: float = 0.0, waiting: Iterable[str] = (),
+                     settle: float = 0.0) -> FleetStatus:
         """Heartbeat and make the ledger's view of this replica exactly ``holdings``.
 
         Adds back what it holds (as :meth:`reregister`) and drops any admission or waiter
@@ -478,10 +483,12 @@ class FleetLedger:
         old (ended locally while the server was away, or decided by a call whose reply
         was never read). ``min_age`` > any call's time in flight keeps a fresh admission
         whose reply is still on its way. ``waiting``: this replica's waiters, kept as they are.
+        ``settle`` > 0: if the ledger does not know this replica, the fleet settles for that
+        long (``FleetStatus.settling``; the rule is in ``ledger.lua``, ops.resync).
         """
         cap = self._capacity if capacity is None else capacity
         args = self._heartbeat_args(cap, False)
-        args.append(_num(min_age))
+        args += [_num(min_age), _num(settle)]
         for h in holdings:
             args += [h.id, int(h.cls), "1" if h.first_byte else "0",
                      "1" if h.preemptible else "0", h.tenant]
