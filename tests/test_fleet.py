@@ -634,12 +634,7 @@ async def test_after_a_data_loss_nobody_admits_through_the_ledger_until_the_flee
         held = await ok(a.check())
         own_server.restart()
 
-        async def a_registered() -> bool:
-            with contextlib.suppress(redis.ConnectionError):
-                return await client.zscore(f"pg:{{{FLEET}}}:replicas", "a") is not None
-            return False
-
-        await eventually(a_registered, timeout=2 * ttl, what="A re-registered")
+        await eventually(registered(client, "a"), timeout=2 * ttl, what="A re-registered")
         t_registered = time.monotonic()
         assert a.fleet.state == "degraded"
         assert await inflight(client) == 1  # its holding is back in the ledger
@@ -662,6 +657,116 @@ async def test_after_a_data_loss_nobody_admits_through_the_ledger_until_the_flee
         if c is not None:
             await c.close()
         await client.aclose()
+
+
+def registered(client: redis.Redis, name: str) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        with contextlib.suppress(redis.ConnectionError):
+            return await client.zscore(f"pg:{{{FLEET}}}:replicas", name) is not None
+        return False
+    return check
+
+
+async def test_a_reload_that_finds_the_replica_unknown_is_a_return_after_a_loss(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    # The server restarts empty; B finds out first (its next check) and opens the fleet's
+    # settling window. A's first call after the loss is a hot reload's register, which
+    # registers A without its holdings: A must treat that as the return after a loss
+    # (degrade, resync, wait for the settling) instead of admitting on, as if ok, through
+    # a ledger that lacks its own and B's admissions (review finding: 6 of 4).
+    ttl = 6.0  # heartbeats 1.8 s apart: the reload comes first
+    client = redis.Redis(port=own_server.port, decode_responses=True)
+    try:
+        async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl,
+                            live=True) as (a, b):
+            held = {a: [await ok(a.check()) for _ in range(2)],
+                    b: [await ok(b.check()) for _ in range(2)]}
+            own_server.restart()
+            pending = [asyncio.ensure_future(b.check())]
+            await eventually(registered(client, "b"), timeout=ttl, what="B re-registered")
+            (tmp_path / "priority.yaml").write_text(PRIORITY.replace(
+                "bulk: {queue_size: 50", "bulk: {queue_size: 7"))
+            assert await a.app.reload_now()
+            await eventually(registered(client, "a"), timeout=ttl, what="A registered")
+            pending += [asyncio.ensure_future(a.check()) for _ in range(2)]
+            t0 = time.monotonic()
+            while a.fleet.state != "ok" or b.fleet.state != "ok":
+                assert len(a.fleet.held) + len(b.fleet.held) <= 4
+                assert time.monotonic() - t0 < 2 * ttl, "not back to ok within 2 x ttl"
+                await asyncio.sleep(0.02)
+            assert len(a.fleet.held) + len(b.fleet.held) == 4
+            assert await inflight(client) == 4 and not any(p.done() for p in pending)
+            await a.end(*held[a])
+            await b.end(*held[b])
+            late = [admission_id(await asyncio.wait_for(p, 10)) for p in pending]
+            assert len(a.fleet.held) + len(b.fleet.held) == 3
+            await a.end(*(x for x in late if x in a.fleet.held))
+            await b.end(*(x for x in late if x in b.fleet.held))
+    finally:
+        await client.aclose()
+
+
+async def test_a_replica_started_while_the_fleet_settles_has_no_share_in_an_outage(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    # C registers while the fleet settles: the ledger may still lack admissions, so C keeps
+    # no view from it. If the server then stops answering, C's degraded share is 0 (no
+    # view), not one computed from that ledger; A keeps its own view from before the loss.
+    # (Review finding: C's share came from the unsettled view: A 4 + C 1 = 5 of 4.)
+    ttl = 2.0
+    client = redis.Redis(port=own_server.port, decode_responses=True)
+    a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
+    c: Replica | None = None
+    try:
+        held = [await ok(a.check()) for _ in range(2)]
+        await eventually(lambda: a.sample("smg_sidecar_fleet_inflight",
+                                          **{"class": "default"}) == 2,
+                         timeout=ttl, what="A's view holds both")
+        own_server.restart()
+        await eventually(registered(client, "a"), timeout=2 * ttl, what="A re-registered")
+        c = await start_replica(tmp_path, own_server.url, "c", capacity=4, ttl=ttl)
+        assert c.fleet.state == "degraded" and c.fleet.degraded_limit == 0
+        own_server.pause()
+        # Both recoveries fail (the reuse-only rule of a resync the server answered ends:
+        # back to the outage rule) before anything is asked of them.
+        for r in (a, c):
+            await eventually(lambda r=r: r.fleet._recycle_only is None, timeout=2 * ttl,
+                             what="recovery failed")
+        assert c.fleet.degraded_limit == 0 and a.fleet.degraded_limit == 4
+        on_c = c.check()
+        more = [await ok(a.check()) for _ in range(2)]
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(on_c), 0.5)
+        assert len(a.fleet.held) + len(c.fleet.held) == 4
+        own_server.resume()
+        await a.end(*held, *more)
+        await c.end(admission_id(await asyncio.wait_for(on_c, 3 * ttl)))
+    finally:
+        own_server.resume()
+        await a.close()
+        if c is not None:
+            await c.close()
+        await client.aclose()
+
+
+async def test_a_capacity_change_during_a_resync_admits_nothing_locally(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    # While a resync is in flight its list is fixed: a local admission then would not be in
+    # it. A new capacity reading meanwhile must not reopen local admission (it used to set
+    # the local core to the degraded limit). The paused server makes each resync wait out
+    # its call timeout, long enough to catch one in flight.
+    ttl = 2.0
+    a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
+    try:
+        own_server.pause()
+        await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="degraded")
+        await eventually(lambda: a.fleet._resyncing, timeout=2 * ttl, what="a resync in flight")
+        a.fleet.set_capacity(8)
+        assert a.fleet.snapshot().capacity == 0
+        await eventually(lambda: not a.fleet._resyncing, timeout=ttl, what="resync failed")
+        assert a.fleet.snapshot().capacity == 4  # the outage rule again, with the new reading
+    finally:
+        own_server.resume()
+        await a.close()
 
 
 class Cuttable:

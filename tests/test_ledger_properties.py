@@ -3,7 +3,9 @@
 A real valkey-server; the replicas share the test's clock. Operations: arrivals on any
 replica, releases (by the owner or another replica, and duplicates), cancels, marks,
 capacity reports, time passing (live replicas heartbeat), a replica dying (it stops
-heartbeating) and the server losing its data (live replicas re-register what they hold).
+heartbeating), the server losing its data (live replicas re-register what they hold) and
+a replica's return from an outage with an admission replaced locally (its resync swaps
+them).
 After every step, the invariants of tests/test_scheduler_properties.py hold fleet-wide:
 
 * Σ in flight ≤ fleet capacity after any step that admitted; a step that admitted nothing
@@ -56,6 +58,7 @@ ops = st.lists(
         st.tuples(st.just("advance"), who, st.sampled_from([0.1, 0.5, 1.0, 2.5, 4.0])),
         st.tuples(st.just("kill"), who, st.just(0)),
         st.tuples(st.just("flush"), who, st.just(0)),
+        st.tuples(st.just("turnover"), who, st.integers(0, 1000)),
     ),
     min_size=10,
     max_size=50,
@@ -167,6 +170,21 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassSettings], n: 
                         await leds[j].heartbeat()
                         expiry[j] = clock() + TTL
                 await led.tick()
+            elif op == "turnover":
+                # A return after an outage: one admission ended locally and another took
+                # its slot; the resync lists the replacement instead. The ledger swaps
+                # them without handing the freed slot to a waiter in between.
+                pool = held("admitted", i)
+                if pool:
+                    old = pool[arg % len(pool)]
+                    end(old)
+                    seq += 1
+                    new = reqs[f"x{seq}"] = Req(f"x{seq}", i, old.cls, "admitted")
+                    mine = [Holding(r.id, r.cls, "t", r.first_byte, r.reachable)
+                            for r in held("admitted", i)]
+                    status = await led.resync(mine, waiting=[r.id for r in held("queued", i)])
+                    assert status.known and not status.refused
+                    assert new.id in {h.id for h in mine}
             elif op == "kill" and sum(alive) > 1:
                 alive[i] = False  # it stops heartbeating; the ledger notices after TTL
             elif op == "flush":

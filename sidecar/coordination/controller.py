@@ -254,6 +254,8 @@ class FleetController:
         self._held_in_ledger = 0
         # Degraded, after a resync the server answered: only slots freed from then on.
         self._recycle_only: int | None = None
+        # Degraded, a resync in flight: no local admission (it would not be in the list).
+        self._resyncing = False
         self._held: dict[str, Held] = {}
         self._ended = EndedIds()
         self._waiting: dict[str, _Waiter] = {}
@@ -319,15 +321,18 @@ class FleetController:
                         hint="starting degraded: no share until the server answers")
             self._degrade(exc, announce=False)
         else:
-            self._seen(status)
             if status.settling > 0:
                 # The fleet is re-registering after a loss: replicas that held slots may
-                # not be in the ledger yet. Admit nothing until it has settled.
+                # not be in the ledger yet. Admit nothing until it has settled, and keep
+                # no view from now (an outage meanwhile must not give a share computed
+                # from a ledger that lacks them: with no view the share is 0).
+                self._metrics.fleet_seen(status.by_class, status.live_replicas)
                 self._degrade(RuntimeError("fleet settling"), announce=False)
                 self._hold_until_settled(status)
                 log.info("coordination_settling", fleet=fleet, replica=replica,
                          settling_secs=round(status.settling, 3))
             else:
+                self._seen(status)
                 self._metrics.coordination_changed(OK)
                 log.info("coordination_registered", fleet=fleet, replica=replica,
                          fleet_capacity=status.capacity, live_replicas=status.live_replicas)
@@ -387,6 +392,8 @@ class FleetController:
                                self._fleet_inflight, self._held_in_ledger)
         if self._recycle_only is not None:
             limit = min(limit, self._recycle_only)
+        if self._resyncing:
+            limit = 0
         return limit
 
     @property
@@ -805,17 +812,22 @@ class FleetController:
         """Degraded: resync with the ledger; back to ok once it is safe (module docstring)."""
         local = self._local
         assert local is not None
-        local.set_capacity(0)  # no local admission while the ledger's view is being written
+        # No local admission while the ledger's view is being written (degraded_limit is 0,
+        # also for a capacity change meanwhile).
+        self._resyncing = True
+        local.set_capacity(self.degraded_limit)
         listed = [h.holding(aid) for aid, h in self._held.items()]
         try:
             self._outbox.clear()
             status = await self._call(self.ledger.resync(listed, self._capacity,
                                                          settle=self._settle))
         except BaseException:
+            self._resyncing = False
             self._server_back_at = None  # it must answer for a whole interval again
             self._recycle_only = None  # unreachable again: the outage rule
             local.set_capacity(self.degraded_limit)
             raise
+        self._resyncing = False
         now = self._clock()
         if self._server_back_at is None:
             self._server_back_at = now
@@ -1037,9 +1049,11 @@ class FleetController:
             elif op == "first_byte":
                 first_byte.append(arg)
             elif op == "adopt":
-                calls.append(self.ledger.reregister([arg], self._capacity))
+                calls.append(self.ledger.reregister([arg], self._capacity,
+                                                    settle=self._settle))
             elif op == "register":
-                calls.append(self.ledger.register(self._classes, self._capacity))
+                calls.append(self.ledger.register(self._classes, self._capacity,
+                                                  settle=self._settle))
         if preemptible:
             ops.append(("mark_preemptible", preemptible))
         ops += [("mark_first_byte", [aid]) for aid in first_byte]
@@ -1052,6 +1066,11 @@ class FleetController:
             raise
         if ops:
             self._answer_first_byte(first_byte, replies[-1][len(ops) - len(first_byte):])
+        if any(isinstance(r, FleetStatus) and not r.known for r in replies):
+            # An adoption or a reload was the first call to find this replica unknown
+            # (data loss, or its registration lapsed): it registered it, without the rest
+            # of its holdings. An outage and a return, as for the heartbeat.
+            self._degrade(RuntimeError("registration lost"))
 
     def _answer_first_byte(self, ids: list[str], replies: list[Any] | None) -> None:
         """A first-byte mark's reply: 1, still admitted (now never a victim); 0, the ledger

@@ -359,7 +359,7 @@ local function held_by(r)
   return n
 end
 
--- Seconds until the fleet has settled after a loss (0: settled); see ops.resync.
+-- Seconds until the fleet has settled after a loss (0: settled); see heartbeat().
 local function settling()
   local left = (tonumber(redis.call('HGET', K_FLEET, 'settle')) or 0) - now
   if left < 0 then return 0 end
@@ -377,9 +377,17 @@ end
 
 -- ---------------------------------------------------------------------- operations
 
--- heartbeat replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended
+-- heartbeat replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended settle
 -- Registers or refreshes the replica and its capacity report. The class configuration is
 -- written when force is 1 (start, reload) or when none is stored (after data loss).
+-- settle > 0 (every call of a running replica; 0 only at its start): if the ledger does
+-- not know the replica (the server lost its data, or its registration lapsed) and the
+-- fleet is not settling already, the fleet settles for ``settle`` seconds from now: every
+-- reply says how long is left, and no replica returns to admitting through the ledger, or
+-- starts admitting, until it is over; each replica alive retries within that time, so all
+-- have re-registered their holdings before anyone admits against them. A later unknown
+-- replica within the window does not extend it. (A registration that merely lapsed opens
+-- one too: only availability is lost, for the window.)
 -- Reply: {"ok" | "new", fleet capacity, live replicas, fleet in flight, the replica's own
 -- admissions, fleet in flight per class 0..3, seconds until settled}; "new" means the
 -- ledger did not know the replica (first start, its registration lapsed, or the server lost
@@ -390,6 +398,10 @@ end
 local function heartbeat(a)
   local r = a[1]
   local known = live(r)
+  local settle = tonumber(a[11])
+  if not known and settle > 0 and settling() == 0 then
+    redis.call('HSET', K_FLEET, 'settle', fmt(now + settle))
+  end
   redis.call('ZADD', K_REPLICAS, fmt(now + tonumber(a[2])), r)
   redis.call('HSET', K_REPORTS, r, a[3])
   if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 then
@@ -421,7 +433,7 @@ end
 ops.reregister = function(a)
   local status = heartbeat(a)
   local refused = {}
-  for i = 11, #a, 5 do
+  for i = 12, #a, 5 do
     local id = a[i]
     local ended = redis.call('HGET', K_ENDED, id)
     if redis.call('HEXISTS', K_ADM, id) == 1 or redis.call('HEXISTS', K_W, id) == 1 then
@@ -445,27 +457,18 @@ ops.reregister = function(a)
   return reply
 end
 
--- resync <heartbeat args> min_age settle then groups like reregister (class -1: a waiter,
--- kept as is): make the ledger's view of the
+-- resync <heartbeat args> min_age then groups like reregister (class -1: a waiter, kept as
+-- is): make the ledger's view of the
 -- replica exactly what it holds. Adds back what it holds (as reregister) and drops every
 -- admission or waiter the ledger has for it that it does not list and that is at least
 -- min_age seconds old: released or cancelled while the server was away, or decided by a
 -- call whose reply the replica never read (it timed out, or the server ran it late). After
 -- an outage min_age is 0; in steady state it is larger than any call's time in flight, so
 -- an admission whose reply is still on its way is not dropped. Reply: as reregister.
--- A resync from a replica the ledger does not know (the server lost its data, or every
--- registration lapsed while it was paused) starts the fleet's settling: for ``settle``
--- seconds from the first such resync, every reply says how long is left, and no replica
--- returns to admitting through the ledger until it is over, so each replica alive (each
--- retries within that time) has re-registered its holdings before anyone admits against
--- them. A later one within the window does not extend it.
 ops.resync = function(a)
-  local min_age, settle = tonumber(a[11]), tonumber(a[12])
-  if settle > 0 and not live(a[1]) and settling() == 0 then
-    redis.call('HSET', K_FLEET, 'settle', fmt(now + settle))
-  end
+  local min_age = tonumber(a[12])
   local rest = {}
-  for i = 1, 10 do rest[i] = a[i] end
+  for i = 1, 11 do rest[i] = a[i] end
   local keep_ids = {}
   for i = 13, #a, 5 do
     keep_ids[a[i]] = true

@@ -432,7 +432,7 @@ class FleetLedger:
                 self._client.function_load(LUA, replace=True))
         await asyncio.shield(self._loading)
 
-    def _heartbeat_args(self, capacity: int, force: bool) -> list[str | int]:
+    def _heartbeat_args(self, capacity: int, force: bool, settle: float) -> list[str | int]:
         if self._classes is None:
             raise RuntimeError("register() before heartbeat()")
         self._capacity = max(0, capacity)
@@ -441,7 +441,7 @@ class FleetLedger:
         return [
             self.replica, _num(self.ttl), report, "1" if force else "0",
             *(encode_class(self._classes[PriorityClass(i)]) for i in range(4)),
-            config_digest(self._classes), _num(self._remember),
+            config_digest(self._classes), _num(self._remember), _num(settle),
         ]
 
     @staticmethod
@@ -452,22 +452,28 @@ class FleetLedger:
 
     # ---------------------------------------------------------------- registration
 
+    # ``settle`` on every registering call: > 0 from a running replica, so that finding it
+    # unknown starts the fleet's settling window (FleetStatus.settling; the rule is in
+    # ledger.lua, heartbeat()); 0 at a replica's first start.
+
     async def register(self, classes: Mapping[PriorityClass, ClassSettings],
-                       capacity: int) -> FleetStatus:
+                       capacity: int, settle: float = 0.0) -> FleetStatus:
         """Start or reload: store the class settings (they become the fleet's) and report."""
         self._classes = dict(classes)
-        return self._status(await self._call("heartbeat", *self._heartbeat_args(capacity, True)))
+        return self._status(await self._call(
+            "heartbeat", *self._heartbeat_args(capacity, True, settle)))
 
-    async def heartbeat(self, capacity: int | None = None) -> FleetStatus:
+    async def heartbeat(self, capacity: int | None = None, settle: float = 0.0) -> FleetStatus:
         """Stay registered and report capacity (the last one when None)."""
         cap = self._capacity if capacity is None else capacity
-        return self._status(await self._call("heartbeat", *self._heartbeat_args(cap, False)))
+        return self._status(await self._call(
+            "heartbeat", *self._heartbeat_args(cap, False, settle)))
 
-    async def reregister(self, holdings: Iterable[Holding],
-                         capacity: int | None = None) -> FleetStatus:
+    async def reregister(self, holdings: Iterable[Holding], capacity: int | None = None,
+                         settle: float = 0.0) -> FleetStatus:
         """Heartbeat and add back what this replica holds (idempotent, never double counts)."""
         cap = self._capacity if capacity is None else capacity
-        args = self._heartbeat_args(cap, False)
+        args = self._heartbeat_args(cap, False, settle)
         for h in holdings:
             args += [h.id, int(h.cls), "1" if h.first_byte else "0",
                      "1" if h.preemptible else "0", h.tenant]
@@ -483,12 +489,10 @@ class FleetLedger:
         old (ended locally while the server was away, or decided by a call whose reply
         was never read). ``min_age`` > any call's time in flight keeps a fresh admission
         whose reply is still on its way. ``waiting``: this replica's waiters, kept as they are.
-        ``settle`` > 0: if the ledger does not know this replica, the fleet settles for that
-        long (``FleetStatus.settling``; the rule is in ``ledger.lua``, ops.resync).
         """
         cap = self._capacity if capacity is None else capacity
-        args = self._heartbeat_args(cap, False)
-        args += [_num(min_age), _num(settle)]
+        args = self._heartbeat_args(cap, False, settle)
+        args.append(_num(min_age))
         for h in holdings:
             args += [h.id, int(h.cls), "1" if h.first_byte else "0",
                      "1" if h.preemptible else "0", h.tenant]
