@@ -392,9 +392,11 @@ class FleetController:
                                self._fleet_inflight, self._held_in_ledger)
         if self._recycle_only is not None:
             limit = min(limit, self._recycle_only)
-        if self._resyncing:
-            limit = 0
         return limit
+
+    def _local_limit(self) -> int:
+        """The local core's capacity: the degraded limit, or 0 while a resync is in flight."""
+        return 0 if self._resyncing else self.degraded_limit
 
     @property
     def lease_count(self) -> int:
@@ -701,7 +703,7 @@ class FleetController:
             return
         self._capacity = capacity
         if self._local is not None:
-            self._local.set_capacity(self.degraded_limit)
+            self._local.set_capacity(self._local_limit())
         self._heartbeat_wake.set()
 
     def capacity_read(self, reading: CapacityReading) -> None:
@@ -812,10 +814,10 @@ class FleetController:
         """Degraded: resync with the ledger; back to ok once it is safe (module docstring)."""
         local = self._local
         assert local is not None
-        # No local admission while the ledger's view is being written (degraded_limit is 0,
+        # No local admission while the ledger's view is being written (_local_limit is 0,
         # also for a capacity change meanwhile).
         self._resyncing = True
-        local.set_capacity(self.degraded_limit)
+        local.set_capacity(self._local_limit())
         listed = [h.holding(aid) for aid, h in self._held.items()]
         try:
             self._outbox.clear()
@@ -825,7 +827,7 @@ class FleetController:
             self._resyncing = False
             self._server_back_at = None  # it must answer for a whole interval again
             self._recycle_only = None  # unreachable again: the outage rule
-            local.set_capacity(self.degraded_limit)
+            local.set_capacity(self._local_limit())
             raise
         self._resyncing = False
         now = self._clock()
@@ -871,7 +873,7 @@ class FleetController:
         again as soon as the fleet has settled rather than a whole interval later."""
         self._recycle_only = recycle
         if self._local is not None:
-            self._local.set_capacity(self.degraded_limit)
+            self._local.set_capacity(self._local_limit())
         if 0 < status.settling < self._interval:
             asyncio.get_running_loop().call_later(status.settling + 0.001,
                                                   self._heartbeat_wake.set)
