@@ -28,6 +28,7 @@ from google.protobuf import struct_pb2
 from devtools.valkey import ValkeyServer, free_port
 from sidecar import codec
 from sidecar.app import Runtime, build_runtime
+from sidecar.classes import PriorityClass
 from sidecar.config import parse_settings
 from tests.grpc_client import EnvoyStandIn, admission_id, headers_of
 from tests.ledger_support import client, valkey_server
@@ -767,6 +768,57 @@ async def test_a_capacity_change_during_a_resync_admits_nothing_locally(
     finally:
         own_server.resume()
         await a.close()
+
+
+@pytest.mark.parametrize("first_call", ["reload", "heartbeat"])
+async def test_requests_right_behind_the_first_call_after_a_loss_stay_within_capacity(
+        tmp_path: Path, own_server: ValkeyServer, first_call: str) -> None:
+    # A (C = 4, holding 3) made no call while the server restarted empty: its pipelined
+    # connection saw EOF, nothing degraded it. Its first call to the new server registers
+    # it (a reload's register, or the heartbeat's resync), and two requests arrive in the
+    # same loop turn: their arrive calls ride the same connection right behind it. The
+    # ledger answers them "unregistered" (A is returning until the fleet settles), and an
+    # admission whose reply is still on its way when a resync runs stays in the ledger
+    # (listed as waiting), so it is not ended there while it runs here. (Second review:
+    # 5 of 4 on both paths.)
+    ttl = 10.0
+    client = redis.Redis(port=own_server.port, decode_responses=True)
+    a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
+    try:
+        for _ in range(3):
+            await ok(a.check())
+        own_server.restart()
+        pipe = a.fleet.ledger._pipe
+        assert pipe is not None
+        await eventually(lambda: pipe._conn is None, timeout=5, what="A saw EOF")
+        await pipe.call("PING")  # reconnects, registers nothing
+        for _ in range(3):
+            with contextlib.suppress(redis.ConnectionError):
+                await a.fleet.ledger.load_library()
+                break
+        assert a.fleet.state == "ok"
+        assert not await registered(client, "a")()
+        if first_call == "reload":
+            a.fleet.update_config(a.fleet._classes)
+        else:
+            a.fleet._heartbeat_wake.set()
+            for _ in range(3):
+                await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        tasks = [asyncio.ensure_future(a.fleet.admit(PriorityClass.DEFAULT, "t"))
+                 for _ in range(2)]
+        await asyncio.wait(tasks, timeout=2)
+        got = {t.result().admission.id for t in tasks if t.done() and not t.exception()}
+        assert len(a.fleet.held) <= 4
+        await eventually(lambda: a.fleet.state == "ok", timeout=2 * ttl, what="A back to ok")
+        # Whatever was granted still counts here and in the ledger: nothing runs uncounted.
+        assert got <= set(a.fleet.held)
+        assert len(a.fleet.held) == await inflight(client) <= 4
+        for t in tasks:
+            t.cancel()
+    finally:
+        await a.close()
+        await client.aclose()
 
 
 class Cuttable:

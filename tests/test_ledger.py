@@ -373,6 +373,43 @@ async def test_a_resync_after_a_loss_starts_one_settling_window_for_the_fleet(
     assert (await b.heartbeat()).settling == 3.0
 
 
+async def test_a_returning_replica_admits_nothing_through_the_ledger_until_settled(
+        client: redis.Redis, valkey_server: ValkeyServer) -> None:
+    """Registered by a call that found it unknown (settle > 0), a replica's arrivals answer
+    "unregistered" until a resync of its own finds the fleet settled: a request pipelined
+    right behind that call is not admitted against a ledger still missing admissions. A
+    first start (settle 0) is not returning."""
+    clock = FakeClock()
+    (a,) = await replicas(client, 4, "a", clock=clock)
+    valkey_server.restart()
+    await client.connection_pool.disconnect()
+    assert not (await a.register(PLAIN, 4, settle=3.0)).known
+    assert (await a.arrive("x", DEF, "t")).status is ArriveStatus.UNREGISTERED
+    clock.advance(1.0)
+    assert (await a.resync([], settle=3.0)).settling == 2.0  # not settled: still returning
+    assert (await a.arrive("y", DEF, "t")).status is ArriveStatus.UNREGISTERED
+    clock.advance(2.0)
+    assert (await a.resync([], settle=3.0)).settling == 0.0
+    assert (await a.arrive("z", DEF, "t")).status is ArriveStatus.ADMITTED
+    fresh = FleetLedger(client, "f", "fresh", clock=clock)
+    await fresh.register(PLAIN, 4)
+    assert (await fresh.arrive("w", DEF, "t")).status is ArriveStatus.ADMITTED
+
+
+async def test_a_resync_keeps_an_admission_listed_as_waiting_whose_reply_is_on_its_way(
+        client: redis.Redis) -> None:
+    """After an outage a resync drops what the replica does not list (min_age 0); an arrival
+    it still waits for is listed as waiting, so an admission the ledger already made for it
+    is kept, not ended while it is about to run."""
+    (a,) = await replicas(client, 4, "a")
+    assert (await a.arrive("in-flight", DEF, "t")).status is ArriveStatus.ADMITTED
+    await a.arrive("gone", DEF, "t")
+    status = await a.resync([], waiting=["in-flight"])
+    assert status.held == 1 and (await a.snapshot()).total_inflight == 1
+    assert await a.release("in-flight") is ReleaseResult.RELEASED
+    assert await a.release("gone") is ReleaseResult.ALREADY_RELEASED
+
+
 async def test_reregister_refuses_what_ended_and_readds_what_was_reaped(
         client: redis.Redis) -> None:
     clock = FakeClock()

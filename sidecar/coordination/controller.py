@@ -821,8 +821,11 @@ class FleetController:
         listed = [h.holding(aid) for aid, h in self._held.items()]
         try:
             self._outbox.clear()
+            # Arrivals whose reply is still on its way stay in the ledger (their reply
+            # may admit them here; the next resync lists them then).
             status = await self._call(self.ledger.resync(listed, self._capacity,
-                                                         settle=self._settle))
+                                                         settle=self._settle,
+                                                         waiting=list(self._waiting)))
         except BaseException:
             self._resyncing = False
             self._server_back_at = None  # it must answer for a whole interval again
@@ -1066,13 +1069,16 @@ class FleetController:
         except BaseException:
             self._answer_first_byte(first_byte, None)
             raise
-        if ops:
-            self._answer_first_byte(first_byte, replies[-1][len(ops) - len(first_byte):])
         if any(isinstance(r, FleetStatus) and not r.known for r in replies):
             # An adoption or a reload was the first call to find this replica unknown
             # (data loss, or its registration lapsed): it registered it, without the rest
-            # of its holdings. An outage and a return, as for the heartbeat.
+            # of its holdings. An outage and a return, as for the heartbeat. The first-byte
+            # marks of this batch met a ledger without those admissions: their 0 means
+            # nothing, so let the responses go (the local share counts them).
+            self._answer_first_byte(first_byte, None)
             self._degrade(RuntimeError("registration lost"))
+        elif ops:
+            self._answer_first_byte(first_byte, replies[-1][len(ops) - len(first_byte):])
 
     def _answer_first_byte(self, ids: list[str], replies: list[Any] | None) -> None:
         """A first-byte mark's reply: 1, still admitted (now never a victim); 0, the ledger

@@ -36,11 +36,15 @@
 --               p=by preemption), "preempt <by_class> <id>", "expired <waited> <id>"
 --   P:ended     HASH id -> why it ended; P:endq ZSET id -> when (forgotten after keep_ended s)
 --   P:seq       counter for arrival and candidate order
+--   P:returning SET of replicas registered by a call that found them unknown (settle > 0),
+--               until a resync of theirs finds the fleet settled: their arrivals answer
+--               "unregistered" (a request pipelined right behind that call must not be
+--               admitted against a ledger still missing admissions)
 
 -- Set at the start of every call (run, at the end): the library's state outlives a call.
 local P, now
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
-  K_ENDQ, K_SEQ
+  K_ENDQ, K_SEQ, K_RETURNING
 
 local function set_prefix(p)
   P = p
@@ -56,6 +60,7 @@ local function set_prefix(p)
   K_ENDED = P .. ':ended'
   K_ENDQ = P .. ':endq'
   K_SEQ = P .. ':seq'
+  K_RETURNING = P .. ':returning'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
@@ -315,6 +320,7 @@ local function drop_replica(r)
     end
   end
   redis.call('DEL', k_own(r), k_ev(r))
+  redis.call('SREM', K_RETURNING, r)
   redis.call('HDEL', K_REPORTS, r)
   redis.call('HDEL', K_DIGESTS, r)
   redis.call('ZREM', K_REPLICAS, r)
@@ -399,8 +405,9 @@ local function heartbeat(a)
   local r = a[1]
   local known = live(r)
   local settle = tonumber(a[11])
-  if not known and settle > 0 and settling() == 0 then
-    redis.call('HSET', K_FLEET, 'settle', fmt(now + settle))
+  if not known and settle > 0 then
+    redis.call('SADD', K_RETURNING, r)
+    if settling() == 0 then redis.call('HSET', K_FLEET, 'settle', fmt(now + settle)) end
   end
   redis.call('ZADD', K_REPLICAS, fmt(now + tonumber(a[2])), r)
   redis.call('HSET', K_REPORTS, r, a[3])
@@ -467,6 +474,7 @@ end
 -- an admission whose reply is still on its way is not dropped. Reply: as reregister.
 ops.resync = function(a)
   local min_age = tonumber(a[12])
+  if settling() == 0 and live(a[1]) then redis.call('SREM', K_RETURNING, a[1]) end
   local rest = {}
   for i = 1, 11 do rest[i] = a[i] end
   local keep_ids = {}
@@ -499,7 +507,9 @@ end
 --      | {"rejected_queue_full"} | {"unregistered"} | {"duplicate"}
 ops.arrive = function(a)
   local r, id, c, tenant = a[1], a[2], tonumber(a[3]), a[4]
-  if not live(r) then return {'unregistered'} end
+  if not live(r) or redis.call('SISMEMBER', K_RETURNING, r) == 1 then
+    return {'unregistered'}
+  end
   if redis.call('HEXISTS', K_ADM, id) == 1 or redis.call('HEXISTS', K_W, id) == 1 then
     return {'duplicate'}
   end
