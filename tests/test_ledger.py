@@ -396,18 +396,24 @@ async def test_a_returning_replica_admits_nothing_through_the_ledger_until_settl
     assert (await fresh.arrive("w", DEF, "t")).status is ArriveStatus.ADMITTED
 
 
-async def test_a_resync_keeps_an_admission_listed_as_waiting_whose_reply_is_on_its_way(
+async def test_a_resync_keeps_an_in_flight_arrival_only_if_it_was_admitted(
         client: redis.Redis) -> None:
     """After an outage a resync drops what the replica does not list (min_age 0); an arrival
-    it still waits for is listed as waiting, so an admission the ledger already made for it
-    is kept, not ended while it is about to run."""
-    (a,) = await replicas(client, 4, "a")
+    it still waits for is listed as in flight: an admission the ledger already made for it
+    is kept (not ended while it is about to run), a waiter is dropped."""
+    (a,) = await replicas(client, 2, "a")
     assert (await a.arrive("in-flight", DEF, "t")).status is ArriveStatus.ADMITTED
     await a.arrive("gone", DEF, "t")
-    status = await a.resync([], waiting=["in-flight"])
-    assert status.held == 1 and (await a.snapshot()).total_inflight == 1
+    assert (await a.arrive("queued", DEF, "t")).status is ArriveStatus.QUEUED
+    status = await a.resync([], in_flight=["in-flight", "queued"])
+    assert status.held == 1
+    snap = await a.snapshot()
+    # The queued one is dropped: its requester moved to the local queue, and a grant for
+    # it would be a slot nobody uses (or a preemption for nobody).
+    assert snap.total_inflight == 1 and snap.queue_depth[DEF] == 0
     assert await a.release("in-flight") is ReleaseResult.RELEASED
     assert await a.release("gone") is ReleaseResult.ALREADY_RELEASED
+    assert await a.take_events() == []
 
 
 async def test_reregister_refuses_what_ended_and_readds_what_was_reaped(

@@ -821,11 +821,12 @@ class FleetController:
         listed = [h.holding(aid) for aid, h in self._held.items()]
         try:
             self._outbox.clear()
-            # Arrivals whose reply is still on its way stay in the ledger (their reply
-            # may admit them here; the next resync lists them then).
+            # Arrivals whose reply may still be on its way: an admission stays in the
+            # ledger (the reply makes it held here; the next resync lists it), a waiter
+            # goes (its requester moves to the local queue, nobody would collect a grant).
             status = await self._call(self.ledger.resync(listed, self._capacity,
                                                          settle=self._settle,
-                                                         waiting=list(self._waiting)))
+                                                         in_flight=list(self._waiting)))
         except BaseException:
             self._resyncing = False
             self._server_back_at = None  # it must answer for a whole interval again
@@ -1073,8 +1074,12 @@ class FleetController:
             # An adoption or a reload was the first call to find this replica unknown
             # (data loss, or its registration lapsed): it registered it, without the rest
             # of its holdings. An outage and a return, as for the heartbeat. The first-byte
-            # marks of this batch met a ledger without those admissions: their 0 means
-            # nothing, so let the responses go (the local share counts them).
+            # marks of this batch met a ledger without those admissions: after a data loss
+            # their 0 means nothing, so the responses go (the local share counts them).
+            # Trade-off: after a mere lapse a 0 may have been a real preemption, whose
+            # response then runs beside its preemptor until it ends (a lapse, a reload or
+            # adoption and a first byte in one batch); a false 503 after every data loss
+            # would be the common case instead.
             self._answer_first_byte(first_byte, None)
             self._degrade(RuntimeError("registration lost"))
         elif ops:

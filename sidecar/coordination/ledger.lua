@@ -465,7 +465,7 @@ ops.reregister = function(a)
 end
 
 -- resync <heartbeat args> min_age then groups like reregister (class -1: a waiter, kept as
--- is): make the ledger's view of the
+-- is; class -2: see keep below): make the ledger's view of the
 -- replica exactly what it holds. Adds back what it holds (as reregister) and drops every
 -- admission or waiter the ledger has for it that it does not list and that is at least
 -- min_age seconds old: released or cancelled while the server was away, or decided by a
@@ -477,18 +477,29 @@ ops.resync = function(a)
   if settling() == 0 and live(a[1]) then redis.call('SREM', K_RETURNING, a[1]) end
   local rest = {}
   for i = 1, 11 do rest[i] = a[i] end
-  local keep_ids = {}
+  -- keep[id]: 'all' listed (held, or class -1: a waiter, kept as is, not re-added);
+  -- 'admitted' (class -2: an arrival whose reply the replica still waits for, after an
+  -- outage): kept if the ledger admitted it (the reply will make it held there), dropped
+  -- if it is still queued (its requester has moved to the local queue).
+  local keep = {}
   for i = 13, #a, 5 do
-    keep_ids[a[i]] = true
-    if a[i + 1] ~= '-1' then -- class -1: a waiter of the replica, kept, not re-added
-      for j = 0, 4 do rest[#rest + 1] = a[i + j] end
+    local c = a[i + 1]
+    if c == '-2' then
+      keep[a[i]] = 'admitted'
+    else
+      keep[a[i]] = 'all'
+      if c ~= '-1' then
+        for j = 0, 4 do rest[#rest + 1] = a[i + j] end
+      end
     end
   end
   for _, id in ipairs(redis.call('SMEMBERS', k_own(a[1]))) do
-    if not keep_ids[id] then
+    if keep[id] ~= 'all' then
       local adm = get_adm(id)
       if adm ~= nil then
-        if now - adm.admitted_at >= min_age then drop_adm(adm, 'completed') end
+        if keep[id] == nil and now - adm.admitted_at >= min_age then
+          drop_adm(adm, 'completed')
+        end
       else
         local w = get_waiter(id)
         if w ~= nil then

@@ -481,7 +481,7 @@ class FleetLedger:
 
     async def resync(self, holdings: Iterable[Holding], capacity: int | None = None,
                      min_age: float = 0.0, waiting: Iterable[str] = (),
-                     settle: float = 0.0) -> FleetStatus:
+                     settle: float = 0.0, in_flight: Iterable[str] = ()) -> FleetStatus:
         """Heartbeat and make the ledger's view of this replica exactly ``holdings``.
 
         Adds back what it holds (as :meth:`reregister`) and drops any admission or waiter
@@ -489,6 +489,9 @@ class FleetLedger:
         old (ended locally while the server was away, or decided by a call whose reply
         was never read). ``min_age`` > any call's time in flight keeps a fresh admission
         whose reply is still on its way. ``waiting``: this replica's waiters, kept as they are.
+        ``in_flight``: arrivals whose reply it still waits for (after an outage, min_age 0):
+        kept if the ledger admitted them, dropped if they are queued (their requesters have
+        moved to the local queue).
         """
         cap = self._capacity if capacity is None else capacity
         args = self._heartbeat_args(cap, False, settle)
@@ -498,6 +501,8 @@ class FleetLedger:
                      "1" if h.preemptible else "0", h.tenant]
         for id in waiting:
             args += [id, -1, "0", "0", ""]
+        for id in in_flight:
+            args += [id, -2, "0", "0", ""]
         return self._status(await self._call("resync", *args))
 
     # ------------------------------------------------------------------- decisions
