@@ -230,6 +230,12 @@ class FleetSnapshot:
         return sum(self.inflight.values())
 
 
+def _holding_args(h: Holding) -> list[str | int]:
+    """One holding as reregister and resync take it: id cls first_byte preemptible tenant."""
+    return [h.id, int(h.cls), "1" if h.first_byte else "0", "1" if h.preemptible else "0",
+            h.tenant]
+
+
 def _function_missing(exc: ResponseError) -> bool:
     return "function not found" in str(exc).lower()
 
@@ -475,8 +481,7 @@ class FleetLedger:
         cap = self._capacity if capacity is None else capacity
         args = self._heartbeat_args(cap, False, settle)
         for h in holdings:
-            args += [h.id, int(h.cls), "1" if h.first_byte else "0",
-                     "1" if h.preemptible else "0", h.tenant]
+            args += _holding_args(h)
         return self._status(await self._call("reregister", *args))
 
     async def resync(self, holdings: Iterable[Holding], capacity: int | None = None,
@@ -497,8 +502,7 @@ class FleetLedger:
         args = self._heartbeat_args(cap, False, settle)
         args.append(_num(min_age))
         for h in holdings:
-            args += [h.id, int(h.cls), "1" if h.first_byte else "0",
-                     "1" if h.preemptible else "0", h.tenant]
+            args += _holding_args(h)
         for id in waiting:
             args += [id, -1, "0", "0", ""]
         for id in in_flight:
