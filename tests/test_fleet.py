@@ -74,7 +74,6 @@ class Replica:
         return 0.0 if v is None else v
 
 
-
 async def start_replica(tmp_path: Path, url: str, name: str, *extra: str,
                         capacity: int = 1, ttl: float = 10.0,
                         priority: str = PRIORITY) -> Replica:
@@ -444,8 +443,16 @@ async def own_server(tmp_path: Path) -> AsyncIterator[ValkeyServer]:
     server.stop()  # resumes a paused server first
 
 
+@pytest.fixture
+async def own_client(own_server: ValkeyServer) -> AsyncIterator[redis.Redis]:
+    """A client of the test's own server (it reconnects by itself after a restart)."""
+    client = redis.Redis(port=own_server.port, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
 async def test_server_paused_then_back_degraded_share_then_ok(
-        tmp_path: Path, own_server: ValkeyServer) -> None:
+        tmp_path: Path, own_server: ValkeyServer, own_client: redis.Redis) -> None:
     ttl = 2.0
     async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl, live=True) as (a, _):
         held = await ok(a.check())
@@ -469,55 +476,47 @@ async def test_server_paused_then_back_degraded_share_then_ok(
         assert a.sample("smg_sidecar_coordination_state", state="ok") == 1
         # A's holdings are in the ledger again; the waiters moved there and fill the fleet.
         await eventually(lambda: sum(c.done() for c in calls) == 3, what="fleet filled")
-        client = redis.Redis(port=own_server.port, decode_responses=True)
+        assert await inflight(own_client) == 4
+        done = [c for c in calls if c.done()]
+        rest = [c for c in calls if c not in done]
+        aids = [held, *[admission_id(await c) for c in done]]
+        await a.end(*aids)
+        await a.end(*[await ok(c) for c in rest])
         try:
-            assert await inflight(client) == 4
-            done = [c for c in calls if c.done()]
-            rest = [c for c in calls if c not in done]
-            aids = [held, *[admission_id(await c) for c in done]]
-            await a.end(*aids)
-            await a.end(*[await ok(c) for c in rest])
-            try:
-                await eventually(lambda: _zero(client), what="ledger empty")
-            except AssertionError:
-                print(await client.hgetall(f"pg:{{{FLEET}}}:adm"), aids, a.fleet.held)
-                raise
-        finally:
-            await client.aclose()
+            await eventually(lambda: _zero(own_client), what="ledger empty")
+        except AssertionError:
+            print(await own_client.hgetall(f"pg:{{{FLEET}}}:adm"), aids, a.fleet.held)
+            raise
 
 
 async def test_a_server_restart_that_loses_the_data_is_an_outage_and_a_return(
-        tmp_path: Path, own_server: ValkeyServer) -> None:
+        tmp_path: Path, own_server: ValkeyServer, own_client: redis.Redis) -> None:
     ttl = 2.0
     async with replicas(tmp_path, own_server.url, capacity=2, ttl=ttl, live=True) as (a, b):
         held_a = await ok(a.check())
         held_b = await ok(b.check())
         own_server.restart()  # every key gone
-        client = redis.Redis(port=own_server.port, decode_responses=True)
+        # Both re-register what they hold; nobody admits past capacity meanwhile.
+        extra = asyncio.ensure_future(a.check())
+        await eventually(lambda: _equals(own_client, 2), timeout=2 * ttl,
+                         what="holdings back in the ledger")
+        await eventually(lambda: a.fleet.state == "ok" and b.fleet.state == "ok",
+                         timeout=2 * ttl, what="both ok")
+        assert not extra.done()
+        assert len(a.fleet.held) + len(b.fleet.held) == 2
+        await b.end(held_b)
         try:
-            # Both re-register what they hold; nobody admits past capacity meanwhile.
-            extra = asyncio.ensure_future(a.check())
-            await eventually(lambda: _equals(client, 2), timeout=2 * ttl,
-                             what="holdings back in the ledger")
-            await eventually(lambda: a.fleet.state == "ok" and b.fleet.state == "ok",
-                             timeout=2 * ttl, what="both ok")
-            assert not extra.done()
-            assert len(a.fleet.held) + len(b.fleet.held) == 2
-            await b.end(held_b)
-            try:
-                got = await asyncio.wait_for(ok(asyncio.shield(extra)), 5)
-            except TimeoutError:
-                # Diagnostics for a flake seen once under heavy machine load.
-                print("DEBUG", await client.hgetall(f"pg:{{{FLEET}}}:adm"),
-                      await client.hgetall(f"pg:{{{FLEET}}}:w"),
-                      await client.lrange(f"pg:{{{FLEET}}}:ev:a", 0, -1),
-                      dict(a.fleet._waiting), a.fleet.state, dict(b.fleet.held),
-                      list(b.fleet._outbox), await client.hgetall(f"pg:{{{FLEET}}}:ended"))
-                raise
-            await a.end(held_a, got)
-            await eventually(lambda: _zero(client), what="ledger empty")
-        finally:
-            await client.aclose()
+            got = await asyncio.wait_for(ok(asyncio.shield(extra)), 5)
+        except TimeoutError:
+            # Diagnostics for a flake seen once under heavy machine load.
+            print("DEBUG", await own_client.hgetall(f"pg:{{{FLEET}}}:adm"),
+                  await own_client.hgetall(f"pg:{{{FLEET}}}:w"),
+                  await own_client.lrange(f"pg:{{{FLEET}}}:ev:a", 0, -1),
+                  dict(a.fleet._waiting), a.fleet.state, dict(b.fleet.held),
+                  list(b.fleet._outbox), await own_client.hgetall(f"pg:{{{FLEET}}}:ended"))
+            raise
+        await a.end(held_a, got)
+        await eventually(lambda: _zero(own_client), what="ledger empty")
 
 
 async def _equals(client: redis.Redis, n: int) -> bool:
@@ -619,7 +618,7 @@ async def test_after_the_server_answers_again_a_degraded_replica_only_reuses_its
 
 
 async def test_after_a_data_loss_nobody_admits_through_the_ledger_until_the_fleet_settled(
-        tmp_path: Path, own_server: ValkeyServer) -> None:
+        tmp_path: Path, own_server: ValkeyServer, own_client: redis.Redis) -> None:
     # The server restarts empty. A's first resync re-registers its holding and starts the
     # fleet's settling window (ledger ops.resync): A stays degraded, reusing only its own
     # slot, for that whole window on the server's clock, not just one interval of its own,
@@ -628,17 +627,16 @@ async def test_after_a_data_loss_nobody_admits_through_the_ledger_until_the_flee
     # nothing until the window is over either.
     ttl = 2.0
     settle = 2 * (0.9 * ttl / 3) + ttl / 5  # 2 x interval + call timeout
-    client = redis.Redis(port=own_server.port, decode_responses=True)
     a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
     c: Replica | None = None
     try:
         held = await ok(a.check())
         own_server.restart()
 
-        await eventually(registered(client, "a"), timeout=2 * ttl, what="A re-registered")
+        await eventually(registered(own_client, "a"), timeout=2 * ttl, what="A re-registered")
         t_registered = time.monotonic()
         assert a.fleet.state == "degraded"
-        assert await inflight(client) == 1  # its holding is back in the ledger
+        assert await inflight(own_client) == 1  # its holding is back in the ledger
         c = await start_replica(tmp_path, own_server.url, "c", capacity=4, ttl=ttl)
         assert c.fleet.state == "degraded" and c.fleet.degraded_limit == 0
         waiting = asyncio.ensure_future(c.check())
@@ -650,14 +648,13 @@ async def test_after_a_data_loss_nobody_admits_through_the_ledger_until_the_flee
         await eventually(lambda: c is not None and c.fleet.state == "ok", timeout=ttl,
                          what="C ok")
         got = await ok(waiting)  # admitted through the ledger once settled
-        assert await inflight(client) == 2
+        assert await inflight(own_client) == 2
         await a.end(held)
         await c.end(got)
     finally:
         await a.close()
         if c is not None:
             await c.close()
-        await client.aclose()
 
 
 def registered(client: redis.Redis, name: str) -> Callable[[], Awaitable[bool]]:
@@ -669,52 +666,47 @@ def registered(client: redis.Redis, name: str) -> Callable[[], Awaitable[bool]]:
 
 
 async def test_a_reload_that_finds_the_replica_unknown_is_a_return_after_a_loss(
-        tmp_path: Path, own_server: ValkeyServer) -> None:
+        tmp_path: Path, own_server: ValkeyServer, own_client: redis.Redis) -> None:
     # The server restarts empty; B finds out first (its next check) and opens the fleet's
     # settling window. A's first call after the loss is a hot reload's register, which
     # registers A without its holdings: A must treat that as the return after a loss
     # (degrade, resync, wait for the settling) instead of admitting on, as if ok, through
     # a ledger that lacks its own and B's admissions (review finding: 6 of 4).
     ttl = 6.0  # heartbeats 1.8 s apart: the reload comes first
-    client = redis.Redis(port=own_server.port, decode_responses=True)
-    try:
-        async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl,
-                            live=True) as (a, b):
-            held = {a: [await ok(a.check()) for _ in range(2)],
-                    b: [await ok(b.check()) for _ in range(2)]}
-            own_server.restart()
-            pending = [asyncio.ensure_future(b.check())]
-            await eventually(registered(client, "b"), timeout=ttl, what="B re-registered")
-            (tmp_path / "priority.yaml").write_text(PRIORITY.replace(
-                "bulk: {queue_size: 50", "bulk: {queue_size: 7"))
-            assert await a.app.reload_now()
-            await eventually(registered(client, "a"), timeout=ttl, what="A registered")
-            pending += [asyncio.ensure_future(a.check()) for _ in range(2)]
-            t0 = time.monotonic()
-            while a.fleet.state != "ok" or b.fleet.state != "ok":
-                assert len(a.fleet.held) + len(b.fleet.held) <= 4
-                assert time.monotonic() - t0 < 2 * ttl, "not back to ok within 2 x ttl"
-                await asyncio.sleep(0.02)
-            assert len(a.fleet.held) + len(b.fleet.held) == 4
-            assert await inflight(client) == 4 and not any(p.done() for p in pending)
-            await a.end(*held[a])
-            await b.end(*held[b])
-            late = [admission_id(await asyncio.wait_for(p, 10)) for p in pending]
-            assert len(a.fleet.held) + len(b.fleet.held) == 3
-            await a.end(*(x for x in late if x in a.fleet.held))
-            await b.end(*(x for x in late if x in b.fleet.held))
-    finally:
-        await client.aclose()
+    async with replicas(tmp_path, own_server.url, capacity=4, ttl=ttl,
+                        live=True) as (a, b):
+        held = {a: [await ok(a.check()) for _ in range(2)],
+                b: [await ok(b.check()) for _ in range(2)]}
+        own_server.restart()
+        pending = [asyncio.ensure_future(b.check())]
+        await eventually(registered(own_client, "b"), timeout=ttl, what="B re-registered")
+        (tmp_path / "priority.yaml").write_text(PRIORITY.replace(
+            "bulk: {queue_size: 50", "bulk: {queue_size: 7"))
+        assert await a.app.reload_now()
+        await eventually(registered(own_client, "a"), timeout=ttl, what="A registered")
+        pending += [asyncio.ensure_future(a.check()) for _ in range(2)]
+        t0 = time.monotonic()
+        while a.fleet.state != "ok" or b.fleet.state != "ok":
+            assert len(a.fleet.held) + len(b.fleet.held) <= 4
+            assert time.monotonic() - t0 < 2 * ttl, "not back to ok within 2 x ttl"
+            await asyncio.sleep(0.02)
+        assert len(a.fleet.held) + len(b.fleet.held) == 4
+        assert await inflight(own_client) == 4 and not any(p.done() for p in pending)
+        await a.end(*held[a])
+        await b.end(*held[b])
+        late = [admission_id(await asyncio.wait_for(p, 10)) for p in pending]
+        assert len(a.fleet.held) + len(b.fleet.held) == 3
+        await a.end(*(x for x in late if x in a.fleet.held))
+        await b.end(*(x for x in late if x in b.fleet.held))
 
 
 async def test_a_replica_started_while_the_fleet_settles_has_no_share_in_an_outage(
-        tmp_path: Path, own_server: ValkeyServer) -> None:
+        tmp_path: Path, own_server: ValkeyServer, own_client: redis.Redis) -> None:
     # C registers while the fleet settles: the ledger may still lack admissions, so C keeps
     # no view from it. If the server then stops answering, C's degraded share is 0 (no
     # view), not one computed from that ledger; A keeps its own view from before the loss.
     # (Review finding: C's share came from the unsettled view: A 4 + C 1 = 5 of 4.)
     ttl = 2.0
-    client = redis.Redis(port=own_server.port, decode_responses=True)
     a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
     c: Replica | None = None
     try:
@@ -723,7 +715,7 @@ async def test_a_replica_started_while_the_fleet_settles_has_no_share_in_an_outa
                                           **{"class": "default"}) == 2,
                          timeout=ttl, what="A's view holds both")
         own_server.restart()
-        await eventually(registered(client, "a"), timeout=2 * ttl, what="A re-registered")
+        await eventually(registered(own_client, "a"), timeout=2 * ttl, what="A re-registered")
         c = await start_replica(tmp_path, own_server.url, "c", capacity=4, ttl=ttl)
         assert c.fleet.state == "degraded" and c.fleet.degraded_limit == 0
         own_server.pause()
@@ -746,7 +738,6 @@ async def test_a_replica_started_while_the_fleet_settles_has_no_share_in_an_outa
         await a.close()
         if c is not None:
             await c.close()
-        await client.aclose()
 
 
 async def test_a_capacity_change_during_a_resync_admits_nothing_locally(
@@ -772,7 +763,7 @@ async def test_a_capacity_change_during_a_resync_admits_nothing_locally(
 
 @pytest.mark.parametrize("first_call", ["reload", "heartbeat"])
 async def test_requests_right_behind_the_first_call_after_a_loss_stay_within_capacity(
-        tmp_path: Path, own_server: ValkeyServer, first_call: str) -> None:
+        tmp_path: Path, own_server: ValkeyServer, own_client: redis.Redis, first_call: str) -> None:
     # A (C = 4, holding 3) made no call while the server restarted empty: its pipelined
     # connection saw EOF, nothing degraded it. Its first call to the new server registers
     # it (a reload's register, or the heartbeat's resync), and two requests arrive in the
@@ -782,7 +773,6 @@ async def test_requests_right_behind_the_first_call_after_a_loss_stay_within_cap
     # (listed as in flight), so it is not ended there while it runs here. (Second review:
     # 5 of 4 on both paths.)
     ttl = 10.0
-    client = redis.Redis(port=own_server.port, decode_responses=True)
     a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
     try:
         for _ in range(3):
@@ -797,7 +787,7 @@ async def test_requests_right_behind_the_first_call_after_a_loss_stay_within_cap
                 await a.fleet.ledger.load_library()
                 break
         assert a.fleet.state == "ok"
-        assert not await registered(client, "a")()
+        assert not await registered(own_client, "a")()
         if first_call == "reload":
             a.fleet.update_config(a.fleet._classes)
         else:
@@ -815,7 +805,7 @@ async def test_requests_right_behind_the_first_call_after_a_loss_stay_within_cap
         assert got <= set(a.fleet.held)
 
         async def counted_alike() -> bool:  # woken local waiters may be arriving meanwhile
-            return len(a.fleet.held) == await inflight(client)
+            return len(a.fleet.held) == await inflight(own_client)
 
         await eventually(counted_alike, what="held here = in the ledger")
         assert len(a.fleet.held) <= 4
@@ -823,7 +813,6 @@ async def test_requests_right_behind_the_first_call_after_a_loss_stay_within_cap
             t.cancel()
     finally:
         await a.close()
-        await client.aclose()
 
 
 class Cuttable:
