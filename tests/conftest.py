@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from devtools.fleet import wait_for
 from devtools.httpclient import Exchange, Response, chat_body, request
@@ -110,3 +111,11 @@ async def make_stack(tmp_path: Path) -> AsyncIterator[StackFactory]:
     finally:
         for stack in stacks:
             await stack.stop()
+
+
+async def serve_on_loopback(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on a free loopback port: its runner (``cleanup()`` stops it) and base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"

@@ -29,6 +29,7 @@ from sidecar.health import (
     prometheus_sums,
     recognise_server_info,
 )
+from tests.conftest import serve_on_loopback
 
 T = 2.0  # probe timeout: generous, loopback answers in milliseconds
 
@@ -366,12 +367,8 @@ async def test_envoy_admin_hosts_follow_the_same_rules() -> None:
 
         app = web.Application()
         app.router.add_get("/clusters", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        m = CapacityMonitor(worker_urls=[], envoy_admin_url=f"http://127.0.0.1:{port}",
+        runner, url = await serve_on_loopback(app)
+        m = CapacityMonitor(worker_urls=[], envoy_admin_url=url,
                             envoy_cluster="workers", interval=1.0, timeout=T, fallback=1024,
                             override=None, on_change=lambda r: None)
         try:

@@ -38,6 +38,7 @@ from sidecar.liveness import (
 from sidecar.metrics import NullRecorder
 from sidecar.scheduler import ClassSettings, ReleaseResult, Scheduler
 from tests.clock import FakeClock
+from tests.conftest import serve_on_loopback
 
 GRACE = 5.0
 LEASE = 10.0
@@ -490,12 +491,8 @@ async def admin_server() -> AsyncIterator[tuple[str, dict[str, object]]]:
 
     app = web.Application()
     app.router.add_get("/server_info", server_info)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}/", state
+    runner, url = await serve_on_loopback(app)
+    yield f"{url}/", state
     gate = state["gate"]
     assert isinstance(gate, asyncio.Event)
     gate.set()  # a hung handler ends, so the server stops at once
