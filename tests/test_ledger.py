@@ -10,6 +10,7 @@ import redis.asyncio as redis
 
 from devtools.valkey import ValkeyServer
 from sidecar.classes import PriorityClass
+from sidecar.coordination import ledger as ledger_module
 from sidecar.coordination.ledger import (
     ArriveStatus,
     CancelResult,
@@ -453,6 +454,26 @@ async def test_server_time_is_the_clock_in_production(client: redis.Redis) -> No
     assert before - 1.0 <= snap.now <= time.time() + 1.0
     left = await a.tick()
     assert left is not None and 4.0 < left <= 5.0  # starvation of the head, 5 s
+
+
+async def test_a_caller_supplied_clock_is_refused_by_the_production_library(
+        client: redis.Redis) -> None:
+    # Anyone reaching the server could call the production function with a clock of 1e18:
+    # that used to reap every replica and expire every waiter. Only the test build (its own
+    # library name, loaded only by a FleetLedger given a clock) takes one.
+    a, _ = await replicas(client, 2, "a", "b")
+    assert (await a.arrive("x", DEF, "t")).status is ArriveStatus.ADMITTED
+    with pytest.raises(redis.ResponseError, match="caller clock is refused"):
+        await client.fcall(ledger_module.FUNCTION, 1, "pg:{f}", "tick", "1e18")
+    snap = await a.snapshot()
+    assert snap.replicas == ("a", "b") and snap.total_inflight == 1
+    assert ledger_module.TEST_FUNCTION != ledger_module.FUNCTION
+    assert "TEST_CLOCK" not in ledger_module.TEST_LUA
+    assert "--[[TEST_CLOCK" in ledger_module.LUA  # the branch is a comment in production
+    # The test build takes it (and a fake clock far ahead reaps everyone, as it should).
+    with_clock = FleetLedger(client, "f", "a", clock=lambda: 1e18)
+    await with_clock.tick()
+    assert (await a.snapshot()).replicas == ()
 
 
 async def test_every_key_is_in_the_fleet_hash_slot(client: redis.Redis) -> None:

@@ -14,8 +14,9 @@
 --   prefix  "pg:{<fleet>}": every key below is prefix..":<name>", so all share the {fleet}
 --           hash tag and one Redis Cluster slot (the derived keys are not declared; they are in
 --           the declared key's slot, which is what cluster mode checks).
---   now     "" in production: the server's TIME, so replicas' clock skew cannot steal slots.
---           A number only in tests, to drive a fake clock.
+--   now     "": the server's TIME, so replicas' clock skew cannot steal slots. A number is
+--           refused, except by the test build (see clock() below), which tests drive with
+--           a fake clock.
 -- Class numbers are sidecar.classes.PriorityClass values: 0 bulk, 1 default, 2 interactive,
 -- 3 system. Times are seconds (float); they are stored with %.17g so they round-trip exactly.
 --
@@ -674,14 +675,22 @@ ops.multi = function(a)
   return replies
 end
 
+-- The clock is the server's TIME. Only the test build (ledger.py TEST_LUA, a library of its
+-- own name that no production replica loads or calls) takes a caller's clock: in this text
+-- that branch is a comment, so whoever reaches the server cannot move time (a caller's
+-- 1e18 would reap every replica and expire every waiter).
+local function clock(arg)
+  --[[TEST_CLOCK
+  if arg ~= '' then return tonumber(arg) end
+  TEST_CLOCK]]
+  if arg ~= '' then error('ERR a caller clock is refused (test build only)') end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
 local function run(keys, argv)
   set_prefix(keys[1])
-  if argv[2] ~= '' then
-    now = tonumber(argv[2])
-  else
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  end
+  now = clock(argv[2])
   cfg = nil
   load_state()
   reap()

@@ -81,6 +81,15 @@ FUNCTION = f"pg_ledger_{_DIGEST}"
 LUA = (f"#!lua name=pgledger_{_DIGEST}\n"
        + _SOURCE.replace("__FUNCTION__", FUNCTION).replace("__LIBRARY__", f"pgledger_{_DIGEST}"))
 
+# The test build: the same code with its caller-clock branch uncommented (ledger.lua, clock()),
+# under names of its own. Only a FleetLedger given a ``clock`` (tests) loads and calls it;
+# production never does, so no production function takes a caller's time.
+TEST_LIBRARY = f"pgledger_test_{_DIGEST}"
+TEST_FUNCTION = f"pg_ledger_test_{_DIGEST}"
+TEST_LUA = (f"#!lua name={TEST_LIBRARY}\n"
+            + _SOURCE.replace("--[[TEST_CLOCK", "").replace("TEST_CLOCK]]", "")
+            .replace("__FUNCTION__", TEST_FUNCTION).replace("__LIBRARY__", TEST_LIBRARY))
+
 # How long the ledger remembers ended ids (to tell a duplicate release from a stranger).
 DEFAULT_REMEMBER_ENDED_SECS = 600.0
 
@@ -368,7 +377,9 @@ class FleetLedger:
     """One replica's handle on its fleet's ledger.
 
     ``client`` should decode responses (``decode_responses=True``). ``clock`` is for tests
-    only: it makes every script use that time instead of the server's ``TIME``.
+    only: it makes every script use that time instead of the server's ``TIME``, through the
+    test build of the library (``TEST_LUA``); the production library refuses a caller's
+    clock.
     """
 
     def __init__(
@@ -415,13 +426,17 @@ class FleetLedger:
             if not _function_missing(exc):
                 raise
         # First call on this server, or it restarted without its data: load, then retry.
-        await self.load_library()
+        if self._clock is not None:
+            await self._client.function_load(TEST_LUA, replace=True)
+        else:
+            await self.load_library()
         return await self._fcall(op, now, *args)
 
     async def _fcall(self, *args: str | int) -> Any:
+        fn = FUNCTION if self._clock is None else TEST_FUNCTION
         if self._pipe is not None:
-            return await self._pipe.call("FCALL", FUNCTION, 1, self._prefix, *args)
-        return await self._client.fcall(FUNCTION, 1, self._prefix, *args)
+            return await self._pipe.call("FCALL", fn, 1, self._prefix, *args)
+        return await self._client.fcall(fn, 1, self._prefix, *args)
 
     async def aclose(self) -> None:
         """Close the pipelined connection, if any (the client is the caller's)."""
