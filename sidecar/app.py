@@ -82,6 +82,7 @@ async def build_runtime(settings: Settings) -> Runtime:
         engine=s.worker_engine,
         default_cap=s.worker_max_running_requests,
         saturation_guard=s.saturation_guard,
+        credential=s.worker_credential,
     )
     fleet: FleetController | None = None
     try:

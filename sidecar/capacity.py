@@ -4,8 +4,11 @@ Pure logic, no I/O: :mod:`sidecar.health` probes the workers and hands the
 results here. The rules (docs/reference.md, "Capacity"):
 
 - a healthy worker counts for the cap read this round; if it could not be read
-  (timeout, error, malformed value), for the last cap read from it; only a
-  worker never read counts as the default (``--worker-max-running-requests``);
+  (timeout, error, malformed value), for the last cap read from it. A worker
+  never read counts as the default (``--worker-max-running-requests``) only when
+  its engine reports no cap; one whose capacity endpoint refused the probe
+  (401/403/501) or failed counts for :data:`UNREAD_WORKER_CAPACITY` (an
+  unreadable probe must never raise capacity);
 - with the saturation guard on, a healthy worker that reports waiting requests
   counts for ``min(cap, running)``: what it showed it can really run (a lower
   reading lowers the count by at most an eighth per round, since a batch turning
@@ -30,6 +33,10 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+# A healthy worker whose cap was never read because its endpoint refused or failed:
+# one request at a time is all its 200 on /health proves it can run.
+UNREAD_WORKER_CAPACITY = 1
+
 
 class ProbeStatus(enum.Enum):
     HEALTHY = "healthy"
@@ -47,6 +54,8 @@ class WorkerProbe:
     cap: int | None = None  # read this round; None = not readable
     running: int | None = None  # saturation signals (None = not read)
     waiting: int | None = None
+    cap_failed: bool = False  # the cap endpoint refused or failed (not: reports no cap)
+    problems: tuple[tuple[str, str], ...] = ()  # (endpoint, reason) refused this round
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,7 @@ class WorkerCapacity:
     engine: str
     capacity: int  # what the worker counts for (after the saturation guard)
     saturated: bool = False
+    problems: tuple[tuple[str, str], ...] = ()  # (endpoint, reason) refused this round
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +98,9 @@ class CapacityPolicy:
         if probe.cap is not None:
             self.last_cap[probe.url] = probe.cap
             return probe.cap
-        return self.last_cap.get(probe.url, self.default_cap)
+        if probe.url in self.last_cap:
+            return self.last_cap[probe.url]
+        return UNREAD_WORKER_CAPACITY if probe.cap_failed else self.default_cap
 
     def guarded(self, p: WorkerProbe, cap: int) -> int | None:
         """The saturation guard's count for a healthy worker (None: not limited)."""
@@ -144,7 +156,8 @@ class CapacityPolicy:
             cap = self.worker_cap(p)
             guarded = self.guarded(p, cap)
             counted.append(WorkerCapacity(p.url, p.engine, min(cap, guarded)
-                                          if guarded is not None else cap, guarded is not None))
+                                          if guarded is not None else cap, guarded is not None,
+                                          p.problems))
         if not counted:
             return self._remember(self._fallback(len(probes)))
         total = sum(w.capacity for w in counted)
@@ -168,3 +181,9 @@ def _step(count: int) -> int:
 def per_worker(reading: CapacityReading) -> Mapping[tuple[str, str], int]:
     """``{(worker, engine): capacity}`` for the per-worker gauge."""
     return {(w.url, w.engine): w.capacity for w in reading.workers}
+
+
+def worker_problems(reading: CapacityReading) -> Mapping[tuple[str, str, str], int]:
+    """``{(worker, endpoint, reason): 1}`` for the refused-probe gauge."""
+    return {(w.url, endpoint, reason): 1 for w in reading.workers
+            for endpoint, reason in w.problems}

@@ -535,6 +535,8 @@ class Settings:
     replica_id: str = ""
     envoy_owner_grace_secs: float = 2.0
     replica_ttl_secs: float = 10.0
+    # Header name -> value sent with every worker probe; never in a repr.
+    worker_credential: Mapping[str, str] | None = field(default=None, repr=False)
 
     @property
     def fallback_capacity(self) -> int:
@@ -610,6 +612,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--saturation-guard", action="store_true", default=False,
                     help="a worker reporting waiting requests counts for min(cap, running) "
                          "until its queue is empty, so the backlog waits in the class queues")
+    sc.add_argument("--worker-auth-file", default=None, metavar="FILE",
+                    help="file holding the workers' API key, sent with every probe as "
+                         "'Authorization: Bearer KEY' (never put the key itself in argv)")
+    sc.add_argument("--worker-auth-header", default=None, metavar="NAME",
+                    help="send the --worker-auth-file content verbatim as this header "
+                         "instead (e.g. x-api-key)")
     sc.add_argument("--tenant-source", default="header:x-smg-tenant", metavar="SOURCE",
                     help="trusted tenant identity: header:NAME (a header Envoy strips from "
                          "clients and sets itself), principal (mTLS peer), or "
@@ -695,6 +703,54 @@ def default_replica_id() -> str:
     return f"{host}-{os.getpid()}"
 
 
+MAX_CREDENTIAL_BYTES = 8192
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+
+
+def worker_credential(path: str | None, header: str | None) -> dict[str, str] | None:
+    """The probe credential from ``--worker-auth-file``: ``{header: value}``.
+
+    The file holds one line, the key (a final line break is dropped). Errors
+    name the file and why, never its content.
+    """
+    if path is None:
+        if header is not None:
+            raise ConfigError("--worker-auth-header needs --worker-auth-file")
+        return None
+    if header is not None and not _HEADER_NAME.match(header):
+        raise ConfigError(f"--worker-auth-header {clip(header)!r} is not a header name")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"--worker-auth-file: cannot read: {exc.strerror}", file=path) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError("--worker-auth-file: not a regular file", file=path)
+        data = os.read(fd, MAX_CREDENTIAL_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"--worker-auth-file: cannot read: {exc.strerror}", file=path) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CREDENTIAL_BYTES:
+        raise ConfigError(f"--worker-auth-file: longer than {MAX_CREDENTIAL_BYTES} bytes",
+                          file=path)
+    try:
+        key = data.decode("ascii").removesuffix("\n").removesuffix("\r")
+    except UnicodeDecodeError:
+        raise ConfigError("--worker-auth-file: not ASCII text", file=path) from None
+    if not key.strip():
+        raise ConfigError("--worker-auth-file: empty", file=path)
+    # A header value cannot hold a line break or control character (a second line
+    # would be a header injected into every probe).
+    if any((ord(ch) < 0x20 and ch != "\t") or ord(ch) == 0x7F for ch in key):
+        raise ConfigError("--worker-auth-file: holds more than one line or a control "
+                          "character", file=path)
+    key = key.strip()
+    if header is None:
+        return {"Authorization": f"Bearer {key}"}
+    return {header: key}
+
+
 def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) -> Settings:
     """Validate parsed flags and load the YAML; raise :class:`ConfigError`."""
     if ns.priority_scheduler_enabled and ns.prefill_max_inflight_requests_per_worker is not None:
@@ -748,6 +804,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
                               f"got {clip(name)!r}")
     if not (math.isfinite(ns.replica_ttl_secs) and ns.replica_ttl_secs > 0):
         raise ConfigError("--replica-ttl-secs must be a finite number > 0")
+    credential = worker_credential(ns.worker_auth_file, ns.worker_auth_header)
     priority = load_priority_config(ns.priority_scheduler_config)
     authz_timeout = ns.envoy_authz_timeout
     if authz_timeout is not None and ns.priority_scheduler_enabled:
@@ -797,6 +854,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         fleet_id=ns.fleet_id,
         replica_id=replica_id,
         replica_ttl_secs=float(ns.replica_ttl_secs),
+        worker_credential=credential,
     )
 
 

@@ -17,14 +17,21 @@ import errno
 import json
 import math
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import logs
-from sidecar.capacity import CapacityPolicy, CapacityReading, ProbeStatus, WorkerProbe
+from sidecar.capacity import (
+    UNREAD_WORKER_CAPACITY,
+    CapacityPolicy,
+    CapacityReading,
+    ProbeStatus,
+    WorkerProbe,
+)
 
 __all__ = [
     "DEFAULT_WORKER_CAPACITY",
@@ -74,15 +81,57 @@ class NotFound(Exception):
     """The endpoint does not exist on this worker (404/405): a different engine."""
 
 
+# Answers that say the worker will not tell us (not that it is broken or another engine).
+REFUSALS: Mapping[int, str] = {401: "unauthorized", 403: "forbidden", 501: "not_enabled"}
+REFUSAL_HINTS: Mapping[int, str] = {
+    401: "give the probes the engine's API key: --worker-auth-file FILE",
+    403: "the credential in --worker-auth-file is not allowed to read this endpoint",
+    501: "the engine was started without this endpoint (llama-server: --metrics)",
+}
+# A refused endpoint is asked again only this often: a refusal lasts until someone
+# changes a flag, and asking every interval would only add requests.
+REFUSED_RETRY_SECS = 30.0
+
+
+class ProbeProblem(Exception):
+    """The worker answered, but its capacity or saturation cannot be read this way."""
+
+    event = "worker_probe_problem"
+
+    def __init__(self, path: str, reason: str, hint: str) -> None:
+        super().__init__(f"{reason} at {path}")
+        self.path = path
+        self.reason = reason
+        self.hint = hint
+
+    @property
+    def endpoint(self) -> str:
+        """The path without its query: a bounded metric label."""
+        return self.path.split("?", 1)[0]
+
+
+class Refused(ProbeProblem):
+    """401/403/501: the endpoint refused the probe."""
+
+    event = "worker_probe_refused"
+
+    def __init__(self, path: str, status: int) -> None:
+        super().__init__(path, REFUSALS[status], REFUSAL_HINTS[status])
+        self.status = status
+
+
 async def http_get(session: aiohttp.ClientSession, url: str, timeout: float,
-                   limit: int = PROBE_BODY_LIMIT) -> tuple[int, bytes]:
+                   limit: int = PROBE_BODY_LIMIT,
+                   headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
     """GET ``url``: the status and its body, within ``timeout`` s.
 
     A body longer than ``limit`` bytes raises :class:`BodyTooLarge` (a ValueError)
     without being read further. Raises aiohttp.ClientError, OSError, TimeoutError
-    or ValueError.
+    or ValueError. With ``headers`` (a credential) redirects are not followed:
+    a redirect must not carry the credential to another host.
     """
-    async with asyncio.timeout(timeout), session.get(url) as resp:
+    async with asyncio.timeout(timeout), session.get(
+            url, headers=headers, allow_redirects=not headers) as resp:
         if resp.content_length is not None and resp.content_length > limit:
             raise BodyTooLarge(f"body of {resp.content_length} bytes > {limit}")
         body = bytearray()
@@ -197,13 +246,17 @@ def vllm_cap(info: object) -> tuple[int | None, str]:
 
 
 def field_cap(name: str) -> Callable[[object], tuple[int | None, str]]:
+    """A top-level field: absent or null = the engine reports none (None); any other
+    value that is not a plausible cap raises ValueError (a failed read)."""
     def read(body: object) -> tuple[int | None, str]:
         d = _dict(body)
         if d is None:
-            return None, "not a JSON object"
+            raise ValueError("not a JSON object")
+        if d.get(name) is None:
+            return None, f"no {name}"
         value = positive_int(d.get(name))
         if value is None:
-            return None, f"{name} is {d.get(name)!r}, not a positive int"
+            raise ValueError(f"{name} is {str(d.get(name))[:40]!r}, not a positive int")
         return value, ""
     return read
 
@@ -252,17 +305,43 @@ def _count(value: float | None) -> int | None:
 class _WorkerState:
     engine: str | None = None  # recognised engine (auto), None = detect on next healthy probe
     loads_missing: bool = False  # SGLang without /v1/loads: saturation from /metrics
+    # The recognised engine's capacity endpoint answered since it was recognised: only
+    # then does a later 404 mean another engine (else it is how this one answers).
+    cap_answered: bool = False
+    refused: dict[str, tuple[Refused, float]] = field(default_factory=dict)  # path -> retry at
+    detect_refused: tuple[Refused, float] | None = None  # recognition refused: retry at
+    router_models: tuple[str, ...] = ()  # llama.cpp router: the models loaded at last read
+
+
+class NoLoadedModel(ProbeProblem):
+    """A llama.cpp router with no model loaded: no slots to read."""
+
+    event = "llamacpp_router_no_loaded_model"
+
+    def __init__(self) -> None:
+        super().__init__("/models", "router_no_loaded_model",
+                         "no model is loaded; counted as one slot until one is")
 
 
 class WorkerProber:
-    """Probes workers by engine; remembers per worker what ``auto`` recognised."""
+    """Probes workers by engine; remembers per worker what ``auto`` recognised.
+
+    ``credential`` (header name -> value, from ``--worker-auth-file``) goes with
+    every probe to the workers, never anywhere else, and is never logged.
+    """
 
     def __init__(self, session: Callable[[], aiohttp.ClientSession], *, engine: str,
-                 timeout: float, saturation_guard: bool) -> None:
+                 timeout: float, saturation_guard: bool,
+                 credential: Mapping[str, str] | None = None,
+                 refused_retry_secs: float = REFUSED_RETRY_SECS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._session = session
         self.engine = engine
         self.timeout = timeout
         self.saturation_guard = saturation_guard
+        self._headers = dict(credential) if credential else None
+        self.refused_retry_secs = refused_retry_secs
+        self._clock = clock
         self.state: dict[str, _WorkerState] = {}
         self._logged: set[tuple[str, ...]] = set()
 
@@ -274,108 +353,205 @@ class WorkerProber:
         self._logged.add((event, *key))
         log.warning(event, **kw)
 
-    async def _get_json(self, url: str) -> object:
-        status, body = await http_get(self._session(), url, self.timeout)
+    def _problem(self, base: str, p: ProbeProblem, problems: list[tuple[str, str]]) -> None:
+        """Note a refusal for the metric; log it once per worker, endpoint and reason."""
+        if (p.endpoint, p.reason) not in problems:
+            problems.append((p.endpoint, p.reason))
+        self.log_once(p.event, (base, p.endpoint, p.reason), worker=base, endpoint=p.endpoint,
+                      reason=p.reason, hint=p.hint,
+                      counted_as="last cap read from it, else "
+                                 f"{UNREAD_WORKER_CAPACITY} slot",
+                      retry_secs=self.refused_retry_secs)
+
+    async def _get(self, base: str, path: str, st: _WorkerState,
+                   limit: int = PROBE_BODY_LIMIT) -> tuple[int, bytes]:
+        """GET ``base + path`` with the credential; a refusal raises :class:`Refused` and
+        is remembered, so the path is not asked again for ``refused_retry_secs``."""
+        held = st.refused.get(path)
+        if held is not None:
+            if self._clock() < held[1]:
+                raise held[0]
+            del st.refused[path]
+        status, body = await http_get(self._session(), base + path, self.timeout, limit,
+                                      self._headers)
+        if status in REFUSALS:
+            refusal = Refused(path, status)
+            st.refused[path] = (refusal, self._clock() + self.refused_retry_secs)
+            raise refusal
+        return status, body
+
+    async def _get_json(self, base: str, path: str, st: _WorkerState) -> object:
+        status, body = await self._get(base, path, st)
         if status in (404, 405):
-            raise NotFound(url)
+            raise NotFound(path)
         if status != 200:
-            raise BadStatus(f"HTTP {status} from {url}")
+            raise BadStatus(f"HTTP {status} from {path}")
         return json.loads(body)
 
     async def probe(self, base_url: str) -> WorkerProbe:
         base = base_url.rstrip("/")
         try:
-            status, _ = await http_get(self._session(), f"{base}/health", self.timeout)
+            status, _ = await http_get(self._session(), f"{base}/health", self.timeout,
+                                       headers=self._headers)
         except PROBE_ERRORS as exc:
             self.state.pop(base, None)
             kind = ProbeStatus.INCONCLUSIVE if is_local_failure(exc) else ProbeStatus.UNHEALTHY
             return WorkerProbe(base_url, kind)
         if status != 200:  # llama.cpp answers 503 while loading: detect again afterwards
             self.state.pop(base, None)
+            if status in REFUSALS:
+                self.log_once(Refused.event, (base, "/health", REFUSALS[status]), worker=base,
+                              endpoint="/health", reason=REFUSALS[status],
+                              hint=REFUSAL_HINTS[status], counted_as="unhealthy")
             return WorkerProbe(base_url, ProbeStatus.UNHEALTHY)
         st = self.state.setdefault(base, _WorkerState())
-        engine, cap = await self._capacity(base, st)
+        problems: list[tuple[str, str]] = []
+        engine, cap, failed = await self._capacity(base, st, problems)
         running = waiting = None
         if self.saturation_guard and engine in SATURATION_METRICS:
-            running, waiting = await self._saturation(base, engine, st)
-        return WorkerProbe(base_url, ProbeStatus.HEALTHY, engine, cap, running, waiting)
+            running, waiting = await self._saturation(base, engine, st, problems)
+        return WorkerProbe(base_url, ProbeStatus.HEALTHY, engine, cap, running, waiting,
+                           failed, tuple(problems))
 
-    async def _capacity(self, base: str, st: _WorkerState,
-                        redetected: bool = False) -> tuple[str, int | None]:
+    async def _recognise(self, base: str, st: _WorkerState,
+                         problems: list[tuple[str, str]]) -> str | None:
+        """The worker's engine (auto), recognising it once; None while it cannot be."""
+        if st.engine is not None:
+            return st.engine
+        if st.detect_refused is not None:
+            refusal, retry_at = st.detect_refused
+            if self._clock() < retry_at:
+                self._problem(base, refusal, problems)
+                return None
+            st.detect_refused = None
+        try:
+            st.engine = await self._detect(base, st)
+        except Refused as r:
+            st.detect_refused = (r, self._clock() + self.refused_retry_secs)
+            self._problem(base, r, problems)
+            return None
+        if st.engine is not None:
+            st.cap_answered = False
+            log.info("worker_engine_detected", worker=base, engine=st.engine)
+        return st.engine
+
+    async def _capacity(self, base: str, st: _WorkerState, problems: list[tuple[str, str]],
+                        redetected: bool = False) -> tuple[str, int | None, bool]:
+        """(engine, cap read or None, whether the read failed rather than found none)."""
         if self.engine != "auto":
             st.engine = self.engine
-        elif st.engine is None:
-            st.engine = await self._detect(base)
-            if st.engine is None:
-                return "auto", None  # detection could not finish: counted by the safe rule
-            log.info("worker_engine_detected", worker=base, engine=st.engine)
-        engine = st.engine
+        elif await self._recognise(base, st, problems) is None:
+            return "auto", None, True  # recognition could not finish: counted by the safe rule
+        engine = st.engine or self.engine
+        failed = False
         try:
-            cap, reason = await self._read_cap(base, engine)
+            cap, reason = await self._read_cap(base, engine, st)
+            st.cap_answered = True
         except NotFound:
-            if self.engine == "auto" and not redetected:
-                # The engine's own endpoint is gone: another engine after a restart.
+            if self.engine == "auto" and st.cap_answered and not redetected:
+                # The endpoint that answered is gone: another engine after a restart.
+                # One that never answered is not re-recognised every round.
                 st.engine = None
-                return await self._capacity(base, st, redetected=True)
+                return await self._capacity(base, st, problems, redetected=True)
             cap, reason = None, "capacity endpoint not found"
+        except ProbeProblem as p:
+            self._problem(base, p, problems)
+            cap, reason, failed = None, str(p), True
         except PROBE_ERRORS as exc:
-            cap, reason = None, f"{type(exc).__name__}: {exc}"[:200]
+            cap, reason, failed = None, f"{type(exc).__name__}: {exc}"[:200], True
         if cap is None:
-            if engine == "vllm":
+            if engine == "vllm" and not failed:
                 self.log_once("vllm_capacity_not_exposed", (base,), worker=base,
                               hint="vLLM exposes max_num_seqs only in dev mode; pass "
                                    "--worker-max-running-requests N (its --max-num-seqs)")
-            else:
+            elif not problems:
                 self.log_once("worker_capacity_unreadable", (base, engine, reason), worker=base,
                               engine=engine, reason=reason,
-                              rule="last cap read from it, else --worker-max-running-requests")
-        return engine, cap
+                              rule="last cap read from it, else "
+                                   + (f"{UNREAD_WORKER_CAPACITY} slot" if failed
+                                      else "--worker-max-running-requests"))
+        return engine, cap, failed
 
-    async def _read_cap(self, base: str, engine: str) -> tuple[int | None, str]:
+    async def _read_cap(self, base: str, engine: str, st: _WorkerState) -> tuple[int | None, str]:
+        """The cap, or (None, reason) when the engine reports none; raises when the read
+        fails or is refused."""
         if engine == "sglang":
             try:
-                info = await self._get_json(f"{base}/server_info")
+                info = await self._get_json(base, "/server_info", st)
             except NotFound:
-                info = await self._get_json(f"{base}/get_server_info")  # older SGLang
+                info = await self._get_json(base, "/get_server_info", st)  # older SGLang
             cap, reason = sglang_cap(info)
             if cap is not None:
                 return cap, ""
             try:
                 loads_cap, loads_reason = sglang_loads_cap(
-                    await self._get_json(f"{base}/v1/loads"))
+                    await self._get_json(base, "/v1/loads", st))
             except NotFound:
                 return None, reason
             return loads_cap, f"{reason}; /v1/loads: {loads_reason}"
         if engine == "vllm":
             try:
-                return vllm_cap(await self._get_json(f"{base}/server_info?config_format=json"))
+                return vllm_cap(await self._get_json(base, "/server_info?config_format=json", st))
             except NotFound:
                 return None, "no /server_info (vLLM dev mode off)"
         if engine == "tgi":
-            return field_cap("max_concurrent_requests")(await self._get_json(f"{base}/info"))
+            return field_cap("max_concurrent_requests")(await self._get_json(base, "/info", st))
         if engine == "llamacpp":
-            return field_cap("total_slots")(await self._get_json(f"{base}/props"))
-        return field_cap("max_running_requests")(await self._get_json(f"{base}/server_info"))
+            props = await self._get_json(base, "/props", st)
+            if _field(props, "role") == "router":
+                return await self._router_cap(base, st)
+            st.router_models = ()
+            return field_cap("total_slots")(props)
+        return field_cap("max_running_requests")(await self._get_json(base, "/server_info", st))
 
-    async def _detect(self, base: str) -> str | None:
+    async def _router_cap(self, base: str, st: _WorkerState) -> tuple[int | None, str]:
+        """llama.cpp in router mode (``--models-dir``, no ``-m``): each loaded model is a
+        child server with its own slots; the worker's cap is their sum. ``autoload=false``
+        so that reading a model's slots never loads it."""
+        listing = _field(await self._get_json(base, "/models", st), "data")
+        if not isinstance(listing, list):
+            raise ValueError("router /models has no data[]")
+        loaded = tuple(m["id"] for m in listing
+                       if isinstance(m, dict) and isinstance(m.get("id"), str)
+                       and _field(m.get("status"), "value") == "loaded")
+        st.router_models = loaded
+        if not loaded:
+            raise NoLoadedModel()
+        total = 0
+        for name in loaded:
+            cap, reason = field_cap("total_slots")(
+                await self._get_json(base, f"/props?{_model_query(name)}", st))
+            if cap is None:
+                raise ValueError(f"model {name[:80]!r}: {reason}")
+            total += cap
+        return min(total, MAX_WORKER_CAPACITY), ""
+
+    async def _detect(self, base: str, st: _WorkerState) -> str | None:
         """Recognise the engine from what it serves; None if a probe could not finish.
 
         Order: the endpoint three engines share first (``/server_info``: SGLang, vLLM
         in dev mode, generic, told apart by their fields), then SGLang's older name,
-        then the fields only TGI (``/info``) and llama.cpp (``/props``) serve, and
-        vLLM's metric names last: ``/metrics`` is the largest body and the only
-        marker a vLLM outside dev mode has. Anything else is generic.
+        then the fields only TGI (``/info``) and llama.cpp (``/props``: ``total_slots``,
+        or ``role: router`` in router mode) serve, and vLLM's metric names last:
+        ``/metrics`` is the largest body and the only marker a vLLM outside dev mode
+        has. Anything else is generic. Raises :class:`Refused` when nothing was
+        recognised and a path refused the probe: the engine cannot be told.
         """
         probes: list[tuple[str, Callable[[object], str | None]]] = [
             ("/server_info?config_format=json", recognise_server_info),
             ("/get_server_info", lambda b: "sglang" if recognise_server_info(b) else None),
             ("/info", lambda b: "tgi" if _has(b, "max_concurrent_requests") else None),
-            ("/props", lambda b: "llamacpp" if _has(b, "total_slots") else None),
+            ("/props", lambda b: "llamacpp" if _has(b, "total_slots")
+             or _field(b, "role") == "router" else None),
         ]
+        refused: Refused | None = None
         for path, recognise in probes:
             try:
-                found = recognise(await self._get_json(base + path))
+                found = recognise(await self._get_json(base, path, st))
             except NotFound:
+                continue
+            except Refused as r:
+                refused = refused or r
                 continue
             except PROBE_ERRORS as exc:
                 if is_local_failure(exc):
@@ -384,23 +560,27 @@ class WorkerProber:
             if found is not None:
                 return found
         try:
-            status, body = await http_get(self._session(), f"{base}/metrics", self.timeout,
-                                          METRICS_BODY_LIMIT)
+            status, body = await self._get(base, "/metrics", st, METRICS_BODY_LIMIT)
             if status == 200 and any(ln.startswith("vllm:")
                                      for ln in body.decode("utf-8", "replace").splitlines()):
                 return "vllm"
+        except Refused as r:
+            refused = refused or r
         except PROBE_ERRORS as exc:
             if is_local_failure(exc):
                 return None
+        if refused is not None:
+            raise refused
         return "generic"
 
-    async def _saturation(self, base: str, engine: str,
-                          st: _WorkerState) -> tuple[int | None, int | None]:
-        """(running, waiting) from one request, or (None, None) if not readable."""
+    async def _saturation(self, base: str, engine: str, st: _WorkerState,
+                          problems: list[tuple[str, str]]) -> tuple[int | None, int | None]:
+        """(running, waiting) from one request (one per loaded model of a llama.cpp
+        router), or (None, None) if not readable."""
         try:
             if engine == "sglang" and not st.loads_missing:
                 try:
-                    body = _dict(await self._get_json(f"{base}/v1/loads"))
+                    body = _dict(await self._get_json(base, "/v1/loads", st))
                 except NotFound:
                     st.loads_missing = True  # read /metrics from the next round on
                     return None, None
@@ -413,12 +593,19 @@ class WorkerProber:
                                 sum(w for w in waiting if w is not None))
                 return None, None
             running_names, waiting_names = SATURATION_METRICS[engine]
-            status, raw = await http_get(self._session(), f"{base}/metrics", self.timeout,
-                                         METRICS_BODY_LIMIT)
-            if status != 200:
-                return None, None
-            sums = prometheus_sums(raw.decode("utf-8", "replace"),
-                                   (*running_names, *waiting_names))
+            paths = ([f"/metrics?{_model_query(m)}" for m in st.router_models]
+                     if engine == "llamacpp" and st.router_models else ["/metrics"])
+            sums: dict[str, float] = {}
+            for path in paths:
+                status, raw = await self._get(base, path, st, METRICS_BODY_LIMIT)
+                if status != 200:
+                    return None, None
+                for name, value in prometheus_sums(raw.decode("utf-8", "replace"),
+                                                   (*running_names, *waiting_names)).items():
+                    sums[name] = sums.get(name, 0.0) + value
+        except ProbeProblem as p:
+            self._problem(base, p, problems)
+            return None, None
         except PROBE_ERRORS as exc:
             self.log_once("worker_saturation_unreadable", (base,), worker=base,
                           error=f"{type(exc).__name__}: {exc}"[:200])
@@ -431,6 +618,10 @@ class WorkerProber:
         return pick(running_names), pick(waiting_names)
 
 
+def _model_query(name: str) -> str:
+    return urllib.parse.urlencode({"model": name, "autoload": "false"})
+
+
 def _num(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
@@ -439,13 +630,16 @@ def _num(value: object) -> float | None:
 
 async def probe_worker(session: aiohttp.ClientSession, base_url: str, timeout: float,
                        engine: str = "generic") -> int | None:
-    """One-off probe: the worker's capacity if healthy (the default when not read), else None."""
+    """One-off probe: the worker's capacity if healthy, else None. Not read: the
+    default when the engine reports none, one slot when the read failed."""
     prober = WorkerProber(lambda: session, engine=engine, timeout=timeout,
                           saturation_guard=False)
     p = await prober.probe(base_url)
     if p.status is not ProbeStatus.HEALTHY:
         return None
-    return p.cap if p.cap is not None else DEFAULT_WORKER_CAPACITY
+    if p.cap is not None:
+        return p.cap
+    return UNREAD_WORKER_CAPACITY if p.cap_failed else DEFAULT_WORKER_CAPACITY
 
 
 def routable_hosts(clusters_json: object, cluster: str) -> list[str]:
@@ -488,6 +682,7 @@ class CapacityMonitor:
         default_cap: int = DEFAULT_WORKER_CAPACITY,
         saturation_guard: bool = False,
         clock: Callable[[], float] | None = None,
+        credential: Mapping[str, str] | None = None,
     ) -> None:
         self.worker_urls = list(worker_urls)
         self.envoy_admin_url = envoy_admin_url
@@ -503,7 +698,8 @@ class CapacityMonitor:
                                      saturation_guard=saturation_guard,
                                      clock=clock or time.monotonic)
         self.prober = WorkerProber(lambda: self.session, engine=engine, timeout=timeout,
-                                   saturation_guard=saturation_guard)
+                                   saturation_guard=saturation_guard, credential=credential,
+                                   clock=clock or time.monotonic)
 
     @property
     def session(self) -> aiohttp.ClientSession:

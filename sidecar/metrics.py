@@ -25,7 +25,8 @@ verb                        caller                 metrics
 ``preemption_undelivered``  completion (ext_proc)  ``smg_sidecar_preemption_delivery_failed_total``
 ``capacity_read``           app (health monitor)   ``smg_sidecar_capacity_source``,
                                                    ``smg_sidecar_healthy_workers``,
-                                                   ``smg_sidecar_worker_capacity``
+                                                   ``smg_sidecar_worker_capacity``,
+                                                   ``smg_sidecar_worker_probe_refused``
 ``started``                 app (build)            ``smg_sidecar_admission_mode``,
                                                    ``smg_sidecar_config_generation``,
                                                    ``smg_sidecar_config_info``,
@@ -70,7 +71,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar.capacity import CapacityReading, per_worker
+from sidecar.capacity import CapacityReading, per_worker, worker_problems
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import (
     Admitted,
@@ -352,6 +353,8 @@ class Metrics:
                                    registry=r)
         self._worker_capacity: Mapping[tuple[str, str], int] = {}
         r.register(_WorkerCapacityCollector(lambda: self._worker_capacity))
+        self._worker_problems: Mapping[tuple[str, str, str], int] = {}
+        r.register(_WorkerProblemCollector(lambda: self._worker_problems))
         # Label children resolved once: labels() costs a lock and a tuple per call,
         # and these run on every admission.
         self._admit_child = {(cls, outcome): self._admit.labels(cls.label, outcome.value)
@@ -452,6 +455,7 @@ class Metrics:
         self._healthy_workers.set(reading.healthy)
         # Replaced as a whole: a worker gone or unhealthy loses its series.
         self._worker_capacity = dict(per_worker(reading))
+        self._worker_problems = dict(worker_problems(reading))
 
     def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
                 config_digest: str) -> None:
@@ -506,6 +510,22 @@ class _WorkerCapacityCollector(Collector):
                                 "saturation guard)", labels=["worker", "engine"])
         for (worker, engine), cap in sorted(self._current().items()):
             fam.add_metric([worker, engine], cap)
+        yield fam
+
+
+class _WorkerProblemCollector(Collector):
+    """Healthy workers whose probes are refused now (401/403/501, a router without a
+    loaded model): a worker fixed or gone loses its series."""
+
+    def __init__(self, current: Callable[[], Mapping[tuple[str, str, str], int]]) -> None:
+        self._current = current
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily("smg_sidecar_worker_probe_refused",
+                                "1 per healthy worker and endpoint whose probe was refused "
+                                "in the last reading", labels=["worker", "endpoint", "reason"])
+        for labels, value in sorted(self._current().items()):
+            fam.add_metric(list(labels), value)
         yield fam
 
 

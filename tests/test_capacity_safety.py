@@ -39,7 +39,9 @@ def policy(clock: FakeClock | None = None, guard: bool = False,
 
 def test_a_worker_never_read_counts_as_the_default_then_keeps_its_last_cap() -> None:
     p = policy()
-    assert p.decide([WorkerProbe("a", H)]).capacity == 64  # never read
+    # Refused or failed, never read: one slot, never the default.
+    assert p.decide([WorkerProbe("a", H, cap_failed=True)]).capacity == 1
+    assert p.decide([WorkerProbe("a", H)]).capacity == 64  # reports none
     assert p.decide([WorkerProbe("a", H, cap=4)]).capacity == 4
     assert p.decide([WorkerProbe("a", H)]).capacity == 4  # unreadable now: last cap, not 64
     # Unhealthy in between: still its last cap when it comes back unreadable.
@@ -152,12 +154,13 @@ async def test_slow_capacity_endpoint_keeps_the_last_cap(worker: FakeWorker, eng
         await m.close()
 
 
-async def test_slow_capacity_endpoint_of_a_worker_never_read_is_the_default(
+async def test_slow_capacity_endpoint_of_a_worker_never_read_is_one_slot(
         worker: FakeWorker) -> None:
+    # A read that failed is not an engine reporting no cap: never the default.
     worker.capacity_delay = 1.0
-    m = make_monitor([worker.url], engine="llamacpp", default_cap=2)
+    m = make_monitor([worker.url], engine="llamacpp", default_cap=64)
     try:
-        assert (await m.poll_once()).capacity == 2
+        assert (await m.poll_once()).capacity == 1
     finally:
         await m.close()
 

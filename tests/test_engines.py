@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from devtools.fleet import FakeWorker, prometheus_gauges, sglang_server_info, wait_for
 from sidecar.app import build_runtime
-from sidecar.capacity import ProbeStatus
+from sidecar.capacity import UNREAD_WORKER_CAPACITY, ProbeStatus
 from sidecar.config import parse_settings
 from sidecar.health import (
     DEFAULT_WORKER_CAPACITY,
@@ -258,11 +258,14 @@ async def test_hostile_capacity_reply_counts_by_the_safe_rule(label: str, body: 
     async with FakeWorker(engine="tgi", max_running_requests=12) as w:
         m = monitor([w.url], engine="tgi", default_cap=5)
         try:
-            # Never read: the default. Read once: that cap is kept.
+            # Never read: one slot, since a reply that is not a cap must not raise
+            # capacity (null is the engine reporting none: the default). Read once:
+            # that cap is kept.
             w.capacity_body = body
+            never_read = 5 if label == "null" else UNREAD_WORKER_CAPACITY
             with capture_logs() as logs:
-                assert (await m.poll_once()).capacity == 5
-                assert (await m.poll_once()).capacity == 5
+                assert (await m.poll_once()).capacity == never_read
+                assert (await m.poll_once()).capacity == never_read
             unreadable = [e for e in logs if e["event"] == "worker_capacity_unreadable"]
             assert len(unreadable) == 1 and unreadable[0]["worker"] == w.url
             assert len(unreadable[0]["reason"]) <= 200
@@ -283,7 +286,7 @@ async def test_hostile_server_info_in_auto_mode_does_not_crash() -> None:
                          b'requests_per_dp": "lots"}]}'):
                 w.capacity_body = body
                 r = await m.poll_once()
-                assert r.source == "workers" and r.capacity in (4, 5)
+                assert r.source == "workers" and r.capacity in (4, 5, UNREAD_WORKER_CAPACITY)
         finally:
             await m.close()
 

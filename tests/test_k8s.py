@@ -30,6 +30,7 @@ CRD_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     # recipes' own consistency checks live in tests/test_mesh_recipes.py.
     "ServiceMonitor": ("monitoring.coreos.com/v1",
                        ("metadata.name", "spec.selector", "spec.endpoints")),
+    "PrometheusRule": ("monitoring.coreos.com/v1", ("metadata.name", "spec.groups")),
     "ServiceEntry": ("networking.istio.io/v1", ("spec.hosts", "spec.endpoints", "spec.ports")),
     "AuthorizationPolicy": ("security.istio.io/v1", ("spec.action", "spec.provider.name")),
     "RequestAuthentication": ("security.istio.io/v1", ("spec.jwtRules",)),
@@ -45,10 +46,11 @@ CRD_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 def _manifest_files() -> list[Path]:
-    # *.values.yaml: Helm values (k8s/istio's meshConfig), not manifests
+    # *.values.yaml: Helm values (k8s/istio's meshConfig); *.test.yaml: promtool unit tests
+    # (tests/test_alerts.py). Neither is a manifest.
     return sorted(
         p for p in K8S.rglob("*.yaml")
-        if p.name != "kustomization.yaml" and not p.name.endswith(".values.yaml")
+        if p.name != "kustomization.yaml" and not p.name.endswith((".values.yaml", ".test.yaml"))
     )
 
 
@@ -243,7 +245,8 @@ def _built_sidecar(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 @pytest.mark.parametrize("target,want", [
     ("", _BASE_KINDS),
-    ("overlays/servicemonitor", sorted([*_BASE_KINDS, "Service", "ServiceMonitor"])),
+    ("overlays/servicemonitor", sorted([*_BASE_KINDS, "PrometheusRule", "Service",
+                                        "ServiceMonitor"])),
     ("overlays/single-replica", ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy",
                                  "Service"]),
 ])

@@ -87,7 +87,8 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "capacity_read": lambda r: r.capacity_read(CapacityReading(
         96, "workers", healthy=2, total=3,
         workers=(WorkerCapacity("http://w1", "sglang", 64),
-                 WorkerCapacity("http://w2", "vllm", 32)))),
+                 WorkerCapacity("http://w2", "vllm", 32,
+                                problems=(("/metrics", "unauthorized"),))))),
     "started": lambda r: r.started(legacy=False, snapshot=SNAPSHOT, config_digest="abc"),
     "config_reloaded": lambda r: r.config_reloaded(2, "def"),
     "config_reload_failed": lambda r: r.config_reload_failed(),
