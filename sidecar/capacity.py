@@ -10,7 +10,9 @@ results here. The rules (docs/reference.md, "Capacity"):
   (401/403/501) or failed counts for :data:`UNREAD_WORKER_CAPACITY` (an
   unreadable probe must never raise capacity);
 - with the saturation guard on, a healthy worker that reports waiting requests
-  counts for ``min(cap, running)``: what it showed it can really run (a lower
+  counts for ``min(cap, running)``: what it showed it can really run; an engine
+  that queues only once every slot is busy (llama.cpp) always runs its cap then,
+  so it counts for ``running - waiting`` (at least 1) instead (a lower
   reading lowers the count by at most an eighth per round, since a batch turning
   over shows fewer running for an instant). Once its waiting count is back to 0
   it grows back towards its cap by an eighth (at least one slot) per round with
@@ -36,6 +38,11 @@ from dataclasses import dataclass, field
 # A healthy worker whose cap was never read because its endpoint refused or failed:
 # one request at a time is all its 200 on /health proves it can run.
 UNREAD_WORKER_CAPACITY = 1
+
+# Engines that queue a request only once every slot is busy: while one waits, running
+# is the cap, so min(cap, running) could never shrink them. llama.cpp defers a task
+# only when no slot is free (llamacpp:requests_deferred).
+QUEUES_ONLY_WHEN_FULL = frozenset({"llamacpp"})
 
 
 class ProbeStatus(enum.Enum):
@@ -111,8 +118,13 @@ class CapacityPolicy:
             # What it runs while work waits is its real batch. A reading taken as a
             # batch turns over shows fewer running for an instant, so a lower reading
             # lowers the count by at most an eighth per round; a higher one counts at once.
+            batch = p.running
+            if p.engine in QUEUES_ONLY_WHEN_FULL:
+                # Its batch is its cap; what waits was sent beyond it: hold that many back
+                # until the engine shows its queue gone.
+                batch = max(1, p.running - p.waiting)
             floor = 0 if learned is None else learned - _step(learned)
-            self.learned[p.url] = min(cap, max(p.running, floor))
+            self.learned[p.url] = min(cap, max(batch, floor))
             return self.learned[p.url]
         if learned is None:
             return None

@@ -98,6 +98,26 @@ def test_saturation_guard_counts_running_while_requests_wait() -> None:
     assert policy().decide([WorkerProbe("a", H, cap=16, running=4, waiting=9)]).capacity == 16
 
 
+def test_saturation_guard_shrinks_an_engine_that_queues_only_when_full() -> None:
+    # llama.cpp defers a request only once every slot is busy: running is its cap then,
+    # so min(cap, running) would never shrink it. What waits was sent beyond it.
+    p = policy(guard=True)
+
+    def count(running: int, waiting: int, engine: str = "llamacpp") -> int:
+        probe = WorkerProbe("a", H, engine, cap=4, running=running, waiting=waiting)
+        return p.decide([probe]).capacity
+
+    assert count(4, 0) == 4
+    assert count(4, 2) == 2  # full with two waiting: hold two back
+    assert count(4, 1) == 3  # a higher reading counts at once
+    assert count(4, 9) == 2  # more waiting: down one step per round, never below 1
+    assert count(4, 9) == 1 and count(4, 9) == 1
+    assert [count(4, 0) for _ in range(4)] == [2, 3, 4, 4]  # drained: grows back
+    # Other engines keep min(cap, running): their batch is what they run.
+    p = policy(guard=True)
+    assert count(4, 2, engine="vllm") == 4
+
+
 def test_saturation_guard_grows_back_gradually_once_the_queue_drains() -> None:
     p = policy(guard=True)
 

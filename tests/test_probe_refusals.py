@@ -354,3 +354,20 @@ async def test_an_engine_recognised_once_is_not_recognised_again_every_round() -
             assert sum(w.requests.values()) == first_round + 1 + 3 * 2
         finally:
             await m.close()
+
+
+# ---------------------------------------------------------------- the saturation guard
+
+async def test_the_guard_shrinks_a_full_llamacpp_worker_with_requests_deferred() -> None:
+    async with FakeLlama() as w:
+        m = monitor([w.url], engine="llamacpp", saturation_guard=True)
+        try:
+            assert (await m.poll_once()).capacity == 4
+            w.processing, w.deferred = 4, 3  # every slot busy, three waiting in its queue
+            r = await m.poll_once()
+            assert (r.capacity, r.workers[0].saturated) == (1, True)
+            w.processing, w.deferred = 4, 0
+            assert [(await m.poll_once()).capacity for _ in range(4)] == [2, 3, 4, 4]
+            assert w.requests["/metrics"] == 6  # one read per round, no more
+        finally:
+            await m.close()
