@@ -24,7 +24,9 @@ from sidecar.capacity import CapacityReading
 from sidecar.classes import PriorityClass
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings
+from sidecar.coordination import server
 from sidecar.coordination.controller import FleetController
+from sidecar.coordination.credentials import with_password
 from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
@@ -89,9 +91,14 @@ async def build_runtime(settings: Settings) -> Runtime:
         # The first capacity reading decides scheduler vs. legacy (the startup check).
         reading = await _first_reading(s, monitor)
         if s.coordination_url is not None:
+            # The password joins the URL in memory only (never argv, never printed).
+            url = s.coordination_url if s.coordination_password is None else with_password(
+                s.coordination_url, s.coordination_password)
+            await server.check_server_at(url, max(0.05, min(1.0, s.replica_ttl_secs / 5)),
+                                         metrics)
             # Connect and register; an unreachable server starts the replica degraded.
             fleet = await FleetController.connect(
-                s.coordination_url, fleet=s.fleet_id, replica=s.replica_id,
+                url, fleet=s.fleet_id, replica=s.replica_id,
                 ttl=s.replica_ttl_secs, classes=s.priority.classes, capacity=reading.capacity,
                 ack_timeout=s.admission_lease_secs,
                 bucket=build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
@@ -256,6 +263,9 @@ class Runtime:
         self._tasks.append(asyncio.create_task(self.monitor.run()))
         if self.fleet is not None:
             self.fleet.start()
+            # A library replaced after start-up is noticed within one --replica-ttl-secs.
+            self._tasks.append(asyncio.create_task(server.watch_library(
+                self.fleet.ledger, s.replica_ttl_secs, self.metrics)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         self._serving.set()

@@ -35,6 +35,12 @@ import yaml
 
 from sidecar import listen
 from sidecar.classes import HIGH_TO_LOW, PriorityClass, parse_default_max_class
+from sidecar.coordination.credentials import (
+    PASSWORD_ENV,
+    read_password,
+    redact_url,
+    url_has_password,
+)
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
 
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -531,6 +537,8 @@ class Settings:
     log_format: str
     log_level: str
     coordination_url: str | None = None
+    # Never in a repr: Settings may be printed or logged whole.
+    coordination_password: str | None = field(default=None, repr=False)
     fleet_id: str = "default"
     replica_id: str = ""
     envoy_owner_grace_secs: float = 2.0
@@ -644,6 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Valkey/Redis server shared by the fleet's replicas: "
                          "redis://HOST:PORT[/DB], rediss://... (TLS) or unix:///path; "
                          "unset = in-process admission")
+    fl.add_argument("--coordination-password-file", default=None, metavar="FILE",
+                    help="file holding the coordination server's password (for the URL's "
+                         "user, or the default user); or set $" + PASSWORD_ENV + ". Never "
+                         "put it in the URL: argv is visible to every process on the host")
     fl.add_argument("--fleet-id", default="default", metavar="NAME",
                     help="replicas with the same fleet id and server share one fleet's slots")
     fl.add_argument("--replica-id", default=None, metavar="NAME",
@@ -671,7 +683,14 @@ _FLEET_NAME = re.compile(r"[^\s{}]{1,128}\Z")
 
 
 def check_coordination_url(url: str) -> None:
-    """Refuse a ``--coordination-url`` the client could not connect with."""
+    """Refuse a ``--coordination-url`` the client could not connect with, or one holding a
+    password (argv is public); every message quotes it redacted."""
+    if url_has_password(url):
+        raise ConfigError(f"--coordination-url {clip(redact_url(url, keep_user=False))!r}: "
+                          "a password in the "
+                          "URL is visible to every process on the host; put it in "
+                          f"--coordination-password-file or ${PASSWORD_ENV}")
+    url = redact_url(url, keep_user=False)  # what follows only quotes it
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
@@ -695,6 +714,25 @@ def check_coordination_url(url: str) -> None:
     else:
         raise ConfigError(f"--coordination-url {clip(url)!r} must start with redis://, "
                           "rediss:// or unix://")
+
+
+def coordination_password(ns: argparse.Namespace,
+                          environ: Mapping[str, str] | None = None) -> str | None:
+    """The coordination password: ``--coordination-password-file``, else the environment."""
+    env = os.environ if environ is None else environ
+    from_env = env.get(PASSWORD_ENV) or None
+    path = ns.coordination_password_file
+    if path is None:
+        return from_env if ns.coordination_url is not None else None
+    if ns.coordination_url is None:
+        raise ConfigError("--coordination-password-file requires --coordination-url")
+    if from_env is not None:
+        raise ConfigError(f"--coordination-password-file and ${PASSWORD_ENV} both given: "
+                          "give the password once")
+    try:
+        return read_password(path)
+    except ValueError as exc:
+        raise ConfigError(f"--coordination-password-file: {exc}") from None
 
 
 def default_replica_id() -> str:
@@ -797,6 +835,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         if not ns.priority_scheduler_enabled:
             # The ledger implements the priority scheduler; the legacy path has no fleet form.
             raise ConfigError("--coordination-url requires --priority-scheduler-enabled")
+    password = coordination_password(ns)
     replica_id = ns.replica_id if ns.replica_id is not None else default_replica_id()
     for flag, name in (("--fleet-id", ns.fleet_id), ("--replica-id", replica_id)):
         if not _FLEET_NAME.match(name):
@@ -851,6 +890,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         log_format=log_format,
         log_level=ns.log_level,
         coordination_url=ns.coordination_url,
+        coordination_password=password,
         fleet_id=ns.fleet_id,
         replica_id=replica_id,
         replica_ttl_secs=float(ns.replica_ttl_secs),

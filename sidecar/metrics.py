@@ -38,6 +38,10 @@ verb                        caller                 metrics
 ``fleet_seen``              fleet controller       ``smg_sidecar_fleet_inflight``,
                             (heartbeat)            ``smg_sidecar_live_replicas``
 ``coordination_changed``    fleet controller       ``smg_sidecar_coordination_state``
+``server_checked``          app (start-up)         ``smg_sidecar_coordination_server_check``
+``library_checked``         app (library watch)    ``smg_sidecar_coordination_library_state``,
+                                                   ``smg_sidecar_coordination_library_mismatch_total``
+``fleet_collision``         app (fleet watch)      ``smg_sidecar_fleet_collision_total``
 ``envoy_feature``           envoy_features         ``smg_sidecar_envoy_feature``
 ``envoy_streams``           liveness (ALS)         ``smg_sidecar_envoy_access_log_streams``,
                                                    ``smg_sidecar_envoy_owners_alive``
@@ -89,6 +93,9 @@ from sidecar.scheduler.interface import capacity_pressure
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 COORDINATION_STATES = ("ok", "degraded")
+SERVER_CHECKS = ("eviction", "persistence")
+SERVER_CHECK_RESULTS = ("ok", "risk", "unknown")
+LIBRARY_STATES = ("ok", "missing", "mismatch", "unchecked")
 
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                       60, 120, 300)
@@ -175,6 +182,17 @@ class Recorder(Protocol):
 
     def coordination_changed(self, state: str) -> None:
         """The fleet controller's state is now ``ok`` or ``degraded``."""
+
+    def server_checked(self, check: str, result: str) -> None:
+        """A coordination server setting was checked at start-up: ``check`` (eviction,
+        persistence) is ``ok``, a ``risk`` or ``unknown`` (could not be read)."""
+
+    def library_checked(self, state: str) -> None:
+        """The server's ledger library was compared with this version's code."""
+
+    def fleet_collision(self, kind: str) -> None:
+        """A second class config (``config``) or capacity source (``capacity_source``)
+        appeared among the live replicas of this fleet id."""
     def envoy_feature(self, feature: str, state: str) -> None:
         """What the sidecar inferred about an Envoy setting it relies on
         (``sidecar.envoy_features``): unknown, present or absent."""
@@ -237,6 +255,15 @@ class NullRecorder:
         pass
 
     def coordination_changed(self, state: str) -> None:
+        pass
+
+    def server_checked(self, check: str, result: str) -> None:
+        pass
+
+    def library_checked(self, state: str) -> None:
+        pass
+
+    def fleet_collision(self, kind: str) -> None:
         pass
 
     def envoy_feature(self, feature: str, state: str) -> None:
@@ -351,6 +378,22 @@ class Metrics:
         self._coordination = Gauge("smg_sidecar_coordination_state",
                                    "Fleet coordination state (1 = current)", ["state"],
                                    registry=r)
+        self._server_check = Gauge(
+            "smg_sidecar_coordination_server_check",
+            "Coordination server settings checked at start-up (1 = current result): "
+            "eviction (maxmemory-policy), persistence (RDB/AOF)", ["check", "result"],
+            registry=r)
+        self._library_state = Gauge(
+            "smg_sidecar_coordination_library_state",
+            "The server's ledger library compared with this version's code (1 = current)",
+            ["state"], registry=r)
+        self._library_mismatch = Counter(
+            "smg_sidecar_coordination_library_mismatch",
+            "Checks that found the ledger library replaced by other code", registry=r)
+        self._fleet_collision = Counter(
+            "smg_sidecar_fleet_collision",
+            "A second class config or capacity source seen among the live replicas of this "
+            "fleet id (another deployment with the same --fleet-id?)", ["kind"], registry=r)
         self._worker_capacity: Mapping[tuple[str, str], int] = {}
         r.register(_WorkerCapacityCollector(lambda: self._worker_capacity))
         self._worker_problems: Mapping[tuple[str, str, str], int] = {}
@@ -482,6 +525,19 @@ class Metrics:
     def coordination_changed(self, state: str) -> None:
         for s in COORDINATION_STATES:
             self._coordination.labels(s).set(1 if s == state else 0)
+
+    def server_checked(self, check: str, result: str) -> None:
+        for r in SERVER_CHECK_RESULTS:
+            self._server_check.labels(check, r).set(1 if r == result else 0)
+
+    def library_checked(self, state: str) -> None:
+        for st in LIBRARY_STATES:
+            self._library_state.labels(st).set(1 if st == state else 0)
+        if state == "mismatch":
+            self._library_mismatch.inc()
+
+    def fleet_collision(self, kind: str) -> None:
+        self._fleet_collision.labels(kind).inc()
     def envoy_feature(self, feature: str, state: str) -> None:
         for st in ("unknown", "present", "absent"):
             self._envoy_feature.labels(feature, st).set(1 if st == state else 0)

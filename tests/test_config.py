@@ -381,7 +381,7 @@ def test_coordination_defaults() -> None:
 
 
 @pytest.mark.parametrize("url", [
-    "redis://127.0.0.1:6379", "redis://valkey:6379/2", "rediss://user:pw@valkey.example:6380/0",
+    "redis://127.0.0.1:6379", "redis://valkey:6379/2", "rediss://user@valkey.example:6380/0",
     "unix:///run/valkey/valkey.sock", "redis://localhost",
 ])
 def test_coordination_url_accepted(url: str) -> None:

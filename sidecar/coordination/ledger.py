@@ -68,8 +68,9 @@ from importlib import resources
 from typing import Any, Literal
 
 import redis.asyncio as redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
+from sidecar import logs
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import ClassSettings, ReleaseReason, ReleaseResult, scaled_reservations
 
@@ -78,8 +79,11 @@ _SOURCE = resources.files("sidecar.coordination").joinpath("ledger.lua").read_te
 # two versions (a rolling upgrade) holds both, and each runs its own.
 _DIGEST = hashlib.sha1(_SOURCE.encode()).hexdigest()[:16]
 FUNCTION = f"pg_ledger_{_DIGEST}"
-LUA = (f"#!lua name=pgledger_{_DIGEST}\n"
-       + _SOURCE.replace("__FUNCTION__", FUNCTION).replace("__LIBRARY__", f"pgledger_{_DIGEST}"))
+LIBRARY = f"pgledger_{_DIGEST}"
+LUA = (f"#!lua name={LIBRARY}\n"
+       + _SOURCE.replace("__FUNCTION__", FUNCTION).replace("__LIBRARY__", LIBRARY))
+
+log = logs.get("sidecar.coordination")
 
 # The test build: the same code with its caller-clock branch uncommented (ledger.lua, clock()),
 # under names of its own. Only a FleetLedger given a ``clock`` (tests) loads and calls it;
@@ -249,6 +253,65 @@ def _function_missing(exc: ResponseError) -> bool:
     return "function not found" in str(exc).lower()
 
 
+# ------------------------------------------------------------------- the library itself
+
+
+class LibraryState(enum.StrEnum):
+    OK = "ok"  # this version's library is loaded, code identical
+    MISSING = "missing"  # none under our name (a server without data): loaded on first call
+    MISMATCH = "mismatch"  # a library under our name whose code differs: never used
+    UNCHECKED = "unchecked"  # this user may not list libraries (FUNCTION LIST denied)
+
+
+class LibraryMismatch(ConnectionError):
+    """The server's library under this version's name is not this version's code.
+
+    Raised by every call while so: the controller treats it like an unreachable server and
+    admits within its local share. A ConnectionError so that no caller mistakes it for an
+    answer of the ledger.
+    """
+
+
+class LibraryNotLoaded(ConnectionError):
+    """The library is missing and this user may not load it (FUNCTION LOAD denied)."""
+
+
+def _library_code(reply: Any) -> str | None:
+    """The code of the first library in a FUNCTION LIST ... WITHCODE reply (RESP2 or 3)."""
+    for lib in reply or ():
+        if isinstance(lib, Mapping):
+            fields: dict[Any, Any] = dict(lib)
+        else:
+            items = list(lib)
+            fields = dict(zip(items[::2], items[1::2], strict=False))
+        fields = {(k.decode() if isinstance(k, bytes) else str(k)): v
+                  for k, v in fields.items()}
+        if fields.get("library_name") in (LIBRARY, LIBRARY.encode()):
+            code = fields.get("library_code")
+            return code.decode() if isinstance(code, bytes) else str(code)
+    return None
+
+
+async def library_state(client: redis.Redis) -> LibraryState:
+    """Compare what the server holds under this version's library name with ``LUA``.
+
+    The name is public (a digest of the code), so anyone who may ``FUNCTION LOAD REPLACE``
+    could put other code under it; the comparison is what makes a replica notice.
+    """
+    try:
+        reply = await client.function_list(library=LIBRARY, withcode=True)
+    except NoPermissionError:
+        return LibraryState.UNCHECKED
+    except ResponseError as exc:
+        if "noperm" in str(exc).lower():
+            return LibraryState.UNCHECKED
+        raise
+    code = _library_code(reply)
+    if code is None:
+        return LibraryState.MISSING
+    return LibraryState.OK if code == LUA else LibraryState.MISMATCH
+
+
 def _per_class(values: Sequence[Any]) -> dict[PriorityClass, int]:
     return {PriorityClass(i): int(v) for i, v in enumerate(values)}
 
@@ -404,6 +467,11 @@ class FleetLedger:
         self._classes: Mapping[PriorityClass, ClassSettings] | None = None
         self._capacity = 0
         self._loading: asyncio.Future[Any] | None = None
+        # The server's library as last verified (None: not yet); while it is not our code
+        # every call raises _untrusted instead of running it.
+        self._library: LibraryState | None = None
+        self._verifying: asyncio.Future[LibraryState] | None = None
+        self._untrusted: LibraryMismatch | None = None
         self.calls = 0  # ledger calls sent (round trips; for tests and benchmarks)
         # pipelined: every call on one connection of our own (see _Pipelined), the client's
         # pool only for the load of the library.
@@ -433,6 +501,10 @@ class FleetLedger:
         return await self._fcall(op, now, *args)
 
     async def _fcall(self, *args: str | int) -> Any:
+        if self._library is None and self._clock is None:
+            await self.verify_library()  # once, before the first call runs its code
+        if self._untrusted is not None:
+            raise self._untrusted
         fn = FUNCTION if self._clock is None else TEST_FUNCTION
         if self._pipe is not None:
             return await self._pipe.call("FCALL", fn, 1, self._prefix, *args)
@@ -444,14 +516,72 @@ class FleetLedger:
             await self._pipe.aclose()
 
     async def load_library(self) -> None:
-        """Load the ledger's function library (idempotent: REPLACE of the same code).
+        """Load the ledger's function library if the server has none under its name.
 
+        Never REPLACE: a library already there is either ours (another replica loaded it)
+        or someone else's code, which is verified and refused, not overwritten. A user
+        that may not load (the runtime user of an ACL setup) needs the library preloaded
+        by the admin user (``python -m sidecar.coordination.server load``).
         Calls that all find it missing at once (a restarted server) share one load.
         """
         if self._loading is None or self._loading.done():
-            self._loading = asyncio.ensure_future(
-                self._client.function_load(LUA, replace=True))
+            self._loading = asyncio.ensure_future(self._load())
         await asyncio.shield(self._loading)
+
+    async def _load(self) -> None:
+        try:
+            await self._client.function_load(LUA)
+        except ResponseError as exc:
+            text = str(exc).lower()
+            if isinstance(exc, NoPermissionError) or "noperm" in text:
+                if self._library is not LibraryState.MISSING:  # once, not every retry
+                    log.error("coordination_library_not_loaded", library=LIBRARY,
+                              hint="this user may not FUNCTION LOAD: load the library with "
+                                   "the admin user (python -m sidecar.coordination.server "
+                                   "load)")
+                self._library = LibraryState.MISSING
+                raise LibraryNotLoaded(
+                    f"ledger library {LIBRARY} is not loaded and this user may not load it"
+                ) from None
+            if "already exists" not in text:
+                raise
+        self._library = None
+        if await self.verify_library() is LibraryState.MISMATCH:
+            assert self._untrusted is not None
+            raise self._untrusted
+
+    @property
+    def library_state(self) -> LibraryState | None:
+        """The server's library as last verified (None: not verified yet)."""
+        return self._library
+
+    async def verify_library(self) -> LibraryState:
+        """Compare the server's library with this version's code; refuse calls on a mismatch.
+
+        Logs a change of state once. Concurrent callers share one check.
+        """
+        if self._verifying is None or self._verifying.done():
+            self._verifying = asyncio.ensure_future(self._verify())
+        return await asyncio.shield(self._verifying)
+
+    async def _verify(self) -> LibraryState:
+        state = await library_state(self._client)
+        before, self._library = self._library, state
+        if state is LibraryState.MISMATCH:
+            self._untrusted = LibraryMismatch(
+                f"the server's ledger library {LIBRARY} is not this version's code")
+            log.error("coordination_library_mismatch", library=LIBRARY,
+                      hint="someone replaced the ledger library: admitting within the local "
+                           "share until the admin loads the shipped code again")
+        else:
+            if self._untrusted is not None:
+                log.warning("coordination_library_restored", library=LIBRARY, state=state.value)
+            self._untrusted = None
+            if state is LibraryState.UNCHECKED and before is not LibraryState.UNCHECKED:
+                log.warning("coordination_library_unchecked", library=LIBRARY,
+                            hint="FUNCTION LIST is denied to this user: the loaded library "
+                                 "cannot be compared with the shipped code")
+        return state
 
     def _heartbeat_args(self, capacity: int, force: bool, settle: float) -> list[str | int]:
         if self._classes is None:

@@ -1,0 +1,193 @@
+"""The coordination server as an operator deploys it: credentials, its settings, the library.
+
+* **Credentials** (password file or environment, URLs printed redacted) are in
+  :mod:`sidecar.coordination.credentials`.
+* **Settings.** :func:`check_server` reads ``maxmemory-policy`` and the persistence settings
+  once at start-up: an evicting policy can drop a ledger key (slots freed while in use), and
+  RDB/AOF can bring back a stale copy after a restart (admissions long ended, or missing the
+  ones made since). Risky settings are warned about and shown in
+  ``smg_sidecar_coordination_server_check``; a user that may not run ``CONFIG GET`` gets an
+  "could not check" instead of a failure.
+* **Library.** :func:`watch_library` re-reads the loaded ledger library every so often and
+  compares it with this version's code (:meth:`FleetLedger.verify_library`): a library
+  replaced by someone else makes the replica degrade instead of obeying it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import redis.asyncio as redis
+from redis.exceptions import NoPermissionError, ResponseError
+
+from sidecar import logs
+from sidecar.coordination.ledger import LIBRARY, LUA, FleetLedger, LibraryState
+from sidecar.metrics import NullRecorder, Recorder
+
+log = logs.get("sidecar.coordination")
+
+# --------------------------------------------------------------------- server settings
+
+CHECKS = ("eviction", "persistence")
+
+
+def _config_values(reply: Any) -> dict[str, str]:
+    if isinstance(reply, Mapping):
+        return {str(k): str(v) for k, v in reply.items()}
+    values = list(reply or ())
+    return {str(k): str(v) for k, v in zip(values[::2], values[1::2], strict=False)}
+
+
+async def check_server(client: redis.Redis, recorder: Recorder | None = None) -> dict[str, str]:
+    """Warn about server settings that can break the ledger; ``{check: result}``.
+
+    result ``ok``, ``risk`` or ``unknown`` (the server did not let us read them, or did not
+    answer). Never raises: the checks only inform.
+    """
+    rec: Recorder = recorder if recorder is not None else NullRecorder()
+    try:
+        values = _config_values(await client.config_get(
+            "maxmemory-policy", "save", "appendonly"))
+    except (NoPermissionError, ResponseError) as exc:
+        reason = "denied" if isinstance(exc, NoPermissionError) or "NOPERM" in str(exc) \
+            else "error"
+        log.warning("coordination_server_unchecked", reason=reason,
+                    hint="could not read maxmemory-policy, save, appendonly (CONFIG GET); "
+                         "make sure the server runs with maxmemory-policy noeviction and "
+                         "without RDB/AOF persistence")
+        return _record(rec, dict.fromkeys(CHECKS, "unknown"))
+    except (redis.ConnectionError, TimeoutError, OSError) as exc:
+        log.warning("coordination_server_unchecked", reason="unreachable",
+                    error=type(exc).__name__)
+        return _record(rec, dict.fromkeys(CHECKS, "unknown"))
+    results: dict[str, str] = {}
+    policy = values.get("maxmemory-policy")
+    if policy is None:
+        results["eviction"] = "unknown"
+    elif policy.lower() != "noeviction":
+        results["eviction"] = "risk"
+        log.warning("coordination_server_evicts", maxmemory_policy=policy,
+                    hint="an evicted ledger key frees slots still in use: set "
+                         "maxmemory-policy noeviction on the coordination server")
+    else:
+        results["eviction"] = "ok"
+    save, aof = values.get("save"), values.get("appendonly")
+    if save is None and aof is None:
+        results["persistence"] = "unknown"
+    elif (save or "").strip() or (aof or "no").lower() == "yes":
+        results["persistence"] = "risk"
+        log.warning("coordination_server_persists", save=save, appendonly=aof,
+                    hint="a restart can restore a stale ledger (admissions long ended, or "
+                         "without those made since): run it with save \"\" and appendonly no")
+    else:
+        results["persistence"] = "ok"
+    return _record(rec, results)
+
+
+async def check_server_at(url: str, timeout: float,
+                          recorder: Recorder | None = None) -> dict[str, str]:
+    """:func:`check_server` on a connection of its own (closed again)."""
+    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout,
+                                  socket_connect_timeout=timeout)
+    try:
+        async with asyncio.timeout(2 * timeout):
+            return await check_server(client, recorder)
+    except TimeoutError:
+        log.warning("coordination_server_unchecked", reason="unreachable", error="TimeoutError")
+        return _record(recorder if recorder is not None else NullRecorder(),
+                       dict.fromkeys(CHECKS, "unknown"))
+    finally:
+        await client.aclose()
+
+
+def _record(rec: Recorder, results: dict[str, str]) -> dict[str, str]:
+    for check, result in results.items():
+        rec.server_checked(check, result)
+    return results
+
+
+# --------------------------------------------------------------------------- library
+
+
+async def watch_library(ledger: FleetLedger, interval: float,
+                        recorder: Recorder | None = None) -> None:
+    """Re-verify the loaded library every ``interval`` s (until cancelled).
+
+    Verification makes the ledger refuse every call while the server's library is not this
+    version's code (the controller then degrades to its local share) and accept them again
+    once it is. Errors reaching the server are the controller's business, not ours.
+    """
+    rec: Recorder = recorder if recorder is not None else NullRecorder()
+    last = ledger.library_state
+    if last is not None:
+        rec.library_checked(last.value)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            state = await ledger.verify_library()
+        except (redis.RedisError, OSError, TimeoutError):
+            continue
+        if state is not last or state is LibraryState.MISMATCH:
+            rec.library_checked(state.value)
+        last = state
+
+
+# ------------------------------------------------------------------ the admin's command
+
+
+async def load_library(url: str) -> str:
+    """Load this version's library with ``REPLACE`` (the admin's job); its name."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        await client.function_load(LUA, replace=True)
+    finally:
+        await client.aclose()
+    return LIBRARY
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sidecar.coordination.server {load,print}``: the admin's side."""
+    import argparse
+    import sys
+
+    from sidecar.config import ConfigError, check_coordination_url
+    from sidecar.coordination.credentials import PASSWORD_ENV, read_password, with_password
+
+    p = argparse.ArgumentParser(
+        prog="python -m sidecar.coordination.server",
+        description="load: load this version's ledger library (FUNCTION LOAD REPLACE, run "
+                    "with the admin user); print: write its code on stdout")
+    p.add_argument("action", choices=("load", "print"))
+    p.add_argument("--coordination-url", metavar="URL", help="the server, as the sidecars "
+                   "get it but with the admin user: redis://admin@HOST:PORT/0")
+    p.add_argument("--coordination-password-file", metavar="FILE",
+                   help=f"the admin's password (or ${PASSWORD_ENV})")
+    ns = p.parse_args(argv)
+    if ns.action == "print":
+        sys.stdout.write(LUA)
+        return 0
+    try:
+        if ns.coordination_url is None:
+            raise ConfigError("--coordination-url is required for load")
+        check_coordination_url(ns.coordination_url)
+        password = (read_password(ns.coordination_password_file)
+                    if ns.coordination_password_file else os.environ.get(PASSWORD_ENV))
+    except (ConfigError, ValueError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    url = ns.coordination_url if not password else with_password(ns.coordination_url, password)
+    try:
+        name = asyncio.run(load_library(url))
+    except redis.RedisError as exc:
+        # redis-py's messages carry host and port, never the password.
+        print(f"load failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"loaded {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

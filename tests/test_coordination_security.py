@@ -1,0 +1,419 @@
+"""Who may decide admission through the coordination server: credentials, server settings,
+the library's integrity, and a second fleet under the same id.
+
+Against a real valkey-server of this module's own (ACL users are created with ACL SETUSER;
+the default user stays open so that the tests can set things up and look).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+from structlog.testing import capture_logs
+
+from devtools.proc import die_with_parent
+from devtools.valkey import ValkeyServer, free_port
+from sidecar.app import build_runtime
+from sidecar.config import ConfigError, parse_settings
+from sidecar.coordination.credentials import (
+    PASSWORD_ENV,
+    redact_url,
+    url_has_password,
+    with_password,
+)
+from sidecar.coordination.ledger import (
+    LIBRARY,
+    LUA,
+    FleetLedger,
+    LibraryMismatch,
+    LibraryState,
+    library_state,
+)
+from sidecar.coordination.server import check_server, check_server_at
+from sidecar.coordination.server import main as server_main
+from sidecar.metrics import Metrics
+from sidecar.scheduler import BUILTIN_CLASSES
+
+LEDGER_LUA = Path(__file__).resolve().parent.parent / "sidecar" / "coordination" / "ledger.lua"
+SECRET = "s3cr3t-Pa55/w@rd"  # "/" and "@" unencoded: the redaction must still hold
+
+
+@pytest.fixture(scope="module")
+def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
+    server = ValkeyServer(tmp_path_factory.mktemp("valkey-acl"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def admin(acl_server: ValkeyServer) -> AsyncIterator[redis.Redis]:
+    """The default user (unrestricted here): sets up users, loads, looks."""
+    c = redis.Redis(port=acl_server.port, decode_responses=True)
+    await c.flushall()
+    await c.function_flush()
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+def password_file(tmp_path: Path, text: str = SECRET + "\n") -> Path:
+    p = tmp_path / "coordination-password"
+    p.write_text(text)
+    return p
+
+
+BASE = ["--priority-scheduler-enabled"]
+
+
+# ------------------------------------------------------------------ URLs and flags
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://user:pw@host:6379/0", "redis://user:***@host:6379/0"),
+    ("redis://:pw@host:6379", "redis://:***@host:6379"),
+    ("redis://user@host", "redis://user@host"),
+    ("rediss://u:p/w@rd@host:6380/1", "rediss://u:***@host:6380/1"),
+    ("unix://u:pw@/run/valkey.sock?db=1", "unix://u:***@/run/valkey.sock?db=1"),
+    ("redis://host/0?password=pw&db=1", "redis://host/0?password=***&db=1"),
+    ("redis:u:pw@host", "***@host"),
+    ("u:pw@host", "***@host"),
+    ("redis://host:6379/0", "redis://host:6379/0"),
+])
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+    assert "pw" not in redact_url(url, keep_user=False).replace("password", "")
+
+
+def test_with_password_round_trips_through_the_client_parser() -> None:
+    from redis.connection import parse_url
+    for url in ("redis://app@h:1/0", "redis://h:1/0", "rediss://app@h:1", "unix:///tmp/s.sock"):
+        assert not url_has_password(url)
+        full = with_password(url, SECRET)
+        opts = parse_url(full)
+        assert opts["password"] == SECRET, full
+        assert SECRET not in redact_url(full)
+
+
+@pytest.mark.parametrize("url", [
+    f"redis://app:{SECRET}@127.0.0.1:6379/0",
+    f"redis://:{SECRET}@127.0.0.1:notaport/0",  # bad URL and a password: neither echoed
+    f"rediss://app:{SECRET}@/0",
+    f"redis://127.0.0.1/0?password={SECRET}",
+    f"redis:app:{SECRET}@127.0.0.1",
+    f"ftp://app:{SECRET}@127.0.0.1",
+])
+def test_a_password_in_the_url_is_refused_and_never_echoed(url: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_settings([*BASE, "--coordination-url", url])
+    text = str(err.value)
+    assert "--coordination-url" in text
+    assert SECRET not in text and "s3cr3t" not in text and "w@rd" not in text
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:x/0", "redis:///0", "http://h"])
+def test_bad_urls_without_password_still_name_the_flag(url: str) -> None:
+    with pytest.raises(ConfigError, match="--coordination-url"):
+        parse_settings([*BASE, "--coordination-url", url])
+
+
+def test_password_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    s = parse_settings([*BASE, "--coordination-url", "redis://app@127.0.0.1:6379/0",
+                        "--coordination-password-file", str(password_file(tmp_path))])
+    assert s.coordination_password == SECRET  # the final line break is no part of it
+    assert SECRET not in repr(s)
+
+
+def test_password_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PASSWORD_ENV, SECRET)
+    s = parse_settings([*BASE, "--coordination-url", "redis://127.0.0.1:6379/0"])
+    assert s.coordination_password == SECRET
+    # Without coordination the variable means nothing.
+    assert parse_settings(BASE).coordination_password is None
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (None, "cannot read"), ("", "empty"), ("\n", "empty"), ("a\nb\n", "more than one line"),
+])
+def test_bad_password_file_is_a_startup_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str | None,
+        reason: str) -> None:
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    path = tmp_path / "pw"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=f"--coordination-password-file.*{reason}"):
+        parse_settings([*BASE, "--coordination-url", "redis://127.0.0.1:6379/0",
+                        "--coordination-password-file", str(path)])
+
+
+def test_password_file_and_environment_together_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PASSWORD_ENV, "other")
+    with pytest.raises(ConfigError, match="give the password once") as err:
+        parse_settings([*BASE, "--coordination-url", "redis://127.0.0.1:6379/0",
+                        "--coordination-password-file", str(password_file(tmp_path))])
+    assert "other" not in str(err.value)
+
+
+def test_password_file_needs_a_url(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="requires --coordination-url"):
+        parse_settings([*BASE, "--coordination-password-file", str(password_file(tmp_path))])
+
+
+# ------------------------------------------------------------- the process, end to end
+
+
+async def create_runtime_user(c: redis.Redis, user: str, fleet: str, password: str) -> None:
+    """The shipped runtime user's rules (k8s/base/valkey-acl): its fleet's keys, FCALL and
+    the few reads the sidecar needs; no FUNCTION LOAD, no CONFIG SET, no FLUSHALL."""
+    await c.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}",
+                            f"~pg:{{{fleet}}}*", "resetchannels", *RUNTIME_COMMANDS)
+
+
+# What a fleet's runtime user may run: connecting, FCALL, the reads the sidecar makes itself
+# (library check, server check, notifications), and what the library calls inside the
+# server (ACL applies to a function's commands as to the caller's own).
+RUNTIME_COMMANDS = (
+    "+auth", "+hello", "+ping", "+select", "+client|setinfo", "+client|setname",
+    "+fcall", "+fcall_ro", "+function|list", "+config|get", "+blmpop", "+lpop",
+    *sorted({f"+{name.lower()}" for name in re.findall(
+        r"redis\.p?call\('([A-Za-z]+)'", LEDGER_LUA.read_text())}),
+)
+
+
+def run_sidecar(tmp_path: Path, args: list[str], seconds: float,
+                env: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """Run ``python -m sidecar`` for ``seconds`` at debug level, then SIGTERM; its output and
+    argv as the OS shows it."""
+    argv = [sys.executable, "-m", "sidecar", "--grpc-listen", f"127.0.0.1:{free_port()}",
+            "--http-listen", f"127.0.0.1:{free_port()}", "--log-format", "json",
+            "--log-level", "debug", *args]
+    out = tmp_path / "sidecar.log"
+    with out.open("wb") as f:
+        proc = subprocess.Popen(die_with_parent(argv), stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        time.sleep(seconds)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0") \
+            if proc.poll() is None else []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return out.read_text(), cmdline
+
+
+def events(output: str) -> list[dict[str, Any]]:
+    found = []
+    for line in output.splitlines():
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["right-password", "wrong-password"])
+async def test_no_log_line_and_no_argv_holds_the_password(
+        tmp_path: Path, acl_server: ValkeyServer, admin: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch, right: bool) -> None:
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    await create_runtime_user(admin, "fleet-a", "a", SECRET)
+    await admin.function_load(LUA)  # the admin's job: the runtime user may not
+    pw = password_file(tmp_path, (SECRET if right else SECRET + "-wrong") + "\n")
+    output, cmdline = await asyncio.to_thread(run_sidecar, tmp_path, [
+        "--priority-scheduler-enabled", "--worker-capacity-override", "4",
+        "--coordination-url", f"redis://fleet-a@127.0.0.1:{acl_server.port}/0",
+        "--coordination-password-file", str(pw), "--fleet-id", "a", "--replica-id", "r1",
+        "--replica-ttl-secs", "1"], seconds=3.0)
+    names = [e.get("event") for e in events(output)]
+    assert "started" in names, output
+    if right:
+        assert "coordination_registered" in names, output
+    else:
+        assert "coordination_unreachable_at_startup" in names, output
+    assert cmdline and not any("s3cr3t" in a for a in cmdline)
+    assert "s3cr3t" not in output and SECRET not in output
+
+
+def test_a_bad_url_with_a_password_exits_2_without_echoing_it(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "--priority-scheduler-enabled", "--coordination-url",
+         f"redis://app:{SECRET}@127.0.0.1:notaport/0"],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--coordination-url" in proc.stderr
+    assert "s3cr3t" not in proc.stderr + proc.stdout
+
+
+# ------------------------------------------------------------------- server settings
+
+
+async def test_server_check_warns_about_eviction_and_persistence(admin: redis.Redis) -> None:
+    metrics = Metrics(tenant_top_n=4)
+    before = await admin.config_get("maxmemory-policy")
+    try:
+        await admin.config_set("maxmemory-policy", "allkeys-lru")
+        await admin.config_set("appendonly", "yes")
+        with capture_logs() as logs:
+            got = await check_server(admin, metrics)
+        assert got == {"eviction": "risk", "persistence": "risk"}
+        names = {e["event"] for e in logs}
+        assert {"coordination_server_evicts", "coordination_server_persists"} <= names
+        assert sample(metrics, "smg_sidecar_coordination_server_check",
+                      check="eviction", result="risk") == 1
+    finally:
+        await admin.config_set("appendonly", "no")
+        await admin.config_set("maxmemory-policy", before["maxmemory-policy"])
+    with capture_logs() as logs:
+        assert await check_server(admin, metrics) == {"eviction": "ok", "persistence": "ok"}
+    assert not logs
+    assert sample(metrics, "smg_sidecar_coordination_server_check",
+                  check="eviction", result="risk") == 0
+
+
+async def test_server_check_denied_says_it_could_not_check(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    await admin.execute_command("ACL", "SETUSER", "nocfg", "reset", "on", ">pw",
+                                "~pg:{a}*", "+@connection", "+ping")
+    metrics = Metrics(tenant_top_n=4)
+    with capture_logs() as logs:
+        got = await check_server_at(f"redis://nocfg:pw@127.0.0.1:{acl_server.port}/0", 1.0,
+                                    metrics)
+    assert got == {"eviction": "unknown", "persistence": "unknown"}
+    assert [e.get("reason") for e in logs if e["event"] == "coordination_server_unchecked"] \
+        == ["denied"]
+    assert sample(metrics, "smg_sidecar_coordination_server_check",
+                  check="persistence", result="unknown") == 1
+
+
+# ------------------------------------------------------------------------- library
+
+EVIL = LUA.replace("redis.register_function", "-- replaced\nredis.register_function")
+
+
+async def fleet_ledger(acl_server: ValkeyServer, user: str, password: str,
+                       fleet: str = "a", replica: str = "r1") -> FleetLedger:
+    c = redis.Redis(port=acl_server.port, username=user, password=password,
+                    decode_responses=True)
+    return FleetLedger(c, fleet, replica)
+
+
+async def test_runtime_user_cannot_replace_the_library_or_touch_another_fleet(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    await create_runtime_user(admin, "fleet-a", "a", "pa")
+    await admin.function_load(LUA)
+    led = await fleet_ledger(acl_server, "fleet-a", "pa")
+    c = led.client
+    try:
+        await led.register(BUILTIN_CLASSES, 4)
+        assert led.library_state is LibraryState.OK
+        for cmd in (("FUNCTION", "LOAD", "REPLACE", EVIL), ("FUNCTION", "FLUSH"),
+                    ("FUNCTION", "DELETE", LIBRARY), ("FLUSHALL",),
+                    ("CONFIG", "SET", "maxmemory-policy", "allkeys-lru"),
+                    ("HSET", "pg:{b}:cfg", "0", "x"), ("KEYS", "*")):
+            with pytest.raises(redis.ResponseError, match=r"(?i)noperm|permission"):
+                await c.execute_command(*cmd)
+        # Its own fleet through the library: fine. Another fleet's keys, even via FCALL: no.
+        other = FleetLedger(c, "b", "r1")
+        with pytest.raises(redis.ResponseError, match=r"(?i)noperm|permission|ACL"):
+            await other.register(BUILTIN_CLASSES, 4)
+    finally:
+        await c.aclose()
+
+
+async def test_a_replaced_library_is_refused_and_the_replica_degrades(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    await admin.function_load(LUA)
+    led = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r1")
+    try:
+        await led.register(BUILTIN_CLASSES, 4)
+        # Someone with FUNCTION LOAD puts other code under the public name.
+        await admin.function_load(EVIL, replace=True)
+        with capture_logs() as logs:
+            assert await led.verify_library() is LibraryState.MISMATCH
+        assert "coordination_library_mismatch" in {e["event"] for e in logs}
+        with pytest.raises(LibraryMismatch):
+            await led.heartbeat()
+        # The admin loads the shipped code again: calls run again.
+        assert await asyncio.to_thread(server_main, [
+            "load", "--coordination-url", f"redis://127.0.0.1:{acl_server.port}/0"]) == 0
+        assert await led.verify_library() is LibraryState.OK
+        assert (await led.heartbeat()).capacity == 4
+    finally:
+        await led.client.aclose()
+
+
+async def test_a_replaced_library_found_at_start_is_never_called(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    await admin.function_load(EVIL)  # there first, under this version's name
+    led = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r1")
+    try:
+        with pytest.raises(LibraryMismatch):
+            await led.register(BUILTIN_CLASSES, 4)
+        assert not await admin.exists("pg:{a}:replicas")  # its code never ran
+        # Nor does a replica that finds it missing-then-present overwrite it.
+        await admin.function_flush()
+        await admin.function_load(EVIL)
+        led2 = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r2")
+        with pytest.raises(LibraryMismatch):
+            await led2.load_library()
+        assert (await library_state(admin)) is LibraryState.MISMATCH
+        await led2.client.aclose()
+    finally:
+        await led.client.aclose()
+
+
+async def test_the_watch_counts_a_mismatch_and_the_controller_degrades(
+        tmp_path: Path, acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    await admin.function_load(LUA)
+    settings = parse_settings([
+        "--priority-scheduler-enabled", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--worker-capacity-override", "4",
+        "--log-format", "json", "--coordination-url",
+        f"redis://127.0.0.1:{acl_server.port}/0", "--fleet-id", "a", "--replica-id", "r1",
+        "--replica-ttl-secs", "1"])
+    app = await build_runtime(settings)
+    await app.serve()
+    try:
+        assert app.fleet is not None and app.fleet.state == "ok"
+        await admin.function_load(EVIL, replace=True)
+        deadline = time.monotonic() + 10
+        while app.fleet.state != "degraded" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert app.fleet.state == "degraded"
+        assert sample(app.metrics, "smg_sidecar_coordination_library_mismatch_total") >= 1
+        assert sample(app.metrics, "smg_sidecar_coordination_library_state",
+                      state="mismatch") == 1
+        await admin.function_load(LUA, replace=True)
+        deadline = time.monotonic() + 10
+        while app.fleet.state != "ok" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert app.fleet.state == "ok"
+    finally:
+        await app.stop()
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
