@@ -146,16 +146,36 @@ async def _first_reading(s: Settings, monitor: CapacityMonitor) -> CapacityReadi
 
 def _build_core(s: Settings, reading: CapacityReading) -> AdmissionCore:
     classes = s.priority.classes
+    limit = s.max_concurrent_requests if s.max_concurrent_requests > 0 else None
     if s.scheduler_enabled:
         if reservations_fit(classes, reading.capacity):
             return Scheduler(classes, reading.capacity, time.monotonic)
+        # The contract's fallback, made impossible to miss: without a cap it admits
+        # everything at once, whatever the workers can run.
         desired = desired_reservations(classes, reading.capacity)
+        mode, reason = _fallback_mode(s), FALLBACK_REASON
         log.warning("reservations_exceed_capacity_using_legacy_admission",
-                    capacity=reading.capacity, reserved_total=sum(desired.values()),
-                    reserved={c.label: n for c, n in desired.items()})
-    limit = s.max_concurrent_requests if s.max_concurrent_requests > 0 else None
+                    mode=mode, reason=reason, capacity=reading.capacity,
+                    capacity_source=reading.source, reserved_total=sum(desired.values()),
+                    reserved={c.label: n for c, n in desired.items()},
+                    concurrency_cap=limit,
+                    hint="for life of the process; lower the reservations (check with "
+                         "--check-config FILE --check-capacity N) or restart once the "
+                         "fleet is larger")
+        if limit is None:
+            log.error("legacy_admission_uncapped", mode=mode, reason=reason,
+                      capacity=reading.capacity,
+                      hint="--max-concurrent-requests is <= 0, so nothing limits "
+                           "admission: every request goes to the workers at once")
     return LegacyAdmission(limit=limit, queue_size=s.queue_size,
                            queue_timeout_secs=s.queue_timeout_secs, clock=time.monotonic)
+
+
+FALLBACK_REASON = "reservations_exceed_capacity"  # the only way the scheduler falls back
+
+
+def _fallback_mode(s: Settings) -> str:
+    return "legacy" if s.max_concurrent_requests > 0 else "legacy_uncapped"
 
 
 class Runtime:
@@ -202,7 +222,9 @@ class Runtime:
         # From here on a new capacity reading also resizes admission.
         monitor.on_change = self._on_capacity
         metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,
-                        config_digest=s.priority.digest)
+                        config_digest=s.priority.digest,
+                        fallback=(_fallback_mode(s), FALLBACK_REASON)
+                        if self.legacy and s.scheduler_enabled else None)
         # Which Envoy asked for each admission and whether it is still there: slots of
         # requests Envoy still runs are never reclaimed by a timer alone.
         # With the local Envoy's admin known, a loopback owner's restart and a blip of its

@@ -42,6 +42,7 @@ from sidecar.coordination.credentials import (
     url_has_password,
 )
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
+from sidecar.scheduler.reservations import desired_reservations, reservations_fit
 
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest priority.yaml accepted (a ConfigMap cannot hold more); refused before parsing."""
@@ -670,6 +671,10 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=("debug", "info", "warning", "error"), help="log level")
     sc.add_argument("--check-config", default=None, metavar="FILE",
                     help="validate FILE as priority.yaml, print the effective class table, exit")
+    sc.add_argument("--check-capacity", type=int, default=None, metavar="N",
+                    help="with --check-config: also say whether FILE's reservations fit a "
+                         "capacity of N slots (priority scheduling) or legacy admission "
+                         "would serve; exit 1 if they do not fit")
     return p
 
 
@@ -927,3 +932,37 @@ def format_class_table(cfg: PriorityConfig,
             f"  {t}: max_class={cfg.tenant_policies.get(t, default_max_class).label}"
             f" weight={cfg.tenant_weights.get(t, 1.0):g}" for t in tenants)
     return "\n".join(lines)
+
+
+def smallest_fitting_capacity(cfg: PriorityConfig, limit: int = 65535) -> int | None:
+    """The smallest capacity from which the reservations fit every capacity up to
+    ``limit`` (the start-up check passes), or None if they do not fit at ``limit``."""
+    if not reservations_fit(cfg.classes, limit):
+        return None
+    low = limit
+    while low > 1 and reservations_fit(cfg.classes, low - 1):
+        low -= 1
+    return low
+
+
+def capacity_verdict(cfg: PriorityConfig, capacity: int,
+                     max_concurrent_requests: int) -> tuple[bool, str]:
+    """``--check-config --check-capacity N``: do the reservations fit N, and what would
+    serve if they do not (the start-up reservation check, docs/reference.md §3)."""
+    desired = desired_reservations(cfg.classes, max(0, capacity))
+    total = sum(desired.values())
+    shares = " / ".join(f"{c.label} {n}" for c, n in desired.items())
+    need = smallest_fitting_capacity(cfg)
+    needs = (f"priority scheduling needs a capacity of at least {need}" if need is not None
+             else "these reservations do not fit any capacity up to 65535")
+    if capacity >= 1 and total <= capacity:
+        least = f" (it needs at least {need})" if need is not None else ""
+        return True, (f"capacity {capacity}: OK, reservations {shares} = {total} fit: the "
+                      f"scheduler serves{least}")
+    cap = (f"capped at --max-concurrent-requests {max_concurrent_requests}"
+           if max_concurrent_requests > 0 else
+           "UNCAPPED (--max-concurrent-requests <= 0): every request admitted at once")
+    return False, (f"capacity {capacity}: NOT OK, reservations {shares} = {total} exceed it: "
+                   f"the sidecar would serve with legacy admission for its whole life, {cap}; "
+                   f"{needs}")
+

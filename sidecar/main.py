@@ -15,6 +15,7 @@ from sidecar.classes import parse_default_max_class
 from sidecar.config import (
     ConfigError,
     build_parser,
+    capacity_verdict,
     format_class_table,
     load_priority_config,
     settings_from_args,
@@ -52,7 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{ns.check_config}: OK (sha256 {cfg.digest})")
         default_max, _ = parse_default_max_class(ns.priority_scheduler_default_max_class)
         print(format_class_table(cfg, default_max))
-        return 0
+        if ns.check_capacity is None:
+            return 0
+        fits, verdict = capacity_verdict(cfg, ns.check_capacity, ns.max_concurrent_requests)
+        print(verdict)
+        return 0 if fits else 1
+    if ns.check_capacity is not None:
+        print("priority-sidecar: config error: --check-capacity needs --check-config FILE",
+              file=sys.stderr)
+        return 2
     try:
         settings = settings_from_args(ns)
     except ConfigError as exc:

@@ -28,6 +28,7 @@ verb                        caller                 metrics
                                                    ``smg_sidecar_worker_capacity``,
                                                    ``smg_sidecar_worker_probe_refused``
 ``started``                 app (build)            ``smg_sidecar_admission_mode``,
+                                                   ``smg_sidecar_admission_fallback``,
                                                    ``smg_sidecar_config_generation``,
                                                    ``smg_sidecar_config_info``,
                                                    the snapshot gauges
@@ -93,6 +94,8 @@ from sidecar.scheduler.interface import capacity_pressure
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 COORDINATION_STATES = ("ok", "degraded")
+FALLBACK_MODES = ("legacy", "legacy_uncapped")
+FALLBACK_REASONS = ("reservations_exceed_capacity",)
 SERVER_CHECKS = ("eviction", "persistence")
 SERVER_CHECK_RESULTS = ("ok", "risk", "unknown")
 LIBRARY_STATES = ("ok", "missing", "mismatch", "unchecked")
@@ -167,7 +170,7 @@ class Recorder(Protocol):
         healthy, and what each healthy worker counts for."""
 
     def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
-                config_digest: str) -> None:
+                config_digest: str, fallback: tuple[str, str] | None = None) -> None:
         """Admission is built: its mode, the scrape-time gauges over ``snapshot``,
         and the start-up config (generation 1)."""
 
@@ -242,7 +245,7 @@ class NullRecorder:
         pass
 
     def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
-                config_digest: str) -> None:
+                config_digest: str, fallback: tuple[str, str] | None = None) -> None:
         pass
 
     def config_reloaded(self, generation: int, digest: str) -> None:
@@ -369,6 +372,10 @@ class Metrics:
                                     "admin showed the same process running", registry=r)
         self._mode = Gauge("smg_sidecar_admission_mode",
                            "Admission path in force (1 = active)", ["mode"], registry=r)
+        self._fallback = Gauge("smg_sidecar_admission_fallback",
+                               "1 while the scheduler is enabled but legacy admission serves, "
+                               "by mode (legacy_uncapped: no concurrency cap) and reason",
+                               ["mode", "reason"], registry=r)
         self._fleet_inflight = Gauge("smg_sidecar_fleet_inflight",
                                      "Fleet-wide admissions in flight, as the ledger saw them "
                                      "at the last heartbeat", ["class"], registry=r)
@@ -501,9 +508,12 @@ class Metrics:
         self._worker_problems = dict(worker_problems(reading))
 
     def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
-                config_digest: str) -> None:
+                config_digest: str, fallback: tuple[str, str] | None = None) -> None:
         self._mode.labels("scheduler").set(0 if legacy else 1)
         self._mode.labels("legacy").set(1 if legacy else 0)
+        for mode in FALLBACK_MODES:  # every series present: 0 is "no fallback"
+            for reason in FALLBACK_REASONS:
+                self._fallback.labels(mode, reason).set(1 if fallback == (mode, reason) else 0)
         self.registry.register(_SnapshotCollector(snapshot, self._tenant))
         self._config_generation.set(1)
         self._config_info.labels(config_digest).set(1)
