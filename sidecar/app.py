@@ -219,6 +219,10 @@ class Runtime:
                 metrics=metrics,
             )
         self.legacy = self.controller.legacy
+        if fleet is None:
+            # The guard compares the engines' own counts with what this sidecar holds
+            # (a fleet's ledger holds other replicas' admissions too: not compared).
+            monitor.policy.held = lambda: self.controller.snapshot().inflight
         # From here on a new capacity reading also resizes admission.
         monitor.on_change = self._on_capacity
         metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,

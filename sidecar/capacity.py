@@ -24,6 +24,11 @@ results here. The rules (docs/reference.md, "Capacity"):
   is inconclusive, the previous reading holds: the sidecar's own trouble says
   nothing about the workers. In a round where some probes do complete, an
   inconclusive one counts as unhealthy (the sidecar evidently can probe);
+- with the saturation guard on and a count of what the sidecar holds given
+  (``held``), the engines' own count is the ground truth: when every healthy
+  worker reported running and waiting and their sum exceeds what the sidecar
+  holds (requests it did not admit, or released while the engine still runs
+  them), capacity is lowered by the difference until the engines show it gone;
 - no healthy worker known (start-up, or workers really answering unhealthy or
   refusing connections) -> the fallback capacity, but never more than the last
   capacity read from workers once one was seen.
@@ -82,13 +87,15 @@ class CapacityReading:
     total: int
     workers: tuple[WorkerCapacity, ...] = ()
     held: bool = field(default=False, compare=False)  # a held reading equals the one it holds
+    excess: int = 0  # the engines run or queue this many more than the sidecar holds
 
 
 class CapacityPolicy:
     """Turns probe rounds into capacity readings; remembers what it must."""
 
     def __init__(self, *, fallback: int, default_cap: int, saturation_guard: bool,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], held: Callable[[], int] | None = None) -> None:
+        self.held = held  # requests the sidecar holds in flight (None: not compared)
         self.fallback = fallback
         self.default_cap = default_cap
         self.saturation_guard = saturation_guard
@@ -161,11 +168,13 @@ class CapacityPolicy:
             self.last_hold_secs = self.clock() - self.held_since
             self.held_since = None
         counted: list[WorkerCapacity] = []
+        caps = 0  # Σ caps before the guard
         for p in probes:
             if p.status is not ProbeStatus.HEALTHY:
                 self.learned.pop(p.url, None)  # a restart may bring another batch size
                 continue
             cap = self.worker_cap(p)
+            caps += cap
             guarded = self.guarded(p, cap)
             counted.append(WorkerCapacity(p.url, p.engine, min(cap, guarded)
                                           if guarded is not None else cap, guarded is not None,
@@ -173,9 +182,26 @@ class CapacityPolicy:
         if not counted:
             return self._remember(self._fallback(len(probes)))
         total = sum(w.capacity for w in counted)
+        excess = self.excess([p for p in probes if p.status is ProbeStatus.HEALTHY])
+        if excess:
+            # The engines' count is the truth: what they run beyond what the sidecar holds
+            # takes slots too. Not on top of the guard's own shrinking: at most the caps
+            # less the excess.
+            total = min(total, max(0, caps - excess))
         self.last_good = total
         return self._remember(CapacityReading(total, "workers", len(counted), len(probes),
-                                              tuple(counted)))
+                                              tuple(counted), excess=excess))
+
+    def excess(self, healthy: Sequence[WorkerProbe]) -> int:
+        """How many more requests the engines report (running + waiting) than the sidecar
+        holds; 0 unless every healthy worker reported both counts."""
+        if not self.saturation_guard or self.held is None or not healthy:
+            return 0
+        counts = [(p.running, p.waiting) for p in healthy]
+        if any(r is None or w is None for r, w in counts):
+            return 0
+        engines = sum((r or 0) + (w or 0) for r, w in counts)
+        return max(0, engines - self.held())
 
     def _fallback(self, total: int) -> CapacityReading:
         return CapacityReading(self.fallback_capacity(), "fallback", 0, total)

@@ -746,10 +746,18 @@ class CapacityMonitor:
                                "timeout, out of file descriptors); last reading kept")
         elif was_held and not reading.held:
             log.info("capacity_hold_ended", held_secs=round(self.policy.last_hold_secs, 3))
+        if reading.excess and not (self.last is not None and self.last.excess):
+            log.warning("engine_excess", excess=reading.excess, capacity=reading.capacity,
+                        reason="the engines run or queue more requests than the sidecar "
+                               "holds (not admitted by it, or released while still running); "
+                               "capacity is lowered by as many until they are gone")
+        elif self.last is not None and self.last.excess and not reading.excess:
+            log.info("engine_excess_gone")
         changed = reading != self.last
         if changed:
             log.info("capacity_changed", capacity=reading.capacity, source=reading.source,
                      healthy_workers=reading.healthy, workers=reading.total,
+                     excess=reading.excess,
                      previous=self.last.capacity if self.last else None)
         self.last = reading
         if changed:

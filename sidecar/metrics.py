@@ -26,7 +26,8 @@ verb                        caller                 metrics
 ``capacity_read``           app (health monitor)   ``smg_sidecar_capacity_source``,
                                                    ``smg_sidecar_healthy_workers``,
                                                    ``smg_sidecar_worker_capacity``,
-                                                   ``smg_sidecar_worker_probe_refused``
+                                                   ``smg_sidecar_worker_probe_refused``,
+                                                   ``smg_sidecar_engine_excess``
 ``started``                 app (build)            ``smg_sidecar_admission_mode``,
                                                    ``smg_sidecar_admission_fallback``,
                                                    ``smg_sidecar_config_generation``,
@@ -404,6 +405,9 @@ class Metrics:
         self._worker_capacity: Mapping[tuple[str, str], int] = {}
         r.register(_WorkerCapacityCollector(lambda: self._worker_capacity))
         self._worker_problems: Mapping[tuple[str, str, str], int] = {}
+        self._engine_excess = Gauge("smg_sidecar_engine_excess",
+                                    "Requests the engines run or queue beyond what the "
+                                    "sidecar holds (--saturation-guard)", registry=r)
         r.register(_WorkerProblemCollector(lambda: self._worker_problems))
         # Label children resolved once: labels() costs a lock and a tuple per call,
         # and these run on every admission.
@@ -506,6 +510,7 @@ class Metrics:
         # Replaced as a whole: a worker gone or unhealthy loses its series.
         self._worker_capacity = dict(per_worker(reading))
         self._worker_problems = dict(worker_problems(reading))
+        self._engine_excess.set(reading.excess)
 
     def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
                 config_digest: str, fallback: tuple[str, str] | None = None) -> None:

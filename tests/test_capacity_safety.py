@@ -118,6 +118,35 @@ def test_saturation_guard_shrinks_an_engine_that_queues_only_when_full() -> None
     assert count(4, 2, engine="vllm") == 4
 
 
+def test_the_engines_own_count_beyond_what_the_sidecar_holds_is_held_back() -> None:
+    held = [0]
+    p = policy(guard=True)
+    p.held = lambda: held[0]
+
+    def reading(*counts: tuple[int, int], engine: str = "llamacpp") -> tuple[int, int]:
+        r = p.decide([WorkerProbe(f"w{i}", H, engine, cap=4, running=run, waiting=wait)
+                      for i, (run, wait) in enumerate(counts)])
+        return r.capacity, r.excess
+
+    held[0] = 2
+    assert reading((4, 0)) == (2, 2)  # two it never admitted run there: two slots left
+    assert reading((2, 0)) == (4, 0)  # gone: back at once (no guard learning involved)
+    assert reading((1, 0)) == (4, 0)  # admitted, not arrived yet: no excess
+    held[0] = 4
+    # Full with two waiting that the sidecar did not send: the guard's own shrink and
+    # the excess are not added up.
+    assert reading((4, 2)) == (2, 2)
+    assert reading((4, 0)) == (3, 0)  # grows back as the guard does
+    held[0] = 3
+    assert reading((4, 0), (3, 0)) == (4, 4)  # fleet-wide: 7 run, 3 held; caps 8 - 4
+    assert p.decide([WorkerProbe("w0", H, "llamacpp", cap=4, running=4, waiting=0),
+                     WorkerProbe("w1", H, "generic", cap=4)]).excess == 0  # one count unknown
+    off = policy()
+    off.held = lambda: 0
+    assert off.decide([WorkerProbe("w0", H, "llamacpp", cap=4, running=4, waiting=0)]
+                      ).capacity == 4  # the guard off: not compared
+
+
 def test_saturation_guard_grows_back_gradually_once_the_queue_drains() -> None:
     p = policy(guard=True)
 

@@ -85,7 +85,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "classified": lambda r: r.classified("t", S, D, True),
     "preemption_undelivered": lambda r: r.preemption_undelivered(),
     "capacity_read": lambda r: r.capacity_read(CapacityReading(
-        96, "workers", healthy=2, total=3,
+        96, "workers", healthy=2, total=3, excess=2,
         workers=(WorkerCapacity("http://w1", "sglang", 64),
                  WorkerCapacity("http://w2", "vllm", 32,
                                 problems=(("/metrics", "unauthorized"),))))),
