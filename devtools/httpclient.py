@@ -115,7 +115,9 @@ async def request(port: int, path: str = "/v1/chat/completions", *,
     return await asyncio.wait_for(go(), timeout)
 
 
-async def get(url: str, timeout: float) -> tuple[int, bytes]:
+async def get(url: str, timeout: float,
+              headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """GET ``url`` on a fresh connection: (status, body). Raises one of HTTP_ERRORS."""
-    async with _session() as session, asyncio.timeout(timeout), session.get(url) as resp:
+    async with _session() as session, asyncio.timeout(timeout), \
+            session.get(url, headers=headers) as resp:
         return resp.status, await resp.read()

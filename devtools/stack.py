@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from devtools.fleet import Fleet
 from devtools.httpclient import HTTP_ERRORS
 from devtools.httpclient import get as http_get
+from devtools.llama import LlamaFleet
 from devtools.proc import die_with_parent
 from devtools.valkey import ValkeyServer
 from sidecar.config import parse_priority_config
@@ -96,18 +97,19 @@ class Stack:
 
     With ``fleet`` given, the stack shares that (already started) fleet with others and
     neither starts nor stops it (see :class:`Replicas`); otherwise it owns one built from
-    the config.
+    the config. ``engines`` (not started) puts real llama-servers where the fake
+    workers would be; the stack starts and stops them.
     """
 
     def __init__(self, config: StackConfig, workdir: Path | None = None,
-                 fleet: Fleet | None = None) -> None:
+                 fleet: Fleet | None = None, engines: LlamaFleet | None = None) -> None:
         self.config = config
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="smg-stack-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.owns_fleet = fleet is None
-        self.fleet = fleet or Fleet(config.workers, base_port=config.worker_base_port,
-                                    max_running_requests=config.max_running_requests,
-                                    service_time=config.service_time)
+        self.fleet: Fleet | LlamaFleet = engines or fleet or Fleet(
+            config.workers, base_port=config.worker_base_port,
+            max_running_requests=config.max_running_requests, service_time=config.service_time)
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.envoy: subprocess.Popen[bytes] | None = None
         self.listen_port = config.listen_port or free_port()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import time
 from collections.abc import Mapping
@@ -47,6 +48,24 @@ log = logs.get("sidecar")
 AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
 ALS_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+# Engines that cannot stop a request whose client went away while they are busy:
+# llama.cpp's server notices a closed connection only after one second without a result
+# of *any* task, which another stream, a /metrics or /slots request never lets pass. A
+# preempted victim runs to its end there, so preempting frees no slot: the preemptor
+# would wait in the engine's own queue while the engine runs one more than its capacity
+# (docs/reference.md, Engines). While a worker counted runs one, no class preempts.
+CANNOT_CANCEL_ENGINES = frozenset({"llamacpp"})
+
+
+def uncancellable_workers(reading: CapacityReading) -> tuple[str, ...]:
+    """The workers counted in ``reading`` whose engine cannot cancel a running request."""
+    return tuple(sorted(w.url for w in reading.workers if w.engine in CANNOT_CANCEL_ENGINES))
+
+
+def without_preemption(classes: Mapping[PriorityClass, ClassSettings]
+                       ) -> dict[PriorityClass, ClassSettings]:
+    return {c: dataclasses.replace(k, can_preempt=False) for c, k in classes.items()}
 
 
 def _split(listen: str) -> tuple[str, int]:
@@ -219,6 +238,12 @@ class Runtime:
                 metrics=metrics,
             )
         self.legacy = self.controller.legacy
+        self._classes = s.priority.classes  # the file's; preemption may be suspended below
+        self._uncancellable = uncancellable_workers(reading)
+        if self._uncancellable:
+            self._preemption_suspended(reading)
+            self.controller.update_config(self._effective_classes())
+        metrics.preemption_suspended(bool(self._uncancellable))
         if fleet is None:
             # The guard compares the engines' own counts with what this sidecar holds
             # (a fleet's ledger holds other replicas' admissions too: not compared).
@@ -243,7 +268,7 @@ class Runtime:
             fleet.liveness_decides = True  # acknowledged only while its Envoy is watched
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,
                                   TenantPolicy(s.priority.tenant_policies, s.default_max_class),
-                                  self._preemptible(s.priority.classes),
+                                  self._preemptible(self._effective_classes()),
                                   liveness=self.liveness)
         self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
                                         wall_clock=time.time)
@@ -315,18 +340,46 @@ class Runtime:
 
     def _on_capacity(self, reading: CapacityReading) -> None:
         self.metrics.capacity_read(reading)
+        uncancellable = uncancellable_workers(reading)
+        if bool(uncancellable) != bool(self._uncancellable):
+            self._uncancellable = uncancellable
+            if uncancellable:
+                self._preemption_suspended(reading)
+            else:
+                log.info("preemption_resumed", reason="no counted worker runs an engine that "
+                                                      "cannot cancel a running request")
+            self._apply_classes()
+            self.metrics.preemption_suspended(bool(uncancellable))
+        self._uncancellable = uncancellable
         self.controller.set_capacity(reading.capacity)
+
+    def _preemption_suspended(self, reading: CapacityReading) -> None:
+        log.warning("preemption_suspended", workers=list(self._uncancellable),
+                    engines=sorted({w.engine for w in reading.workers
+                                    if w.engine in CANNOT_CANCEL_ENGINES}),
+                    reason="the engine runs a preempted request to its end, so preempting "
+                           "frees no slot; higher classes wait at the head of their queue "
+                           "instead")
+
+    def _effective_classes(self) -> Mapping[PriorityClass, ClassSettings]:
+        """The file's class settings, with can_preempt off while preemption is suspended."""
+        return without_preemption(self._classes) if self._uncancellable else self._classes
+
+    def _apply_classes(self) -> None:
+        classes = self._effective_classes()
+        self.controller.update_config(classes)
+        self.authz.preemptible = self._preemptible(classes)
 
     def _apply_config(self, cfg: PriorityConfig) -> None:
         """A valid new config: new knobs and tenant ceilings for new decisions."""
         # Queued requests keep their place; in-flight ones are untouched;
         # reservations are recomputed at the live capacity.
-        self.controller.update_config(cfg.classes)
+        self._classes = cfg.classes
+        self._apply_classes()
         if self.legacy:
             log.warning("config_reload_legacy_mode",
                         hint="class knobs apply only to the scheduler; tenant ceilings apply")
         self.authz.policy = TenantPolicy(cfg.tenant_policies, self.settings.default_max_class)
-        self.authz.preemptible = self._preemptible(cfg.classes)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
 

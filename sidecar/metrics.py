@@ -39,6 +39,7 @@ verb                        caller                 metrics
 ``config_reload_failed``    app (config reload)    ``smg_sidecar_config_reload_total{error}``
 ``fleet_seen``              fleet controller       ``smg_sidecar_fleet_inflight``,
                             (heartbeat)            ``smg_sidecar_live_replicas``
+``preemption_suspended``    app (health monitor)   ``smg_sidecar_preemption_suspended``
 ``coordination_changed``    fleet controller       ``smg_sidecar_coordination_state``
 ``server_checked``          app (start-up)         ``smg_sidecar_coordination_server_check``
 ``library_checked``         app (library watch)    ``smg_sidecar_coordination_library_state``,
@@ -184,6 +185,9 @@ class Recorder(Protocol):
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
         """A heartbeat's answer: fleet-wide in-flight counts and live replicas."""
 
+    def preemption_suspended(self, suspended: bool) -> None:
+        """No class preempts (a counted worker's engine cannot cancel), or they may again."""
+
     def coordination_changed(self, state: str) -> None:
         """The fleet controller's state is now ``ok`` or ``degraded``."""
 
@@ -256,6 +260,9 @@ class NullRecorder:
         pass
 
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
+        pass
+
+    def preemption_suspended(self, suspended: bool) -> None:
         pass
 
     def coordination_changed(self, state: str) -> None:
@@ -383,6 +390,10 @@ class Metrics:
         self._live_replicas = Gauge("smg_sidecar_live_replicas",
                                     "Live replicas of the fleet, this one included (0 without "
                                     "coordination)", registry=r)
+        self._preemption_suspended = Gauge(
+            "smg_sidecar_preemption_suspended",
+            "1 while no class preempts because a counted worker's engine cannot cancel a "
+            "running request (llama.cpp)", registry=r)
         self._coordination = Gauge("smg_sidecar_coordination_state",
                                    "Fleet coordination state (1 = current)", ["state"],
                                    registry=r)
@@ -536,6 +547,9 @@ class Metrics:
         for cls in HIGH_TO_LOW:
             self._fleet_inflight.labels(cls.label).set(inflight.get(cls, 0))
         self._live_replicas.set(live_replicas)
+
+    def preemption_suspended(self, suspended: bool) -> None:
+        self._preemption_suspended.set(1 if suspended else 0)
 
     def coordination_changed(self, state: str) -> None:
         for s in COORDINATION_STATES:

@@ -44,7 +44,6 @@ class FakeLlama:
                  router_models: dict[str, bool] | None = None, props: bool = True) -> None:
         self.api_key = api_key
         self.props = props  # False: no /props (an engine auto cannot recognise)
-        self.public_health = True  # llama.cpp's /health needs no key; False: it does
         self.metrics = metrics
         self.router_models = router_models  # name -> loaded; None = not router mode
         self.processing = 0
@@ -81,8 +80,7 @@ class FakeLlama:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         self.requests[request.path] += 1
-        public = ("/health", "/v1/health") if self.public_health else ()
-        if self.api_key is not None and request.path not in public:
+        if self.api_key is not None and request.path not in ("/health", "/v1/health"):
             given = request.headers.get("Authorization") or request.headers.get("X-Api-Key", "")
             if given.removeprefix("Bearer ") != self.api_key:
                 return self._json(json.dumps({"error": {
@@ -371,26 +369,5 @@ async def test_the_guard_shrinks_a_full_llamacpp_worker_with_requests_deferred()
             w.processing, w.deferred = 4, 0
             assert [(await m.poll_once()).capacity for _ in range(4)] == [2, 3, 4, 4]
             assert w.requests["/metrics"] == 6  # one read per round, no more
-        finally:
-            await m.close()
-
-
-async def test_a_refused_health_probe_counts_one_slot_not_the_fallback() -> None:
-    # Counted unhealthy, a worker that wants a key even on /health would leave the
-    # sidecar on the fallback capacity (1024 before any worker was read).
-    async with FakeLlama(api_key=KEY) as w:
-        w.public_health = False
-        m = monitor([w.url], engine="llamacpp")
-        metrics = Metrics(tenant_top_n=4, registry=CollectorRegistry())
-        try:
-            with capture_logs() as logs:
-                r = await m.poll_once()
-                await m.poll_once()
-            metrics.capacity_read(r)
-            assert (r.source, r.capacity) == ("workers", 1)
-            assert [(e["endpoint"], e["reason"]) for e in logs
-                    if e["event"] == "worker_probe_refused"] == [("/health", "unauthorized")]
-            assert refused_gauge(metrics, w.url, "/health", "unauthorized") == 1
-            assert w.requests["/props"] == 0
         finally:
             await m.close()

@@ -165,9 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                    "get it but with the admin user: redis://admin@HOST:PORT/0")
     p.add_argument("--coordination-password-file", metavar="FILE",
                    help=f"the admin's password (or ${PASSWORD_ENV})")
-    p.add_argument("--every", type=float, default=None, metavar="SECS",
-                   help="load again every SECS until stopped (a server restarted empty gets "
-                        "it back, a replaced library is restored); default: once")
     ns = p.parse_args(argv)
     if ns.action == "print":
         sys.stdout.write(LUA)
@@ -182,12 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     url = ns.coordination_url if not password else with_password(ns.coordination_url, password)
-    if ns.every is not None:
-        if not ns.every > 0:
-            print("config error: --every must be > 0", file=sys.stderr)
-            return 2
-        asyncio.run(_load_every(url, ns.every))
-        return 0
     try:
         name = asyncio.run(load_library(url))
     except redis.RedisError as exc:
@@ -196,23 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"loaded {name}")
     return 0
-
-
-async def _load_every(url: str, interval: float) -> None:
-    logs.configure("json")
-    loaded: bool | None = None  # logged on a change only, not every interval
-    while True:
-        try:
-            await load_library(url)
-        except (redis.RedisError, OSError) as exc:
-            if loaded is not False:
-                log.warning("ledger_library_load_failed", error=f"{type(exc).__name__}: {exc}")
-            loaded = False
-        else:
-            if loaded is not True:
-                log.info("ledger_library_loaded", library=LIBRARY)
-            loaded = True
-        await asyncio.sleep(interval)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,207 @@
+"""Through a real Envoy and the sidecar, in front of a real llama.cpp ``llama-server``.
+
+The engine is nobody's fake: llama.cpp built from the source PyPI's llama-cpp-python
+sdist vendors (``make llama-server``), serving a tiny random-weight model written with
+``gguf`` (devtools/llama.py). Ground truth is what the engine itself reports
+(``/slots``), never the sidecar's own count. Run with ``make test-llama`` (CI does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devtools.httpclient import Exchange, request
+from devtools.llama import LlamaFleet, llama_server_binary, write_tiny_model
+from devtools.stack import Stack, StackConfig
+from tests.conftest import assert_denied, settle, until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.llama]
+
+if llama_server_binary() is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must run the real-engine tests: no llama-server binary "
+                           "(make llama-server)")
+    pytest.skip("no llama-server binary: `make llama-server` builds it",
+                allow_module_level=True)
+
+NO_RESERVATIONS = """
+classes:
+  system: {reserved_floor: 0, queue_size: 4, queue_timeout_secs: 30}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0, queue_size: 4, queue_timeout_secs: 30}
+  default: {reserved_per_slot: 0.0, queue_size: 4, queue_timeout_secs: 30}
+  bulk: {queue_size: 1, queue_timeout_secs: 30}
+"""
+
+LlamaStackFactory = Callable[..., Awaitable[Stack]]
+
+
+def completion(tokens: int, *, stream: bool = False, **extra: Any) -> bytes:
+    """A chat completion that generates exactly ``tokens`` tokens (EOS ignored)."""
+    return json.dumps({"model": "tiny", "stream": stream, "max_tokens": tokens,
+                       "ignore_eos": True, "temperature": 1.0,
+                       "messages": [{"role": "user", "content": "hi"}], **extra}).encode()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf")
+
+
+@pytest.fixture
+async def llama_stack(tmp_path: Path, model: Path) -> AsyncIterator[LlamaStackFactory]:
+    stacks: list[Stack] = []
+
+    async def factory(*, servers: int = 1, parallel: int = 2, engine: str = "auto",
+                      server_kwargs: dict[str, Any] | None = None, **kw: Any) -> Stack:
+        kw.setdefault("priority_yaml", NO_RESERVATIONS)
+        kw.setdefault("health_interval_secs", 0.2)
+        kw["sidecar_args"] = ["--worker-engine", engine, *kw.get("sidecar_args", ())]
+        engines = LlamaFleet(servers, workdir=tmp_path / "engines", model=model,
+                             parallel=parallel, **(server_kwargs or {}))
+        stack = Stack(StackConfig(workers=servers, **kw), workdir=tmp_path, engines=engines)
+        stacks.append(stack)
+        await stack.start()
+        return stack
+
+    yield factory
+    try:
+        for stack in stacks:
+            if stack.sidecar is not None:
+                await settle(stack, timeout=30)
+                await engine_idle(stack)
+    finally:
+        for stack in stacks:
+            await stack.stop()
+
+
+async def engine_idle(stack: Stack, timeout: float = 30.0) -> None:
+    """Every engine says no slot is processing (its own /slots), within ``timeout``."""
+    assert isinstance(stack.fleet, LlamaFleet)
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = [await w.slots_processing() for w in stack.fleet.workers]
+        if not any(busy):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engines still processing: {busy}")
+        await asyncio.sleep(0.1)
+
+
+async def capacity(stack: Stack) -> float:
+    return await stack.metric("smg_sidecar_capacity")
+
+
+# ------------------------------------------------------------------ capacity
+
+
+@pytest.mark.parametrize("engine", ["auto", "llamacpp"])
+async def test_capacity_is_the_servers_slot_count(llama_stack: LlamaStackFactory,
+                                                   engine: str) -> None:
+    stack = await llama_stack(servers=2, parallel=3, engine=engine)
+    m = await until(stack, lambda m: m.get("smg_sidecar_capacity") == 6, timeout=10)
+    for url in stack.fleet.urls:
+        assert m[f'smg_sidecar_worker_capacity{{engine="llamacpp",worker="{url}"}}'] == 3
+
+
+# ---------------------------------------------- admission, queueing, 429, release
+
+
+async def test_admits_queues_sheds_and_releases_against_the_real_engine(
+        llama_stack: LlamaStackFactory) -> None:
+    stack = await llama_stack(parallel=2)
+    await until(stack, lambda m: m.get("smg_sidecar_capacity") == 2, timeout=10)
+    assert isinstance(stack.fleet, LlamaFleet)
+    engine = stack.fleet.workers[0]
+    bulk = {"x-smg-priority": "bulk"}
+    running = [await Exchange.send(stack.listen_port, headers=bulk, body=completion(1500))
+               for _ in range(2)]
+    await until(stack, lambda m: m.get('smg_scheduler_inflight{class="bulk"}') == 2)
+    queued = await Exchange.send(stack.listen_port, headers=bulk, body=completion(5))
+    await until(stack, lambda m: m.get('smg_scheduler_queue_depth{class="bulk"}') == 1)
+    shed = await request(stack.listen_port, headers=bulk, body=completion(5))
+    assert_denied(shed, 429, "scheduler_queue_full", shed.headers.get("retry-after"))
+    # The engine runs exactly what the sidecar admitted, no more.
+    assert await engine.slots_processing() == 2
+    assert await stack.metric("smg_scheduler_admit_total", **{
+        "class": "bulk", "outcome": "rejected_queue_full"}) == 1
+    for ex in [*running, queued]:
+        await asyncio.wait_for(ex.read_head(), 60)
+        assert ex.status == 200, await ex.read_body()
+        body = json.loads(await ex.read_body())
+        assert body["usage"]["completion_tokens"] in (1500, 5)
+        await ex.close()
+    await settle(stack, timeout=10)
+    await engine_idle(stack)
+
+
+# ---------------------------------------------------- streaming and closed upstreams
+
+
+async def test_streamed_responses_are_never_a_bare_503(llama_stack: LlamaStackFactory) -> None:
+    """llama-server closes the connection after each stream; Envoy must not hand a later
+    admitted request a connection the engine already closed."""
+    stack = await llama_stack(parallel=2)
+    await until(stack, lambda m: m.get("smg_sidecar_capacity") == 2, timeout=10)
+    statuses: list[int] = []
+
+    async def client(n: int) -> None:
+        for _ in range(n):
+            r = await request(stack.listen_port, body=completion(3, stream=True), timeout=60)
+            statuses.append(r.status)
+            assert r.status == 200, (r.status, r.body[:300])
+
+    await asyncio.gather(*(client(40) for _ in range(2)))
+    assert statuses == [200] * 80
+
+
+# ------------------------------------------------------------------ preemption
+
+
+async def test_no_class_preempts_on_llamacpp_and_the_engine_never_runs_past_its_slots(
+        llama_stack: LlamaStackFactory) -> None:
+    """llama-server runs a preempted request to its end while anything else produces a
+    result (another stream, a /metrics scrape): preempting would free no slot. So no class
+    preempts there; the system request waits at the head of its queue for a real slot."""
+    stack = await llama_stack(parallel=2, sidecar_args=[
+        "--priority-scheduler-default-max-class", "system"])
+    await until(stack, lambda m: m.get("smg_sidecar_capacity") == 2
+                and m.get("smg_sidecar_preemption_suspended") == 1, timeout=10)
+    assert isinstance(stack.fleet, LlamaFleet)
+    engine = stack.fleet.workers[0]
+    bulk = [await Exchange.send(stack.listen_port, headers={"x-smg-priority": "bulk"},
+                                body=completion(800)) for _ in range(2)]
+    await until(stack, lambda m: m.get('smg_scheduler_inflight{class="bulk"}') == 2)
+    peak = 0
+    done = asyncio.Event()
+
+    async def watch() -> None:  # the engine's own count: running + waiting in its queue
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, int(await engine.metric("llamacpp:requests_processing")
+                                 + await engine.metric("llamacpp:requests_deferred")))
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        r = await request(stack.listen_port, headers={"x-smg-priority": "system"},
+                          body=completion(5), timeout=120)
+        assert r.status == 200, r.body
+        for ex in bulk:
+            await asyncio.wait_for(ex.read_head(), 120)
+            assert ex.status == 200  # nobody's work was thrown away
+            await ex.close()
+    finally:
+        done.set()
+        await watcher
+    assert peak == 2, f"the engine ran or queued {peak} with 2 slots"
+    m = await stack.metrics()
+    assert m.get('smg_scheduler_admit_total{class="bulk",outcome="preempted"}', 0) == 0
+    assert m['smg_scheduler_admit_total{class="system",outcome="admitted"}'] == 1
