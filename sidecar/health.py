@@ -357,10 +357,11 @@ class WorkerProber:
         """Note a refusal for the metric; log it once per worker, endpoint and reason."""
         if (p.endpoint, p.reason) not in problems:
             problems.append((p.endpoint, p.reason))
+        effect = ("the saturation guard cannot read this worker" if p.endpoint == "/metrics"
+                  else f"it counts for the last cap read from it, else "
+                       f"{UNREAD_WORKER_CAPACITY} slot")
         self.log_once(p.event, (base, p.endpoint, p.reason), worker=base, endpoint=p.endpoint,
-                      reason=p.reason, hint=p.hint,
-                      counted_as="last cap read from it, else "
-                                 f"{UNREAD_WORKER_CAPACITY} slot",
+                      reason=p.reason, hint=p.hint, effect=effect,
                       retry_secs=self.refused_retry_secs)
 
     async def _get(self, base: str, path: str, st: _WorkerState,
@@ -397,12 +398,15 @@ class WorkerProber:
             self.state.pop(base, None)
             kind = ProbeStatus.INCONCLUSIVE if is_local_failure(exc) else ProbeStatus.UNHEALTHY
             return WorkerProbe(base_url, kind)
+        if status in (401, 403):
+            # It answers but will not say: counting it unhealthy could raise capacity to
+            # the fallback (1024 before any worker was read). Up, cap unknown: one slot.
+            refused: list[tuple[str, str]] = []
+            self._problem(base, Refused("/health", status), refused)
+            return WorkerProbe(base_url, ProbeStatus.HEALTHY, self.engine, None,
+                               cap_failed=True, problems=tuple(refused))
         if status != 200:  # llama.cpp answers 503 while loading: detect again afterwards
             self.state.pop(base, None)
-            if status in REFUSALS:
-                self.log_once(Refused.event, (base, "/health", REFUSALS[status]), worker=base,
-                              endpoint="/health", reason=REFUSALS[status],
-                              hint=REFUSAL_HINTS[status], counted_as="unhealthy")
             return WorkerProbe(base_url, ProbeStatus.UNHEALTHY)
         st = self.state.setdefault(base, _WorkerState())
         problems: list[tuple[str, str]] = []
@@ -615,7 +619,12 @@ class WorkerProber:
             found = [sums[n] for n in names if n in sums]
             return _count(sum(found)) if found else None
 
-        return pick(running_names), pick(waiting_names)
+        run_count, wait_count = pick(running_names), pick(waiting_names)
+        if run_count is None or wait_count is None:
+            # A /metrics without the engine's gauges: the guard would do nothing unseen.
+            self.log_once("worker_saturation_unreadable", (base,), worker=base,
+                          error=f"/metrics has no {' or '.join(running_names + waiting_names)}")
+        return run_count, wait_count
 
 
 def _model_query(name: str) -> str:

@@ -44,6 +44,7 @@ class FakeLlama:
                  router_models: dict[str, bool] | None = None, props: bool = True) -> None:
         self.api_key = api_key
         self.props = props  # False: no /props (an engine auto cannot recognise)
+        self.public_health = True  # llama.cpp's /health needs no key; False: it does
         self.metrics = metrics
         self.router_models = router_models  # name -> loaded; None = not router mode
         self.processing = 0
@@ -80,7 +81,8 @@ class FakeLlama:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         self.requests[request.path] += 1
-        if self.api_key is not None and request.path not in ("/health", "/v1/health"):
+        public = ("/health", "/v1/health") if self.public_health else ()
+        if self.api_key is not None and request.path not in public:
             given = request.headers.get("Authorization") or request.headers.get("X-Api-Key", "")
             if given.removeprefix("Bearer ") != self.api_key:
                 return self._json(json.dumps({"error": {
@@ -369,5 +371,39 @@ async def test_the_guard_shrinks_a_full_llamacpp_worker_with_requests_deferred()
             w.processing, w.deferred = 4, 0
             assert [(await m.poll_once()).capacity for _ in range(4)] == [2, 3, 4, 4]
             assert w.requests["/metrics"] == 6  # one read per round, no more
+        finally:
+            await m.close()
+
+
+async def test_a_refused_health_probe_counts_one_slot_not_the_fallback() -> None:
+    # Counted unhealthy, a worker that wants a key even on /health would leave the
+    # sidecar on the fallback capacity (1024 before any worker was read).
+    async with FakeLlama(api_key=KEY) as w:
+        w.public_health = False
+        m = monitor([w.url], engine="llamacpp")
+        metrics = Metrics(tenant_top_n=4, registry=CollectorRegistry())
+        try:
+            with capture_logs() as logs:
+                r = await m.poll_once()
+                await m.poll_once()
+            metrics.capacity_read(r)
+            assert (r.source, r.capacity) == ("workers", 1)
+            assert [(e["endpoint"], e["reason"]) for e in logs
+                    if e["event"] == "worker_probe_refused"] == [("/health", "unauthorized")]
+            assert refused_gauge(metrics, w.url, "/health", "unauthorized") == 1
+            assert w.requests["/props"] == 0
+        finally:
+            await m.close()
+
+
+async def test_metrics_without_the_engines_gauges_is_said_once() -> None:
+    async with FakeLlama() as w:
+        m = monitor([w.url], engine="tgi", saturation_guard=True)  # wrong engine: no tgi_*
+        try:
+            with capture_logs() as logs:
+                await m.poll_once()
+                await m.poll_once()
+            said = [e for e in logs if e["event"] == "worker_saturation_unreadable"]
+            assert len(said) == 1 and "tgi_queue_size" in said[0]["error"]
         finally:
             await m.close()
