@@ -224,6 +224,8 @@ class Runtime:
         # the reservation check does not apply: the ledger scales reservations to
         # the fleet's capacity.
         self.fleet = fleet
+        if fleet is not None:
+            fleet.ledger.identity = server.capacity_source(reading)
         self.core: AdmissionCore | None = None
         self.controller: AdmissionService
         if fleet is not None:
@@ -317,6 +319,9 @@ class Runtime:
             # A library replaced after start-up is noticed within one --replica-ttl-secs.
             self._tasks.append(asyncio.create_task(server.watch_library(
                 self.fleet.ledger, s.replica_ttl_secs, self.metrics)))
+            # So is a second deployment under this fleet id (within two).
+            self._tasks.append(asyncio.create_task(server.watch_fleet(
+                self.fleet.ledger, s.replica_ttl_secs, self.metrics)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         self._serving.set()
@@ -340,6 +345,8 @@ class Runtime:
 
     def _on_capacity(self, reading: CapacityReading) -> None:
         self.metrics.capacity_read(reading)
+        if self.fleet is not None:  # published with the next heartbeat (watch_fleet)
+            self.fleet.ledger.identity = server.capacity_source(reading)
         uncancellable = uncancellable_workers(reading)
         if bool(uncancellable) != bool(self._uncancellable):
             self._uncancellable = uncancellable

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,10 +20,11 @@ from typing import Any
 
 import pytest
 import redis.asyncio as redis
+import yaml
 from structlog.testing import capture_logs
 
 from devtools.proc import die_with_parent
-from devtools.valkey import ValkeyServer, free_port
+from devtools.valkey import ValkeyServer, free_port, server_binary
 from sidecar.app import build_runtime
 from sidecar.config import ConfigError, parse_settings
 from sidecar.coordination.credentials import (
@@ -46,7 +46,7 @@ from sidecar.coordination.server import main as server_main
 from sidecar.metrics import Metrics
 from sidecar.scheduler import BUILTIN_CLASSES
 
-LEDGER_LUA = Path(__file__).resolve().parent.parent / "sidecar" / "coordination" / "ledger.lua"
+ROOT = Path(__file__).resolve().parent.parent
 SECRET = "s3cr3t-Pa55/w@rd"  # "/" and "@" unencoded: the redaction must still hold
 
 
@@ -181,21 +181,17 @@ def test_password_file_needs_a_url(tmp_path: Path) -> None:
 
 
 async def create_runtime_user(c: redis.Redis, user: str, fleet: str, password: str) -> None:
-    """The shipped runtime user's rules (k8s/base/valkey-acl): its fleet's keys, FCALL and
-    the few reads the sidecar needs; no FUNCTION LOAD, no CONFIG SET, no FLUSHALL."""
-    await c.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}",
-                            f"~pg:{{{fleet}}}*", "resetchannels", *RUNTIME_COMMANDS)
+    """The shipped runtime user (k8s/base/valkey-acl.yaml) for ``fleet``: its fleet's keys,
+    FCALL and the few reads the sidecar needs; no FUNCTION LOAD, no CONFIG SET, no FLUSHALL."""
+    rules = [r.replace("{priority-gate}", f"{{{fleet}}}") for r in runtime_rules()]
+    await c.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", *rules)
 
 
-# What a fleet's runtime user may run: connecting, FCALL, the reads the sidecar makes itself
-# (library check, server check, notifications), and what the library calls inside the
-# server (ACL applies to a function's commands as to the caller's own).
-RUNTIME_COMMANDS = (
-    "+auth", "+hello", "+ping", "+select", "+client|setinfo", "+client|setname",
-    "+fcall", "+fcall_ro", "+function|list", "+config|get", "+blmpop", "+lpop",
-    *sorted({f"+{name.lower()}" for name in re.findall(
-        r"redis\.p?call\('([A-Za-z]+)'", LEDGER_LUA.read_text())}),
-)
+def runtime_rules() -> list[str]:
+    """The fleet runtime user's rules as k8s/base/valkey-acl.yaml ships them (one source:
+    tests/test_k8s.py checks them against ledger.lua, this module runs a sidecar under them)."""
+    acl = yaml.safe_load((ROOT / "k8s" / "base" / "valkey-acl.yaml").read_text())
+    return list(acl["data"]["runtime-rules"].split())
 
 
 def run_sidecar(tmp_path: Path, args: list[str], seconds: float,
@@ -417,3 +413,118 @@ async def test_the_watch_counts_a_mismatch_and_the_controller_degrades(
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+def test_the_shipped_acl_script_makes_a_server_with_only_those_users(tmp_path: Path) -> None:
+    """k8s/base/valkey-acl.yaml's make-acl.sh, run as the init container runs it, gives a
+    valkey-server (as k8s/base/valkey.yaml starts it) the admin, runtime and health users,
+    and nothing for an unauthenticated client."""
+    acl = yaml.safe_load((ROOT / "k8s" / "base" / "valkey-acl.yaml").read_text())["data"]
+    (tmp_path / "sec").mkdir()
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "acl").mkdir()
+    (tmp_path / "sec" / "admin-password").write_text("admin-pw\n")
+    (tmp_path / "sec" / "runtime-password").write_text(SECRET + "\n")
+    (tmp_path / "rules" / "runtime-rules").write_text(acl["runtime-rules"])
+    script = (acl["make-acl.sh"].replace("/run/secrets/valkey", str(tmp_path / "sec"))
+              .replace("/etc/valkey-acl", str(tmp_path / "rules"))
+              .replace("/acl/", str(tmp_path / "acl") + "/"))
+    subprocess.run(["sh", "-c", script], check=True, timeout=30)
+    users_acl = (tmp_path / "acl" / "users.acl").read_text()
+    assert SECRET not in users_acl and "admin-pw" not in users_acl
+    port = free_port()
+    log = (tmp_path / "valkey.log").open("wb")
+    proc = subprocess.Popen(die_with_parent([
+        server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "no", "--dir", str(tmp_path), "--aclfile",
+        str(tmp_path / "acl" / "users.acl"), "--protected-mode", "yes"]),
+        stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        import redis as sync_redis
+
+        def client(**kw: Any) -> sync_redis.Redis:
+            return sync_redis.Redis(port=port, decode_responses=True, socket_timeout=2, **kw)
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client(username="health", password="-").ping()
+                break
+            except sync_redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.05)
+        with pytest.raises((sync_redis.ResponseError, sync_redis.AuthenticationError)):
+            client().get("pg:{priority-gate}:x")  # default user: off
+        admin = client(username="admin", password="admin-pw")
+        admin.function_load(LUA)
+        runtime = client(username="priority-gate", password=SECRET)
+        with pytest.raises(sync_redis.ResponseError, match=r"(?i)noperm|permission"):
+            runtime.function_load(LUA, replace=True)
+        with pytest.raises(sync_redis.ResponseError, match=r"(?i)noperm|permission"):
+            runtime.get("pg:{other}:x")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------- one fleet id, two deployments
+
+
+async def start(tmp_path: Path, port: int, replica: str, capacity: int,
+                priority: str = "") -> Any:
+    cfg = tmp_path / f"priority-{replica}.yaml"
+    cfg.write_text(priority)
+    app = await build_runtime(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg),
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+        "--worker-capacity-override", str(capacity), "--log-format", "json",
+        "--coordination-url", f"redis://127.0.0.1:{port}/0", "--fleet-id", "shared",
+        "--replica-id", replica, "--replica-ttl-secs", "1"]))
+    await app.serve()
+    return app
+
+
+async def test_a_second_deployment_with_the_same_fleet_id_is_logged_and_counted(
+        tmp_path: Path, acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    await admin.function_load(LUA)
+    with capture_logs() as logs:
+        # Deployment A: two replicas alike (same classes, same capacity source).
+        a1 = await start(tmp_path, acl_server.port, "a1", 8)
+        a2 = await start(tmp_path, acl_server.port, "a2", 8)
+        try:
+            await asyncio.sleep(3.5)  # three checks
+            assert sample(a1.metrics, "smg_sidecar_fleet_collision_total", kind="config") == 0
+            assert sample(a1.metrics, "smg_sidecar_fleet_collision_total",
+                          kind="capacity_source") == 0
+            # Deployment B, started by mistake with A's fleet id: other workers, other
+            # classes. The fleet's capacity silently became B's 2: now it is reported.
+            b = await start(tmp_path, acl_server.port, "b1", 2,
+                            "classes:\n  bulk:\n    queue_size: 7\n")
+            try:
+                def all_counted() -> bool:
+                    return all(sample(app.metrics, "smg_sidecar_fleet_collision_total",
+                                      kind=kind) >= 1
+                               for app in (a1, a2, b) for kind in ("config", "capacity_source"))
+
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and not all_counted():
+                    await asyncio.sleep(0.1)
+                for app in (a1, a2, b):
+                    for kind in ("config", "capacity_source"):
+                        assert sample(app.metrics, "smg_sidecar_fleet_collision_total",
+                                      kind=kind) == 1, (app.settings.replica_id, kind)
+                await asyncio.sleep(2.5)  # reported once, not every check
+                assert sample(a1.metrics, "smg_sidecar_fleet_collision_total",
+                              kind="config") == 1
+            finally:
+                await b.stop()
+        finally:
+            await a1.stop()
+            await a2.stop()
+    found = [e for e in logs if e["event"] == "fleet_collision"]
+    assert {(e["replica"], e["kind"]) for e in found} == {
+        (r, k) for r in ("a1", "a2", "b1") for k in ("config", "capacity_source")}
+    assert all(len(e["values"]) == 2 and e["log_level"] == "error" for e in found)

@@ -122,6 +122,14 @@ def _expanded_args(container: dict[str, Any]) -> list[str]:
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
 
 
+def _local_password_file(args: list[str], tmp_path: Path) -> None:
+    """Point --coordination-password-file (a mounted Secret in the pod) at a local file."""
+    if "--coordination-password-file" in args:
+        pw = tmp_path / "coordination-password"
+        pw.write_text("from-the-secret\n")
+        args[args.index("--coordination-password-file") + 1] = str(pw)
+
+
 def _arg(container: dict[str, Any], flag: str) -> str:
     args: list[str] = container["args"]
     assert flag in args, f"{container['name']}: {flag} missing"
@@ -204,7 +212,7 @@ def test_networkpolicy_admits_only_prometheus_to_the_admin_port() -> None:
 def test_selectors_match_pod_labels() -> None:
     pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
             for _, d in _all_docs() if d["kind"] == "Deployment"}
-    assert set(pods) == {"priority-gate", "priority-gate-valkey"}
+    assert set(pods) == {"priority-gate", "priority-gate-valkey", "priority-gate-ledger-loader"}
     for name, labels in pods.items():
         assert _find("Deployment", name)["spec"]["selector"]["matchLabels"].items() \
             <= labels.items()
@@ -223,8 +231,9 @@ def test_selectors_match_pod_labels() -> None:
             assert len(matched) == 1, (svc["metadata"]["name"], matched)
 
 
-_BASE_KINDS = ["ConfigMap", "ConfigMap", "Deployment", "Deployment", "NetworkPolicy",
-               "NetworkPolicy", "PodDisruptionBudget", "Service", "Service"]
+_BASE_KINDS = ["ConfigMap", "ConfigMap", "ConfigMap", "Deployment", "Deployment",
+               "Deployment", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "Service",
+               "Service"]
 
 
 def _build(target: str) -> list[dict[str, Any]]:
@@ -266,15 +275,18 @@ def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
     cfg.write_text(cm["data"]["priority.yaml"], encoding="utf-8")
     args = _expanded_args(sidecar)
     args[args.index("--priority-scheduler-config") + 1] = str(cfg)
+    _local_password_file(args, tmp_path)
     settings = settings_from_args(build_parser().parse_args(args), isatty=False)
     if target == "overlays/single-replica":
         # one replica, admitting in-process: no server to point at
         assert dep["spec"]["replicas"] == 1
         assert settings.coordination_url is None
         assert "--coordination-url" not in sidecar["args"]
+        assert "--coordination-password-file" not in sidecar["args"]
     else:
         assert dep["spec"]["replicas"] == 2
-        assert settings.coordination_url == "redis://priority-gate-valkey:6379/0"
+        assert settings.coordination_url == "redis://priority-gate@priority-gate-valkey:6379/0"
+        assert settings.coordination_password == "from-the-secret"
 
 
 # ------------------------------------------------------------------- the pod
@@ -290,11 +302,13 @@ def test_sidecar_is_a_native_sidecar() -> None:
 
 def test_containers_are_locked_down() -> None:
     valkey_pod = _find("Deployment", "priority-gate-valkey")["spec"]["template"]["spec"]
-    for pod in (_pod(), valkey_pod):
+    loader_pod = _loader_pod()
+    for pod in (_pod(), valkey_pod, loader_pod):
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
         assert pod["automountServiceAccountToken"] is False
-    for c in (_sidecar(), _envoy(), _valkey()):
+    for c in (_sidecar(), _envoy(), _valkey(), *valkey_pod["initContainers"],
+              *loader_pod["containers"]):
         sc = c["securityContext"]
         assert sc["runAsNonRoot"] is True, c["name"]
         assert sc.get("runAsUser", 1) != 0, c["name"]
@@ -365,6 +379,7 @@ def test_sidecar_settings_accept_the_deployment(tmp_path: Path) -> None:
     cfg.write_text(_priority_text(), encoding="utf-8")
     args = _expanded_args(_sidecar())
     args[args.index("--priority-scheduler-config") + 1] = str(cfg)
+    _local_password_file(args, tmp_path)
     settings = settings_from_args(build_parser().parse_args(args), isatty=False)
     assert settings.scheduler_enabled
     assert settings.http_listen == "0.0.0.0:9090"
@@ -376,11 +391,11 @@ def test_replicas_share_the_shipped_valkey() -> None:
     assert _deployment()["spec"]["replicas"] == 2
     c = _sidecar()
     url = _arg(c, "--coordination-url")
-    m = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)/0", url)
+    m = re.fullmatch(r"redis://([a-z0-9-]+)@([a-z0-9-]+):(\d+)/0", url)
     assert m, url
-    svc = _find("Service", m.group(1))
+    svc = _find("Service", m.group(2))
     (port,) = svc["spec"]["ports"]
-    assert port["port"] == int(m.group(2))
+    assert port["port"] == int(m.group(3))
     valkey_dep = _find("Deployment", "priority-gate-valkey")
     assert valkey_dep["spec"]["replicas"] == 1  # one ledger, never two
     assert valkey_dep["spec"]["strategy"]["type"] == "Recreate"
@@ -642,3 +657,115 @@ def test_dockerfile() -> None:
             assert (ROOT / src).exists(), f"COPY {src}: not in the repo"
             if "**" in ignore:
                 assert f"!{src.rstrip('/')}" in ignore or f"!{src.rstrip('/')}/" in ignore, src
+
+
+# ------------------------------------------------------------ the ledger's server: ACL
+
+LEDGER_LUA = ROOT / "sidecar" / "coordination" / "ledger.lua"
+CREDENTIALS_SECRET = "priority-gate-valkey-credentials"
+# What a runtime user must never be granted: each would let one fleet's credentials change
+# the code, another fleet's keys, or the server itself.
+FORBIDDEN = {"+@all", "allcommands", "+@admin", "+@dangerous", "+@scripting", "+function",
+             "+function|load", "+function|delete", "+function|flush", "+function|restore",
+             "+flushall", "+flushdb", "+config", "+config|set", "+keys", "+scan", "+eval",
+             "+script", "+acl", "+debug", "+shutdown", "allkeys", "~*", "nopass"}
+
+
+def _loader_pod() -> dict[str, Any]:
+    pod: dict[str, Any] = _find("Deployment", "priority-gate-ledger-loader")["spec"][
+        "template"]["spec"]
+    return pod
+
+
+def _acl() -> dict[str, str]:
+    data: dict[str, str] = _find("ConfigMap", "priority-gate-valkey-acl")["data"]
+    return data
+
+
+def runtime_rules() -> list[str]:
+    """The fleet runtime user's ACL rules, as shipped (also used by
+    tests/test_coordination_security.py to create the user in a real server)."""
+    return _acl()["runtime-rules"].split()
+
+
+def _library_commands() -> set[str]:
+    return {c.lower() for c in re.findall(r"redis\.p?call\('([A-Za-z]+)'",
+                                          LEDGER_LUA.read_text(encoding="utf-8"))}
+
+
+def test_runtime_user_may_run_what_the_library_calls_and_nothing_dangerous() -> None:
+    rules = runtime_rules()
+    granted = {r[1:] for r in rules if r.startswith("+")}
+    missing = _library_commands() - granted
+    assert not missing, (f"ledger.lua calls {sorted(missing)}, which the runtime user may not "
+                         "run: add them to runtime-rules in k8s/base/valkey-acl.yaml")
+    # What the sidecar sends itself: FCALL, the library check, the server check,
+    # notifications, connection set-up.
+    assert {"fcall", "function|list", "config|get", "blmpop", "lpop", "auth", "hello",
+            "ping"} <= granted
+    assert not FORBIDDEN & set(rules), sorted(FORBIDDEN & set(rules))
+    assert rules[:3] == ["~pg:{priority-gate}*", "resetchannels", "-@all"], rules[:3]
+    # Every rule is a command grant after the key pattern: nothing broader slipped in.
+    assert all(r.startswith("+") and "@" not in r for r in rules[3:]), rules
+
+
+def test_acl_file_users_and_the_sidecars_credentials_match() -> None:
+    script = _acl()["make-acl.sh"]
+    users = dict(re.findall(r'^\s*echo "user (\S+) (.*)"$', script, re.M))
+    assert set(users) == {"default", "health", "admin", "priority-gate"}
+    assert users["default"].startswith("off resetpass")
+    assert users["health"] == "on nopass -@all +ping"
+    runtime = users["priority-gate"]
+    assert "runtime-rules" in runtime and "runtime-password" in runtime
+    assert "admin-password" in users["admin"]
+    # Password hashes only: the plain text never lands in the ACL file.
+    assert ">" not in script.replace("> /acl/users.acl", "")
+    # The sidecar connects as the runtime user named after its fleet, whose keys it owns.
+    c = _sidecar()
+    assert _arg(c, "--coordination-url").startswith(f"redis://{_arg(c, '--fleet-id')}@")
+    assert f"~pg:{{{_arg(c, '--fleet-id')}}}*" in runtime_rules()
+    # ... with the runtime password only; the admin password is the loader's alone.
+    vols = {v["name"]: v for v in _pod()["volumes"]}
+    mount = {m["mountPath"]: m for m in c["volumeMounts"]}[
+        str(Path(_arg(c, "--coordination-password-file")).parent)]
+    secret = vols[mount["name"]]["secret"]
+    assert secret["secretName"] == CREDENTIALS_SECRET
+    assert [i["key"] for i in secret["items"]] == ["runtime-password"]
+    assert secret["items"][0]["path"] == Path(_arg(c, "--coordination-password-file")).name
+    (loader,) = _loader_pod()["containers"]
+    assert loader["command"][-1] == "sidecar.coordination.server"
+    assert _arg(loader, "--coordination-url").startswith("redis://admin@")
+    (lvol,) = _loader_pod()["volumes"]
+    assert lvol["secret"]["secretName"] == CREDENTIALS_SECRET
+    assert [i["key"] for i in lvol["secret"]["items"]] == ["admin-password"]
+    for container in (c, loader):  # a password file's path, never a password in argv
+        assert all(a == "--coordination-password-file" or a.startswith("/run/secrets/")
+                   for a in container["args"] if "password" in a.lower())
+        userinfo = _arg(container, "--coordination-url").split("://", 1)[1].split("@")[0]
+        assert ":" not in userinfo
+
+
+def test_valkey_runs_with_the_acl_file_and_protected_mode() -> None:
+    v = _valkey()
+    assert _arg(v, "--protected-mode") == "yes"
+    assert _arg(v, "--aclfile") == "/acl/users.acl"
+    pod = _find("Deployment", "priority-gate-valkey")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["sh", "/etc/valkey-acl/make-acl.sh"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["acl"]["emptyDir"]["medium"] == "Memory"
+    assert vols["credentials"]["secret"]["secretName"] == CREDENTIALS_SECRET
+    for probe in ("readinessProbe", "livenessProbe"):
+        cmd = v[probe]["exec"]["command"]
+        assert cmd[-1] == "ping" and cmd[cmd.index("--user") + 1] == "health"
+    # The loader reaches the server (NetworkPolicy).
+    policy = _find("NetworkPolicy", "priority-gate-valkey")["spec"]
+    sources = [p["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+               for p in policy["ingress"][0]["from"]]
+    assert sorted(sources) == ["priority-gate", "priority-gate-ledger-loader"]
+
+
+def test_readme_says_how_to_create_the_credentials() -> None:
+    readme = (K8S / "README.md").read_text(encoding="utf-8")
+    assert f"kubectl create secret generic {CREDENTIALS_SECRET}" in readme
+    assert "rediss://" in readme

@@ -472,6 +472,9 @@ class FleetLedger:
         self._library: LibraryState | None = None
         self._verifying: asyncio.Future[LibraryState] | None = None
         self._untrusted: LibraryMismatch | None = None
+        # Published with the config digest ("<digest>@<identity>") so that replicas can tell
+        # a second deployment under the same fleet id (sidecar.coordination.server).
+        self.identity = ""
         self.calls = 0  # ledger calls sent (round trips; for tests and benchmarks)
         # pipelined: every call on one connection of our own (see _Pipelined), the client's
         # pool only for the load of the library.
@@ -592,7 +595,8 @@ class FleetLedger:
         return [
             self.replica, _num(self.ttl), report, "1" if force else "0",
             *(encode_class(self._classes[PriorityClass(i)]) for i in range(4)),
-            config_digest(self._classes), _num(self._remember), _num(settle),
+            config_digest(self._classes) + (f"@{self.identity}" if self.identity else ""),
+            _num(self._remember), _num(settle),
         ]
 
     @staticmethod

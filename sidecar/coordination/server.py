@@ -8,6 +8,8 @@
   ones made since). Risky settings are warned about and shown in
   ``smg_sidecar_coordination_server_check``; a user that may not run ``CONFIG GET`` gets an
   "could not check" instead of a failure.
+* **Fleet id.** :func:`watch_fleet` notices a second deployment under the same fleet id
+  (a second class config or capacity source among the live replicas).
 * **Library.** :func:`watch_library` re-reads the loaded ledger library every so often and
   compares it with this version's code (:meth:`FleetLedger.verify_library`): a library
   replaced by someone else makes the replica degrade instead of obeying it.
@@ -16,14 +18,16 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as redis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from sidecar import logs
+from sidecar.capacity import CapacityReading
 from sidecar.coordination.ledger import LIBRARY, LUA, FleetLedger, LibraryState
 from sidecar.metrics import NullRecorder, Recorder
 
@@ -135,6 +139,65 @@ async def watch_library(ledger: FleetLedger, interval: float,
         last = state
 
 
+# ------------------------------------------------------------ one fleet id, one fleet
+
+
+def capacity_source(reading: CapacityReading) -> str:
+    """A short digest of where this replica's capacity comes from: the workers it counts
+    (their URLs), or the fallback / override and its value. Replicas of one deployment
+    agree on it (but for a moment while a worker comes or goes); two deployments under one
+    fleet id, with their own worker pools, do not."""
+    if reading.source == "workers":
+        key = "workers " + " ".join(sorted(w.url for w in reading.workers))
+    else:
+        key = f"{reading.source} {reading.capacity}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _split_digests(digests: Sequence[str]) -> dict[str, frozenset[str]]:
+    """The published "<config digest>@<capacity source>" values, by kind."""
+    configs, sources = set(), set()
+    for d in digests:
+        cfg, at, src = d.partition("@")
+        configs.add(cfg)
+        if at:
+            sources.add(src)
+    return {"config": frozenset(configs), "capacity_source": frozenset(sources)}
+
+
+async def watch_fleet(ledger: FleetLedger, interval: float,
+                      recorder: Recorder | None = None) -> None:
+    """Every ``interval`` s, look for a second class config or capacity source among the
+    live replicas of this fleet id (until cancelled).
+
+    A second deployment started with the same ``--fleet-id`` lowers the fleet's capacity to
+    the smaller report and overwrites its class settings, silently. Reported once per
+    distinct set of values, and only once the same set was seen on two checks in a row,
+    so that a worker coming up on one replica a poll before the other is not a collision.
+    """
+    rec: Recorder = recorder if recorder is not None else NullRecorder()
+    previous: dict[str, frozenset[str]] = {}
+    reported: dict[str, frozenset[str]] = {}
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            snap = await ledger.snapshot()
+        except (redis.RedisError, OSError, TimeoutError):
+            continue  # unreachable or refused: the controller reports that
+        for kind, values in _split_digests(snap.digests).items():
+            if len(values) < 2:
+                reported.pop(kind, None)
+            elif values == previous.get(kind) and reported.get(kind) != values:
+                reported[kind] = values
+                rec.fleet_collision(kind)
+                log.error("fleet_collision", kind=kind, values=sorted(values),
+                          live_replicas=len(snap.replicas), replica=ledger.replica,
+                          hint="replicas of this fleet id disagree on their class config or "
+                               "their workers: another deployment with the same --fleet-id "
+                               "(give it its own), or a rollout in progress")
+            previous[kind] = values
+
+
 # ------------------------------------------------------------------ the admin's command
 
 
@@ -165,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                    "get it but with the admin user: redis://admin@HOST:PORT/0")
     p.add_argument("--coordination-password-file", metavar="FILE",
                    help=f"the admin's password (or ${PASSWORD_ENV})")
+    p.add_argument("--every", type=float, default=None, metavar="SECS",
+                   help="load again every SECS until stopped (a server restarted empty gets "
+                        "it back, a replaced library is restored); default: once")
     ns = p.parse_args(argv)
     if ns.action == "print":
         sys.stdout.write(LUA)
@@ -179,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     url = ns.coordination_url if not password else with_password(ns.coordination_url, password)
+    if ns.every is not None:
+        if not ns.every > 0:
+            print("config error: --every must be > 0", file=sys.stderr)
+            return 2
+        asyncio.run(_load_every(url, ns.every))
+        return 0
     try:
         name = asyncio.run(load_library(url))
     except redis.RedisError as exc:
@@ -187,6 +259,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"loaded {name}")
     return 0
+
+
+async def _load_every(url: str, interval: float) -> None:
+    logs.configure("json")
+    loaded: bool | None = None  # logged on a change only, not every interval
+    while True:
+        try:
+            await load_library(url)
+        except (redis.RedisError, OSError) as exc:
+            if loaded is not False:
+                log.warning("ledger_library_load_failed", error=f"{type(exc).__name__}: {exc}")
+            loaded = False
+        else:
+            if loaded is not True:
+                log.info("ledger_library_loaded", library=LIBRARY)
+            loaded = True
+        await asyncio.sleep(interval)
 
 
 if __name__ == "__main__":
