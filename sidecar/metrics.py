@@ -41,6 +41,7 @@ verb                        caller                 metrics
                             (heartbeat)            ``smg_sidecar_live_replicas``
 ``preemption_suspended``    app (health monitor)   ``smg_sidecar_preemption_suspended``
 ``coordination_changed``    fleet controller       ``smg_sidecar_coordination_state``
+``coordination_fault``      fleet controller       ``smg_sidecar_coordination_faults_total``
 ``server_checked``          app (start-up)         ``smg_sidecar_coordination_server_check``
 ``library_checked``         app (library watch)    ``smg_sidecar_coordination_library_state``,
                                                    ``smg_sidecar_coordination_library_mismatch_total``
@@ -191,6 +192,11 @@ class Recorder(Protocol):
     def coordination_changed(self, state: str) -> None:
         """The fleet controller's state is now ``ok`` or ``degraded``."""
 
+    def coordination_fault(self, kind: str) -> None:
+        """The ledger lost writes (``stale_copy``, ``admissions_lost``, ``counters_lost``),
+        this process took over its predecessor's admissions (``taken_over``), or an id it
+        runs had ended in the ledger (``ended_but_running_readded`` / ``_stopped``)."""
+
     def server_checked(self, check: str, result: str) -> None:
         """A coordination server setting was checked at start-up: ``check`` (eviction,
         persistence) is ``ok``, a ``risk`` or ``unknown`` (could not be read)."""
@@ -266,6 +272,9 @@ class NullRecorder:
         pass
 
     def coordination_changed(self, state: str) -> None:
+        pass
+
+    def coordination_fault(self, kind: str) -> None:
         pass
 
     def server_checked(self, check: str, result: str) -> None:
@@ -397,6 +406,9 @@ class Metrics:
         self._coordination = Gauge("smg_sidecar_coordination_state",
                                    "Fleet coordination state (1 = current)", ["state"],
                                    registry=r)
+        self._coordination_faults = Counter(
+            "smg_sidecar_coordination_faults",
+            "Ledger faults this replica found or repaired, by kind", ["kind"], registry=r)
         self._server_check = Gauge(
             "smg_sidecar_coordination_server_check",
             "Coordination server settings checked at start-up (1 = current result): "
@@ -554,6 +566,9 @@ class Metrics:
     def coordination_changed(self, state: str) -> None:
         for s in COORDINATION_STATES:
             self._coordination.labels(s).set(1 if s == state else 0)
+
+    def coordination_fault(self, kind: str) -> None:
+        self._coordination_faults.labels(kind).inc()
 
     def server_checked(self, check: str, result: str) -> None:
         for r in SERVER_CHECK_RESULTS:

@@ -68,6 +68,10 @@ async def _state(c: redis.Redis, fleet: str) -> dict[str, Any]:
         else:
             out[name] = await c.get(key)
     out.pop(":digests", None)
+    # Bookkeeping that differs by construction: one generation per call, one incarnation
+    # per process (the two ledgers are two FleetLedger objects).
+    out.pop(":gen", None)
+    out.pop(":inc", None)
     return out
 
 

@@ -94,6 +94,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "config_reload_failed": lambda r: r.config_reload_failed(),
     "fleet_seen": lambda r: r.fleet_seen({S: 1, B: 3}, 2),
     "coordination_changed": lambda r: r.coordination_changed("degraded"),
+    "coordination_fault": lambda r: r.coordination_fault("stale_copy"),
     "preemption_suspended": lambda r: r.preemption_suspended(True),
     "server_checked": lambda r: r.server_checked("eviction", "risk"),
     "library_checked": lambda r: r.library_checked("mismatch"),

@@ -278,6 +278,10 @@ class FleetController:
         self._tick_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
+        # A call that finds the ledger lost writes opens this replica's settling window;
+        # the ledger reports losses as its replies are read.
+        ledger.settle = self._settle
+        ledger.on_loss = self._on_loss
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -721,6 +725,10 @@ class FleetController:
 
     def _on_event(self, e: Event) -> None:
         if e.kind == "grant":
+            if e.id in self._held:
+                # Already admitted here: a notification read twice (the list came back
+                # with an older copy of the ledger). Releasing it would free a running slot.
+                return
             w = self._waiting.get(e.id)
             if w is None or w.fut.done() or self._local is not None:
                 # (Degraded: the waiter is being re-queued locally; resync drops the grant.)
@@ -871,6 +879,14 @@ class FleetController:
             self._config_dirty = False
             self._send("register", None)
         self._outbox_wake.set()
+
+    def _on_loss(self, cause: str, seen: int) -> None:
+        """A call found that the ledger lost writes (ledger.lua lose(), reconcile())."""
+        self._metrics.coordination_fault(cause)
+        log.warning("coordination_data_loss", cause=cause, generation_seen=seen,
+                    generation=self.ledger.generation, held=len(self._held))
+        if cause != "counters_lost":  # recomputed exactly from the records: nothing lost
+            self._degrade(RuntimeError(f"ledger data loss: {cause}"))
 
     def _hold_until_settled(self, status: FleetStatus, recycle: int = 0) -> None:
         """Degraded, the server answering: reuse only ``recycle`` slots locally, and ask

@@ -10,13 +10,20 @@
 -- sidecar/coordination/ledger.py loads it under a name carrying a digest of this text
 -- (__LIBRARY__, __FUNCTION__ below), so replicas of different versions never share code.
 --
--- Call: FCALL __FUNCTION__ 1 <prefix> <op> <now> args...
+-- Call: FCALL __FUNCTION__ 1 <prefix> <op> <now> <seen> <settle> <replica> <incarnation> args...
 --   prefix  "pg:{<fleet>}": every key below is prefix..":<name>", so all share the {fleet}
 --           hash tag and one Redis Cluster slot (the derived keys are not declared; they are in
 --           the declared key's slot, which is what cluster mode checks).
 --   now     "": the server's TIME, so replicas' clock skew cannot steal slots. A number is
 --           refused, except by the test build (see clock() below), which tests drive with
 --           a fake clock.
+--   seen    the highest generation (P:gen) the caller has had acknowledged, 0 if none. Every
+--           call increments P:gen; finding it below ``seen`` means the server holds an
+--           older copy than one the caller already saw (an RDB/AOF restore, a failover to a
+--           lagging replica, the key lost): the ledger lost writes. See lose().
+--   settle  the caller's settling window (seconds), used if this call finds a loss.
+--   replica, incarnation: the caller (replica id, and a random token per process).
+-- Reply: {generation, loss cause or "", {}, the operation's reply}.
 -- Class numbers are sidecar.classes.PriorityClass values: 0 bulk, 1 default, 2 interactive,
 -- 3 system. Times are seconds (float); they are stored with %.17g so they round-trip exactly.
 --
@@ -38,14 +45,17 @@
 --   P:ended     HASH id -> why it ended; P:endq ZSET id -> when (forgotten after keep_ended s)
 --   P:seq       counter for arrival and candidate order
 --   P:returning SET of replicas registered by a call that found them unknown (settle > 0),
---               until a resync of theirs finds the fleet settled: their arrivals answer
---               "unregistered" (a request pipelined right behind that call must not be
---               admitted against a ledger still missing admissions)
+--               or live when a loss was found (lose()), until a resync of theirs finds the
+--               fleet settled: their arrivals answer "unregistered" (a request pipelined
+--               right behind that call must not be admitted against a ledger still missing
+--               admissions), their heartbeats "new"
+--   P:gen       generation: incremented by every call (see ``seen`` above)
+--   P:server    run_id of the server process that last wrote the ledger (check_server())
 
 -- Set at the start of every call (run, at the end): the library's state outlives a call.
 local P, now
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
-  K_ENDQ, K_SEQ, K_RETURNING
+  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_SERVER
 
 local function set_prefix(p)
   P = p
@@ -62,6 +72,8 @@ local function set_prefix(p)
   K_ENDQ = P .. ':endq'
   K_SEQ = P .. ':seq'
   K_RETURNING = P .. ':returning'
+  K_GEN = P .. ':gen'
+  K_SERVER = P .. ':server'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
@@ -170,6 +182,19 @@ local function available(c)
     if unused > 0 then held = held + unused end
   end
   return cap - total - held
+end
+
+-- Seconds until the fleet has settled after a loss (0: settled); see heartbeat().
+local function settling()
+  local left = (tonumber(redis.call('HGET', K_FLEET, 'settle')) or 0) - now
+  if left < 0 then return 0 end
+  return left
+end
+
+-- After a loss of the whole ledger's writes (lose()) nothing is admitted through it (no
+-- arrival, no grant) until every replica alive has re-registered: the settling window.
+local function frozen()
+  return (tonumber(redis.call('HGET', K_FLEET, 'frozen')) or 0) > now
 end
 
 local function notify(replica, msg)
@@ -306,6 +331,7 @@ end
 local function dispatch()
   expire()
   if redis.call('ZCARD', K_DL) == 0 then return end -- nothing queued: the common case
+  if frozen() then return end -- waiters keep their deadlines; grants wait for the settling
   while admit_starved() or admit_by_priority() or preempt_for_queued() do end
 end
 
@@ -339,6 +365,68 @@ local function live(r)
   return redis.call('ZSCORE', K_REPLICAS, r) ~= false
 end
 
+-- -------------------------------------------------------------- losses, incarnations
+
+local loss = ''  -- the cause of a loss this call found ('' none), for the reply
+local caller_settle = 0
+
+-- The ledger lost writes that replicas saw acknowledged (an older copy, or admission
+-- records gone): any replica's admissions may be missing, so this is a data loss for the
+-- whole fleet, handled as the server restarting empty is: every replica alive becomes
+-- returning (it re-registers what it holds; its heartbeat answers "new"), and nothing is
+-- admitted through the ledger (frozen) until the settling window is over.
+local function lose(cause)
+  loss = cause
+  local rs = redis.call('ZRANGE', K_REPLICAS, 0, -1)
+  if #rs > 0 then redis.call('SADD', K_RETURNING, unpack(rs)) end
+  local untl = now + caller_settle
+  if untl > (tonumber(redis.call('HGET', K_FLEET, 'settle')) or 0) then
+    redis.call('HSET', K_FLEET, 'settle', fmt(untl))
+  end
+  if untl > (tonumber(redis.call('HGET', K_FLEET, 'frozen')) or 0) then
+    redis.call('HSET', K_FLEET, 'frozen', fmt(untl))
+  end
+end
+
+-- A ledger written by another server process than this one: the server restarted from
+-- an RDB snapshot or AOF, or a replica was promoted (failover), so it may be an older copy
+-- than what the replicas saw acknowledged, and nobody may be able to tell from the
+-- generation yet (a replica that called only before the copy was taken sees nothing
+-- wrong). Taken as a loss on the first call, whoever makes it. Checked once per prefix
+-- per library instance: the library's Lua state is new in every server process (and on
+-- every FUNCTION LOAD, when the check finds the same run_id and nothing happens).
+local server_checked = {}
+local function check_server()
+  if server_checked[P] then return end
+  local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+  local stored = redis.call('GET', K_SERVER)
+  if stored and stored ~= run_id then lose('server_changed') end
+  redis.call('SET', K_SERVER, run_id)
+  server_checked[P] = true
+end
+
+-- The per-class counters against the admission records, the truth (each record is written
+-- with its counter in one run). Fewer records than counted: records were lost (eviction,
+-- a DEL): a loss. More records than counted: the counters were lost; the records give
+-- them back exactly, reported but no loss. O(admissions): every heartbeat, and any call
+-- whose O(1) check (the totals) disagrees.
+local function reconcile()
+  local counted = {[0] = 0, 0, 0, 0}
+  for _, v in ipairs(redis.call('HVALS', K_ADM)) do
+    local c = tonumber(string.match(v, '^%S+ (%d+)'))
+    counted[c] = counted[c] + 1
+  end
+  local fewer, differ = false, false
+  for c = 0, 3 do
+    if counted[c] < inf[c] then fewer = true end
+    if counted[c] ~= inf[c] then differ = true end
+  end
+  if not differ then return end
+  redis.call('HSET', K_INF, '0', counted[0], '1', counted[1], '2', counted[2], '3', counted[3])
+  load_state()
+  if fewer then lose('admissions_lost') elseif loss == '' then loss = 'counters_lost' end
+end
+
 -- When tick next has work: a queue timeout or a head turning starved (relative seconds).
 local function next_in()
   local best = nil
@@ -366,13 +454,6 @@ local function held_by(r)
   return n
 end
 
--- Seconds until the fleet has settled after a loss (0: settled); see heartbeat().
-local function settling()
-  local left = (tonumber(redis.call('HGET', K_FLEET, 'settle')) or 0) - now
-  if left < 0 then return 0 end
-  return left
-end
-
 -- One consistent view for the degraded-mode limit (controller.degraded_limit): fleet
 -- capacity, live replicas, fleet in flight, this replica's own admissions, the fleet's
 -- in flight per class 0..3 (its gauges), and the seconds until the fleet has settled, all
@@ -398,7 +479,8 @@ end
 -- Reply: {"ok" | "new", fleet capacity, live replicas, fleet in flight, the replica's own
 -- admissions, fleet in flight per class 0..3, seconds until settled}; "new" means the
 -- ledger did not know the replica (first start, its registration lapsed, or the server lost
--- its data): the replica must reregister what it holds.
+-- its data), or it is returning until the fleet has settled (lose()): the replica must
+-- reregister what it holds.
 -- No dispatch here: the caller dispatches once its own changes are in. A resync that drops
 -- what ended locally and dispatched before adding what replaced it would hand the freed
 -- slots to waiters and then count the replacements on top: over capacity.
@@ -420,8 +502,10 @@ local function heartbeat(a)
   redis.call('HSET', K_FLEET, 'keep', a[10])
   recompute_fleet()
   load_state()
+  reconcile()
   forget_ended(1000)
-  return known and 'ok' or 'new'
+  if known and redis.call('SISMEMBER', K_RETURNING, r) == 0 then return 'ok' end
+  return 'new'
 end
 
 local ops = {}
@@ -438,13 +522,18 @@ end
 -- replica's expiry (a late re-registration cannot resurrect a completed or preempted
 -- request). Like Scheduler.adopt, this may exceed capacity: the slots are really in use.
 -- Reply: fleet_reply + the refused ids.
-ops.reregister = function(a)
+local function reregister(a)
   local status = heartbeat(a)
   local refused = {}
   for i = 12, #a, 5 do
     local id = a[i]
     local ended = redis.call('HGET', K_ENDED, id)
-    if redis.call('HEXISTS', K_ADM, id) == 1 or redis.call('HEXISTS', K_W, id) == 1 then
+    local w = get_waiter(id)
+    if w ~= nil then
+      -- Held by the replica, a waiter here: a copy from before its grant (a restore).
+      drop_waiter(w)
+    end
+    if redis.call('HEXISTS', K_ADM, id) == 1 then
       -- already counted
     elseif ended and ended ~= REAPED then
       refused[#refused + 1] = id
@@ -464,6 +553,8 @@ ops.reregister = function(a)
   for _, id in ipairs(refused) do reply[#reply + 1] = id end
   return reply
 end
+
+ops.reregister = reregister
 
 -- resync <heartbeat args> min_age then groups like reregister (class -1: a waiter, kept as
 -- is; class -2: see keep below): make the ledger's view of the
@@ -519,7 +610,7 @@ end
 --      | {"rejected_queue_full"} | {"unregistered"} | {"duplicate"}
 ops.arrive = function(a)
   local r, id, c, tenant = a[1], a[2], tonumber(a[3]), a[4]
-  if not live(r) or redis.call('SISMEMBER', K_RETURNING, r) == 1 then
+  if not live(r) or redis.call('SISMEMBER', K_RETURNING, r) == 1 or frozen() then
     return {'unregistered'}
   end
   if redis.call('HEXISTS', K_ADM, id) == 1 or redis.call('HEXISTS', K_W, id) == 1 then
@@ -692,13 +783,26 @@ local function run(keys, argv)
   set_prefix(keys[1])
   now = clock(argv[2])
   cfg = nil
-  load_state()
-  reap()
+  loss = ''
+  caller_settle = tonumber(argv[4]) or 0
   local fn = ops[argv[1]]
   if fn == nil then return redis.error_reply('ERR unknown ledger op ' .. tostring(argv[1])) end
+  load_state()
+  check_server()
+  local gen = redis.call('INCR', K_GEN)
+  local seen = tonumber(argv[3]) or 0
+  if seen >= gen then
+    -- Older than what the caller already saw acknowledged: carry the generation forward
+    -- (so the loss is handled once) and treat it as data loss.
+    gen = seen + 1
+    redis.call('SET', K_GEN, gen)
+    if loss == '' then lose('stale_copy') end
+  end
+  reap()
+  if redis.call('HLEN', K_ADM) ~= total then reconcile() end
   local args = {}
-  for i = 3, #argv do args[#args + 1] = argv[i] end
-  return fn(args)
+  for i = 7, #argv do args[#args + 1] = argv[i] end
+  return {gen, loss, {}, fn(args)}
 end
 
 redis.register_function('__FUNCTION__', run)

@@ -61,6 +61,7 @@ import enum
 import hashlib
 import math
 import re
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -476,6 +477,16 @@ class FleetLedger:
         # a second deployment under the same fleet id (sidecar.coordination.server).
         self.identity = ""
         self.calls = 0  # ledger calls sent (round trips; for tests and benchmarks)
+        # The highest ledger generation acknowledged to us: a ledger found below it is an
+        # older copy (ledger.lua, lose()). Per process, like the incarnation.
+        self.generation = 0
+        # This process (sent with every call).
+        self.incarnation = secrets.token_hex(8)
+        # The settling window a call that finds a loss opens (the controller's).
+        self.settle = 0.0
+        # Told of a loss a call found (its cause): the controller's handler, run as the
+        # reply is read.
+        self.on_loss: Callable[[str, int], None] | None = None
         # pipelined: every call on one connection of our own (see _Pipelined), the client's
         # pool only for the load of the library.
         self._pipe = _Pipelined(client.connection_pool) if pipelined else None
@@ -489,8 +500,20 @@ class FleetLedger:
         return f"{self._prefix}:ev:{self.replica}"
 
     async def _call(self, op: str, *args: str | int) -> Any:
+        return self._unwrap(await self._call_raw(op, *args))
+
+    def _unwrap(self, raw: Sequence[Any]) -> Any:
+        """{generation, loss cause, {}, reply}: note the first two, return the reply."""
+        gen, loss, _, reply = raw
+        seen, self.generation = self.generation, max(self.generation, int(gen))
+        if loss and self.on_loss is not None:
+            self.on_loss(str(loss), seen)
+        return reply
+
+    async def _call_raw(self, op: str, *args: str | int) -> Any:
         now = "" if self._clock is None else _num(self._clock())
         self.calls += 1
+        args = (self.generation, _num(self.settle), self.replica, self.incarnation, *args)
         try:
             return await self._fcall(op, now, *args)
         except ResponseError as exc:

@@ -1,0 +1,179 @@
+"""The ledger after it lost writes: a restored older copy, a lost key, a restarted process.
+
+Against a real valkey-server (production build: the server's clock). Ground truth is
+counted here, outside the code under test: what each replica was told it holds (admitted
+minus released), never the ledger's own counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as redis
+
+from devtools.valkey import ValkeyServer
+from sidecar.classes import PriorityClass
+from sidecar.coordination.ledger import ArriveStatus, FleetLedger, Holding
+from sidecar.scheduler import ClassSettings
+from tests.ledger_faults import copy_keyspace, restore_keyspace
+from tests.ledger_support import client, valkey_server
+
+__all__ = ["client", "valkey_server"]  # fixtures used by name
+
+SYS, INT, DEF, BULK = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEFAULT,
+                       PriorityClass.BULK)
+PLAIN: dict[PriorityClass, ClassSettings] = {
+    SYS: ClassSettings(0, 0.0, 4, 10.0, 5.0, True),
+    INT: ClassSettings(0, 0.0, 4, 10.0, 5.0, True),
+    DEF: ClassSettings(0, 0.0, 4, 10.0, 5.0, False),
+    BULK: ClassSettings(0, 0.0, 4, 3.0, 5.0, False),
+}
+SETTLE = 0.6
+FLEET = "f"
+
+
+class Truth:
+    """What replicas were told they hold: admitted (answer or grant) minus released."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[str]] = {}
+
+    def admit(self, led: FleetLedger, aid: str) -> None:
+        self.held.setdefault(led.replica, set()).add(aid)
+
+    def release(self, led: FleetLedger, aid: str) -> None:
+        self.held[led.replica].discard(aid)
+
+    @property
+    def total(self) -> int:
+        return sum(len(v) for v in self.held.values())
+
+    def holdings(self, led: FleetLedger) -> list[Holding]:
+        return [Holding(a, DEF, "t") for a in sorted(self.held.get(led.replica, ()))]
+
+
+class Losses:
+    def __init__(self, *leds: FleetLedger) -> None:
+        self.seen: list[tuple[str, str]] = []
+        for led in leds:
+            led.settle = SETTLE
+            led.on_loss = lambda cause, _seen, r=led.replica: self.seen.append((r, cause))
+
+
+async def fleet(c: redis.Redis, capacity: int, *names: str) -> list[FleetLedger]:
+    out = []
+    for name in names:
+        led = FleetLedger(c, FLEET, name)
+        await led.register(PLAIN, capacity)
+        out.append(led)
+    return out
+
+
+async def arrive(led: FleetLedger, truth: Truth, aid: str) -> ArriveStatus:
+    status = (await led.arrive(aid, DEF, "t")).status
+    if status is ArriveStatus.ADMITTED:
+        truth.admit(led, aid)
+    return status
+
+
+async def test_a_restored_older_copy_is_a_loss_nobody_admits_until_settled(
+        client: redis.Redis, valkey_server: ValkeyServer) -> None:
+    # Capacity 4. A holds 2 when the copy is taken; B then takes the other 2. The server
+    # comes back with the copy (it knows only A's 2): admitting through it would run 5+ of
+    # 4. The first call of either replica finds the generation behind what it saw.
+    a, b = await fleet(client, 4, "a", "b")
+    losses = Losses(a, b)
+    truth = Truth()
+    for i in range(2):
+        assert await arrive(a, truth, f"a{i}") is ArriveStatus.ADMITTED
+    copy = await copy_keyspace(valkey_server, FLEET)
+    for i in range(2):
+        assert await arrive(b, truth, f"b{i}") is ArriveStatus.ADMITTED
+    await a.heartbeat()
+    await restore_keyspace(valkey_server, FLEET, copy)
+
+    got = [await arrive(r, truth, f"x{r.replica}{i}") for i in range(2) for r in (a, b)]
+    assert truth.total == 4, (got, truth.held)
+    assert set(got) == {ArriveStatus.UNREGISTERED}
+    assert losses.seen[:1] in ([("a", "stale_copy")], [("b", "stale_copy")])
+    # Every replica's heartbeat says "new" (re-register) until the fleet settled.
+    for r in (a, b):
+        st = await r.resync(truth.holdings(r), settle=SETTLE)
+        assert not st.known and st.settling > 0
+    assert (await a.snapshot()).total_inflight == truth.total == 4
+    await asyncio.sleep(SETTLE + 0.05)
+    for r in (a, b):
+        assert (await r.resync(truth.holdings(r), settle=SETTLE)).known
+    assert await arrive(a, truth, "later") is ArriveStatus.QUEUED  # full: 4 of 4
+    assert len(losses.seen) == 1  # found once, by one call
+
+
+async def test_a_restored_waiter_that_was_granted_since_is_not_granted_again(
+        client: redis.Redis, valkey_server: ValkeyServer) -> None:
+    # W waits in the copy; after the copy it was granted (A runs it) and A's slot "a0"
+    # was released. The copy comes back: W is a waiter there again. A's resync lists W as
+    # held: the waiter record goes and W is counted as admitted, once.
+    (a,) = await fleet(client, 1, "a")
+    losses = Losses(a)
+    truth = Truth()
+    assert await arrive(a, truth, "a0") is ArriveStatus.ADMITTED
+    assert await arrive(a, truth, "w") is ArriveStatus.QUEUED
+    copy = await copy_keyspace(valkey_server, FLEET)
+    await a.release("a0")
+    truth.release(a, "a0")
+    assert [e.kind for e in await a.take_events()] == ["grant"]
+    truth.admit(a, "w")
+    await restore_keyspace(valkey_server, FLEET, copy)
+    st = await a.resync(truth.holdings(a), settle=SETTLE)
+    assert losses.seen == [("a", "stale_copy")] and not st.known
+    snap = await a.snapshot()
+    # a0 dropped (not listed), W counted once as admitted, no waiter left to grant.
+    assert snap.total_inflight == truth.total == 1 and sum(snap.queue_depth.values()) == 0
+    await asyncio.sleep(SETTLE + 0.05)
+    st = await a.resync(truth.holdings(a), settle=SETTLE)
+    assert st.known and st.inflight == truth.total == 1
+    await a.tick()
+    assert [e for e in await a.take_events() if e.kind == "grant"] == []
+
+
+async def test_a_lost_inflight_key_is_recomputed_from_the_admission_records(
+        client: redis.Redis) -> None:
+    a, b = await fleet(client, 4, "a", "b")
+    losses = Losses(a, b)
+    truth = Truth()
+    for i in range(4):
+        await arrive((a, b)[i % 2], truth, f"r{i}")
+    await client.delete(f"pg:{{{FLEET}}}:inflight")  # evicted, or an operator's DEL
+    assert await arrive(b, truth, "more") is ArriveStatus.QUEUED
+    assert truth.total == 4 and losses.seen == [("b", "counters_lost")]
+    await b.cancel("more")
+    for aid in sorted(truth.held["a"]):
+        await a.release(aid)
+        truth.release(a, aid)
+    snap = await a.snapshot()
+    assert snap.total_inflight == truth.total == 2 and min(snap.inflight.values()) >= 0
+
+
+async def test_lost_admission_records_are_a_loss_and_admission_resumes_after_settling(
+        client: redis.Redis) -> None:
+    a, b = await fleet(client, 4, "a", "b")
+    losses = Losses(a, b)
+    truth = Truth()
+    for i in range(4):
+        await arrive((a, b)[i % 2], truth, f"r{i}")
+    await client.delete(f"pg:{{{FLEET}}}:adm")
+    assert await arrive(a, truth, "more") is ArriveStatus.UNREGISTERED
+    assert losses.seen == [("a", "admissions_lost")]
+    for r in (a, b):
+        assert not (await r.resync(truth.holdings(r), settle=SETTLE)).known
+    await asyncio.sleep(SETTLE + 0.05)
+    for r in (a, b):
+        assert (await r.resync(truth.holdings(r), settle=SETTLE)).known
+    assert (await a.snapshot()).total_inflight == truth.total == 4
+    assert await arrive(a, truth, "full") is ArriveStatus.QUEUED
+    assert (await a.cancel("full")).value == "cancelled"
+    await b.release("r1")
+    truth.release(b, "r1")
+    # Admission works again (before, the counters stayed at 4 + the re-added 4: never).
+    assert await arrive(a, truth, "again") is ArriveStatus.ADMITTED
+    assert truth.total == 4
