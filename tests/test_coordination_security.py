@@ -8,6 +8,7 @@ the default user stays open so that the tests can set things up and look).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -41,7 +42,7 @@ from sidecar.coordination.ledger import (
     LibraryState,
     library_state,
 )
-from sidecar.coordination.server import check_server, check_server_at
+from sidecar.coordination.server import _load_every, check_server, check_server_at
 from sidecar.coordination.server import main as server_main
 from sidecar.metrics import Metrics
 from sidecar.scheduler import BUILTIN_CLASSES
@@ -246,6 +247,9 @@ async def test_no_log_line_and_no_argv_holds_the_password(
     assert "started" in names, output
     if right:
         assert "coordination_registered" in names, output
+        # The shipped runtime user may not CONFIG GET: said, not fatal.
+        assert [e.get("reason") for e in events(output)
+                if e.get("event") == "coordination_server_unchecked"] == ["denied"], output
     else:
         assert "coordination_unreachable_at_startup" in names, output
     assert cmdline and not any("s3cr3t" in a for a in cmdline)
@@ -528,3 +532,31 @@ async def test_a_second_deployment_with_the_same_fleet_id_is_logged_and_counted(
     assert {(e["replica"], e["kind"]) for e in found} == {
         (r, k) for r in ("a1", "a2", "b1") for k in ("config", "capacity_source")}
     assert all(len(e["values"]) == 2 and e["log_level"] == "error" for e in found)
+
+
+async def test_the_loader_loads_again_and_checks_the_server_as_admin(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    before = await admin.config_get("maxmemory-policy")
+    await admin.config_set("maxmemory-policy", "volatile-lru")
+    try:
+        url = f"redis://127.0.0.1:{acl_server.port}/0"
+        with capture_logs() as logs:
+            task = asyncio.ensure_future(_load_every(url, 0.1))
+            try:
+                deadline = time.monotonic() + 10
+                while await library_state(admin) is not LibraryState.OK:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                await admin.function_flush()  # the server lost its data: loaded again
+                while await library_state(admin) is not LibraryState.OK:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        names = [e["event"] for e in logs]
+        assert names.count("ledger_library_loaded") == 1  # a change is logged, not each load
+        assert "coordination_server_evicts" in names
+    finally:
+        await admin.config_set("maxmemory-policy", before["maxmemory-policy"])

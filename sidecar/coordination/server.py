@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ns.every > 0:
             print("config error: --every must be > 0", file=sys.stderr)
             return 2
+        logs.configure("json")
         asyncio.run(_load_every(url, ns.every))
         return 0
     try:
@@ -262,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _load_every(url: str, interval: float) -> None:
-    logs.configure("json")
     loaded: bool | None = None  # logged on a change only, not every interval
     while True:
         try:
@@ -274,6 +274,9 @@ async def _load_every(url: str, interval: float) -> None:
         else:
             if loaded is not True:
                 log.info("ledger_library_loaded", library=LIBRARY)
+                # The sidecars' runtime user may not CONFIG GET: the admin checks instead,
+                # each time the server (re)appears.
+                await check_server_at(url, 2.0)
             loaded = True
         await asyncio.sleep(interval)
 
