@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -560,3 +562,80 @@ async def test_the_loader_loads_again_and_checks_the_server_as_admin(
         assert "coordination_server_evicts" in names
     finally:
         await admin.config_set("maxmemory-policy", before["maxmemory-policy"])
+
+
+# ---------------------------------------------------------------------------- TLS
+
+
+def make_certs(d: Path) -> None:
+    """A CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "2", "-subj", "/CN=priority-gate test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr",
+        "-subj", "/CN=127.0.0.1")
+    (d / "ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "srv.pem", "-days", "2", "-extfile", "ext")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+async def test_rediss_with_a_password_file_and_a_private_ca(
+        tmp_path: Path, acl_server: ValkeyServer, admin: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """rediss:// as documented: the server's certificate checked against ssl_ca_certs, the
+    runtime user's password from the file. (The test server has no TLS build: a TLS proxy
+    in front of it stands in for a TLS-enabled server.)"""
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    await asyncio.to_thread(make_certs, tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(tmp_path / "srv.pem", tmp_path / "srv.key")
+    tls_connections = 0
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            w.close()
+
+    async def proxy(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        nonlocal tls_connections
+        tls_connections += 1
+        sr, sw = await asyncio.open_connection("127.0.0.1", acl_server.port)
+        await asyncio.gather(pipe(cr, sw), pipe(sr, cw))
+
+    tls = await asyncio.start_server(proxy, "127.0.0.1", 0, ssl=ctx)
+    port = tls.sockets[0].getsockname()[1]
+    await create_runtime_user(admin, "fleet-t", "t", SECRET)
+    await admin.function_load(LUA)
+    pw = password_file(tmp_path)
+    base = ["--priority-scheduler-enabled", "--grpc-listen", "127.0.0.1:0",
+            "--http-listen", "127.0.0.1:0", "--worker-capacity-override", "4",
+            "--log-format", "json", "--fleet-id", "t", "--replica-id", "r1",
+            "--coordination-password-file", str(pw), "--coordination-url"]
+    try:
+        app = await build_runtime(parse_settings([
+            *base, f"rediss://fleet-t@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"]))
+        try:
+            assert app.fleet is not None and app.fleet.state == "ok"
+            assert await admin.exists("pg:{t}:replicas") and tls_connections >= 1
+        finally:
+            await app.stop()
+        # Without the CA the certificate is refused: the replica starts degraded, no share.
+        with capture_logs() as logs:
+            app = await build_runtime(parse_settings([*base, f"rediss://fleet-t@127.0.0.1:{port}/0"]))
+        try:
+            assert app.fleet is not None and app.fleet.state == "degraded"
+            assert any(e["event"] == "coordination_unreachable_at_startup" for e in logs)
+            assert SECRET not in repr(logs)
+        finally:
+            await app.stop()
+    finally:
+        tls.close()
+        await tls.wait_closed()
