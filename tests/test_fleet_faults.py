@@ -18,12 +18,15 @@ import pytest
 import redis.asyncio as redis
 
 from devtools.valkey import ValkeyServer
+from sidecar.coordination.ledger import FleetLedger
+from sidecar.scheduler import ReleaseReason
 from tests.grpc_client import admission_id
 from tests.ledger_faults import copy_keyspace, restore_keyspace
 from tests.ledger_support import client, valkey_server
 from tests.test_fleet import (
     FLEET,
     PRIORITY,
+    Replica,
     deny_code,
     eventually,
     inflight,
@@ -130,3 +133,89 @@ async def test_a_ledger_restored_from_an_older_copy_admits_nothing_past_capacity
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_restarted_sidecar_with_the_same_replica_id_keeps_its_running_streams_counted(
+        tmp_path: Path, valkey_server: ValkeyServer, client: redis.Redis) -> None:
+    # Capacity 3. The sidecar container of replica A restarts (k8s keeps POD_NAME, so the
+    # same --replica-id) while its 3 streams still run in Envoy. Before: the new process's
+    # first resync dropped its predecessor's admissions, B admitted 3 more (6 of 3), and
+    # the periodic entries' adoption was refused by the ledger, unnoticed.
+    ttl = 2.0
+    old = await start_replica(tmp_path, valkey_server.url, "a", capacity=3, ttl=ttl)
+    b = await start_replica(tmp_path, valkey_server.url, "b", capacity=3, ttl=ttl)
+    new: Replica | None = None
+    truth = Running()
+    try:
+        for _ in range(3):
+            truth.admitted(await ok(old.check()))
+        await old.close()  # the process ends; Envoy's streams run on
+        await asyncio.sleep(1.7)  # older than any resync's min_age (4 x call timeout)
+        new = await start_replica(tmp_path, valkey_server.url, "a", capacity=3, ttl=ttl)
+        assert set(new.fleet.held) == truth.ids
+        assert new.sample("smg_sidecar_coordination_faults_total", kind="taken_over") == 1
+        on_b = [b.check() for _ in range(3)]
+        await watch(on_b, truth, 2.5)  # two heartbeats of each
+        print(f"restart with the same id: peak {truth.peak}/3, ledger "
+              f"{await inflight(client)}")
+        assert truth.peak <= 3
+        assert await inflight(client) == 3
+        await new.end(*list(truth.ids))
+        truth.ids.clear()
+        for c in on_b:
+            truth.admitted(await ok(c))
+        assert truth.peak <= 3
+        await b.end(*list(truth.ids))
+    finally:
+        await b.close()
+        if new is not None:
+            await new.close()
+
+
+async def test_a_running_stream_the_ledger_had_ended_is_counted_again_on_adoption(
+        tmp_path: Path, valkey_server: ValkeyServer, client: redis.Redis) -> None:
+    # X runs under replica A; the ledger ends X behind A's back (a resync that did not list
+    # it, a preemption whose stop never reached the stream). A's process restarts (same
+    # id: X is not taken over, the ledger no longer has it) and Envoy's periodic entry
+    # names X: the adoption must count it again. Before: the ledger refused the re-add
+    # and the refusal was ignored (X ran uncounted).
+    old = await start_replica(tmp_path, valkey_server.url, "a", capacity=2, ttl=2.0)
+    new: Replica | None = None
+    try:
+        x = await ok(old.check())
+        observer = FleetLedger(client, FLEET, "observer")
+        assert (await observer.release(x)).value == "released"
+        await old.close()
+        new = await start_replica(tmp_path, valkey_server.url, "a", capacity=2, ttl=2.0)
+        assert x not in new.fleet.held
+        await new.envoy.log((x, "periodic"), cls="default")
+        assert x in new.fleet.held
+        await eventually(lambda: _equals(client, 1), what="X counted again in the ledger")
+        assert new.sample("smg_sidecar_coordination_faults_total",
+                          kind="ended_but_running_readded") == 1
+    finally:
+        if new is not None:
+            await new.close()
+
+
+async def test_an_admission_held_here_that_the_ledger_ended_is_stopped_not_ignored(
+        tmp_path: Path, valkey_server: ValkeyServer, client: redis.Redis) -> None:
+    # The ledger ended X (as a preemption would) and its notification never came (lost
+    # with an older copy): A's heartbeat resync lists X and the ledger refuses it. Before,
+    # the refusal was ignored and X ran on uncounted; now A stops it as preempted.
+    a = await start_replica(tmp_path, valkey_server.url, "a", capacity=2, ttl=2.0)
+    try:
+        x = await ok(a.check())
+        observer = FleetLedger(client, FLEET, "observer")
+        assert (await observer.release(x, ReleaseReason.PREEMPTED)).value == "released"
+        await eventually(lambda: x not in a.fleet.held, timeout=2.0,
+                         what="X stopped at the next heartbeat")
+        assert a.sample("smg_sidecar_coordination_faults_total",
+                        kind="ended_but_running_stopped") == 1
+        assert await inflight(client) == 0
+    finally:
+        await a.close()
+
+
+async def _equals(client: redis.Redis, n: int) -> bool:
+    return await inflight(client) == n

@@ -14,7 +14,7 @@ import redis.asyncio as redis
 from devtools.valkey import ValkeyServer
 from sidecar.classes import PriorityClass
 from sidecar.coordination.ledger import ArriveStatus, FleetLedger, Holding
-from sidecar.scheduler import ClassSettings
+from sidecar.scheduler import ClassSettings, ReleaseReason
 from tests.ledger_faults import copy_keyspace, restore_keyspace
 from tests.ledger_support import client, valkey_server
 
@@ -177,3 +177,43 @@ async def test_lost_admission_records_are_a_loss_and_admission_resumes_after_set
     # Admission works again (before, the counters stayed at 4 + the re-added 4: never).
     assert await arrive(a, truth, "again") is ArriveStatus.ADMITTED
     assert truth.total == 4
+
+
+async def test_a_restarted_process_with_the_same_replica_id_takes_over_its_holdings(
+        client: redis.Redis) -> None:
+    (old,) = await fleet(client, 3, "a")
+    truth = Truth()
+    await arrive(old, truth, "r0")
+    await arrive(old, truth, "r1")
+    await old.mark_preemptible("r1")
+    await arrive(old, truth, "r2")
+    assert await arrive(old, truth, "w") is ArriveStatus.QUEUED
+    # The container restarts: a new process, same --replica-id, its registration still live.
+    new = FleetLedger(client, FLEET, "a")
+    new.settle = SETTLE
+    taken: list[Holding] = []
+    new.on_takeover = taken.extend
+    st = await new.register(PLAIN, 3, settle=0.0)
+    assert st.known and sorted(h.id for h in taken) == ["r0", "r1", "r2"]
+    # It lists them from now on: its first resync keeps them (it used to drop them all).
+    st = await new.resync(taken, min_age=0.0, settle=SETTLE)
+    assert st.inflight == truth.total == 3
+    snap = await new.snapshot()
+    assert sum(snap.queue_depth.values()) == 0  # the waiter went with the old process
+    # No stop channel any more: r1 is no preemption candidate.
+    assert (await new.arrive("s", SYS, "t")).status is ArriveStatus.QUEUED
+    assert not await client.exists(f"pg:{{{FLEET}}}:ev:a")
+    # The same process again: nothing more to take over.
+    assert (await new.heartbeat()).known and len(taken) == 3
+
+
+async def test_adoption_re_adds_a_running_stream_the_ledger_had_ended(
+        client: redis.Redis) -> None:
+    (a,) = await fleet(client, 2, "a")
+    await a.arrive("r0", DEF, "t")
+    await a.resync([], min_age=0.0)  # ended as completed (a resync that did not list it)
+    st = await a.reregister([Holding("r0", DEF, "t")])
+    assert st.refused == ("r0",) and st.inflight == 0  # a reregister refuses it
+    st = await a.adopt([Holding("r0", DEF, "t", first_byte=True)])
+    assert st.refused == ("r0",) and st.inflight == 1  # Envoy runs it: counted again
+    assert (await a.release("r0", ReleaseReason.COMPLETED)).value == "released"

@@ -279,9 +279,10 @@ class FleetController:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         # A call that finds the ledger lost writes opens this replica's settling window;
-        # the ledger reports losses as its replies are read.
+        # the ledger reports losses and a predecessor's admissions as its replies are read.
         ledger.settle = self._settle
         ledger.on_loss = self._on_loss
+        ledger.on_takeover = self._on_takeover
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -880,6 +881,17 @@ class FleetController:
             self._send("register", None)
         self._outbox_wake.set()
 
+    def _ended_but_held(self, refused: Iterable[str]) -> None:
+        """Ids a resync listed as held here that the ledger had ended (preempted there, its
+        notification lost): its slot is gone, so the request is stopped here as preempted
+        (counted, logged), never left running uncounted."""
+        for aid in refused:
+            if aid not in self._held:
+                continue
+            self._metrics.coordination_fault("ended_but_running_stopped")
+            log.warning("coordination_ended_but_running", admission_id=aid, action="stopped")
+            self._on_preempt(aid, PriorityClass.SYSTEM)
+
     def _on_loss(self, cause: str, seen: int) -> None:
         """A call found that the ledger lost writes (ledger.lua lose(), reconcile())."""
         self._metrics.coordination_fault(cause)
@@ -887,6 +899,27 @@ class FleetController:
                     generation=self.ledger.generation, held=len(self._held))
         if cause != "counters_lost":  # recomputed exactly from the records: nothing lost
             self._degrade(RuntimeError(f"ledger data loss: {cause}"))
+
+    def _on_takeover(self, holdings: list[Holding]) -> None:
+        """This process took over its predecessor's admissions (same replica id): they are
+        still running in Envoy. Held unacknowledged until Envoy shows them (a periodic entry
+        or their final one), so one that ended while no process ran still ends (ack timeout)."""
+        now = self._clock()
+        taken = 0
+        for hd in holdings:
+            if hd.id in self._held:
+                continue
+            self._held[hd.id] = Held(hd.cls, hd.tenant, now, first_byte=hd.first_byte,
+                                     unacked_since=now)
+            if self._local is not None:
+                self._local.core.adopt(hd.id, hd.cls, hd.tenant)
+                self._local.core.take_events()
+            self._metrics.on_events([Admitted(Admission(hd.id, hd.cls, hd.tenant, now), 0.0,
+                                              queued=False, adopted=True)])
+            taken += 1
+        self._metrics.coordination_fault("taken_over")
+        log.warning("coordination_took_over", replica=self.ledger.replica, admissions=taken,
+                    hint="a previous process with this replica id held them")
 
     def _hold_until_settled(self, status: FleetStatus, recycle: int = 0) -> None:
         """Degraded, the server answering: reuse only ``recycle`` slots locally, and ask
@@ -970,6 +1003,7 @@ class FleetController:
                         [h.holding(aid) for aid, h in self._held.items()], self._capacity,
                         min_age=self._orphan_age, waiting=list(self._waiting),
                         settle=self._settle))
+                    self._ended_but_held(status.refused)
                     if not status.known:
                         # Lapsed, or the server lost its data: an outage and a return.
                         self._degrade(RuntimeError("registration lost"))
@@ -1071,8 +1105,7 @@ class FleetController:
             elif op == "first_byte":
                 first_byte.append(arg)
             elif op == "adopt":
-                calls.append(self.ledger.reregister([arg], self._capacity,
-                                                    settle=self._settle))
+                calls.append(self._adopt(arg))
             elif op == "register":
                 calls.append(self.ledger.register(self._classes, self._capacity,
                                                   settle=self._settle))
@@ -1100,6 +1133,17 @@ class FleetController:
             self._degrade(RuntimeError("registration lost"))
         elif ops:
             self._answer_first_byte(first_byte, replies[-1][len(ops) - len(first_byte):])
+
+    async def _adopt(self, h: Holding) -> FleetStatus:
+        """Add a running stream Envoy reported to the ledger, even one the ledger had ended
+        (its slot is in use); such an id is counted and logged, never left uncounted."""
+        status = await self.ledger.adopt([h], self._capacity, settle=self._settle)
+        for aid in status.refused:
+            self._metrics.coordination_fault("ended_but_running_readded")
+            log.warning("coordination_ended_but_running", admission_id=aid,
+                        action="readded", hint="the ledger had ended an admission Envoy "
+                        "reports running: counted again")
+        return status
 
     def _answer_first_byte(self, ids: list[str], replies: list[Any] | None) -> None:
         """A first-byte mark's reply: 1, still admitted (now never a victim); 0, the ledger

@@ -22,8 +22,11 @@
 --           older copy than one the caller already saw (an RDB/AOF restore, a failover to a
 --           lagging replica, the key lost): the ledger lost writes. See lose().
 --   settle  the caller's settling window (seconds), used if this call finds a loss.
---   replica, incarnation: the caller (replica id, and a random token per process).
--- Reply: {generation, loss cause or "", {}, the operation's reply}.
+--   replica, incarnation: the caller (replica id, and a random token per process); a
+--           new incarnation of a live replica takes over its predecessor's admissions
+--           (take_over()). Empty: a caller that is not a replica (a test's observer).
+-- Reply: {generation, loss cause or "", taken over (groups: id cls first_byte tenant),
+--         the operation's reply}.
 -- Class numbers are sidecar.classes.PriorityClass values: 0 bulk, 1 default, 2 interactive,
 -- 3 system. Times are seconds (float); they are stored with %.17g so they round-trip exactly.
 --
@@ -51,11 +54,12 @@
 --               admissions), their heartbeats "new"
 --   P:gen       generation: incremented by every call (see ``seen`` above)
 --   P:server    run_id of the server process that last wrote the ledger (check_server())
+--   P:inc       HASH replica -> incarnation of the process registered under that id
 
 -- Set at the start of every call (run, at the end): the library's state outlives a call.
 local P, now
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
-  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_SERVER
+  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER
 
 local function set_prefix(p)
   P = p
@@ -74,6 +78,7 @@ local function set_prefix(p)
   K_RETURNING = P .. ':returning'
   K_GEN = P .. ':gen'
   K_SERVER = P .. ':server'
+  K_INC = P .. ':inc'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
@@ -348,6 +353,7 @@ local function drop_replica(r)
   end
   redis.call('DEL', k_own(r), k_ev(r))
   redis.call('SREM', K_RETURNING, r)
+  redis.call('HDEL', K_INC, r)
   redis.call('HDEL', K_REPORTS, r)
   redis.call('HDEL', K_DIGESTS, r)
   redis.call('ZREM', K_REPLICAS, r)
@@ -368,7 +374,9 @@ end
 -- -------------------------------------------------------------- losses, incarnations
 
 local loss = ''  -- the cause of a loss this call found ('' none), for the reply
-local caller_settle = 0
+local taken = {} -- what this call took over from a predecessor (take_over), for the reply
+local taken_ids = {}
+local caller, caller_inc, caller_settle = '', '', 0
 
 -- The ledger lost writes that replicas saw acknowledged (an older copy, or admission
 -- records gone): any replica's admissions may be missing, so this is a data loss for the
@@ -425,6 +433,34 @@ local function reconcile()
   redis.call('HSET', K_INF, '0', counted[0], '1', counted[1], '2', counted[2], '3', counted[3])
   load_state()
   if fewer then lose('admissions_lost') elseif loss == '' then loss = 'counters_lost' end
+end
+
+-- A live replica registered by another process (the container restarted, same replica
+-- id): its predecessor's admissions are still running in Envoy, so they are kept and
+-- handed to the new process (the reply's ``taken``), which holds them until Envoy shows
+-- them (or its ack timeout ends them). Its waiters, stop channels (preemption candidates)
+-- and notifications went with the old process.
+local function take_over()
+  if caller == '' or caller_inc == '' or not live(caller) then return end
+  local prev = redis.call('HGET', K_INC, caller)
+  if prev == caller_inc then return end
+  redis.call('HSET', K_INC, caller, caller_inc)
+  if not prev then return end -- recorded by this call: nothing of another process's to take
+  for _, id in ipairs(redis.call('SMEMBERS', k_own(caller))) do
+    local a = get_adm(id)
+    if a ~= nil then
+      redis.call('ZREM', k_pre(a.cls), id)
+      taken[#taken + 1] = id
+      taken[#taken + 1] = a.cls
+      taken[#taken + 1] = a.first_byte and '1' or '0'
+      taken[#taken + 1] = a.tenant
+      taken_ids[id] = true
+    else
+      local w = get_waiter(id)
+      if w ~= nil then drop_waiter(w) else redis.call('SREM', k_own(caller), id) end
+    end
+  end
+  redis.call('DEL', k_ev(caller))
 end
 
 -- When tick next has work: a queue timeout or a head turning starved (relative seconds).
@@ -493,6 +529,7 @@ local function heartbeat(a)
     if settling() == 0 then redis.call('HSET', K_FLEET, 'settle', fmt(now + settle)) end
   end
   redis.call('ZADD', K_REPLICAS, fmt(now + tonumber(a[2])), r)
+  if r == caller and caller_inc ~= '' then redis.call('HSET', K_INC, r, caller_inc) end
   redis.call('HSET', K_REPORTS, r, a[3])
   if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 then
     redis.call('HSET', K_CFG, '0', a[5], '1', a[6], '2', a[7], '3', a[8])
@@ -522,7 +559,7 @@ end
 -- replica's expiry (a late re-registration cannot resurrect a completed or preempted
 -- request). Like Scheduler.adopt, this may exceed capacity: the slots are really in use.
 -- Reply: fleet_reply + the refused ids.
-local function reregister(a)
+local function reregister(a, force)
   local status = heartbeat(a)
   local refused = {}
   for i = 12, #a, 5 do
@@ -535,9 +572,10 @@ local function reregister(a)
     end
     if redis.call('HEXISTS', K_ADM, id) == 1 then
       -- already counted
-    elseif ended and ended ~= REAPED then
+    elseif ended and ended ~= REAPED and not force then
       refused[#refused + 1] = id
     else
+      if ended and ended ~= REAPED then refused[#refused + 1] = id end -- forced: reported
       local adm = {id = id, replica = a[1], cls = tonumber(a[i + 1]), admitted_at = now,
                    first_byte = a[i + 2] == '1', tenant = a[i + 4]}
       admit(adm)
@@ -554,7 +592,13 @@ local function reregister(a)
   return reply
 end
 
-ops.reregister = reregister
+ops.reregister = function(a) return reregister(a, false) end
+
+-- adopt <as reregister>: the replica's Envoy reports these running now (periodic access-log
+-- entries), so they are counted even if the ledger ended them (a resync that dropped
+-- them, a preemption whose stop never reached the stream): their slots are in use. Reply:
+-- fleet_reply + the ids it had ended (re-added all the same; the replica reports them).
+ops.adopt = function(a) return reregister(a, true) end
 
 -- resync <heartbeat args> min_age then groups like reregister (class -1: a waiter, kept as
 -- is; class -2: see keep below): make the ledger's view of the
@@ -574,6 +618,7 @@ ops.resync = function(a)
   -- outage): kept if the ledger admitted it (the reply will make it held there), dropped
   -- if it is still queued (its requester has moved to the local queue).
   local keep = {}
+  for id in pairs(taken_ids) do keep[id] = 'all' end -- taken over by this very call
   for i = 13, #a, 5 do
     local c = a[i + 1]
     if c == '-2' then
@@ -783,8 +828,9 @@ local function run(keys, argv)
   set_prefix(keys[1])
   now = clock(argv[2])
   cfg = nil
-  loss = ''
+  loss, taken, taken_ids = '', {}, {}
   caller_settle = tonumber(argv[4]) or 0
+  caller, caller_inc = argv[5] or '', argv[6] or ''
   local fn = ops[argv[1]]
   if fn == nil then return redis.error_reply('ERR unknown ledger op ' .. tostring(argv[1])) end
   load_state()
@@ -800,9 +846,10 @@ local function run(keys, argv)
   end
   reap()
   if redis.call('HLEN', K_ADM) ~= total then reconcile() end
+  take_over()
   local args = {}
   for i = 7, #argv do args[#args + 1] = argv[i] end
-  return {gen, loss, {}, fn(args)}
+  return {gen, loss, taken, fn(args)}
 end
 
 redis.register_function('__FUNCTION__', run)

@@ -160,6 +160,7 @@ class FleetStatus:
     held: int = 0  # this replica's admissions as the ledger counts them (h_i)
     by_class: Mapping[PriorityClass, int] = field(default_factory=dict)  # fleet, per class
     refused: tuple[str, ...] = ()  # reregister: ids that ended meanwhile (not added back)
+    #   adopt: ids the ledger had ended, added back all the same (their streams run)
     # Seconds until the fleet has settled after a loss (resync's ``settle``): until then no
     # replica may return to admitting through the ledger. 0: settled.
     settling: float = 0.0
@@ -480,13 +481,15 @@ class FleetLedger:
         # The highest ledger generation acknowledged to us: a ledger found below it is an
         # older copy (ledger.lua, lose()). Per process, like the incarnation.
         self.generation = 0
-        # This process (sent with every call).
+        # This process: a restarted one with the same replica id takes over its
+        # predecessor's admissions (ledger.lua, take_over()).
         self.incarnation = secrets.token_hex(8)
         # The settling window a call that finds a loss opens (the controller's).
         self.settle = 0.0
-        # Told of a loss a call found (its cause): the controller's handler, run as the
-        # reply is read.
+        # Told of a loss a call found (its cause), and of admissions taken over from a
+        # predecessor process: the controller's handlers, run as the reply is read.
         self.on_loss: Callable[[str, int], None] | None = None
+        self.on_takeover: Callable[[list[Holding]], None] | None = None
         # pipelined: every call on one connection of our own (see _Pipelined), the client's
         # pool only for the load of the library.
         self._pipe = _Pipelined(client.connection_pool) if pipelined else None
@@ -503,11 +506,16 @@ class FleetLedger:
         return self._unwrap(await self._call_raw(op, *args))
 
     def _unwrap(self, raw: Sequence[Any]) -> Any:
-        """{generation, loss cause, {}, reply}: note the first two, return the reply."""
-        gen, loss, _, reply = raw
+        """{generation, loss cause, taken over, reply}: note the first three, return the reply."""
+        gen, loss, taken, reply = raw
         seen, self.generation = self.generation, max(self.generation, int(gen))
         if loss and self.on_loss is not None:
             self.on_loss(str(loss), seen)
+        if taken and self.on_takeover is not None:
+            self.on_takeover([
+                Holding(str(taken[i]), PriorityClass(int(taken[i + 1])), str(taken[i + 3]),
+                        first_byte=taken[i + 2] == "1")
+                for i in range(0, len(taken), 4)])
         return reply
 
     async def _call_raw(self, op: str, *args: str | int) -> Any:
@@ -655,6 +663,16 @@ class FleetLedger:
         for h in holdings:
             args += _holding_args(h)
         return self._status(await self._call("reregister", *args))
+
+    async def adopt(self, holdings: Iterable[Holding], capacity: int | None = None,
+                    settle: float = 0.0) -> FleetStatus:
+        """As :meth:`reregister`, for admissions Envoy reports running now: added back even
+        if the ledger had ended them (their ids come back in ``refused``)."""
+        cap = self._capacity if capacity is None else capacity
+        args = self._heartbeat_args(cap, False, settle)
+        for h in holdings:
+            args += _holding_args(h)
+        return self._status(await self._call("adopt", *args))
 
     async def resync(self, holdings: Iterable[Holding], capacity: int | None = None,
                      min_age: float = 0.0, waiting: Iterable[str] = (),
