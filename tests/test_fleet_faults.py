@@ -135,6 +135,29 @@ async def test_a_ledger_restored_from_an_older_copy_admits_nothing_past_capacity
         await b.close()
 
 
+async def test_a_waiter_the_ledger_lost_expires_on_its_own_queue_timeout(
+        tmp_path: Path, valkey_server: ValkeyServer, client: redis.Redis) -> None:
+    # The ledger's queue keys are lost (an operator's DEL, eviction) while W waits: no
+    # grant or expiry will ever come from it. W is answered at its class's queue timeout
+    # (one call timeout later at most), not at the client's deadline.
+    a = await start_replica(tmp_path, valkey_server.url, "a", capacity=1, ttl=2.0,
+                            priority=FAST_QUEUE)
+    try:
+        held = await ok(a.check())
+        t0 = time.monotonic()
+        w = a.check()
+        await eventually(lambda: a.fleet.waiting == 1, what="W queued in the ledger")
+        await client.delete(f"pg:{{{FLEET}}}:w", f"pg:{{{FLEET}}}:q:1", f"pg:{{{FLEET}}}:dl")
+        resp = await asyncio.wait_for(w, 3 * TIMEOUT)
+        took = time.monotonic() - t0
+        print(f"lost waiter answered after {took:.2f} s (queue timeout {TIMEOUT} s)")
+        assert deny_code(resp) == (503, "scheduler_queue_timeout")
+        assert TIMEOUT - 0.05 <= took <= TIMEOUT + 0.6
+        await a.end(held)
+    finally:
+        await a.close()
+
+
 async def test_a_restarted_sidecar_with_the_same_replica_id_keeps_its_running_streams_counted(
         tmp_path: Path, valkey_server: ValkeyServer, client: redis.Redis) -> None:
     # Capacity 3. The sidecar container of replica A restarts (k8s keeps POD_NAME, so the

@@ -8,6 +8,7 @@ minus released), never the ledger's own counters.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import redis.asyncio as redis
 
@@ -217,3 +218,41 @@ async def test_adoption_re_adds_a_running_stream_the_ledger_had_ended(
     st = await a.adopt([Holding("r0", DEF, "t", first_byte=True)])
     assert st.refused == ("r0",) and st.inflight == 1  # Envoy runs it: counted again
     assert (await a.release("r0", ReleaseReason.COMPLETED)).value == "released"
+
+
+async def test_a_restart_from_an_older_snapshot_is_a_loss_whoever_calls_first(
+        tmp_path: Path) -> None:
+    # A real restart from the RDB file. The first call after it comes from a client that
+    # is not a replica (no generation of its own, no settling window): the server's
+    # identity tells it all the same, and the fleet's window (as its replicas last gave
+    # it) is opened.
+    server = ValkeyServer(tmp_path / "valkey-rdb")
+    server.start()
+    c = redis.Redis(port=server.port, decode_responses=True)
+    try:
+        a, b = await fleet(c, 4, "a", "b")
+        Losses(a, b)
+        truth = Truth()
+        for r in (a, b):
+            await r.resync([], settle=SETTLE)  # a running replica's heartbeat: its window
+        await arrive(a, truth, "a0")
+        await c.save()
+        await arrive(b, truth, "b0")
+        await arrive(b, truth, "b1")
+        server.restart()
+        observer = FleetLedger(c, FLEET, "observer")
+        causes: list[str] = []
+        observer.on_loss = lambda cause, _seen: causes.append(cause)
+        assert (await observer.snapshot()).total_inflight == 1  # the older copy
+        assert causes == ["server_changed"]
+        # Frozen for the fleet's window: nobody admits against the copy.
+        assert await arrive(a, truth, "a1") is ArriveStatus.UNREGISTERED
+        for r in (a, b):
+            assert not (await r.resync(truth.holdings(r), settle=SETTLE)).known
+        await asyncio.sleep(SETTLE + 0.05)
+        for r in (a, b):
+            assert (await r.resync(truth.holdings(r), settle=SETTLE)).known
+        assert (await a.snapshot()).total_inflight == truth.total == 3
+    finally:
+        await c.aclose()
+        server.stop()

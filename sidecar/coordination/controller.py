@@ -438,7 +438,11 @@ class FleetController:
             if not allowed:
                 raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=False, rate_limited=True)
         arrived = self._clock()
-        deadline: float | None = None  # first try: the deciding queue's own timeout
+        # First try: the deciding queue's own timeout (the ledger's, on its clock), with
+        # this replica's as a backstop one call timeout later: a waiter the ledger lost (a
+        # restored older copy, a lost key) expires here instead of waiting for the client.
+        deadline: float | None = (arrived + self._classes[cls].queue_timeout_secs
+                                  + self._call_timeout)
         while True:
             try:
                 local = self._local

@@ -387,7 +387,11 @@ local function lose(cause)
   loss = cause
   local rs = redis.call('ZRANGE', K_REPLICAS, 0, -1)
   if #rs > 0 then redis.call('SADD', K_RETURNING, unpack(rs)) end
-  local untl = now + caller_settle
+  -- A caller without a window of its own (not a replica: a monitoring client) still
+  -- opens the fleet's, as its replicas last gave it.
+  local settle = caller_settle
+  if settle <= 0 then settle = tonumber(redis.call('HGET', K_FLEET, 'settle_secs')) or 0 end
+  local untl = now + settle
   if untl > (tonumber(redis.call('HGET', K_FLEET, 'settle')) or 0) then
     redis.call('HSET', K_FLEET, 'settle', fmt(untl))
   end
@@ -524,6 +528,7 @@ local function heartbeat(a)
   local r = a[1]
   local known = live(r)
   local settle = tonumber(a[11])
+  if settle > 0 then redis.call('HSET', K_FLEET, 'settle_secs', a[11]) end
   if not known and settle > 0 then
     redis.call('SADD', K_RETURNING, r)
     if settling() == 0 then redis.call('HSET', K_FLEET, 'settle', fmt(now + settle)) end
