@@ -6,7 +6,7 @@ optional blocks (``#@begin <name>`` ... ``#@end <name>``) are kept or dropped wh
 
     python envoy/render.py --listen-port 10000 --admin-port 9901 --sidecar 127.0.0.1:9001 \
         --workers 127.0.0.1:8081,127.0.0.1:8082 --authz-timeout 310 --flush-interval 5 \
-        [--no-preemption] [--jwt-secret S] --out envoy/envoy.yaml
+        [--no-preemption] [--jwt-secret S] [--edge-shed] --out envoy/envoy.yaml
     (--sidecar unix:///run/priority-gate/grpc.sock: the sidecar on a Unix socket)
 """
 
@@ -32,6 +32,13 @@ TEMPLATE_PATH: Path = Path(__file__).with_name("envoy.yaml.tmpl")
 STREAM_IDLE_MARGIN_SECS: float = 30.0
 DEFAULT_MIN_STREAM_IDLE_SECS: float = 300.0
 EXT_PROC_MESSAGE_TIMEOUT_SECS: float = 1.0
+# Edge shedding (--edge-shed): the sidecar's own queue-full reply for bulk, byte for byte
+# (sidecar.responses; tests/test_edge.py compares them), and the batch interval of the
+# edge-shed access log (sidecar.edge.SHED_LOG_FLUSH_SECS).
+EDGE_REPLY_BODY: str = ('{"error":{"type":"Too Many Requests","code":"scheduler_queue_full",'
+                        '"message":"The \'bulk\' priority queue is full; retry later",'
+                        '"param":null}}')
+EDGE_LOG_FLUSH_SECS: float = 0.25
 
 _BLOCK_RE = re.compile(r"^#@(begin|end) ([a-z_]+)\s*$")
 _HEADER_RE = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
@@ -111,11 +118,14 @@ def render(
     jwt_hs256_secret: str | None = None,
     stream_idle_timeout_secs: float | None = None,
     sidecar_pipe: str | None = None,
+    edge_shed: bool = False,
 ) -> str:
     """Return the Envoy bootstrap YAML (comments preserved) for these settings.
 
     ``sidecar_pipe``: reach the sidecar on this Unix socket path (its
     ``--grpc-listen unix://PATH``) instead of ``sidecar_host:sidecar_port``.
+    ``edge_shed``: the edge-shed route, runtime layers and access log (the sidecar's
+    ``--edge-shed``; sidecar/edge.py).
 
     Raises ValueError on invalid input (bad port/IP, no workers, idle timeout not above
     the authz timeout, ...). The result is also parsed with yaml.safe_load as a check.
@@ -163,6 +173,8 @@ def render(
     jwks = ""
     if preemption:
         enabled.add("preemption")
+    if edge_shed:
+        enabled.add("edge")
     if jwt_hs256_secret is not None:
         enabled.add("jwt")
         jwks = _jwks_inline(jwt_hs256_secret)
@@ -180,6 +192,8 @@ def render(
         tenant_header=tenant,
         jwks_inline=jwks,
         worker_endpoints="\n".join(endpoint_lines),
+        edge_reply_body=json.dumps(EDGE_REPLY_BODY),
+        edge_log_flush=_duration(EDGE_LOG_FLUSH_SECS),
     )
     yaml.safe_load(rendered)  # fail here, not in Envoy, if a substitution broke the YAML
     return rendered
@@ -216,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tenant-header", default="x-smg-tenant")
     p.add_argument("--jwt-secret", default=None, help="enable jwt_authn with this HS256 secret")
     p.add_argument("--no-preemption", action="store_true", help="omit the ext_proc filter")
+    p.add_argument("--edge-shed", action="store_true",
+                   help="Envoy answers the share of bulk the sidecar sets (sidecar --edge-shed)")
     p.add_argument("--out", default="-", help="output file ('-' = stdout)")
     a = p.parse_args(argv)
     pipe = a.sidecar if isinstance(a.sidecar, str) else None
@@ -235,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tenant_header=a.tenant_header,
             jwt_hs256_secret=a.jwt_secret,
             stream_idle_timeout_secs=a.stream_idle_timeout,
+            edge_shed=a.edge_shed,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -28,6 +28,7 @@ from sidecar.config import ConfigError, PriorityConfig, Settings
 from sidecar.coordination import server
 from sidecar.coordination.controller import FleetController
 from sidecar.coordination.credentials import with_password
+from sidecar.edge import RTDS_SERVICE, EdgeShed
 from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
@@ -279,6 +280,18 @@ class Runtime:
         self.response_path = ResponsePathService(self.controller, metrics, self.features,
                                                  self.liveness)
 
+        # --edge-shed: RTDS switches for Envoy's edge route, steered by the Checks' outcomes.
+        # Legacy admission answers admission_queue_full, which the edge route does not
+        # send: the switches then stay 0.
+        self.edge = EdgeShed(metrics, self.authz.rejection_counted) if s.edge_shed else None
+        if self.edge is not None:
+            if self.legacy:
+                log.warning("edge_shed_off_in_legacy_admission")
+            else:
+                self.authz.edge = self.edge.controller
+        als = (self.completion.stream_access_logs if self.edge is None
+               else self.edge.access_logs(self.completion.stream_access_logs))
+
         self._grpc = grpc.aio.server(options=list(authz.GRPC_SERVER_OPTIONS))
         # No (de)serialiser: grpc hands the handlers bytes and sends theirs as they are,
         # without a Python call per message each way (what bench.noop, the floor, does).
@@ -289,13 +302,18 @@ class Runtime:
                     self.authz.check, request_deserializer=p, response_serializer=p)}),
             grpc.method_handlers_generic_handler(ALS_SERVICE, {
                 "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
-                    self.completion.stream_access_logs, request_deserializer=p,
-                    response_serializer=p)}),
+                    als, request_deserializer=p, response_serializer=p)}),
             grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {
                 "Process": grpc.stream_stream_rpc_method_handler(
                     self.response_path.process, request_deserializer=p,
                     response_serializer=p)}),
         ])
+        if self.edge is not None:
+            self._grpc.add_generic_rpc_handlers([
+                grpc.method_handlers_generic_handler(RTDS_SERVICE, {
+                    "StreamRuntime": grpc.stream_stream_rpc_method_handler(
+                        self.edge.server.stream_runtime, request_deserializer=p,
+                        response_serializer=p)})])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.grpc_listen = listen.parse(s.grpc_listen)
@@ -324,6 +342,8 @@ class Runtime:
                 self.fleet.ledger, s.replica_ttl_secs, self.metrics)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
+        if self.edge is not None:
+            self._tasks.append(asyncio.create_task(self.edge.run()))
         self._serving.set()
         log.info(
             "started",

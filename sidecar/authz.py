@@ -22,6 +22,7 @@ from sidecar import codec, logs, responses
 from sidecar.admission import AdmissionService, Denied
 from sidecar.classes import HIGH_TO_LOW, PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
+from sidecar.edge import ShedController
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
 from sidecar.scheduler import ClassSettings, Outcome
@@ -131,6 +132,9 @@ class AuthzService:
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
         self._rejections = logs.RejectionSummary(log)
+        self.rejection_counted = self._rejections.add  # edge sheds join the same line
+        # --edge-shed: the control loop sees each Check's class and every queue overflow.
+        self.edge: ShedController | None = None
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
@@ -153,6 +157,9 @@ class AuthzService:
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
+        edge = self.edge
+        if edge is not None:
+            edge.arrived(c.effective)
         if self.open_checks > MAX_OPEN_CHECKS:
             self.metrics.overloaded(c.effective)
             self._overload_log.event(open_checks=self.open_checks)
@@ -163,6 +170,8 @@ class AuthzService:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,
                                              rate_limited=d.rate_limited)
             outcome = "rate_limited" if d.rate_limited else d.outcome.value
+            if edge is not None and outcome == "rejected_queue_full":
+                edge.overflowed(c.effective)
             # Per rejection at debug only; info gets the throttled summary (docs/reference.md).
             log.debug("rejected", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, outcome=outcome,

@@ -546,6 +546,8 @@ class Settings:
     replica_ttl_secs: float = 10.0
     # Header name -> value sent with every worker probe; never in a repr.
     worker_credential: Mapping[str, str] | None = field(default=None, repr=False)
+    # Envoy answers a flooded bulk queue's overflow itself (sidecar.edge).
+    edge_shed: bool = False
 
     @property
     def fallback_capacity(self) -> int:
@@ -644,6 +646,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--config-poll-secs", type=float, default=1.0, metavar="SECS",
                     help="how often to check --priority-scheduler-config for changes "
                          "(SIGHUP checks at once)")
+    sc.add_argument("--edge-shed", action="store_true", default=False,
+                    help="serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers "
+                         "the overflow of a full bulk queue with the 429 itself, without a "
+                         "Check; off again within 2 s of the sidecar going silent")
     sc.add_argument("--startup-capacity-wait-secs", type=float, default=0, metavar="SECS",
                     help="wait up to SECS for a first capacity reading from real workers "
                          "before deciding scheduler vs. legacy admission (/healthz answers "
@@ -896,6 +902,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         log_level=ns.log_level,
         coordination_url=ns.coordination_url,
         coordination_password=password,
+        edge_shed=ns.edge_shed,
         fleet_id=ns.fleet_id,
         replica_id=replica_id,
         replica_ttl_secs=float(ns.replica_ttl_secs),

@@ -52,6 +52,9 @@ verb                        caller                 metrics
 ``owner_lost``              liveness (timer)       ``smg_sidecar_envoy_owner_lost_total``,
                                                    ``smg_sidecar_envoy_owner_released_total``
 ``owner_blip``              liveness (admin)       ``smg_sidecar_envoy_owner_blips_total``
+``edge_shed``               edge (shed access log) ``smg_scheduler_admit_total``,
+                                                   ``smg_sidecar_edge_shed_total``
+``edge_share``              edge (control loop)    ``smg_sidecar_edge_shed_share``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -220,6 +223,13 @@ class Recorder(Protocol):
     def owner_blip(self) -> None:
         """An Envoy's streams closed, but its admin says the same process runs."""
 
+    def edge_shed(self, cls: PriorityClass, n: int) -> None:
+        """Envoy answered ``n`` requests of ``cls`` with the queue-full 429 itself (edge
+        shedding): counted as the contract counts them, and as edge sheds."""
+
+    def edge_share(self, cls: PriorityClass, share: float) -> None:
+        """The share of ``cls``'s requests Envoy is told to answer itself."""
+
 
 class NullRecorder:
     """Records nothing."""
@@ -296,6 +306,12 @@ class NullRecorder:
         pass
 
     def owner_blip(self) -> None:
+        pass
+
+    def edge_shed(self, cls: PriorityClass, n: int) -> None:
+        pass
+
+    def edge_share(self, cls: PriorityClass, share: float) -> None:
         pass
 
 
@@ -446,6 +462,15 @@ class Metrics:
         self._rate_child = {allowed: self._rate_limit.labels("allowed" if allowed else "rejected")
                             for allowed in (True, False)}
         self._overload_child = {cls: self._overload.labels(cls.label) for cls in HIGH_TO_LOW}
+        self._edge_shed = Counter(
+            "smg_sidecar_edge_shed",
+            "Requests Envoy answered with the queue-full 429 itself (edge shedding), by class "
+            "(also in smg_scheduler_admit_total{outcome=\"rejected_queue_full\"})",
+            ["class"], registry=r)
+        self._edge_share = Gauge(
+            "smg_sidecar_edge_shed_share",
+            "Share of the class's requests Envoy is told to answer itself (0 = off)",
+            ["class"], registry=r)
         for cls in HIGH_TO_LOW:
             self._adoption_refused.labels(cls.label)
         for admitted in ("true", "false"):
@@ -596,6 +621,13 @@ class Metrics:
 
     def owner_blip(self) -> None:
         self._owner_blips.inc()
+
+    def edge_shed(self, cls: PriorityClass, n: int) -> None:
+        self._admit_child[(cls, Outcome.REJECTED_QUEUE_FULL)].inc(n)
+        self._edge_shed.labels(cls.label).inc(n)
+
+    def edge_share(self, cls: PriorityClass, share: float) -> None:
+        self._edge_share.labels(cls.label).set(share)
 
 
 class _WorkerCapacityCollector(Collector):

@@ -103,6 +103,8 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "envoy_streams": lambda r: r.envoy_streams(2, 1),
     "owner_lost": lambda r: r.owner_lost(3),
     "owner_blip": lambda r: r.owner_blip(),
+    "edge_shed": lambda r: r.edge_shed(B, 3),
+    "edge_share": lambda r: r.edge_share(B, 0.5),
 }
 
 

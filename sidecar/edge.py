@@ -1,0 +1,295 @@
+"""Edge shedding: Envoy answers a flooded class's overflow itself, the sidecar steers it.
+
+A shed Check costs the sidecar about what an admitted one does (the gRPC call is
+most of it), so at 10x overload most of its CPU goes to saying no. With
+``--edge-shed`` the sidecar drives a switch per class in Envoy's runtime, and a
+route ahead of the catch-all answers that share of the class's requests with the
+contract's ``429 scheduler_queue_full`` (same status, headers and body bytes as
+the sidecar's own, :data:`EDGE_REPLIES`) before any Check. Three parts:
+
+* **Switches (RTDS).** The sidecar serves ``RuntimeDiscoveryService/StreamRuntime``
+  on its gRPC port: one runtime layer, :data:`LAYER`, with a key per class,
+  ``smg.edge.shed.<class>`` = the share to shed in millionths. Envoy's bootstrap
+  (``envoy/render.py --edge-shed``) layers it over a static layer where every
+  key is 0. Every resource carries an xDS TTL (:data:`TTL_SECS`) and is sent
+  again every control interval; an Envoy that hears nothing for a TTL (sidecar
+  dead, stream broken, process stopped) drops the layer and the static 0
+  applies: **a switch is off at most TTL_SECS after the sidecar last spoke**.
+* **Which requests.** Only a class certain from the request alone may be shed
+  before the tenant is known: ``x-smg-priority: bulk`` is bulk whatever the
+  tenant, since the ceiling only clamps down (:data:`EDGE_CLASSES`). ``system``,
+  ``interactive``, ``default``, other values and no header can all end up in
+  another class by the tenant's ceiling, so they always reach Check.
+* **Control loop** (:class:`ShedController`, every :data:`CONTROL_INTERVAL_SECS`).
+  A class is shed only while its queue overflows: the Checks of that class the
+  sidecar answered ``rejected_queue_full`` since the last tick. An interval with
+  arrivals and no such rejection is room, and the switch goes to 0 at that tick,
+  so a request the contract would queue is shed for at most two intervals after
+  room appears (one to see a quiet interval, one to observe it) plus Envoy's
+  reload. While it overflows, the share moves half-way toward the share that
+  lets through what the queue absorbed, plus :data:`MARGIN`: the sidecar keeps
+  seeing a little overflow (which is what keeps the switch on) and the share
+  does not flap between 0 and 1. Changes smaller than :data:`DEADBAND` are not
+  sent. In a fleet (``--coordination-url``) the rejections are the ledger's, so
+  the switch follows the fleet-wide queue as this replica's traffic meets it.
+* **Counting.** Envoy writes one access-log entry per edge shed on a logger of
+  its own (batched, :data:`SHED_LOG_NAME`), marked by gRPC metadata on its
+  stream; the sidecar counts them without decoding an entry: each batch adds
+  its length to ``smg_scheduler_admit_total{class,outcome="rejected_queue_full"}``
+  and ``smg_sidecar_edge_shed_total{class}`` and to the ``rejections`` log line.
+  The batch interval (:data:`SHED_LOG_FLUSH_SECS`) is well inside any scrape
+  interval.
+
+docs/reference.md, "Edge shedding", has the operator's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.runtime.v3 import rtds_pb2
+
+from sidecar import codec, logs, responses
+from sidecar.classes import PriorityClass
+from sidecar.metrics import Recorder
+
+RTDS_SERVICE = "envoy.service.runtime.v3.RuntimeDiscoveryService"
+RUNTIME_TYPE_URL = "type.googleapis.com/envoy.service.runtime.v3.Runtime"
+LAYER = "priority-gate-edge"
+# Only a class the request alone decides: a bulk header stays bulk under any ceiling.
+EDGE_CLASSES: Final = (PriorityClass.BULK,)
+RUNTIME_KEY_PREFIX = "smg.edge.shed."
+DENOMINATOR = 1_000_000  # the routes' runtime_fraction denominator: MILLION
+# Resource TTL: an Envoy that hears nothing for this long goes back to the static 0.
+TTL_SECS = 2.0
+CONTROL_INTERVAL_SECS = 0.25  # also the refresh period: eight refreshes per TTL
+MARGIN = 0.25  # let through this much more than the queue absorbed (keeps the signal)
+GAIN = 0.5  # move this far toward the target share each tick
+MAX_SHARE = 0.99  # a few requests always reach Check: the overflow signal needs them
+DEADBAND = 0.01  # smaller changes are not sent
+# The edge-shed access logger: its stream carries this gRPC metadata (Envoy's
+# grpc_service initial_metadata), one logger per edge class.
+SHED_LOG_NAME = "priority-gate-edge-shed"
+STREAM_MARK_KEY = "x-smg-edge-shed"
+SHED_LOG_FLUSH_SECS = 0.25
+EDGE_TENANT = "<edge>"  # the rejections line's tenant for edge sheds (Envoy did not ask)
+
+log = logs.get("sidecar.edge")
+
+
+def runtime_key(cls: PriorityClass) -> str:
+    return RUNTIME_KEY_PREFIX + cls.label
+
+
+EDGE_REPLIES: Final[Mapping[PriorityClass, responses.Reply]] = {
+    cls: responses.REPLIES[(responses.Rejection.QUEUE_FULL, cls)] for cls in EDGE_CLASSES}
+
+
+@dataclass(slots=True)
+class _ClassState:
+    share: float = 0.0  # what Envoy was last told
+    arrived: int = 0  # Checks of the class since the last tick
+    overflow: int = 0  # of them, answered rejected_queue_full
+
+
+@dataclass(slots=True)
+class ShedController:
+    """The share of each edge class's arrivals Envoy answers itself (module docstring)."""
+
+    classes: Iterable[PriorityClass] = EDGE_CLASSES
+    _state: dict[PriorityClass, _ClassState] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._state = {c: _ClassState() for c in self.classes}
+
+    def arrived(self, cls: PriorityClass) -> None:
+        s = self._state.get(cls)
+        if s is not None:
+            s.arrived += 1
+
+    def overflowed(self, cls: PriorityClass) -> None:
+        s = self._state.get(cls)
+        if s is not None:
+            s.overflow += 1
+
+    def shares(self) -> dict[PriorityClass, float]:
+        return {c: s.share for c, s in self._state.items()}
+
+    def tick(self) -> bool:
+        """Close an interval; True when a share changed (Envoy must be told)."""
+        changed = False
+        for s in self._state.values():
+            new = self._next(s)
+            s.arrived = s.overflow = 0
+            if new != s.share:
+                s.share = new
+                changed = True
+        return changed
+
+    @staticmethod
+    def _next(s: _ClassState) -> float:
+        if s.overflow == 0:
+            if s.arrived or s.share < 2 * DEADBAND:
+                return 0.0  # room: whatever the edge sheds now the queue might take
+            # Nothing got through, so nothing is known: shed less until something does.
+            return round(s.share * (1.0 - GAIN), 4)
+        # Arrivals at the edge, estimated from what got through the share in force.
+        total = s.arrived / max(1e-6, 1.0 - s.share)
+        absorbed = s.arrived - s.overflow
+        target = min(MAX_SHARE, max(0.0, 1.0 - absorbed * (1.0 + MARGIN) / total))
+        new = s.share + GAIN * (target - s.share)
+        if abs(new - s.share) < DEADBAND:
+            return s.share
+        return round(new, 4)
+
+
+class RuntimeServer:
+    """SotW RTDS for one layer: the current shares, with a TTL, to every open stream."""
+
+    def __init__(self, metrics: Recorder) -> None:
+        self._metrics = metrics
+        self._streams: set[asyncio.Queue[bytes]] = set()
+        self._version = itertools.count(1)
+        self._nonce = itertools.count(1)
+        self._shares: dict[PriorityClass, float] = dict.fromkeys(EDGE_CLASSES, 0.0)
+        self._current = self._encode()
+
+    @property
+    def streams(self) -> int:
+        return len(self._streams)
+
+    def publish(self, shares: Mapping[PriorityClass, float], *, changed: bool) -> None:
+        """Send the shares (again) to every Envoy; a refresh when nothing changed."""
+        if changed:
+            # Info only when a class's switch goes on or off; each step at debug.
+            flips = {c.label: v for c, v in shares.items()
+                     if (v > 0) != (self._shares.get(c, 0.0) > 0)}
+            self._shares = dict(shares)
+            self._current = self._encode()
+            if flips:
+                log.info("edge_shed_switched", shares=flips)
+            elif logs.debug_enabled():
+                log.debug("edge_shed_changed", shares={c.label: v for c, v in shares.items()})
+        for cls, share in self._shares.items():
+            self._metrics.edge_share(cls, share)
+        for q in self._streams:
+            if q.empty():  # a refresh a stream has not taken yet is as good as a new one
+                q.put_nowait(self._current)
+
+    def _encode(self) -> bytes:
+        version = str(next(self._version))
+        rt = rtds_pb2.Runtime(name=LAYER)
+        # A FractionalPercent map: a plain integer would be read as a percentage and
+        # anything above 100 as "always" (measured with Envoy 1.40: everything shed).
+        rt.layer.update({runtime_key(c): {"numerator": round(v * DENOMINATOR),
+                                          "denominator": "MILLION"}
+                         for c, v in self._shares.items()})
+        res = discovery_pb2.Resource(name=LAYER, version=version)
+        res.ttl.FromNanoseconds(int(TTL_SECS * 1e9))
+        res.resource.Pack(rt)
+        resp = discovery_pb2.DiscoveryResponse(version_info=version, type_url=RUNTIME_TYPE_URL)
+        resp.resources.add().Pack(res)
+        out: bytes = resp.SerializeToString()
+        return out
+
+    def _with_nonce(self, data: bytes) -> bytes:
+        # The nonce is the only per-send field: appended as its own field, no re-encode.
+        nonce: bytes = discovery_pb2.DiscoveryResponse(
+            nonce=str(next(self._nonce))).SerializeToString()
+        return data + nonce
+
+    async def stream_runtime(self, requests: AsyncIterator[bytes],
+                             context: grpc.aio.ServicerContext[bytes, bytes]
+                             ) -> AsyncIterator[bytes]:
+        q: asyncio.Queue[bytes] = asyncio.Queue(maxsize=1)
+        reader = asyncio.ensure_future(self._read(requests, q))
+        try:
+            while True:
+                data = await q.get()
+                yield self._with_nonce(data)
+        finally:
+            self._streams.discard(q)
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _read(self, requests: AsyncIterator[bytes], q: asyncio.Queue[bytes]) -> None:
+        async for data in requests:
+            try:
+                req = discovery_pb2.DiscoveryRequest.FromString(data)
+            except Exception as exc:  # a malformed message is logged, not fatal
+                log.warning("rtds_decode_failed", error=str(exc))
+                continue
+            if req.HasField("error_detail"):
+                log.warning("rtds_rejected", message=req.error_detail.message,
+                            version=req.version_info)
+            if q not in self._streams:  # the first request: send what is in force now
+                if req.type_url != RUNTIME_TYPE_URL or LAYER not in req.resource_names:
+                    log.warning("rtds_unknown_subscription", type_url=req.type_url,
+                                resources=list(req.resource_names)[:4])
+                self._streams.add(q)
+                if q.empty():
+                    q.put_nowait(self._current)
+
+
+class EdgeShed:
+    """The controller, the RTDS server and the shed counter, run every interval."""
+
+    def __init__(self, metrics: Recorder,
+                 rejections: Callable[[str, str, str], None]) -> None:
+        self.controller = ShedController()
+        self.server = RuntimeServer(metrics)
+        self._metrics = metrics
+        self._rejections = rejections
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(CONTROL_INTERVAL_SECS)
+            changed = self.controller.tick()
+            self.server.publish(self.controller.shares(), changed=changed)
+
+    def shed_counted(self, cls: PriorityClass, n: int) -> None:
+        self._metrics.edge_shed(cls, n)
+        for _ in range(n):
+            self._rejections(cls.label, "rejected_queue_full", EDGE_TENANT)
+
+    def access_logs(self, completion: Callable[[AsyncIterator[bytes],
+                                                grpc.aio.ServicerContext[bytes, bytes]],
+                                               Awaitable[bytes]]
+                    ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext[bytes, bytes]],
+                                  Awaitable[bytes]]:
+        """The ALS handler: edge-shed streams are counted here, the rest go to ``completion``."""
+
+        async def handler(requests: AsyncIterator[bytes],
+                          context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+            mark = _stream_mark(context)
+            if mark is None:
+                return await completion(requests, context)
+            cls = PriorityClass.from_name(mark)
+            async for data in requests:
+                try:
+                    n = len(als_pb2.StreamAccessLogsMessage.FromString(data)
+                            .http_logs.log_entry)
+                except Exception as exc:
+                    log.warning("access_log_decode_failed", error=str(exc))
+                    continue
+                if cls is not None and n:
+                    self.shed_counted(cls, n)
+            return codec.ALS_RESPONSE
+
+        return handler
+
+
+def _stream_mark(context: grpc.aio.ServicerContext[bytes, bytes]) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == STREAM_MARK_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None

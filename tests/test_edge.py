@@ -1,0 +1,351 @@
+"""Edge shedding (--edge-shed, sidecar/edge.py): Envoy answers a full bulk queue's overflow.
+
+Unit parts: the control loop, the RTDS message, the reply bytes the renderer writes.
+End to end through a real Envoy: a bulk flood is answered by Envoy itself with the
+contract's 429 byte for byte and no Check (Envoy's ext_authz stats), every edge shed
+is counted as the contract counts; the class is admitted again soon after its queue
+has room; a killed sidecar's switch is off in Envoy within the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.runtime.v3 import rtds_pb2
+from google.protobuf import json_format
+
+from devtools.httpclient import HTTP_ERRORS, get, request
+from devtools.stack import Stack, StackConfig, load_renderer
+from sidecar import edge, logs, responses
+from sidecar.classes import PriorityClass
+from sidecar.edge import ShedController
+from sidecar.metrics import NullRecorder
+from tests.test_k8s import _envoy_bin
+
+B, D = PriorityClass.BULK, PriorityClass.DEFAULT
+BULK_FULL = responses.reply(responses.Rejection.QUEUE_FULL, B)
+
+# One slot, a two-deep bulk queue and long requests: a flood keeps the queue full.
+PRIORITY = """
+classes:
+  system: {reserved_floor: 0, queue_size: 2, queue_timeout_secs: 20}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0, queue_size: 2, queue_timeout_secs: 20}
+  default: {reserved_per_slot: 0.0, queue_size: 2, queue_timeout_secs: 20}
+  bulk: {queue_size: 2, queue_timeout_secs: 20}
+"""
+
+
+# ---------------------------------------------------------------------- unit
+
+
+def _interval(c: ShedController, arrived: int, overflow: int, cls: PriorityClass = B) -> float:
+    for _ in range(arrived):
+        c.arrived(cls)
+    for _ in range(overflow):
+        c.overflowed(cls)
+    c.tick()
+    return c.shares()[B]
+
+
+def test_the_share_rises_while_the_queue_overflows_and_is_zero_once_it_has_room() -> None:
+    c = ShedController()
+    assert _interval(c, 100, 0) == 0.0  # room: nothing shed
+    shares = [_interval(c, 100, 90) for _ in range(3)]
+    assert 0 < shares[0] < shares[1] < shares[2] <= edge.MAX_SHARE
+    # What got through at the share in force is what the sidecar sees; keep it overflowing.
+    steady = _interval(c, 20, 10)
+    assert steady > 0
+    assert _interval(c, 5, 0) == 0.0  # one interval whose arrivals all found room: off
+
+
+def test_the_share_holds_within_the_deadband_and_decays_when_nothing_gets_through() -> None:
+    c = ShedController()
+    first = _interval(c, 100, 90)
+    # Overflowing at the share that keeps a margin: no change smaller than the deadband.
+    through = 1.0 - first
+    absorbed = round(100 * through / (1 + edge.MARGIN))
+    assert _interval(c, round(100 * through), round(100 * through) - absorbed) == first
+    # Nothing reached the sidecar: unknown, so the share halves until it is negligible.
+    seen = [_interval(c, 0, 0) for _ in range(8)]
+    assert seen[0] == pytest.approx(first / 2, abs=1e-3)
+    assert seen[-1] == 0.0
+
+
+def test_other_classes_never_move_a_switch() -> None:
+    c = ShedController()
+    assert _interval(c, 100, 100, cls=D) == 0.0
+    assert set(c.shares()) == set(edge.EDGE_CLASSES) == {B}
+
+
+def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
+    server = edge.RuntimeServer(NullRecorder())
+    server.publish({B: 0.25}, changed=True)
+    resp = discovery_pb2.DiscoveryResponse.FromString(server._with_nonce(server._current))
+    assert resp.type_url == edge.RUNTIME_TYPE_URL and resp.nonce
+    (wrapped,) = resp.resources
+    res = discovery_pb2.Resource()
+    assert wrapped.Unpack(res)
+    assert res.name == edge.LAYER and res.ttl.ToNanoseconds() == int(edge.TTL_SECS * 1e9)
+    rt = rtds_pb2.Runtime()
+    assert res.resource.Unpack(rt)
+    assert rt.name == edge.LAYER
+    assert json_format.MessageToDict(rt.layer) == {
+        "smg.edge.shed.bulk": {"numerator": 250000.0, "denominator": "MILLION"}}
+
+
+def test_the_rendered_edge_reply_is_the_sidecars_byte_for_byte() -> None:
+    render = load_renderer()
+    assert BULK_FULL.body == render.EDGE_REPLY_BODY
+    assert render.EDGE_LOG_FLUSH_SECS == edge.SHED_LOG_FLUSH_SECS
+    text = _render(edge_shed=True)
+    boot = _yaml(text)
+    routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    shed = routes[0]
+    assert shed["name"] == "smg_edge_shed_bulk"
+    assert shed["direct_response"] == {"status": BULK_FULL.status,
+                                       "body": {"inline_string": BULK_FULL.body}}
+    assert {h["header"]["key"]: h["header"]["value"] for h in shed["response_headers_to_add"]
+            } == dict(BULK_FULL.headers)
+    assert shed["match"]["runtime_fraction"]["runtime_key"] == edge.runtime_key(B)
+    layers = boot["layered_runtime"]["layers"]
+    assert layers[0]["static_layer"] == {edge.runtime_key(B): 0}
+    assert layers[1]["rtds_layer"]["name"] == edge.LAYER
+    # Off by default: the shipped bootstrap has no edge route.
+    assert "smg_edge" not in _render(edge_shed=False)
+
+
+def test_edge_sheds_join_the_rejections_line() -> None:
+    lines: list[dict[str, object]] = []
+
+    class Log:
+        def info(self, event: str, **kw: object) -> None:
+            lines.append({"event": event, **kw})
+
+    summary = logs.RejectionSummary(Log(), schedule=lambda delay, fn: None)  # type: ignore[arg-type]
+    shed = edge.EdgeShed(NullRecorder(), summary.add)
+    shed.shed_counted(B, 3)
+    summary.flush()
+    # The first at once, the others summed at the end of the interval.
+    assert sum(ln["total"] for ln in lines) == 3  # type: ignore[misc]
+    assert all(ln["by_class_outcome"].keys() == {"bulk/rejected_queue_full"}  # type: ignore[attr-defined]
+               and ln["top_tenants"].keys() == {edge.EDGE_TENANT} for ln in lines)  # type: ignore[attr-defined]
+
+
+def _render(*, edge_shed: bool, sidecar_port: int = 9001, listen: int = 10000,
+            admin: int = 9901) -> str:
+    text: str = load_renderer().render(
+        listen_port=listen, admin_port=admin, sidecar_host="127.0.0.1",
+        sidecar_port=sidecar_port, workers=[("127.0.0.1", 8081)], authz_timeout_secs=310,
+        flush_interval_secs=5, edge_shed=edge_shed)
+    return text
+
+
+def _yaml(text: str) -> dict[str, object]:
+    import yaml
+    out: dict[str, object] = yaml.safe_load(text)
+    return out
+
+
+def _envoy() -> Path:
+    envoy = _envoy_bin()
+    if envoy is None:
+        pytest.skip("no Envoy binary (set ENVOY_BIN or run `make envoy`)")
+    return envoy
+
+
+def test_the_edge_bootstrap_passes_envoy_validate(tmp_path: Path) -> None:
+    cfg = tmp_path / "envoy.yaml"
+    cfg.write_text(_render(edge_shed=True), encoding="utf-8")
+    out = subprocess.run([str(_envoy()), "--mode", "validate", "-c", str(cfg),
+                          "--disable-hot-restart", "--log-level", "warn"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ end to end
+
+
+class EdgeStack(Stack):
+    """A stack whose sidecar runs --edge-shed behind a bootstrap rendered with it."""
+
+    def write_envoy_config(self) -> None:
+        c = self.config
+        self.envoy_config.write_text(load_renderer().render(
+            listen_port=self.listen_port, admin_port=self.admin_port,
+            sidecar_host="127.0.0.1", sidecar_port=self.grpc_port,
+            workers=self.fleet.addresses, authz_timeout_secs=self.authz_timeout,
+            flush_interval_secs=c.flush_interval_secs,
+            health_interval_secs=c.health_interval_secs, preemption=c.preemption,
+            edge_shed=True))
+
+
+@contextlib.asynccontextmanager
+async def edge_stack(tmp_path: Path) -> AsyncIterator[EdgeStack]:
+    _envoy()
+    stack = EdgeStack(StackConfig(workers=1, max_running_requests=1, service_time=0.5,
+                                  priority_yaml=PRIORITY, sidecar_args=["--edge-shed"]),
+                      workdir=tmp_path)
+    try:
+        await stack.start()
+        yield stack
+    finally:
+        await stack.stop()
+
+
+class Flood:
+    """Closed-loop bulk clients; every response kept for the checks."""
+
+    def __init__(self, stack: Stack, clients: int = 16) -> None:
+        self.stack = stack
+        self.responses: list[tuple[int, dict[str, str], bytes]] = []
+        self.errors = 0
+        self._stop = False
+        self._tasks = [asyncio.create_task(self._client()) for _ in range(clients)]
+
+    async def _client(self) -> None:
+        while not self._stop:
+            try:
+                r = await request(self.stack.listen_port, headers={"x-smg-priority": "bulk"},
+                                  body=b"{}", timeout=30)
+                self.responses.append((r.status, r.headers, r.body))
+            except HTTP_ERRORS:
+                self.errors += 1
+
+    async def stop(self) -> None:
+        self._stop = True
+        await asyncio.gather(*self._tasks)
+
+
+async def envoy_share(stack: Stack) -> float:
+    """The share Envoy's runtime has for bulk now (0 when only the static layer has it)."""
+    _, body = await get(f"http://127.0.0.1:{stack.admin_port}/runtime?format=json", 2.0)
+    entry = json.loads(body)["entries"].get(edge.runtime_key(B), {})
+    # Envoy prints a map value as protobuf text: ... "numerator" value { number_value: N }
+    m = re.search(r"numerator\D*?([0-9][0-9.e+]*)", entry.get("final_value", ""), re.S)
+    return float(m.group(1)) / edge.DENOMINATOR if m else 0.0
+
+
+async def wait_share(stack: Stack, cond: object, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        share = await envoy_share(stack)
+        if cond(share):  # type: ignore[operator]
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"share {share} after {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+async def checks(stack: Stack) -> int:
+    """Check RPCs Envoy made (whatever their answer)."""
+    total = 0
+    for s in ("ok", "denied", "error", "failure_mode_allowed"):
+        total += await stack.envoy_stat(f"http\\.ingress\\.ext_authz\\.{s}")
+    return total
+
+
+async def counted(stack: Stack) -> tuple[float, float]:
+    m = await stack.metrics()
+    return (m.get('smg_scheduler_admit_total{class="bulk",outcome="rejected_queue_full"}', 0.0),
+            m.get('smg_sidecar_edge_shed_total{class="bulk"}', 0.0))
+
+
+@pytest.mark.e2e
+async def test_a_flood_is_answered_by_envoy_with_the_contract_bytes_and_counted(
+        tmp_path: Path) -> None:
+    async with edge_stack(tmp_path) as stack:
+        flood = Flood(stack)
+        try:
+            await wait_share(stack, lambda s: s >= 0.5, timeout=10)
+            checks0, before = await checks(stack), len(flood.responses)
+            await asyncio.sleep(1.5)
+            checks1, after = await checks(stack), len(flood.responses)
+        finally:
+            await flood.stop()
+        sent = after - before
+        # Most of the flood never became a Check: Envoy answered it.
+        assert checks1 - checks0 < sent / 2, (checks1 - checks0, sent)
+        rejected = [r for r in flood.responses if r[0] == 429]
+        assert len(rejected) > sent / 2
+        for status, headers, body in rejected:  # Envoy's and the sidecar's alike
+            assert status == BULK_FULL.status
+            assert body == BULK_FULL.body.encode()
+            for k, v in BULK_FULL.headers:
+                assert headers.get(k) == v, (k, headers)
+        assert {r[0] for r in flood.responses} <= {200, 429}
+        # Every 429 counted once as the contract counts (the edge ones within a flush).
+        denied_by_sidecar = await stack.envoy_stat("http\\.ingress\\.ext_authz\\.denied")
+        deadline = time.monotonic() + 2 * edge.SHED_LOG_FLUSH_SECS + 2
+        while True:
+            full, shed = await counted(stack)
+            if full == len(rejected) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert full == len(rejected)
+        assert shed == len(rejected) - denied_by_sidecar > 0
+
+
+@pytest.mark.e2e
+async def test_the_class_is_admitted_again_soon_after_its_queue_has_room(
+        tmp_path: Path) -> None:
+    async with edge_stack(tmp_path) as stack:
+        flood = Flood(stack)
+        try:
+            await wait_share(stack, lambda s: s >= 0.5, timeout=10)
+        finally:
+            await flood.stop()
+        # The flood's clients are gone; the queue drains (1 slot, 0.5 s per request).
+        m = await stack.metrics()
+        deadline = time.monotonic() + 5
+        while m.get('smg_scheduler_queue_depth{class="bulk"}', 0) >= 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+            m = await stack.metrics()
+        room = time.monotonic()
+        # A bulk request every 50 ms from now on: how long is one still shed by Envoy?
+        last_edge = room
+        admitted_at = None
+        while admitted_at is None:
+            r = await request(stack.listen_port, headers={"x-smg-priority": "bulk"},
+                              body=b"{}", timeout=30)
+            if r.status == 429:
+                last_edge = time.monotonic()
+            else:
+                admitted_at = time.monotonic()
+            assert time.monotonic() - room < 5
+            await asyncio.sleep(0.05)
+        # Two control intervals to see a quiet one, plus Envoy's reload and a request.
+        bound = 2 * edge.CONTROL_INTERVAL_SECS + 0.5
+        assert last_edge - room <= bound, last_edge - room
+        off_at = await wait_share(stack, lambda s: s == 0.0, timeout=bound)
+        assert off_at - room <= bound + 0.1
+
+
+@pytest.mark.e2e
+async def test_a_killed_sidecar_leaves_the_switch_off_within_the_ttl(tmp_path: Path) -> None:
+    async with edge_stack(tmp_path) as stack:
+        flood = Flood(stack)
+        try:
+            await wait_share(stack, lambda s: s >= 0.5, timeout=10)
+            stack.kill_sidecar()
+            killed = time.monotonic()
+            off = await wait_share(stack, lambda s: s == 0.0, timeout=edge.TTL_SECS + 2)
+        finally:
+            await flood.stop()
+        # The sidecar last spoke at most one control interval before it died.
+        assert off - killed <= edge.TTL_SECS + 0.5, off - killed
+        # Off means every bulk request goes to ext_authz again: no sidecar -> 503.
+        for _ in range(10):
+            r = await request(stack.listen_port, headers={"x-smg-priority": "bulk"},
+                              body=b"{}", timeout=10)
+            assert r.status == 503
