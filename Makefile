@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 ENVOY := $(ENVOY_VENV)/bin/envoy
 PYTEST_ARGS ?=
 
-.PHONY: install envoy llama-server test test-llama lint typecheck pytest run bench fuzz clean
+.PHONY: install envoy llama-server test test-llama lint typecheck pytest run front bench fuzz clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -59,6 +59,13 @@ fuzz: install
 
 run: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.demo
+
+# Envoy and the sidecar in front of your own engines: make front WORKERS="http://HOST:PORT ..."
+# (or LLAMA=N: N local llama-servers on a tiny random model).
+front: install envoy
+	@test -n "$(WORKERS)$(LLAMA)" || { echo 'usage: make front WORKERS="http://HOST:PORT ..." (or LLAMA=1)'; exit 2; }
+	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.front \
+		$(if $(LLAMA),--llama $(LLAMA),--worker-urls $(WORKERS)) $(FRONT_ARGS)
 
 bench: install envoy
 	$(PY) -m pip install --quiet -e '.[dev,bench]'

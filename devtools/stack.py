@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.fleet import Fleet
 from devtools.httpclient import HTTP_ERRORS
 from devtools.httpclient import get as http_get
-from devtools.llama import LlamaFleet
 from devtools.proc import die_with_parent
 from devtools.valkey import ValkeyServer
 from sidecar.config import parse_priority_config
@@ -61,6 +61,25 @@ def load_renderer(name: str = "render") -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class _Worker(Protocol):
+    @property
+    def healthy(self) -> bool: ...
+
+
+class Engines(Protocol):
+    """Workers a stack fronts instead of its fake fleet: real llama-servers
+    (:class:`devtools.llama.LlamaFleet`), someone's own engines (``devtools.front``)."""
+
+    @property
+    def workers(self) -> Sequence[_Worker]: ...
+    @property
+    def urls(self) -> list[str]: ...
+    @property
+    def addresses(self) -> list[tuple[str, int]]: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
 
 
 @dataclass
@@ -97,17 +116,17 @@ class Stack:
 
     With ``fleet`` given, the stack shares that (already started) fleet with others and
     neither starts nor stops it (see :class:`Replicas`); otherwise it owns one built from
-    the config. ``engines`` (not started) puts real llama-servers where the fake
-    workers would be; the stack starts and stops them.
+    the config. ``engines`` (not started) puts real engines where the fake workers
+    would be; the stack starts and stops them.
     """
 
     def __init__(self, config: StackConfig, workdir: Path | None = None,
-                 fleet: Fleet | None = None, engines: LlamaFleet | None = None) -> None:
+                 fleet: Fleet | None = None, engines: Engines | None = None) -> None:
         self.config = config
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="smg-stack-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.owns_fleet = fleet is None
-        self.fleet: Fleet | LlamaFleet = engines or fleet or Fleet(
+        self.fleet: Fleet | Engines = engines or fleet or Fleet(
             config.workers, base_port=config.worker_base_port,
             max_running_requests=config.max_running_requests, service_time=config.service_time)
         self.sidecar: subprocess.Popen[bytes] | None = None

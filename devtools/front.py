@@ -1,0 +1,181 @@
+"""``make front WORKERS="URL ..."``: Envoy and the sidecar in front of your own engines.
+
+The demo's machinery (devtools.stack) without the fake fleet: a real Envoy on
+127.0.0.1:10000 routing to the given workers, the sidecar reading their capacity
+(``--worker-engine auto`` unless told otherwise) with the scheduler on. Serves until
+Ctrl-C; whatever stops it, Envoy and the sidecar go with it (devtools.proc).
+
+    python -m devtools.front --worker-urls http://127.0.0.1:8080 [--priority FILE]
+        [--engine llamacpp] [--worker-auth-file FILE] [--port 10000] [-- SIDECAR ARGS]
+    python -m devtools.front --llama 1      # start a llama-server on a tiny model first
+
+Worker host names are resolved once at start (Envoy's cluster here is STATIC); the
+shipped bootstrap (envoy/render.py) and the Kubernetes manifests are the production
+forms. The engine's own options (llama.cpp ``--metrics``, vLLM's max-num-seqs...) are
+in docs/reference.md, "Engines".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from devtools.httpclient import HTTP_ERRORS
+from devtools.httpclient import get as http_get
+from devtools.llama import LlamaFleet
+from devtools.proc import exit_on_signals, print_safely
+from devtools.stack import Stack, StackConfig
+
+# Generous queues and no reservations: a first look at one's own engines should admit
+# what they can run and queue the rest, not shed because the fleet is small.
+DEFAULT_PRIORITY = """\
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0}
+"""
+
+
+class ExternalWorker:
+    """A worker somebody else runs: only its address and whether it answered /health."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+            raise ValueError(f"worker URL must be http://HOST:PORT, got {url!r}")
+        self.url = url.rstrip("/")
+        self.port = parts.port or 80
+        # Envoy's cluster is STATIC: an address, resolved once here.
+        self.host = str(socket.getaddrinfo(parts.hostname, self.port, socket.AF_INET,
+                                           socket.SOCK_STREAM)[0][4][0])
+        self.healthy = False
+
+
+class ExternalWorkers:
+    """Workers already running elsewhere: a fleet :class:`devtools.stack.Stack` can front."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.workers = [ExternalWorker(u) for u in urls]
+
+    async def start(self) -> None:
+        for w in self.workers:
+            with contextlib.suppress(*HTTP_ERRORS):
+                status, _ = await http_get(f"{w.url}/health", 3.0)
+                w.healthy = status == 200
+        if not any(w.healthy for w in self.workers):
+            raise RuntimeError("no worker answered 200 on /health: "
+                               + " ".join(w.url for w in self.workers))
+
+    async def stop(self) -> None:
+        pass
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(w.host, w.port) for w in self.workers]
+
+
+def build(args: argparse.Namespace) -> Stack:
+    priority = Path(args.priority).read_text() if args.priority else DEFAULT_PRIORITY
+    sidecar_args = ["--worker-engine", args.engine, "--log-format", "console", *args.sidecar]
+    if args.worker_auth_file:
+        sidecar_args += ["--worker-auth-file", str(Path(args.worker_auth_file).resolve())]
+    config = StackConfig(priority_yaml=priority, sidecar_args=sidecar_args,
+                         health_interval_secs=1.0, flush_interval_secs=2.0, lease_secs=15.0)
+    if not args.free_ports:
+        config.listen_port, config.admin_port = args.port, args.admin_port
+        config.grpc_port, config.http_port = 9001, 9090
+    workdir = Path(tempfile.mkdtemp(prefix="smg-front-"))
+    engines: LlamaFleet | ExternalWorkers
+    if args.llama:
+        engines = LlamaFleet(args.llama, workdir=workdir / "llama", parallel=args.llama_slots)
+    else:
+        engines = ExternalWorkers(args.worker_urls)
+    config.workers = len(engines.workers)
+    return Stack(config, workdir=workdir, engines=engines)
+
+
+async def serve(stack: Stack, args: argparse.Namespace) -> None:
+    await stack.start()
+    print_safely(f"""
+priority-gate is in front of {' '.join(stack.fleet.urls)}
+  Envoy      http://127.0.0.1:{stack.listen_port}   (admin http://127.0.0.1:{stack.admin_port})
+  sidecar    metrics http://127.0.0.1:{stack.http_port}/metrics   logs {stack.sidecar_log}
+
+Try:
+  curl -s 127.0.0.1:{stack.listen_port}/v1/chat/completions -H 'x-smg-priority: bulk' \\
+       -d '{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":16}}'
+  curl -s 127.0.0.1:{stack.http_port}/metrics | grep -E '^smg_sidecar_(capacity|worker_capacity)'
+""")
+    if args.exit_after_ready:
+        return
+    print_safely("serving; Ctrl-C stops Envoy and the sidecar.")
+    await asyncio.Event().wait()
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    try:
+        stack = build(args)
+    except (OSError, ValueError) as exc:
+        print(f"front: {exc}", file=sys.stderr)
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    running = asyncio.ensure_future(serve(stack, args))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            running.result()
+        return 0
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"front failed to start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for task in (running, stopping):
+            task.cancel()
+        await asyncio.gather(running, stopping, return_exceptions=True)
+        await stack.stop()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m devtools.front", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--worker-urls", nargs="+", metavar="URL",
+                     help="the engines' base URLs (http://HOST:PORT)")
+    src.add_argument("--llama", type=int, metavar="N",
+                     help="start N llama-servers on a tiny random model (make llama-server)")
+    p.add_argument("--llama-slots", type=int, default=4, help="--parallel of each llama-server")
+    p.add_argument("--engine", default="auto",
+                   choices=("auto", "sglang", "vllm", "tgi", "llamacpp", "generic"))
+    p.add_argument("--priority", metavar="FILE", help="priority.yaml (default: no reservations)")
+    p.add_argument("--worker-auth-file", metavar="FILE",
+                   help="the engines' API key, for the capacity probes (never on argv)")
+    p.add_argument("--port", type=int, default=10000, help="Envoy's listener")
+    p.add_argument("--admin-port", type=int, default=9901)
+    p.add_argument("--free-ports", action="store_true", help="ephemeral ports (tests)")
+    p.add_argument("--exit-after-ready", action="store_true", help="stop once serving (tests)")
+    p.add_argument("sidecar", nargs="*", help="after --: more sidecar flags")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    exit_on_signals()
+    return asyncio.run(main_async(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
