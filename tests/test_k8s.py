@@ -40,6 +40,8 @@ CRD_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     "EnvoyProxy": ("gateway.envoyproxy.io/v1alpha1", ("spec.telemetry.accessLog",)),
     "SecurityPolicy": ("gateway.envoyproxy.io/v1alpha1", ("spec.targetRefs", "spec.extAuth.grpc")),
     "EnvoyExtensionPolicy": ("gateway.envoyproxy.io/v1alpha1", ("spec.targetRefs", "spec.extProc")),
+    "BackendTrafficPolicy": ("gateway.envoyproxy.io/v1alpha1",
+                             ("spec.targetRefs", "spec.retry.retryOn.triggers")),
     "EnvoyPatchPolicy": ("gateway.envoyproxy.io/v1alpha1",
                          ("spec.targetRef", "spec.type", "spec.jsonPatches")),
 }
