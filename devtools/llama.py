@@ -201,20 +201,26 @@ class LlamaServer:
     async def slots_processing(self) -> int:
         """How many slots the engine itself says are processing (``GET /slots``)."""
         headers = self.auth_headers()
-        status, body = await http_get(f"{self.url}/slots", 2.0, headers=headers)
+        status, body = await http_get(f"{self.url}/slots{self._model_query()}", 2.0,
+                                      headers=headers)
         if status != 200:
             raise RuntimeError(f"/slots answered {status}: {body[:200]!r}")
         return sum(1 for s in json.loads(body) if s.get("is_processing"))
 
     async def metric(self, name: str) -> float:
         """One of the engine's own Prometheus gauges (``--metrics``)."""
-        status, body = await http_get(f"{self.url}/metrics", 2.0, headers=self.auth_headers())
+        status, body = await http_get(f"{self.url}/metrics{self._model_query()}", 2.0,
+                                      headers=self.auth_headers())
         if status != 200:
             raise RuntimeError(f"/metrics answered {status}")
         for line in body.decode().splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rpartition(" ")[2])
         raise KeyError(name)
+
+    def _model_query(self) -> str:
+        # A router (no -m) answers these per model; the tests' model is "tiny".
+        return "?model=tiny" if self.model is None else ""
 
     def auth_headers(self) -> dict[str, str]:
         if self.api_key_file is None:
@@ -226,7 +232,7 @@ class LlamaFleet:
     """``n`` llama-servers on one tiny model: a fleet :class:`devtools.stack.Stack` can front."""
 
     def __init__(self, n: int = 1, *, workdir: Path | None = None, model: Path | None = None,
-                 **server_kwargs: object) -> None:
+                 router: bool = False, **server_kwargs: object) -> None:
         binary = llama_server_binary()
         if binary is None:
             raise FileNotFoundError("no llama-server binary: run `make llama-server` "
@@ -234,7 +240,19 @@ class LlamaFleet:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="smg-llama-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model = model or write_tiny_model(self.workdir / "tiny.gguf")
-        self.workers = [LlamaServer(binary, self.model, self.workdir, name=f"llama{i + 1}",
+        served: Path | None = self.model
+        if router:
+            # Router mode: no model at start; the engine lists the directory's models and
+            # loads one (in a child process) when a request names it ("tiny").
+            models = self.workdir / "models"
+            models.mkdir(exist_ok=True)
+            link = models / "tiny.gguf"
+            if not link.exists():
+                link.symlink_to(self.model.resolve())
+            extra = [*server_kwargs.pop("extra_args", ()), "--models-dir", str(models)]  # type: ignore[misc]
+            server_kwargs["extra_args"] = extra
+            served = None
+        self.workers = [LlamaServer(binary, served, self.workdir, name=f"llama{i + 1}",
                                     **server_kwargs)  # type: ignore[arg-type]
                         for i in range(n)]
 

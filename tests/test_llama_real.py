@@ -60,12 +60,13 @@ async def llama_stack(tmp_path: Path, model: Path) -> AsyncIterator[LlamaStackFa
     stacks: list[Stack] = []
 
     async def factory(*, servers: int = 1, parallel: int = 2, engine: str = "auto",
-                      server_kwargs: dict[str, Any] | None = None, **kw: Any) -> Stack:
+                      router: bool = False, server_kwargs: dict[str, Any] | None = None,
+                      **kw: Any) -> Stack:
         kw.setdefault("priority_yaml", NO_RESERVATIONS)
         kw.setdefault("health_interval_secs", 0.2)
         kw["sidecar_args"] = ["--worker-engine", engine, *kw.get("sidecar_args", ())]
         engines = LlamaFleet(servers, workdir=tmp_path / "engines", model=model,
-                             parallel=parallel, **(server_kwargs or {}))
+                             parallel=parallel, router=router, **(server_kwargs or {}))
         stack = Stack(StackConfig(workers=servers, **kw), workdir=tmp_path, engines=engines)
         stacks.append(stack)
         await stack.start()
@@ -109,6 +110,68 @@ async def test_capacity_is_the_servers_slot_count(llama_stack: LlamaStackFactory
     m = await until(stack, lambda m: m.get("smg_sidecar_capacity") == 6, timeout=10)
     for url in stack.fleet.urls:
         assert m[f'smg_sidecar_worker_capacity{{engine="llamacpp",worker="{url}"}}'] == 3
+
+
+async def test_an_engine_with_an_api_key_is_read_with_the_key_file_and_never_counted_64(
+        llama_stack: LlamaStackFactory, tmp_path: Path) -> None:
+    key = tmp_path / "engine.key"
+    key.write_text("s3cret-engine-key\n")
+    # Without the key the probes are refused: the worker counts for 1, never the default 64.
+    blind = await llama_stack(parallel=4, server_kwargs={"api_key_file": key})
+    url = blind.fleet.urls[0]
+    m = await until(blind, lambda m: m.get("smg_sidecar_capacity") == 1 and any(
+        k.startswith("smg_sidecar_worker_probe_refused{") and 'reason="unauthorized"' in k
+        and v == 1 for k, v in m.items()), timeout=10)
+    assert m["smg_sidecar_capacity"] == 1
+    assert "s3cret" not in blind.sidecar_log.read_text()
+    await blind.stop()
+    # With --worker-auth-file the slots are read; the client's own key reaches the engine.
+    stack = await llama_stack(parallel=4, server_kwargs={"api_key_file": key},
+                              sidecar_args=["--worker-auth-file", str(key)])
+    await until(stack, lambda m: m.get("smg_sidecar_capacity") == 4, timeout=10)
+    r = await request(stack.listen_port, body=completion(3), headers={
+        "authorization": "Bearer s3cret-engine-key"})
+    assert r.status == 200, r.body
+    assert "s3cret" not in stack.sidecar_log.read_text()
+    assert url  # the first stack's worker was a distinct engine
+
+
+async def test_router_mode_counts_the_loaded_models_slots(llama_stack: LlamaStackFactory) -> None:
+    """llama-server --models-dir (no -m): /props has no total_slots; the sidecar counts the
+    loaded models' slots (none loaded: 1, never 64) and follows a model being loaded."""
+    stack = await llama_stack(parallel=3, router=True)
+    await until(stack, lambda m: m.get("smg_sidecar_capacity") == 1, timeout=10)
+    r = await request(stack.listen_port, body=completion(3), timeout=60)  # loads "tiny"
+    assert r.status == 200, r.body
+    await until(stack, lambda m: m.get("smg_sidecar_capacity") == 3, timeout=15)
+
+
+async def test_a_request_taking_several_slots_is_held_back_by_the_engines_own_count(
+        llama_stack: LlamaStackFactory) -> None:
+    """One admitted request with n=3 runs 3 sequences: the engine's own count (running +
+    waiting) beyond what the sidecar holds is held back, so what follows waits in the
+    sidecar's queue rather than inside the engine."""
+    stack = await llama_stack(parallel=4, sidecar_args=["--saturation-guard"])
+    await until(stack, lambda m: m.get("smg_sidecar_capacity") == 4, timeout=10)
+    assert isinstance(stack.fleet, LlamaFleet)
+    engine = stack.fleet.workers[0]
+    body = json.dumps({"prompt": "hi", "max_tokens": 700, "ignore_eos": True, "n": 3}).encode()
+    wide = await Exchange.send(stack.listen_port, "/v1/completions", body=body,
+                               headers={"x-smg-priority": "bulk"})
+    await until(stack, lambda m: m.get("smg_sidecar_engine_excess") == 2, timeout=10)
+    bulk = {"x-smg-priority": "bulk"}
+    more = [await Exchange.send(stack.listen_port, headers=bulk, body=completion(300))
+            for _ in range(2)]
+    # Capacity 4 - excess 2 = 2, one held: one more admitted, the other queued.
+    await until(stack, lambda m: m.get('smg_scheduler_inflight{class="bulk"}') == 2
+                and m.get('smg_scheduler_queue_depth{class="bulk"}') == 1)
+    running = int(await engine.metric("llamacpp:requests_processing")
+                  + await engine.metric("llamacpp:requests_deferred"))
+    assert running <= 4, f"the engine runs or queues {running} with 4 slots"
+    for ex in [wide, *more]:
+        await asyncio.wait_for(ex.read_head(), 120)
+        assert ex.status == 200
+        await ex.close()
 
 
 # ---------------------------------------------- admission, queueing, 429, release
