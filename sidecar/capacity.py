@@ -50,6 +50,11 @@ UNREAD_WORKER_CAPACITY = 1
 QUEUES_ONLY_WHEN_FULL = frozenset({"llamacpp"})
 
 
+# SMG keeps capacity as a 16-bit count and saturates the workers' sum there (its
+# capacity.rs); so does the sidecar, so a fleet reads the same number in both.
+MAX_CAPACITY = 65_535
+
+
 class ProbeStatus(enum.Enum):
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"  # the worker answered non-200, refused or reset the connection
@@ -188,6 +193,7 @@ class CapacityPolicy:
             # takes slots too. Not on top of the guard's own shrinking: at most the caps
             # less the excess.
             total = min(total, max(0, caps - excess))
+        total = min(total, MAX_CAPACITY)
         self.last_good = total
         return self._remember(CapacityReading(total, "workers", len(counted), len(probes),
                                               tuple(counted), excess=excess))

@@ -49,6 +49,17 @@ def test_a_worker_never_read_counts_as_the_default_then_keeps_its_last_cap() -> 
     assert p.decide([WorkerProbe("a", H), WorkerProbe("b", H, cap=2)]).capacity == 6
 
 
+def test_the_workers_sum_saturates_at_65535_as_smgs_does() -> None:
+    p = policy()
+    big = [WorkerProbe("a", H, cap=50_000), WorkerProbe("b", H, cap=50_000)]
+    reading = p.decide(big)
+    assert reading.capacity == 65_535
+    assert [w.capacity for w in reading.workers] == [50_000, 50_000]  # each as read
+    assert p.decide([WorkerProbe("a", H, cap=65_535)]).capacity == 65_535
+    assert p.decide([WorkerProbe("a", H, cap=65_534), WorkerProbe("b", H, cap=1)]
+                    ).capacity == 65_535
+
+
 def test_all_inconclusive_holds_the_last_reading() -> None:
     clock = FakeClock()
     p = policy(clock)
