@@ -196,8 +196,9 @@ class Recorder(Protocol):
         """The fleet controller's state is now ``ok`` or ``degraded``."""
 
     def coordination_fault(self, kind: str) -> None:
-        """The ledger lost writes (``stale_copy``, ``admissions_lost``, ``counters_lost``),
-        this process took over its predecessor's admissions (``taken_over``), or an id it
+        """The ledger lost writes (``server_changed``, ``stale_copy``, ``admissions_lost``),
+        repaired a key from its records (``counters_lost``, ``owners_lost``), this process
+        took over its predecessor's admissions (``taken_over``), or an id it
         runs had ended in the ledger (``ended_but_running_readded`` / ``_stopped``)."""
 
     def server_checked(self, check: str, result: str) -> None:

@@ -256,3 +256,40 @@ async def test_a_restart_from_an_older_snapshot_is_a_loss_whoever_calls_first(
     finally:
         await c.aclose()
         server.stop()
+
+
+async def test_a_lost_waiter_record_leaves_no_orphan_that_breaks_the_ledger(
+        client: redis.Redis) -> None:
+    # Only the waiters' hash is lost: their queue and deadline entries remain without a
+    # record. Every call that dispatched used to fail on them (the replicas degraded for
+    # good). They are forgotten; the replicas answer those requests at their own timeout.
+    (a,) = await fleet(client, 1, "a")
+    truth = Truth()
+    await arrive(a, truth, "r0")
+    assert await arrive(a, truth, "w0") is ArriveStatus.QUEUED
+    await client.delete(f"pg:{{{FLEET}}}:w")
+    await a.release("r0")
+    truth.release(a, "r0")
+    assert await arrive(a, truth, "r1") is ArriveStatus.ADMITTED
+    assert await a.tick() is None
+    snap = await a.snapshot()
+    assert snap.total_inflight == truth.total == 1 and sum(snap.queue_depth.values()) == 0
+
+
+async def test_a_lost_own_set_is_rebuilt_so_a_dead_replica_still_frees_its_slots(
+        client: redis.Redis) -> None:
+    a = FleetLedger(client, FLEET, "a", ttl=1.0)
+    await a.register(PLAIN, 2)
+    (b,) = await fleet(client, 2, "b")
+    truth = Truth()
+    await arrive(a, truth, "a0")
+    await arrive(a, truth, "a1")
+    faults: list[str] = []
+    b.on_loss = lambda cause, _seen: faults.append(cause)
+    await client.delete(f"pg:{{{FLEET}}}:own:a")
+    await b.heartbeat()
+    assert faults == ["owners_lost"]
+    assert await client.scard(f"pg:{{{FLEET}}}:own:a") == 2
+    await asyncio.sleep(1.1)  # A dies: its registration lapses
+    assert await arrive(b, truth, "b0") is ArriveStatus.ADMITTED  # A's slots came back
+    assert (await b.snapshot()).total_inflight == 1

@@ -154,6 +154,9 @@ _EVENT_BLOCK_SECS = 1.0
 # that ends) sooner needs neither mark, so the common short request costs the ledger only
 # arrive + release. A queued preemptor waits at most this long for the candidate.
 MARK_DELAY_SECS = 0.005
+# What lose() reports in ledger.lua: writes lost, so the fleet re-registers and settles.
+# The other causes (counters_lost, owners_lost) were repaired from the admission records.
+_DATA_LOSS = frozenset({"server_changed", "stale_copy", "admissions_lost"})
 # Set in the task of a local admit that is being moved back to the ledger: its
 # cancellation is not a client's, so it is not counted as client_cancelled.
 _MOVING: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
@@ -901,7 +904,7 @@ class FleetController:
         self._metrics.coordination_fault(cause)
         log.warning("coordination_data_loss", cause=cause, generation_seen=seen,
                     generation=self.ledger.generation, held=len(self._held))
-        if cause != "counters_lost":  # recomputed exactly from the records: nothing lost
+        if cause in _DATA_LOSS:  # else repaired exactly from the records: nothing lost
             self._degrade(RuntimeError(f"ledger data loss: {cause}"))
 
     def _on_takeover(self, holdings: list[Holding]) -> None:

@@ -247,9 +247,16 @@ local function drop_waiter(w)
 end
 
 local function head(c)
-  local ids = redis.call('ZRANGE', k_q(c), 0, 0)
-  if #ids == 0 then return nil end
-  return get_waiter(ids[1])
+  while true do
+    local ids = redis.call('ZRANGE', k_q(c), 0, 0)
+    if #ids == 0 then return nil end
+    local w = get_waiter(ids[1])
+    if w ~= nil then return w end
+    -- Queued without its record (the waiters' key was lost): forgotten. Its replica
+    -- answers the request at its own queue timeout.
+    redis.call('ZREM', k_q(c), ids[1])
+    redis.call('ZREM', K_DL, ids[1])
+  end
 end
 
 -- Lowest class first, then the most recent candidate (least work lost). With admitted_by,
@@ -260,7 +267,11 @@ local function pick_victim(by, admitted_by)
     local ids = redis.call('ZREVRANGE', k_pre(c), 0, -1)
     for _, id in ipairs(ids) do
       local a = get_adm(id)
-      if admitted_by == nil or a.admitted_at <= admitted_by then return a end
+      if a == nil then
+        redis.call('ZREM', k_pre(c), id) -- its record was lost: no candidate
+      elseif admitted_by == nil or a.admitted_at <= admitted_by then
+        return a
+      end
     end
   end
   return nil
@@ -283,8 +294,12 @@ local function expire()
   local ids = redis.call('ZRANGEBYSCORE', K_DL, '-inf', fmt(now))
   for _, id in ipairs(ids) do
     local w = get_waiter(id)
-    drop_waiter(w)
-    notify(w.replica, 'expired ' .. fmt(now - w.enqueued_at) .. ' ' .. id)
+    if w ~= nil then
+      drop_waiter(w)
+      notify(w.replica, 'expired ' .. fmt(now - w.enqueued_at) .. ' ' .. id)
+    else
+      redis.call('ZREM', K_DL, id) -- its record was lost (see head())
+    end
   end
 end
 
@@ -306,7 +321,7 @@ end
 -- Strict priority: available() only shrinks going down the classes.
 local function admit_by_priority()
   for c = 3, 0, -1 do
-    if redis.call('ZCARD', k_q(c)) > 0 then
+    if head(c) ~= nil then
       if available(c) < 1 then return false end
       admit_head(c, '-')
       return true
@@ -422,12 +437,34 @@ end
 -- a DEL): a loss. More records than counted: the counters were lost; the records give
 -- them back exactly, reported but no loss. O(admissions): every heartbeat, and any call
 -- whose O(1) check (the totals) disagrees.
+-- Also each replica's own set against the records naming it: a lost set would leave its
+-- admissions and waiters behind when it dies (reap() goes by the set); rebuilt.
 local function reconcile()
   local counted = {[0] = 0, 0, 0, 0}
-  for _, v in ipairs(redis.call('HVALS', K_ADM)) do
-    local c = tonumber(string.match(v, '^%S+ (%d+)'))
+  local adm = redis.call('HGETALL', K_ADM)
+  local waiting = redis.call('HGETALL', K_W)
+  local owned = {} -- replica -> ids its records name
+  for i = 2, #adm, 2 do
+    local r, c = string.match(adm[i], '^(%S+) (%d+)')
+    c = tonumber(c)
     counted[c] = counted[c] + 1
+    owned[r] = owned[r] or {}
+    owned[r][#owned[r] + 1] = adm[i - 1]
   end
+  for i = 2, #waiting, 2 do
+    local r = string.match(waiting[i], '^(%S+)')
+    owned[r] = owned[r] or {}
+    owned[r][#owned[r] + 1] = waiting[i - 1]
+  end
+  -- SADD of members already there changes nothing (and is not replicated); any it adds
+  -- were missing.
+  local added = 0
+  for r, ids in pairs(owned) do
+    for j = 1, #ids, 1000 do
+      added = added + redis.call('SADD', k_own(r), unpack(ids, j, math.min(j + 999, #ids)))
+    end
+  end
+  if added > 0 and loss == '' then loss = 'owners_lost' end
   local fewer, differ = false, false
   for c = 0, 3 do
     if counted[c] < inf[c] then fewer = true end
@@ -854,7 +891,8 @@ local function run(keys, argv)
   take_over()
   local args = {}
   for i = 7, #argv do args[#args + 1] = argv[i] end
-  return {gen, loss, taken, fn(args)}
+  local reply = fn(args) -- first: it may find a loss too (reconcile() in heartbeat())
+  return {gen, loss, taken, reply}
 end
 
 redis.register_function('__FUNCTION__', run)
