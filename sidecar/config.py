@@ -649,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--edge-shed", action="store_true", default=False,
                     help="serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers "
                          "the overflow of a full bulk queue with the 429 itself, without a "
-                         "Check; off again within 2 s of the sidecar going silent")
+                         "Check; off again about 2 s after the sidecar goes silent")
     sc.add_argument("--startup-capacity-wait-secs", type=float, default=0, metavar="SECS",
                     help="wait up to SECS for a first capacity reading from real workers "
                          "before deciding scheduler vs. legacy admission (/healthz answers "

@@ -143,7 +143,8 @@ class ShedController:
             return round(s.share * (1.0 - GAIN), 4)
         # Arrivals at the edge, estimated from what got through the share in force.
         total = s.arrived / max(1e-6, 1.0 - s.share)
-        absorbed = s.arrived - s.overflow
+        # A fleet's ledger may answer a Check in the interval after the one it arrived in.
+        absorbed = max(0, s.arrived - s.overflow)
         target = min(MAX_SHARE, max(0.0, 1.0 - absorbed * (1.0 + MARGIN) / total))
         new = s.share + GAIN * (target - s.share)
         if abs(new - s.share) < DEADBAND:

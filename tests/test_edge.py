@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from envoy.service.discovery.v3 import discovery_pb2
@@ -316,12 +317,13 @@ async def test_the_class_is_admitted_again_soon_after_its_queue_has_room(
         last_edge = room
         admitted_at = None
         while admitted_at is None:
+            sent = time.monotonic()  # an admitted one answers 0.5 s later
             r = await request(stack.listen_port, headers={"x-smg-priority": "bulk"},
                               body=b"{}", timeout=30)
             if r.status == 429:
-                last_edge = time.monotonic()
+                last_edge = sent
             else:
-                admitted_at = time.monotonic()
+                admitted_at = sent
             assert time.monotonic() - room < 5
             await asyncio.sleep(0.05)
         # Two control intervals to see a quiet one, plus Envoy's reload and a request.
@@ -349,3 +351,116 @@ async def test_a_killed_sidecar_leaves_the_switch_off_within_the_ttl(tmp_path: P
             r = await request(stack.listen_port, headers={"x-smg-priority": "bulk"},
                               body=b"{}", timeout=10)
             assert r.status == 503
+
+
+# ------------------------------------------------------------------ Istio recipe
+
+ISTIO_EDGE = Path(__file__).resolve().parents[1] / "k8s" / "istio" / "edge-shed"
+ISTIO_SIDECAR_CLUSTER = "outbound|9001||priority-gate.local"
+
+
+def _istio_pieces() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The recipe's route, access logger and bootstrap override."""
+    import yaml
+    (ef,) = yaml.safe_load_all((ISTIO_EDGE / "envoyfilter-edge-shed.yaml").read_text())
+    route_patch, hcm_patch = ef["spec"]["configPatches"]
+    assert route_patch["applyTo"] == "HTTP_ROUTE"
+    assert route_patch["patch"]["operation"] == "INSERT_FIRST"
+    assert hcm_patch["patch"]["operation"] == "MERGE"
+    (logger,) = hcm_patch["patch"]["value"]["typed_config"]["access_log"]
+    (cm,) = yaml.safe_load_all((ISTIO_EDGE / "bootstrap-override.yaml").read_text())
+    override = json.loads(cm["data"]["custom_bootstrap.json"])
+    return route_patch["patch"]["value"], logger, override
+
+
+def _hcm(boot: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = boot["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]
+    return hcm
+
+
+def test_the_istio_edge_recipe_is_the_bootstraps_edge_path() -> None:
+    route, logger, override = _istio_pieces()
+    boot: dict[str, Any] = _yaml(_render(edge_shed=True))  # type: ignore[assignment]
+    hcm = _hcm(boot)
+    assert route == hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    (want_logger,) = [lg for lg in hcm["access_log"]
+                      if lg["typed_config"]["common_config"]["log_name"] == edge.SHED_LOG_NAME]
+    grpc = logger["typed_config"]["common_config"]["grpc_service"]
+    assert grpc["envoy_grpc"]["cluster_name"] == ISTIO_SIDECAR_CLUSTER
+    grpc["envoy_grpc"]["cluster_name"] = "sidecar"
+    assert logger == want_logger
+    layers = override["layered_runtime"]["layers"]
+    rtds = layers[1]["rtds_layer"]["rtds_config"]["api_config_source"]["grpc_services"][0]
+    (cluster,) = override["static_resources"]["clusters"]
+    assert rtds["envoy_grpc"]["cluster_name"] == cluster["name"]
+    rtds["envoy_grpc"]["cluster_name"] = "sidecar"
+    assert layers == boot["layered_runtime"]["layers"]  # type: ignore[index]
+
+
+def test_the_istio_edge_recipe_passes_envoy_validate_on_a_mesh_bootstrap(
+        tmp_path: Path) -> None:
+    """The pieces put where istiod / istio-agent put them, on the bootstrap as a mesh
+    generates it (envoy/mesh.py): route first, logger appended, override merged."""
+    route, logger, override = _istio_pieces()
+    mesh = load_renderer("mesh")
+    boot: dict[str, Any] = _yaml(mesh.meshify(_render(edge_shed=False)))  # type: ignore[assignment]
+    hcm = _hcm(boot)
+    hcm["route_config"]["virtual_hosts"][0]["routes"].insert(0, route)
+    logger["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"][
+        "cluster_name"] = "sidecar"  # istiod's name for the same loopback port
+    hcm["access_log"].append(logger)
+    boot["layered_runtime"] = override["layered_runtime"]
+    boot["static_resources"]["clusters"] += override["static_resources"]["clusters"]
+    cfg = tmp_path / "envoy.yaml"
+    import yaml
+    cfg.write_text(yaml.safe_dump(boot), encoding="utf-8")
+    out = subprocess.run([str(_envoy()), "--mode", "validate", "-c", str(cfg),
+                          "--disable-hot-restart", "--log-level", "warn"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ fleet
+
+def _edge_render(stack: Stack) -> None:
+    """Render ``stack``'s Envoy with the edge path (as EdgeStack does)."""
+    def write() -> None:
+        EdgeStack.write_envoy_config(stack)  # type: ignore[arg-type]
+    stack.write_envoy_config = write  # type: ignore[method-assign]
+
+
+@pytest.mark.e2e
+async def test_a_replicas_switch_follows_the_fleet_queue_not_its_own(tmp_path: Path) -> None:
+    """Two replicas, one ledger: a flood through replica a fills the fleet's bulk queue;
+    replica b's own bulk traffic (one request at a time, which its queue alone would
+    always take) is refused by the ledger, and b's Envoy sheds bulk at the edge too."""
+    _envoy()
+    from devtools.stack import Replicas
+    r = Replicas(StackConfig(workers=1, max_running_requests=1, service_time=0.5,
+                             priority_yaml=PRIORITY, sidecar_args=["--edge-shed"]),
+                 workdir=tmp_path)
+    for stack in r.stacks:
+        _edge_render(stack)
+    try:
+        await r.start()
+        a, b = r.stacks
+        flood = Flood(a)
+        try:
+            await wait_share(a, lambda s: s >= 0.5, timeout=15)
+            stop = False
+
+            async def one_at_a_time() -> None:
+                while not stop:
+                    await request(b.listen_port, headers={"x-smg-priority": "bulk"},
+                                  body=b"{}", timeout=30)
+            trickle = asyncio.create_task(one_at_a_time())
+            try:
+                await wait_share(b, lambda s: s > 0, timeout=10)
+            finally:
+                stop = True
+                await trickle
+        finally:
+            await flood.stop()
+    finally:
+        await r.stop()
