@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import redis.asyncio as redis
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from devtools.valkey import ValkeyServer
 from sidecar.coordination.ledger import FleetLedger
@@ -33,6 +35,7 @@ from tests.test_fleet import (
     ok,
     own_client,
     own_server,
+    request_headers,
     start_replica,
 )
 
@@ -221,22 +224,43 @@ async def test_a_running_stream_the_ledger_had_ended_is_counted_again_on_adoptio
             await new.close()
 
 
-async def test_an_admission_held_here_that_the_ledger_ended_is_stopped_not_ignored(
-        tmp_path: Path, valkey_server: ValkeyServer, client: redis.Redis) -> None:
+@pytest.mark.parametrize("stop_channel", [True, False])
+async def test_an_admission_held_here_that_the_ledger_ended_is_not_ignored(
+        tmp_path: Path, valkey_server: ValkeyServer, client: redis.Redis,
+        stop_channel: bool) -> None:
     # The ledger ended X (as a preemption would) and its notification never came (lost
     # with an older copy): A's heartbeat resync lists X and the ledger refuses it. Before,
-    # the refusal was ignored and X ran on uncounted; now A stops it as preempted.
+    # the refusal was ignored and X ran on uncounted. Now X is stopped as preempted if its
+    # stop channel is open (its ext_proc stream, before the first byte); otherwise it runs
+    # on and is counted in the ledger again.
     a = await start_replica(tmp_path, valkey_server.url, "a", capacity=2, ttl=2.0)
+    outgoing: asyncio.Queue[ep.ProcessingRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[ep.ProcessingRequest]:
+        while (m := await outgoing.get()) is not None:
+            yield m
+
     try:
         x = await ok(a.check())
+        if stop_channel:
+            stream = a.ext_proc(requests())
+            await outgoing.put(request_headers(x))
+            assert (await stream.read()).WhichOneof("response") == "request_headers"
         observer = FleetLedger(client, FLEET, "observer")
         assert (await observer.release(x, ReleaseReason.PREEMPTED)).value == "released"
-        await eventually(lambda: x not in a.fleet.held, timeout=2.0,
-                         what="X stopped at the next heartbeat")
-        assert a.sample("smg_sidecar_coordination_faults_total",
-                        kind="ended_but_running_stopped") == 1
-        assert await inflight(client) == 0
+        if stop_channel:
+            msg = await asyncio.wait_for(stream.read(), 3.0)  # the next heartbeat
+            assert msg.immediate_response.status.code == 503
+            assert x not in a.fleet.held and await inflight(client) == 0
+            kind = "ended_but_running_stopped"
+        else:
+            await eventually(lambda: _equals(client, 1), timeout=3.0,
+                             what="X counted again at the next heartbeat")
+            assert x in a.fleet.held
+            kind = "ended_but_running_readded"
+        assert a.sample("smg_sidecar_coordination_faults_total", kind=kind) == 1
     finally:
+        await outgoing.put(None)
         await a.close()
 
 

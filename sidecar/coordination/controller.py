@@ -890,14 +890,22 @@ class FleetController:
 
     def _ended_but_held(self, refused: Iterable[str]) -> None:
         """Ids a resync listed as held here that the ledger had ended (preempted there, its
-        notification lost): its slot is gone, so the request is stopped here as preempted
-        (counted, logged), never left running uncounted."""
+        notification lost). Never left running uncounted: one that can still be stopped
+        (its stop channel is open, before its first byte) is stopped as preempted (its
+        slot is gone); one that cannot runs on, so it is counted in the ledger again
+        (adopt: counted and logged by _adopt)."""
         for aid in refused:
-            if aid not in self._held:
+            h = self._held.get(aid)
+            if h is None:
                 continue
-            self._metrics.coordination_fault("ended_but_running_stopped")
-            log.warning("coordination_ended_but_running", admission_id=aid, action="stopped")
-            self._on_preempt(aid, PriorityClass.SYSTEM)
+            stop = self._stop_signals.get(aid)
+            if stop is not None and not stop.done():
+                self._metrics.coordination_fault("ended_but_running_stopped")
+                log.warning("coordination_ended_but_running", admission_id=aid,
+                            action="stopped")
+                self._on_preempt(aid, PriorityClass.SYSTEM)
+            else:
+                self._send("adopt", h.holding(aid))
 
     def _on_loss(self, cause: str, seen: int) -> None:
         """A call found that the ledger lost writes (ledger.lua lose(), reconcile())."""
