@@ -182,8 +182,7 @@ class RuntimeServer:
         for cls, share in self._shares.items():
             self._metrics.edge_share(cls, share)
         for q in self._streams:
-            if q.empty():  # a refresh a stream has not taken yet is as good as a new one
-                q.put_nowait(self._current)
+            _offer(q, self._current)
 
     def _encode(self) -> bytes:
         version = str(next(self._version))
@@ -237,8 +236,7 @@ class RuntimeServer:
                     log.warning("rtds_unknown_subscription", type_url=req.type_url,
                                 resources=list(req.resource_names)[:4])
                 self._streams.add(q)
-                if q.empty():
-                    q.put_nowait(self._current)
+                _offer(q, self._current)
 
 
 class EdgeShed:
@@ -287,6 +285,14 @@ class EdgeShed:
             return codec.ALS_RESPONSE
 
         return handler
+
+
+def _offer(q: asyncio.Queue[bytes], data: bytes) -> None:
+    """Make ``data`` the one message a slow stream sends next: a state it has not sent
+    yet is replaced, never queued behind (only the newest matters)."""
+    if not q.empty():
+        q.get_nowait()
+    q.put_nowait(data)
 
 
 def _stream_mark(context: grpc.aio.ServicerContext[bytes, bytes]) -> str | None:

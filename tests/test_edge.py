@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -101,6 +102,31 @@ def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
     assert rt.name == edge.LAYER
     assert json_format.MessageToDict(rt.layer) == {
         "smg.edge.shed.bulk": {"numerator": 250000.0, "denominator": "MILLION"}}
+
+
+async def test_a_stream_that_has_not_sent_yet_gets_the_newest_state() -> None:
+    server = edge.RuntimeServer(NullRecorder())
+
+    async def envoy() -> AsyncIterator[bytes]:
+        yield discovery_pb2.DiscoveryRequest(
+            type_url=edge.RUNTIME_TYPE_URL, resource_names=[edge.LAYER]).SerializeToString()
+        await asyncio.Event().wait()  # the stream stays open
+
+    stream = server.stream_runtime(envoy(), None)  # type: ignore[arg-type]
+    first = await anext(stream)  # what was in force when it subscribed
+    server.publish({B: 0.5}, changed=True)
+    server.publish({B: 0.75}, changed=True)  # before the stream sent the 0.5
+    second = await anext(stream)
+    await stream.aclose()
+
+    def share(data: bytes) -> float:
+        res, rt = discovery_pb2.Resource(), rtds_pb2.Runtime()
+        discovery_pb2.DiscoveryResponse.FromString(data).resources[0].Unpack(res)
+        res.resource.Unpack(rt)
+        value = json_format.MessageToDict(rt.layer)[edge.runtime_key(B)]
+        return float(value["numerator"]) / edge.DENOMINATOR
+    assert (share(first), share(second)) == (0.0, 0.75)
+    assert server.streams == 0
 
 
 def test_the_rendered_edge_reply_is_the_sidecars_byte_for_byte() -> None:
@@ -464,3 +490,39 @@ async def test_a_replicas_switch_follows_the_fleet_queue_not_its_own(tmp_path: P
             await flood.stop()
     finally:
         await r.stop()
+
+
+# ------------------------------------------------------------------ k8s overlay
+
+K8S = Path(__file__).resolve().parents[1] / "k8s"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_the_k8s_overlay_turns_both_sides_on_and_its_envoy_config_validates(
+        tmp_path: Path) -> None:
+    import yaml
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / "edge-shed")],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"
+              and d["metadata"]["name"] == "priority-gate"]
+    (sidecar,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert "--edge-shed" in sidecar["args"]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"
+             and d["metadata"]["name"] == "priority-gate-envoy"]
+    text = cm["data"]["envoy.yaml"]
+    boot = yaml.safe_load(text)
+    assert _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["name"] == \
+        "smg_edge_shed_bulk"
+    # The same pod, the same ports and settings as the base otherwise.
+    base = yaml.safe_load(load_renderer().render(
+        listen_port=1, admin_port=2, sidecar_host="127.0.0.1", sidecar_port=3,
+        workers=[("127.0.0.1", 4)], authz_timeout_secs=310, flush_interval_secs=5))
+    assert "layered_runtime" not in base and "layered_runtime" in boot
+    cfg = tmp_path / "envoy.yaml"
+    cfg.write_text(text, encoding="utf-8")
+    done = subprocess.run([str(_envoy()), "--mode", "validate", "-c", str(cfg),
+                           "--disable-hot-restart", "--log-level", "warn"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
