@@ -43,6 +43,7 @@ from sidecar.scheduler import (
     desired_reservations,
     reservations_fit,
 )
+from sidecar.shadow import ShadowCore
 
 log = logs.get("sidecar")
 
@@ -233,11 +234,15 @@ class Runtime:
             self.controller = fleet
         else:
             self.core = _build_core(s, reading)
+            bucket = build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
+                                  time.monotonic)
+            if s.shadow:  # the core built above only says what it would have done
+                self.core = ShadowCore(self.core, time.monotonic, metrics, bucket=bucket)
+                bucket = None
             self.controller = AdmissionController(
                 self.core,
                 lease_secs=s.admission_lease_secs,
-                bucket=build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
-                                    time.monotonic),
+                bucket=bucket,
                 metrics=metrics,
             )
         self.legacy = self.controller.legacy
@@ -273,6 +278,8 @@ class Runtime:
                                   TenantPolicy(s.priority.tenant_policies, s.default_max_class),
                                   self._preemptible(self._effective_classes()),
                                   liveness=self.liveness)
+        if isinstance(self.core, ShadowCore):
+            self.authz.shadow_verdict = self.core.take_verdict
         self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
                                         wall_clock=time.time)
         self.completion = CompletionService(self.controller, metrics, self.features,
@@ -356,6 +363,7 @@ class Runtime:
             tenant_source=f"{s.tenant_source.kind}:{s.tenant_source.name}".rstrip(":"),
             lease_secs=s.admission_lease_secs,
             coordination="fleet" if self.fleet is not None else "in-process",
+            shadow=s.shadow,
         )
         if s.envoy_authz_timeout is None and s.scheduler_enabled:
             log.info("envoy_authz_timeout_reminder",

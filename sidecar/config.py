@@ -548,6 +548,8 @@ class Settings:
     worker_credential: Mapping[str, str] | None = field(default=None, repr=False)
     # Envoy answers a flooded bulk queue's overflow itself (sidecar.edge).
     edge_shed: bool = False
+    # Admit everything, record what admission would have done (sidecar.shadow).
+    shadow: bool = False
 
     @property
     def fallback_capacity(self) -> int:
@@ -650,6 +652,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers "
                          "the overflow of a full bulk queue with the 429 itself, without a "
                          "Check; off again about 2 s after the sidecar goes silent")
+    sc.add_argument("--shadow", action="store_true", default=False,
+                    help="shadow mode: admit every request at once (no queue, no 429/503, no "
+                         "preemption) and record what admission would have answered, in "
+                         "smg_sidecar_shadow_admit_total and the allow's metadata "
+                         "(shadow_outcome, shadow_code); docs/operations.md")
     sc.add_argument("--startup-capacity-wait-secs", type=float, default=0, metavar="SECS",
                     help="wait up to SECS for a first capacity reading from real workers "
                          "before deciding scheduler vs. legacy admission (/healthz answers "
@@ -846,6 +853,12 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         if not ns.priority_scheduler_enabled:
             # The ledger implements the priority scheduler; the legacy path has no fleet form.
             raise ConfigError("--coordination-url requires --priority-scheduler-enabled")
+    if ns.shadow and ns.coordination_url is not None:
+        # The fleet's ledger queues and refuses across replicas: no shadow form of it.
+        raise ConfigError("--shadow cannot be combined with --coordination-url")
+    if ns.shadow and ns.edge_shed:
+        raise ConfigError("--shadow cannot be combined with --edge-shed (Envoy would refuse "
+                          "requests itself)")
     password = coordination_password(ns)
     replica_id = ns.replica_id if ns.replica_id is not None else default_replica_id()
     for flag, name in (("--fleet-id", ns.fleet_id), ("--replica-id", replica_id)):
@@ -903,6 +916,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         coordination_url=ns.coordination_url,
         coordination_password=password,
         edge_shed=ns.edge_shed,
+        shadow=ns.shadow,
         fleet_id=ns.fleet_id,
         replica_id=replica_id,
         replica_ttl_secs=float(ns.replica_ttl_secs),

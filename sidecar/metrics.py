@@ -55,6 +55,7 @@ verb                        caller                 metrics
 ``edge_shed``               edge (shed access log) ``smg_scheduler_admit_total``,
                                                    ``smg_sidecar_edge_shed_total``
 ``edge_share``              edge (control loop)    ``smg_sidecar_edge_shed_share``
+``shadow_admit``            shadow (--shadow)      ``smg_sidecar_shadow_admit_total``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -228,6 +229,9 @@ class Recorder(Protocol):
         """Envoy answered ``n`` requests of ``cls`` with the queue-full 429 itself (edge
         shedding): counted as the contract counts them, and as edge sheds."""
 
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
+        """--shadow: a decision enforcement would have made (nothing was refused)."""
+
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         """The share of ``cls``'s requests Envoy is told to answer itself."""
 
@@ -310,6 +314,9 @@ class NullRecorder:
         pass
 
     def edge_shed(self, cls: PriorityClass, n: int) -> None:
+        pass
+
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
         pass
 
     def edge_share(self, cls: PriorityClass, share: float) -> None:
@@ -472,6 +479,12 @@ class Metrics:
             "smg_sidecar_edge_shed_share",
             "Share of the class's requests Envoy is told to answer itself (0 = off)",
             ["class"], registry=r)
+        # Not smg_scheduler_admit_total: that one counts what really happened (all admitted).
+        self._shadow_admit = Counter(
+            "smg_sidecar_shadow_admit",
+            "--shadow: decisions enforcement would have made, by class and outcome (the "
+            "requests were all admitted; smg_scheduler_admit_total counts that)",
+            ["class", "outcome"], registry=r)
         for cls in HIGH_TO_LOW:
             self._adoption_refused.labels(cls.label)
         for admitted in ("true", "false"):
@@ -629,6 +642,9 @@ class Metrics:
 
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         self._edge_share.labels(cls.label).set(share)
+
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
+        self._shadow_admit.labels(cls.label, outcome.value).inc()
 
 
 class _WorkerCapacityCollector(Collector):

@@ -105,6 +105,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "owner_blip": lambda r: r.owner_blip(),
     "edge_shed": lambda r: r.edge_shed(B, 3),
     "edge_share": lambda r: r.edge_share(B, 0.5),
+    "shadow_admit": lambda r: r.shadow_admit(B, Outcome.REJECTED_QUEUE_TIMEOUT),
 }
 
 
