@@ -17,6 +17,7 @@ verb                        caller                 metrics
 ``rate_limit``              admission controller   ``smg_http_rate_limit_total``
 ``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
 ``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
+``unknown_pool``            authz (Check)          ``smg_sidecar_unknown_pool_total``
 ``adoption_refused``        completion (ALS)       ``smg_sidecar_adoption_refused_total``
 ``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
@@ -55,7 +56,6 @@ verb                        caller                 metrics
 ``edge_shed``               edge (shed access log) ``smg_scheduler_admit_total``,
                                                    ``smg_sidecar_edge_shed_total``
 ``edge_share``              edge (control loop)    ``smg_sidecar_edge_shed_share``
-``shadow_admit``            shadow (--shadow)      ``smg_sidecar_shadow_admit_total``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -153,6 +153,9 @@ class Recorder(Protocol):
     def overloaded(self, cls: PriorityClass) -> None:
         """A Check shed before admission because too many Checks are open at once."""
 
+    def unknown_pool(self, cls: PriorityClass) -> None:
+        """A Check whose route names a pool this sidecar does not have (429)."""
+
     def adoption_refused(self, cls: PriorityClass) -> None:
         """A periodic entry not adopted: as many admissions as the capacity are in flight."""
 
@@ -229,9 +232,6 @@ class Recorder(Protocol):
         """Envoy answered ``n`` requests of ``cls`` with the queue-full 429 itself (edge
         shedding): counted as the contract counts them, and as edge sheds."""
 
-    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
-        """--shadow: a decision enforcement would have made (nothing was refused)."""
-
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         """The share of ``cls``'s requests Envoy is told to answer itself."""
 
@@ -249,6 +249,9 @@ class NullRecorder:
         pass
 
     def overloaded(self, cls: PriorityClass) -> None:
+        pass
+
+    def unknown_pool(self, cls: PriorityClass) -> None:
         pass
 
     def adoption_refused(self, cls: PriorityClass) -> None:
@@ -316,9 +319,6 @@ class NullRecorder:
     def edge_shed(self, cls: PriorityClass, n: int) -> None:
         pass
 
-    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
-        pass
-
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         pass
 
@@ -351,6 +351,11 @@ class Metrics:
         self._overload = Counter("smg_sidecar_overload_shed",
                                  "Checks shed because too many were open at once "
                                  "(429 scheduler_queue_full)", ["class"], registry=r)
+        # Labelled, so that without pools no series exists (nothing can count then).
+        self._unknown_pool = Counter(
+            "smg_sidecar_unknown_pool",
+            "Checks whose route names a pool the sidecar does not have "
+            "(429 scheduler_queue_full)", ["class"], registry=r)
         self._adoption_refused = Counter(
             "smg_sidecar_adoption_refused",
             "Periodic access-log entries not adopted because admissions in flight "
@@ -479,12 +484,6 @@ class Metrics:
             "smg_sidecar_edge_shed_share",
             "Share of the class's requests Envoy is told to answer itself (0 = off)",
             ["class"], registry=r)
-        # Not smg_scheduler_admit_total: that one counts what really happened (all admitted).
-        self._shadow_admit = Counter(
-            "smg_sidecar_shadow_admit",
-            "--shadow: decisions enforcement would have made, by class and outcome (the "
-            "requests were all admitted; smg_scheduler_admit_total counts that)",
-            ["class", "outcome"], registry=r)
         for cls in HIGH_TO_LOW:
             self._adoption_refused.labels(cls.label)
         for admitted in ("true", "false"):
@@ -536,6 +535,9 @@ class Metrics:
 
     def overloaded(self, cls: PriorityClass) -> None:
         self._overload_child[cls].inc()
+
+    def unknown_pool(self, cls: PriorityClass) -> None:
+        self._unknown_pool.labels(cls.label).inc()
 
     def adoption_refused(self, cls: PriorityClass) -> None:
         self._adoption_refused.labels(cls.label).inc()
@@ -642,9 +644,6 @@ class Metrics:
 
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         self._edge_share.labels(cls.label).set(share)
-
-    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
-        self._shadow_admit.labels(cls.label, outcome.value).inc()
 
 
 class _WorkerCapacityCollector(Collector):

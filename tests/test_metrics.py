@@ -79,6 +79,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "rate_limit": lambda r: r.rate_limit(False),
     "completion_unmatched": lambda r: r.completion_unmatched("unknown"),
     "overloaded": lambda r: r.overloaded(B),
+    "unknown_pool": lambda r: r.unknown_pool(B),
     "ext_proc_stream": lambda r: r.ext_proc_stream(False),
     "adoption_refused": lambda r: r.adoption_refused(D),
     "admin_dropped": lambda r: r.admin_dropped("deadline"),
@@ -105,7 +106,6 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "owner_blip": lambda r: r.owner_blip(),
     "edge_shed": lambda r: r.edge_shed(B, 3),
     "edge_share": lambda r: r.edge_share(B, 0.5),
-    "shadow_admit": lambda r: r.shadow_admit(B, Outcome.REJECTED_QUEUE_TIMEOUT),
 }
 
 
