@@ -17,7 +17,6 @@ verb                        caller                 metrics
 ``rate_limit``              admission controller   ``smg_http_rate_limit_total``
 ``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
 ``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
-``unknown_pool``            authz (Check)          ``smg_sidecar_unknown_pool_total``
 ``adoption_refused``        completion (ALS)       ``smg_sidecar_adoption_refused_total``
 ``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
@@ -56,6 +55,9 @@ verb                        caller                 metrics
 ``edge_shed``               edge (shed access log) ``smg_scheduler_admit_total``,
                                                    ``smg_sidecar_edge_shed_total``
 ``edge_share``              edge (control loop)    ``smg_sidecar_edge_shed_share``
+``shadow_admit``            shadow (--shadow)      ``smg_sidecar_shadow_admit_total``
+``shadow_started``          app (build, --shadow)  ``smg_sidecar_shadow_inflight``,
+                                                   ``smg_sidecar_shadow_queue_depth``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -153,9 +155,6 @@ class Recorder(Protocol):
     def overloaded(self, cls: PriorityClass) -> None:
         """A Check shed before admission because too many Checks are open at once."""
 
-    def unknown_pool(self, cls: PriorityClass) -> None:
-        """A Check whose route names a pool this sidecar does not have (429)."""
-
     def adoption_refused(self, cls: PriorityClass) -> None:
         """A periodic entry not adopted: as many admissions as the capacity are in flight."""
 
@@ -232,6 +231,12 @@ class Recorder(Protocol):
         """Envoy answered ``n`` requests of ``cls`` with the queue-full 429 itself (edge
         shedding): counted as the contract counts them, and as edge sheds."""
 
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
+        """--shadow: a decision enforcement would have made (nothing was refused)."""
+
+    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
+        """--shadow: scrape-time gauges of the would-be in-flight and queued requests."""
+
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         """The share of ``cls``'s requests Envoy is told to answer itself."""
 
@@ -249,9 +254,6 @@ class NullRecorder:
         pass
 
     def overloaded(self, cls: PriorityClass) -> None:
-        pass
-
-    def unknown_pool(self, cls: PriorityClass) -> None:
         pass
 
     def adoption_refused(self, cls: PriorityClass) -> None:
@@ -319,6 +321,12 @@ class NullRecorder:
     def edge_shed(self, cls: PriorityClass, n: int) -> None:
         pass
 
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
+        pass
+
+    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
+        pass
+
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         pass
 
@@ -351,11 +359,6 @@ class Metrics:
         self._overload = Counter("smg_sidecar_overload_shed",
                                  "Checks shed because too many were open at once "
                                  "(429 scheduler_queue_full)", ["class"], registry=r)
-        # Labelled, so that without pools no series exists (nothing can count then).
-        self._unknown_pool = Counter(
-            "smg_sidecar_unknown_pool",
-            "Checks whose route names a pool the sidecar does not have "
-            "(429 scheduler_queue_full)", ["class"], registry=r)
         self._adoption_refused = Counter(
             "smg_sidecar_adoption_refused",
             "Periodic access-log entries not adopted because admissions in flight "
@@ -484,6 +487,12 @@ class Metrics:
             "smg_sidecar_edge_shed_share",
             "Share of the class's requests Envoy is told to answer itself (0 = off)",
             ["class"], registry=r)
+        # Not smg_scheduler_admit_total: that one counts what really happened (all admitted).
+        self._shadow_admit = Counter(
+            "smg_sidecar_shadow_admit",
+            "--shadow: decisions enforcement would have made, by class and outcome (the "
+            "requests were all admitted; smg_scheduler_admit_total counts that)",
+            ["class", "outcome"], registry=r)
         for cls in HIGH_TO_LOW:
             self._adoption_refused.labels(cls.label)
         for admitted in ("true", "false"):
@@ -535,9 +544,6 @@ class Metrics:
 
     def overloaded(self, cls: PriorityClass) -> None:
         self._overload_child[cls].inc()
-
-    def unknown_pool(self, cls: PriorityClass) -> None:
-        self._unknown_pool.labels(cls.label).inc()
 
     def adoption_refused(self, cls: PriorityClass) -> None:
         self._adoption_refused.labels(cls.label).inc()
@@ -645,6 +651,12 @@ class Metrics:
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         self._edge_share.labels(cls.label).set(share)
 
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
+        self._shadow_admit.labels(cls.label, outcome.value).inc()
+
+    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.registry.register(_ShadowCollector(snapshot))
+
 
 class _WorkerCapacityCollector(Collector):
     """Read at scrape time, so a scrape never sees a half-replaced worker set."""
@@ -675,6 +687,27 @@ class _WorkerProblemCollector(Collector):
         for labels, value in sorted(self._current().items()):
             fam.add_metric(list(labels), value)
         yield fam
+
+
+class _ShadowCollector(Collector):
+    """--shadow: the shadow core's state at scrape time (the contract's gauges show the
+    real traffic, where nothing queues)."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._snapshot()
+        inflight = GaugeMetricFamily("smg_sidecar_shadow_inflight",
+                                     "--shadow: requests that would hold a slot now",
+                                     labels=["class"])
+        depth = GaugeMetricFamily("smg_sidecar_shadow_queue_depth",
+                                  "--shadow: requests that would be queued now",
+                                  labels=["class"])
+        for cls in HIGH_TO_LOW:
+            inflight.add_metric([cls.label], snap.classes[cls].inflight)
+            depth.add_metric([cls.label], snap.classes[cls].queue_depth)
+        yield from (inflight, depth)
 
 
 class _SnapshotCollector(Collector):

@@ -79,7 +79,6 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "rate_limit": lambda r: r.rate_limit(False),
     "completion_unmatched": lambda r: r.completion_unmatched("unknown"),
     "overloaded": lambda r: r.overloaded(B),
-    "unknown_pool": lambda r: r.unknown_pool(B),
     "ext_proc_stream": lambda r: r.ext_proc_stream(False),
     "adoption_refused": lambda r: r.adoption_refused(D),
     "admin_dropped": lambda r: r.admin_dropped("deadline"),
@@ -106,6 +105,8 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "owner_blip": lambda r: r.owner_blip(),
     "edge_shed": lambda r: r.edge_shed(B, 3),
     "edge_share": lambda r: r.edge_share(B, 0.5),
+    "shadow_admit": lambda r: r.shadow_admit(B, Outcome.REJECTED_QUEUE_TIMEOUT),
+    "shadow_started": lambda r: r.shadow_started(SNAPSHOT),
 }
 
 
@@ -137,6 +138,7 @@ def test_every_exported_metric_is_fed_by_some_verb() -> None:
     verbs, gauges = documented()
     m = Metrics(tenant_top_n=4)
     m.started(legacy=False, snapshot=SNAPSHOT, config_digest="x")
+    m.shadow_started(SNAPSHOT)  # registered only in shadow mode
     exported = {name for name, _ in samples(m)} | {
         f.name + ("_total" if f.type == "counter" else "") for f in m.registry.collect()}
     assert exported == set().union(*verbs.values()) | gauges
