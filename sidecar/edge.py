@@ -26,10 +26,11 @@ the sidecar's own, :data:`EDGE_REPLIES`) before any Check. Three parts:
   arrivals and no such rejection is room, and the switch goes to 0 at that tick,
   so a request the contract would queue is shed for at most two intervals after
   room appears (one to see a quiet interval, one to observe it) plus Envoy's
-  reload. While it overflows, the share moves half-way toward the share that
-  lets through what the queue absorbed, plus :data:`MARGIN`: the sidecar keeps
-  seeing a little overflow (which is what keeps the switch on) and the share
-  does not flap between 0 and 1. Changes smaller than :data:`DEADBAND` are not
+  reload. While it overflows, the target is the share that lets through what
+  the queue absorbed, plus :data:`MARGIN`: the sidecar keeps seeing a little
+  overflow (which is what keeps the switch on). The share rises to a higher
+  target at once and moves half-way toward a lower one, so it does not flap
+  between 0 and 1 on one interval's noise. Changes smaller than :data:`DEADBAND` are not
   sent. In a fleet (``--coordination-url``) the rejections are the ledger's, so
   the switch follows the fleet-wide queue as this replica's traffic meets it.
 * **Counting.** Envoy writes one access-log entry per edge shed on a logger of
@@ -72,7 +73,9 @@ DENOMINATOR = 1_000_000  # the routes' runtime_fraction denominator: MILLION
 TTL_SECS = 2.0
 CONTROL_INTERVAL_SECS = 0.25  # also the refresh period: eight refreshes per TTL
 MARGIN = 0.25  # let through this much more than the queue absorbed (keeps the signal)
-GAIN = 0.5  # move this far toward the target share each tick
+# Toward a higher target the share jumps (a burst is shed from the next tick on); toward a
+# lower one it moves this far per tick, so one quiet-looking interval does not undo it.
+GAIN = 0.5
 MAX_SHARE = 0.99  # a few requests always reach Check: the overflow signal needs them
 DEADBAND = 0.01  # smaller changes are not sent
 # The edge-shed access logger: its stream carries this gRPC metadata (Envoy's
@@ -146,7 +149,7 @@ class ShedController:
         # A fleet's ledger may answer a Check in the interval after the one it arrived in.
         absorbed = max(0, s.arrived - s.overflow)
         target = min(MAX_SHARE, max(0.0, 1.0 - absorbed * (1.0 + MARGIN) / total))
-        new = s.share + GAIN * (target - s.share)
+        new = target if target > s.share else s.share + GAIN * (target - s.share)
         if abs(new - s.share) < DEADBAND:
             return s.share
         return round(new, 4)

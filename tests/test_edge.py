@@ -62,7 +62,7 @@ def test_the_share_rises_while_the_queue_overflows_and_is_zero_once_it_has_room(
     c = ShedController()
     assert _interval(c, 100, 0) == 0.0  # room: nothing shed
     shares = [_interval(c, 100, 90) for _ in range(3)]
-    assert 0 < shares[0] < shares[1] < shares[2] <= edge.MAX_SHARE
+    assert 0 < shares[0] < shares[1] <= shares[2] <= edge.MAX_SHARE
     # What got through at the share in force is what the sidecar sees; keep it overflowing.
     steady = _interval(c, 20, 10)
     assert steady > 0
@@ -80,6 +80,18 @@ def test_the_share_holds_within_the_deadband_and_decays_when_nothing_gets_throug
     seen = [_interval(c, 0, 0) for _ in range(8)]
     assert seen[0] == pytest.approx(first / 2, abs=1e-3)
     assert seen[-1] == 0.0
+
+
+def test_the_share_jumps_up_to_its_target_and_comes_down_half_way() -> None:
+    c = ShedController()
+    # 100 arrived, 10 absorbed: let 12.5 of 100 through.
+    assert _interval(c, 100, 90) == pytest.approx(1 - 10 * (1 + edge.MARGIN) / 100)
+    high = c.shares()[B]
+    # Then the queue absorbs all but one of the 20 that got through: the target is lower.
+    lower_target = 1 - 19 * (1 + edge.MARGIN) / (20 / (1 - high))
+    assert lower_target < high - 2 * edge.DEADBAND
+    assert _interval(c, 20, 1) == pytest.approx(high + edge.GAIN * (lower_target - high),
+                                                abs=1e-3)
 
 
 def test_other_classes_never_move_a_switch() -> None:
@@ -377,6 +389,14 @@ async def test_a_killed_sidecar_leaves_the_switch_off_within_the_ttl(tmp_path: P
             r = await request(stack.listen_port, headers={"x-smg-priority": "bulk"},
                               body=b"{}", timeout=10)
             assert r.status == 503
+        # A sidecar started again is asked again (Envoy's xDS retry) and steers again.
+        stack.start_sidecar()
+        await stack.wait_sidecar_ready()
+        flood = Flood(stack)
+        try:
+            await wait_share(stack, lambda s: s >= 0.5, timeout=30)
+        finally:
+            await flood.stop()
 
 
 # ------------------------------------------------------------------ Istio recipe
