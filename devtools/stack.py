@@ -109,6 +109,12 @@ class StackConfig:
     # Envoy config as Istio / Envoy Gateway generate it (envoy/mesh.py): no periodic
     # access-log entries, default ALS buffering, the mesh's ext_authz settings.
     mesh: bool = False
+    # Named pools (sidecar --worker-urls NAME=URL): name -> (workers, max_running_requests
+    # of each), a fleet of their own each, reached through Envoy at /NAME/ (rewritten
+    # to /). The fleet above is the default pool.
+    pools: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Pools Envoy routes (at /NAME/, to the default fleet) that the sidecar is not told of.
+    envoy_extra_pools: tuple[str, ...] = ()
 
 
 class Stack:
@@ -129,6 +135,9 @@ class Stack:
         self.fleet: Fleet | Engines = engines or fleet or Fleet(
             config.workers, base_port=config.worker_base_port,
             max_running_requests=config.max_running_requests, service_time=config.service_time)
+        self.pool_fleets = {
+            name: Fleet(n, max_running_requests=cap, service_time=config.service_time)
+            for name, (n, cap) in config.pools.items()}
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.envoy: subprocess.Popen[bytes] | None = None
         self.listen_port = config.listen_port or free_port()
@@ -150,6 +159,8 @@ class Stack:
     async def start(self) -> None:
         if self.owns_fleet:
             await self.fleet.start()
+        for fleet in self.pool_fleets.values():
+            await fleet.start()
         self.priority_path.write_text(self.config.priority_yaml)
         c = self.config
         # A port free_port() found can be taken before the child binds it (by an
@@ -184,6 +195,8 @@ class Stack:
         self.envoy = self.sidecar = None
         if self.owns_fleet:
             await self.fleet.stop()
+        for fleet in self.pool_fleets.values():
+            await fleet.stop()
         if self.grpc_socket is not None:
             shutil.rmtree(self.grpc_socket.parent, ignore_errors=True)
 
@@ -205,6 +218,9 @@ class Stack:
             argv += ["--envoy-admin-url", f"http://127.0.0.1:{self.admin_port}"]
         else:
             argv += ["--worker-urls", *self.fleet.urls]
+        pooled = [f"{name}={url}" for name, f in self.pool_fleets.items() for url in f.urls]
+        if pooled:
+            argv += (["--worker-urls"] if c.capacity_from_envoy else []) + pooled
         return argv + list(c.sidecar_args)
 
     def start_sidecar(self) -> None:
@@ -241,7 +257,9 @@ class Stack:
             flush_interval_secs=c.flush_interval_secs,
             health_interval_secs=c.health_interval_secs, preemption=c.preemption,
             jwt_hs256_secret=c.jwt_secret,
-            sidecar_pipe=str(self.grpc_socket) if self.grpc_socket is not None else None)
+            sidecar_pipe=str(self.grpc_socket) if self.grpc_socket is not None else None,
+            pools=[(name, f"/{name}/", f.addresses) for name, f in self.pool_fleets.items()]
+            + [(name, f"/{name}/", self.fleet.addresses) for name in c.envoy_extra_pools])
         if c.mesh:
             text = load_renderer("mesh").meshify(text)
         self.envoy_config.write_text(text)

@@ -6,7 +6,8 @@ optional blocks (``#@begin <name>`` ... ``#@end <name>``) are kept or dropped wh
 
     python envoy/render.py --listen-port 10000 --admin-port 9901 --sidecar 127.0.0.1:9001 \
         --workers 127.0.0.1:8081,127.0.0.1:8082 --authz-timeout 310 --flush-interval 5 \
-        [--no-preemption] [--jwt-secret S] [--edge-shed] --out envoy/envoy.yaml
+        [--no-preemption] [--jwt-secret S] [--edge-shed] --out envoy/envoy.yaml \
+        [--pool big /big/ 127.0.0.1:8091,127.0.0.1:8092 ...]
     (--sidecar unix:///run/priority-gate/grpc.sock: the sidecar on a Unix socket)
 """
 
@@ -39,6 +40,32 @@ EDGE_REPLY_BODY: str = ('{"error":{"type":"Too Many Requests","code":"scheduler_
                         '"message":"The \'bulk\' priority queue is full; retry later",'
                         '"param":null}}')
 EDGE_LOG_FLUSH_SECS: float = 0.25
+
+# Pools (the sidecar's --worker-urls POOL=URL): a route per pool, matched on a path
+# prefix (rewritten to "/"), to a cluster of its own, naming the pool to the sidecar in
+# ext_authz's per-route context extension. Names as the sidecar accepts them.
+_POOL_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
+_POOL_PREFIX_RE = re.compile(r"^/[A-Za-z0-9._~/-]*/$")
+_DEFAULT_ROUTE = '              - match: {prefix: "/"}\n'
+_WORKERS_CLUSTER = "  - name: workers\n"
+_POOL_ROUTE = """\
+              # Pool ${name}: the route, never the client, names the request's pool.
+              - name: smg_pool_${name}
+                match: {prefix: "${prefix}"}
+                route:
+                  cluster: pool_${name}
+                  prefix_rewrite: "/"
+                  timeout: 0s
+                  retry_policy: {retry_on: "reset,connect-failure", num_retries: 2}
+                typed_per_filter_config:
+                  envoy.filters.http.ext_authz:
+                    "@type": ${per_route_type}
+                    check_settings:
+                      context_extensions: {smg-pool: ${name}}
+"""
+
+_PER_ROUTE_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3."
+                   "ExtAuthzPerRoute")
 
 _BLOCK_RE = re.compile(r"^#@(begin|end) ([a-z_]+)\s*$")
 _HEADER_RE = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]+$")
@@ -119,6 +146,7 @@ def render(
     stream_idle_timeout_secs: float | None = None,
     sidecar_pipe: str | None = None,
     edge_shed: bool = False,
+    pools: Sequence[tuple[str, str, list[tuple[str, int]]]] = (),
 ) -> str:
     """Return the Envoy bootstrap YAML (comments preserved) for these settings.
 
@@ -126,6 +154,10 @@ def render(
     ``--grpc-listen unix://PATH``) instead of ``sidecar_host:sidecar_port``.
     ``edge_shed``: the edge-shed route, runtime layers and access log (the sidecar's
     ``--edge-shed``; sidecar/edge.py).
+    ``pools``: (name, path prefix, workers) per pool (the sidecar's ``--worker-urls
+    POOL=URL``): a route matching the prefix, to a cluster of the pool's workers, with
+    ``smg-pool: name`` in ext_authz's context extensions. Other paths stay on the
+    default pool's ``workers`` cluster.
 
     Raises ValueError on invalid input (bad port/IP, no workers, idle timeout not above
     the authz timeout, ...). The result is also parsed with yaml.safe_load as a check.
@@ -180,6 +212,11 @@ def render(
         jwks = _jwks_inline(jwt_hs256_secret)
 
     text = _select_blocks(TEMPLATE_PATH.read_text(encoding="utf-8"), enabled)
+    pool_endpoints: dict[str, str] = {}
+    if pools:
+        if edge_shed:
+            raise ValueError("pools cannot be combined with edge_shed yet")
+        text, pool_endpoints = _add_pools(text, pools)
     rendered = string.Template(text).substitute(
         listen_port=listen_port,
         admin_port=admin_port,
@@ -194,9 +231,44 @@ def render(
         worker_endpoints="\n".join(endpoint_lines),
         edge_reply_body=json.dumps(EDGE_REPLY_BODY),
         edge_log_flush=_duration(EDGE_LOG_FLUSH_SECS),
+        **pool_endpoints,
     )
     yaml.safe_load(rendered)  # fail here, not in Envoy, if a substitution broke the YAML
     return rendered
+
+
+def _add_pools(text: str, pools: Sequence[tuple[str, str, list[tuple[str, int]]]]
+               ) -> tuple[str, dict[str, str]]:
+    """The template with a route and a cluster per pool; the pools' endpoint lines."""
+    names = [p[0] for p in pools]
+    if len(set(names)) != len(names) or "default" in names:
+        raise ValueError(f"pool names must be unique and not 'default', got {names}")
+    if text.count(_DEFAULT_ROUTE) != 1 or text.count(_WORKERS_CLUSTER) != 1:
+        raise ValueError("template: the default route or the workers cluster moved")
+    # The workers cluster (last in the template) is the pattern of each pool's cluster.
+    block = [line for line in text[text.index(_WORKERS_CLUSTER):].splitlines()
+             if not line.lstrip().startswith("#")]
+    routes, clusters, endpoints = [], [], {}
+    for i, (name, prefix, workers) in enumerate(pools):
+        if not _POOL_NAME_RE.match(name):
+            raise ValueError(f"pool name {name!r}: 1..31 of a-z, 0-9, '_', '-'")
+        if not _POOL_PREFIX_RE.match(prefix):
+            raise ValueError(f"pool {name}: prefix {prefix!r} must start and end with '/'")
+        if not workers:
+            raise ValueError(f"pool {name}: no workers")
+        routes.append(string.Template(_POOL_ROUTE).substitute(name=name, prefix=prefix,
+                                                          per_route_type=_PER_ROUTE_TYPE))
+        clusters.append("\n".join(block).replace("name: workers", f"name: pool_{name}")
+                        .replace("${worker_endpoints}", f"${{pool{i}_endpoints}}"))
+        lines = []
+        for j, (host, port) in enumerate(workers):
+            ip = _ip(f"pool {name} workers[{j}] host", host)
+            _port(f"pool {name} workers[{j}] port", port)
+            lines.append("        - endpoint: {address: {socket_address: "
+                         f"{{address: {ip}, port_value: {port}}}}}}}")
+        endpoints[f"pool{i}_endpoints"] = "\n".join(lines)
+    text = text.replace(_DEFAULT_ROUTE, "".join(routes) + _DEFAULT_ROUTE)
+    return text.rstrip("\n") + "\n" + "\n".join(clusters) + "\n", endpoints
 
 
 def _host_port(spec: str) -> tuple[str, int]:
@@ -232,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-preemption", action="store_true", help="omit the ext_proc filter")
     p.add_argument("--edge-shed", action="store_true",
                    help="Envoy answers the share of bulk the sidecar sets (sidecar --edge-shed)")
+    p.add_argument("--pool", nargs=3, action="append", default=[],
+                   metavar=("NAME", "PREFIX", "HOST:PORT[,HOST:PORT...]"),
+                   help="a pool's route (path prefix, rewritten to /) and workers; "
+                        "repeatable (sidecar --worker-urls NAME=URL)")
     p.add_argument("--out", default="-", help="output file ('-' = stdout)")
     a = p.parse_args(argv)
     pipe = a.sidecar if isinstance(a.sidecar, str) else None
@@ -252,8 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             jwt_hs256_secret=a.jwt_secret,
             stream_idle_timeout_secs=a.stream_idle_timeout,
             edge_shed=a.edge_shed,
+            pools=[(n, prefix, _workers(w)) for n, prefix, w in a.pool],
         )
-    except ValueError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         p.error(str(exc))
     if a.out == "-":
         sys.stdout.write(text)

@@ -238,6 +238,7 @@ class Runtime:
                                   time.monotonic)
             if s.shadow:  # the core built above only says what it would have done
                 self.core = ShadowCore(self.core, time.monotonic, metrics, bucket=bucket)
+                metrics.shadow_started(self.core.shadow_snapshot)
                 bucket = None
             self.controller = AdmissionController(
                 self.core,

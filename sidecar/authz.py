@@ -13,7 +13,7 @@ serialised once at start-up.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -25,8 +25,8 @@ from sidecar.config import TenantSource
 from sidecar.edge import ShedController
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
+from sidecar.pools import DEFAULT_POOL, PooledAdmission
 from sidecar.scheduler import ClassSettings, Outcome
-from sidecar.shadow import Verdict
 
 ANONYMOUS = "anonymous"
 # Checks held open at once (queued, or being decided) before a new one is shed with
@@ -136,9 +136,9 @@ class AuthzService:
         self.rejection_counted = self._rejections.add  # edge sheds join the same line
         # --edge-shed: the control loop sees each Check's class and every queue overflow.
         self.edge: ShedController | None = None
-        # --shadow: the would-be answer for an admission id (sidecar.shadow); nothing waits
-        # or is refused, so the overload shed is off too.
-        self.shadow_verdict: Callable[[str], Verdict | None] | None = None
+        # Pools configured: the route's pool picks the controller (sidecar.pools).
+        self.pools: PooledAdmission | None = None
+        self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
@@ -164,12 +164,22 @@ class AuthzService:
         edge = self.edge
         if edge is not None:
             edge.arrived(c.effective)
-        if self.open_checks > MAX_OPEN_CHECKS and self.shadow_verdict is None:
+        if self.open_checks > MAX_OPEN_CHECKS:
             self.metrics.overloaded(c.effective)
             self._overload_log.event(open_checks=self.open_checks)
             return self._deny[(responses.Rejection.OVERLOADED, c.effective)]
+        controller: AdmissionService | None = self.controller
+        if self.pools is not None:
+            pool = view.pool or DEFAULT_POOL
+            controller = self.pools.get(pool)
+            if controller is None:  # the route and the pools disagree: counted, 429
+                self.metrics.unknown_pool(c.effective)
+                self._unknown_pool_log.event(pool=pool[:64])
+                self._rejections.add(c.effective.label, "unknown_pool", tenant)
+                return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
+        assert controller is not None
         try:
-            admitted = await self.controller.admit(c.effective, tenant)
+            admitted = await controller.admit(c.effective, tenant)
         except Denied as d:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,
                                              rate_limited=d.rate_limited)
@@ -202,8 +212,5 @@ class AuthzService:
                       effective=c.effective.label, admission_id=aid,
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
                       request_id=request_id)
-        allow = codec.encode_allow(aid, c.effective.label, tenant,
-                                   c.effective in self.preemptible or not periodic)
-        if self.shadow_verdict is not None and (v := self.shadow_verdict(aid)) is not None:
-            allow += codec.shadow_suffix(v.outcome, v.code)
-        return allow
+        return codec.encode_allow(aid, c.effective.label, tenant,
+                                  c.effective in self.preemptible or not periodic)

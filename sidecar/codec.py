@@ -47,6 +47,7 @@ MAX_ADMISSION_ID_LEN = 64
 MAX_TENANT_LEN = 1024
 MAX_CLASS_LEN = 32
 ADMISSION_ID_HEADER = "x-smg-admission-id"
+POOL_KEY = "smg-pool"  # ext_authz per-route context extension: the route's pool
 EFFECTIVE_CLASS_HEADER = "x-smg-effective-class"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -62,6 +63,8 @@ class CheckView:
     headers: Mapping[str, str]
     principal: str
     filter_metadata: Mapping[str, struct_pb2.Struct]
+    # The route's ext_authz context extension naming its pool (sidecar.pools), if any.
+    pool: str | None = None
 
     def metadata_string(self, namespace: str, *path: str) -> str | None:
         """A string at ``path`` inside a metadata namespace, or ``None``.
@@ -99,8 +102,10 @@ def decode_check(data: bytes) -> CheckView:
         # Envoy sends header_map instead when encode_raw_headers is on.
         headers = {h.key.lower(): h.raw_value.decode("utf-8", "replace")
                    for h in http.header_map.headers}
+    ext = attrs.context_extensions
     return CheckView(headers=headers, principal=attrs.source.principal,
-                     filter_metadata=attrs.metadata_context.filter_metadata)
+                     filter_metadata=attrs.metadata_context.filter_metadata,
+                     pool=ext.get(POOL_KEY, None))
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -109,7 +114,7 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 _ID_MARK = "\x00" * 32  # stands in for the 32-hex-digit id in cached templates
-_ALLOW_TEMPLATES: dict[tuple[str, str, bool], bytes] = {}
+_ALLOW_TEMPLATES: dict[tuple[str, str, bool, int], bytes] = {}
 _ALLOW_TEMPLATE_LIMIT = 4096
 
 
@@ -119,18 +124,21 @@ def encode_allow(admission_id: str, effective_class: str, tenant: str,
     ext_proc filter read it there) and in headers to the worker (for its logs).
 
     The message differs per request only in the id, so it is serialised once
-    per (class, tenant) with a marker of the id's length and the marker is
-    replaced; a 32-character id has the same encoded length as the marker.
+    per (class, tenant, id length) with a marker of the id's length and the
+    marker is replaced; an id has the same encoded length as its marker (a
+    pool's ids are longer than the default 32: sidecar.pools).
     """
-    if len(admission_id) != len(_ID_MARK):
+    n = len(admission_id)
+    if not len(_ID_MARK) <= n <= MAX_ADMISSION_ID_LEN:  # a short run of NULs is not unique
         return build_allow(admission_id, effective_class, tenant, preemptible)
-    key = (effective_class, tenant, preemptible)
+    mark = _ID_MARK if n == len(_ID_MARK) else "\x00" * n
+    key = (effective_class, tenant, preemptible, n)
     template = _ALLOW_TEMPLATES.get(key)
     if template is None:
-        template = build_allow(_ID_MARK, effective_class, tenant, preemptible)
+        template = build_allow(mark, effective_class, tenant, preemptible)
         if len(_ALLOW_TEMPLATES) < _ALLOW_TEMPLATE_LIMIT:
             _ALLOW_TEMPLATES[key] = template
-    return template.replace(_ID_MARK.encode(), admission_id.encode())
+    return template.replace(mark.encode(), admission_id.encode())
 
 
 def build_allow(admission_id: str, effective_class: str, tenant: str,
@@ -151,39 +159,6 @@ def build_allow(admission_id: str, effective_class: str, tenant: str,
         ),
     )
     out: bytes = resp.SerializeToString()
-    return out
-
-
-# --shadow (sidecar.shadow): the would-be answer, in the metadata for Envoy's access log
-# (%DYNAMIC_METADATA(envoy.filters.http.ext_authz:shadow_outcome)%) and as a header to
-# the worker. The code is set only for a would-be rejection.
-SHADOW_OUTCOME_KEY = "shadow_outcome"
-SHADOW_CODE_KEY = "shadow_code"
-SHADOW_HEADER = "x-smg-shadow-outcome"
-_SHADOW_SUFFIXES: dict[tuple[str, str], bytes] = {}
-
-
-def shadow_suffix(outcome: str, code: str = "") -> bytes:
-    """Bytes to append to an encoded allow to add the would-be answer to it.
-
-    Protobuf merges concatenated messages (map entries and repeated headers are
-    added), so the allow's own template is left as it is. A handful of (outcome,
-    code) pairs exist: each is serialised once.
-    """
-    key = (outcome, code)
-    out = _SHADOW_SUFFIXES.get(key)
-    if out is None:
-        md = struct_pb2.Struct()
-        md.fields[SHADOW_OUTCOME_KEY].string_value = outcome
-        if code:
-            md.fields[SHADOW_CODE_KEY].string_value = code
-        out = external_auth_pb2.CheckResponse(
-            dynamic_metadata=md,
-            ok_response=external_auth_pb2.OkHttpResponse(
-                headers=[_header(SHADOW_HEADER, outcome)]),
-        ).SerializeToString()
-        if len(_SHADOW_SUFFIXES) < 64:
-            _SHADOW_SUFFIXES[key] = out
     return out
 
 
@@ -218,8 +193,6 @@ class LogEntry:
     ended_at: float = 0.0
     # False when the allow said no class above may preempt it (no ext_proc stream expected).
     preemptible: bool = True
-    # --shadow: the would-be outcome the allow carried ("" without --shadow).
-    shadow_outcome: str = ""
 
 
 def decode_access_logs(data: bytes) -> list[LogEntry]:
@@ -242,7 +215,6 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
         cls_value = fields.get("class")
         tenant_value = fields.get("tenant")
         preemptible_value = fields.get(PREEMPTIBLE_KEY)
-        shadow_value = fields.get(SHADOW_OUTCOME_KEY)
         cls = cls_value.string_value if cls_value is not None else ""
         tenant = tenant_value.string_value if tenant_value is not None else ""
         out.append(LogEntry(
@@ -254,8 +226,6 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             lived_secs=_lived_secs(cp),
             ended_at=_ended_at(cp),
             preemptible=preemptible_value is None or preemptible_value.bool_value,
-            shadow_outcome=shadow_value.string_value[:MAX_CLASS_LEN]
-            if shadow_value is not None else "",
         ))
     return out
 

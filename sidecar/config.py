@@ -45,6 +45,8 @@ from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
 from sidecar.scheduler.reservations import desired_reservations, reservations_fit
 
 MAX_CONFIG_BYTES = 1024 * 1024
+# The pool of a route that names none, and of --worker-urls entries without POOL=.
+DEFAULT_POOL = "default"
 """Largest priority.yaml accepted (a ConfigMap cannot hold more); refused before parsing."""
 MAX_DEPTH = 32
 """Deepest nesting accepted; a priority.yaml uses 4 (document, classes, a class, a field)."""
@@ -116,9 +118,16 @@ class PriorityConfig:
     ``ClassSettings.tenant_weights``, where the core reads them)."""
     source: str | None = None
     digest: str = "builtin"
+    pools: Mapping[str, Mapping[PriorityClass, ClassSettings]] = field(default_factory=dict)
+    """Per-pool class tables (the ``pools:`` map), each merged field-wise over ``classes``;
+    a pool not named here uses ``classes``."""
+
+    def classes_for(self, pool: str) -> Mapping[PriorityClass, ClassSettings]:
+        return self.pools.get(pool, self.classes)
 
     def max_queue_timeout(self) -> float:
-        return max(c.queue_timeout_secs for c in self.classes.values())
+        return max(c.queue_timeout_secs for table in (self.classes, *self.pools.values())
+                   for c in table.values())
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -409,29 +418,66 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
             "top level must be a mapping with optional 'classes' and 'tenant_policies'", file=file
         )
     for top in doc:
-        if top not in ("classes", "tenant_policies"):
+        if top not in ("classes", "tenant_policies", "pools"):
             raise ConfigError(
-                "unknown key (expected: classes, tenant_policies)", file=file, key=key_segment(top)
+                "unknown key (expected: classes, tenant_policies, pools)", file=file,
+                key=key_segment(top)
             )
-    classes = dict(BUILTIN_CLASSES)
-    raw_classes = doc.get("classes")
-    if raw_classes is not None:
-        if not isinstance(raw_classes, dict):
-            raise ConfigError("must be a mapping of class name -> fields", file=file, key="classes")
-        for name, body in raw_classes.items():
-            key = f"classes.{key_segment(name)}"
-            cls = PriorityClass.from_name(name) if isinstance(name, str) else None
-            if cls is None:
-                raise ConfigError(
-                    f"unknown class (expected one of: {_CLASS_NAMES})", file=file, key=key
-                )
-            classes[cls] = _merge_class(BUILTIN_CLASSES[cls], body, file, key)
+    classes = _parse_classes(doc.get("classes"), BUILTIN_CLASSES, file, "classes")
     policies, weights = _parse_policies(doc.get("tenant_policies"), file)
     if weights:  # the core reads a class's weights from its own settings
         classes = {cls: replace(c, tenant_weights=weights) for cls, c in classes.items()}
+    pools = _parse_pools(doc.get("pools"), classes, file)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return PriorityConfig(classes=classes, tenant_policies=policies, tenant_weights=weights,
-                          source=file, digest=digest)
+                          source=file, digest=digest, pools=pools)
+
+
+def _parse_classes(raw: object, base: Mapping[PriorityClass, ClassSettings], file: str,
+                   key: str) -> dict[PriorityClass, ClassSettings]:
+    classes = dict(base)
+    if raw is None:
+        return classes
+    if not isinstance(raw, dict):
+        raise ConfigError("must be a mapping of class name -> fields", file=file, key=key)
+    for name, body in raw.items():
+        sub = f"{key}.{key_segment(name)}"
+        cls = PriorityClass.from_name(name) if isinstance(name, str) else None
+        if cls is None:
+            raise ConfigError(
+                f"unknown class (expected one of: {_CLASS_NAMES})", file=file, key=sub
+            )
+        classes[cls] = _merge_class(base[cls], body, file, sub)
+    return classes
+
+
+# A pool name travels in route config, admission ids and a metric label: short, plain.
+POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
+POOL_NAME_RULE = "1..31 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
+
+
+def _parse_pools(raw: object, classes: Mapping[PriorityClass, ClassSettings], file: str
+                 ) -> dict[str, Mapping[PriorityClass, ClassSettings]]:
+    """``pools.<name>.classes``: per-pool overrides over the top-level classes."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError("must be a mapping of pool name -> settings", file=file, key="pools")
+    out: dict[str, Mapping[PriorityClass, ClassSettings]] = {}
+    for name, body in raw.items():
+        key = f"pools.{key_segment(name)}"
+        if not isinstance(name, str) or not POOL_NAME.match(name):
+            raise ConfigError(f"pool name must be {POOL_NAME_RULE}", file=file, key=key)
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise ConfigError("must be a mapping with optional 'classes'", file=file, key=key)
+        for sub in body:
+            if sub != "classes":
+                raise ConfigError("unknown key (expected: classes)", file=file,
+                                  key=f"{key}.{key_segment(sub)}")
+        out[name] = _parse_classes(body.get("classes"), classes, file, f"{key}.classes")
+    return out
 
 
 def read_config_file(path: str) -> bytes:
@@ -548,8 +594,9 @@ class Settings:
     worker_credential: Mapping[str, str] | None = field(default=None, repr=False)
     # Envoy answers a flooded bulk queue's overflow itself (sidecar.edge).
     edge_shed: bool = False
-    # Admit everything, record what admission would have done (sidecar.shadow).
-    shadow: bool = False
+    # Named pools' worker URLs (--worker-urls POOL=URL); empty: no pools. The default
+    # pool's workers stay in worker_urls (bare entries) or come from --envoy-admin-url.
+    pool_workers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def fallback_capacity(self) -> int:
@@ -603,8 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="permissions of the --grpc-listen Unix socket")
     sc.add_argument("--http-listen", default="127.0.0.1:9090", metavar="HOST:PORT",
                     help="/metrics, /healthz, /readyz")
-    sc.add_argument("--worker-urls", nargs="+", default=[], metavar="URL",
-                    help="workers to poll for health and max_running_requests")
+    sc.add_argument("--worker-urls", nargs="+", default=[], metavar="[POOL=]URL",
+                    help="workers to poll for health and max_running_requests; POOL=URL "
+                         "puts a worker in a named pool (capacity and queues of its own, "
+                         "chosen by the route's smg-pool context extension)")
     sc.add_argument("--worker-capacity-override", type=int, default=None, metavar="N",
                     help="fixed capacity; ignores worker health")
     sc.add_argument("--envoy-admin-url", default=None, metavar="URL",
@@ -652,11 +701,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers "
                          "the overflow of a full bulk queue with the 429 itself, without a "
                          "Check; off again about 2 s after the sidecar goes silent")
-    sc.add_argument("--shadow", action="store_true", default=False,
-                    help="shadow mode: admit every request at once (no queue, no 429/503, no "
-                         "preemption) and record what admission would have answered, in "
-                         "smg_sidecar_shadow_admit_total and the allow's metadata "
-                         "(shadow_outcome, shadow_code); docs/operations.md")
     sc.add_argument("--startup-capacity-wait-secs", type=float, default=0, metavar="SECS",
                     help="wait up to SECS for a first capacity reading from real workers "
                          "before deciding scheduler vs. legacy admission (/healthz answers "
@@ -845,20 +889,12 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     except ValueError as exc:
         raise ConfigError(f"--grpc-socket-mode: {exc}") from None
     _check_listen(ns.http_listen, "--http-listen")
-    for url in ns.worker_urls:
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"--worker-urls: {url!r} must start with http:// or https://")
+    default_urls, pool_workers = split_worker_urls(ns.worker_urls)
     if ns.coordination_url is not None:
         check_coordination_url(ns.coordination_url)
         if not ns.priority_scheduler_enabled:
             # The ledger implements the priority scheduler; the legacy path has no fleet form.
             raise ConfigError("--coordination-url requires --priority-scheduler-enabled")
-    if ns.shadow and ns.coordination_url is not None:
-        # The fleet's ledger queues and refuses across replicas: no shadow form of it.
-        raise ConfigError("--shadow cannot be combined with --coordination-url")
-    if ns.shadow and ns.edge_shed:
-        raise ConfigError("--shadow cannot be combined with --edge-shed (Envoy would refuse "
-                          "requests itself)")
     password = coordination_password(ns)
     replica_id = ns.replica_id if ns.replica_id is not None else default_replica_id()
     for flag, name in (("--fleet-id", ns.fleet_id), ("--replica-id", replica_id)):
@@ -869,6 +905,13 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         raise ConfigError("--replica-ttl-secs must be a finite number > 0")
     credential = worker_credential(ns.worker_auth_file, ns.worker_auth_header)
     priority = load_priority_config(ns.priority_scheduler_config)
+    check_pools(priority, pool_workers)
+    if pool_workers and ns.coordination_url is not None:
+        raise ConfigError("--coordination-url cannot be combined with pools (--worker-urls "
+                          "POOL=URL) yet: the fleet ledger has one capacity")
+    if pool_workers and ns.edge_shed:
+        raise ConfigError("--edge-shed cannot be combined with pools (--worker-urls POOL=URL) "
+                          "yet: Envoy's edge route sheds for every route alike")
     authz_timeout = ns.envoy_authz_timeout
     if authz_timeout is not None and ns.priority_scheduler_enabled:
         longest = priority.max_queue_timeout()
@@ -896,7 +939,8 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         grpc_listen=ns.grpc_listen,
         grpc_socket_mode=grpc_socket_mode,
         http_listen=ns.http_listen,
-        worker_urls=tuple(ns.worker_urls),
+        worker_urls=default_urls,
+        pool_workers=pool_workers,
         worker_capacity_override=ns.worker_capacity_override,
         envoy_admin_url=ns.envoy_admin_url,
         envoy_cluster=ns.envoy_cluster,
@@ -916,12 +960,46 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         coordination_url=ns.coordination_url,
         coordination_password=password,
         edge_shed=ns.edge_shed,
-        shadow=ns.shadow,
         fleet_id=ns.fleet_id,
         replica_id=replica_id,
         replica_ttl_secs=float(ns.replica_ttl_secs),
         worker_credential=credential,
     )
+
+
+def split_worker_urls(entries: Sequence[str]
+                      ) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """``--worker-urls``: bare URLs (and ``default=URL``) are the default pool's; ``POOL=URL``
+    entries make up the named pools."""
+    default: list[str] = []
+    pools: dict[str, list[str]] = {}
+    for entry in entries:
+        name, sep, url = entry.partition("=")
+        if not sep or "/" in name or ":" in name:
+            name, url = DEFAULT_POOL, entry  # a bare URL (which may hold '=' itself)
+        elif not POOL_NAME.match(name):
+            raise ConfigError(f"--worker-urls: pool name {clip(name)!r} must be "
+                              f"{POOL_NAME_RULE}")
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--worker-urls: {url!r} must start with http:// or https://")
+        if name == DEFAULT_POOL:
+            default.append(url)
+        else:
+            pools.setdefault(name, []).append(url)
+    return tuple(default), {name: tuple(urls) for name, urls in pools.items()}
+
+
+def check_pools(cfg: PriorityConfig, pool_workers: Mapping[str, tuple[str, ...]]) -> None:
+    """Every ``pools.<name>`` of the file is a pool the workers define."""
+    for name in cfg.pools:
+        if name == DEFAULT_POOL and pool_workers:
+            continue
+        if name not in pool_workers:
+            raise ConfigError(
+                f"no worker is in this pool (start with --worker-urls {name}=URL ...)"
+                if name != DEFAULT_POOL else
+                "pools are off (no --worker-urls POOL=URL entry): nothing to override",
+                file=cfg.source, key=f"pools.{name}")
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> Settings:

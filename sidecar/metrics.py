@@ -56,6 +56,8 @@ verb                        caller                 metrics
                                                    ``smg_sidecar_edge_shed_total``
 ``edge_share``              edge (control loop)    ``smg_sidecar_edge_shed_share``
 ``shadow_admit``            shadow (--shadow)      ``smg_sidecar_shadow_admit_total``
+``shadow_started``          app (build, --shadow)  ``smg_sidecar_shadow_inflight``,
+                                                   ``smg_sidecar_shadow_queue_depth``
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -232,6 +234,9 @@ class Recorder(Protocol):
     def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
         """--shadow: a decision enforcement would have made (nothing was refused)."""
 
+    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
+        """--shadow: scrape-time gauges of the would-be in-flight and queued requests."""
+
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         """The share of ``cls``'s requests Envoy is told to answer itself."""
 
@@ -317,6 +322,9 @@ class NullRecorder:
         pass
 
     def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
+        pass
+
+    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
         pass
 
     def edge_share(self, cls: PriorityClass, share: float) -> None:
@@ -646,6 +654,9 @@ class Metrics:
     def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
         self._shadow_admit.labels(cls.label, outcome.value).inc()
 
+    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.registry.register(_ShadowCollector(snapshot))
+
 
 class _WorkerCapacityCollector(Collector):
     """Read at scrape time, so a scrape never sees a half-replaced worker set."""
@@ -676,6 +687,27 @@ class _WorkerProblemCollector(Collector):
         for labels, value in sorted(self._current().items()):
             fam.add_metric(list(labels), value)
         yield fam
+
+
+class _ShadowCollector(Collector):
+    """--shadow: the shadow core's state at scrape time (the contract's gauges show the
+    real traffic, where nothing queues)."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._snapshot()
+        inflight = GaugeMetricFamily("smg_sidecar_shadow_inflight",
+                                     "--shadow: requests that would hold a slot now",
+                                     labels=["class"])
+        depth = GaugeMetricFamily("smg_sidecar_shadow_queue_depth",
+                                  "--shadow: requests that would be queued now",
+                                  labels=["class"])
+        for cls in HIGH_TO_LOW:
+            inflight.add_metric([cls.label], snap.classes[cls].inflight)
+            depth.add_metric([cls.label], snap.classes[cls].queue_depth)
+        yield from (inflight, depth)
 
 
 class _SnapshotCollector(Collector):

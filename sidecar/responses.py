@@ -62,6 +62,8 @@ class Rejection(enum.Enum):
     PREEMPTED = enum.auto()
     LEGACY_QUEUE_FULL = enum.auto()
     LEGACY_QUEUE_TIMEOUT = enum.auto()
+    # The route names a pool this sidecar does not have (sidecar.pools).
+    UNKNOWN_POOL = enum.auto()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,12 @@ def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
         case Rejection.LEGACY_QUEUE_TIMEOUT:
             return Reply(503, "admission_queue_timeout",
                          "Timed out waiting for a concurrency slot", retry_after=2)
+        case Rejection.UNKNOWN_POOL:
+            # No contract row fits exactly; a pool with no slot and no queue is the
+            # contract's "queue_size 0, no free slot": 429 scheduler_queue_full.
+            return Reply(429, "scheduler_queue_full",
+                         "No admission pool is configured for this route; retry later",
+                         retry_after=2)
         case _:
             assert_never(rejection)
 

@@ -106,6 +106,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "edge_shed": lambda r: r.edge_shed(B, 3),
     "edge_share": lambda r: r.edge_share(B, 0.5),
     "shadow_admit": lambda r: r.shadow_admit(B, Outcome.REJECTED_QUEUE_TIMEOUT),
+    "shadow_started": lambda r: r.shadow_started(SNAPSHOT),
 }
 
 
@@ -137,6 +138,7 @@ def test_every_exported_metric_is_fed_by_some_verb() -> None:
     verbs, gauges = documented()
     m = Metrics(tenant_top_n=4)
     m.started(legacy=False, snapshot=SNAPSHOT, config_digest="x")
+    m.shadow_started(SNAPSHOT)  # registered only in shadow mode
     exported = {name for name, _ in samples(m)} | {
         f.name + ("_total" if f.type == "counter" else "") for f in m.registry.collect()}
     assert exported == set().union(*verbs.values()) | gauges

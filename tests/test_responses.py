@@ -28,6 +28,7 @@ CONTRACT: dict[Rejection, tuple[int, str, dict[str, str]]] = {
     Rejection.PREEMPTED: (503, "scheduler_preempted",
                           {"retry-after": "1", "x-smg-preempted": "true"}),
     Rejection.LEGACY_QUEUE_FULL: (429, "admission_queue_full", {"retry-after": "2"}),
+    Rejection.UNKNOWN_POOL: (429, "scheduler_queue_full", {"retry-after": "2"}),
     Rejection.LEGACY_QUEUE_TIMEOUT: (503, "admission_queue_timeout", {"retry-after": "2"}),
 }
 REASON = {429: "Too Many Requests", 503: "Service Unavailable"}

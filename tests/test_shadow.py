@@ -306,6 +306,9 @@ async def test_e2e_a_burst_gets_200_and_the_shadow_counts_what_enforcement_would
                      0) == 0
         assert m['smg_scheduler_inflight{class="bulk"}'] == 6
         assert m['smg_scheduler_queue_depth{class="bulk"}'] == 0
+        # The shadow's own state: two would hold a slot, two would wait.
+        assert m['smg_sidecar_shadow_inflight{class="bulk"}'] == 2
+        assert m['smg_sidecar_shadow_queue_depth{class="bulk"}'] == 2
         stack.fleet.gates.open("burst")
         for ex in held:
             await asyncio.wait_for(ex.read_head(), 10)
@@ -325,6 +328,8 @@ async def test_e2e_a_burst_gets_200_and_the_shadow_counts_what_enforcement_would
     assert m.get('smg_sidecar_shadow_admit_total{class="bulk",outcome="rejected_queue_timeout"}',
                  0) == 0
     assert m['smg_sidecar_released_total{class="bulk",reason="completed"}'] == 6
+    m = await until(stack, lambda m: m.get('smg_sidecar_shadow_inflight{class="bulk"}') == 0)
+    assert m['smg_sidecar_shadow_queue_depth{class="bulk"}'] == 0
 
     def logged() -> Counter[str]:
         lines = stack.sidecar_log.read_text().splitlines()

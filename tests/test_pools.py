@@ -1,0 +1,323 @@
+"""Model pools (sidecar.pools): configuration, routing by admission id, and independence.
+
+The property: a pool's decisions depend on its own traffic only. The same random
+sequence run on pool A alone and interleaved with a random sequence on pool B gives
+pool A the same decisions, step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sidecar import codec
+from sidecar.admission import AdmissionController, Denied
+from sidecar.classes import HIGH_TO_LOW, PriorityClass
+from sidecar.config import (
+    ConfigError,
+    build_parser,
+    check_pools,
+    parse_priority_config,
+    settings_from_args,
+    split_worker_urls,
+)
+from sidecar.pools import DEFAULT_POOL, PooledAdmission, id_factory, merge_snapshots, pool_of
+from sidecar.scheduler import BUILTIN_CLASSES, ReleaseResult, Scheduler
+from tests.clock import FakeClock
+
+S, I, D, B = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEFAULT,
+              PriorityClass.BULK)
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_pools_override_classes_field_wise_over_the_top_level() -> None:
+    cfg = parse_priority_config("""
+classes: {bulk: {queue_size: 7}}
+pools:
+  big: {classes: {bulk: {queue_timeout_secs: 9}, system: {reserved_floor: 1}}}
+  small:
+""", "p.yaml")
+    big = cfg.classes_for("big")
+    assert big[B].queue_size == 7 and big[B].queue_timeout_secs == 9
+    assert big[S].reserved_floor == 1 and cfg.classes[S].reserved_floor == 32
+    assert cfg.classes_for("small") == cfg.classes
+    assert cfg.classes_for("unnamed") is cfg.classes
+    assert cfg.max_queue_timeout() == max(300.0, 9.0)
+
+
+@pytest.mark.parametrize(("text", "key", "reason"), [
+    ("pools: {Big: {}}", "pools.Big", "pool name must be"),
+    ("pools: [a]", "pools", "mapping of pool name"),
+    ("pools: {a: {queues: 1}}", "pools.a.queues", "unknown key (expected: classes)"),
+    ("pools: {a: {classes: {urgent: {}}}}", "pools.a.classes.urgent", "unknown class"),
+    ("pools: {a: {classes: {bulk: {nope: 1}}}}", "pools.a.classes.bulk.nope", "unknown key"),
+    ("pools: {a: {classes: {bulk: {queue_size: -1}}}}", "pools.a.classes.bulk.queue_size",
+     ">= 0"),
+    ("pools: {a: {classes: {bulk: {queue_timeout_secs: 0}}}}",
+     "pools.a.classes.bulk.queue_timeout_secs", "> 0"),
+])
+def test_bad_pool_sections_stop_start_up_naming_the_key_path(text: str, key: str,
+                                                            reason: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_priority_config(text, "p.yaml")
+    assert exc.value.file == "p.yaml" and exc.value.key == key
+    assert reason in exc.value.reason
+
+
+def test_worker_urls_name_pools_and_bare_urls_are_the_default_pool() -> None:
+    default, pools = split_worker_urls(
+        ["http://a:1", "big=http://b:1", "default=http://c:1", "big=http://d:1",
+         "http://e:1/?x=y"])
+    assert default == ("http://a:1", "http://c:1", "http://e:1/?x=y")
+    assert pools == {"big": ("http://b:1", "http://d:1")}
+    with pytest.raises(ConfigError, match="pool name"):
+        split_worker_urls(["Big=http://b:1"])
+    with pytest.raises(ConfigError, match="must start with http"):
+        split_worker_urls(["big=ftp://b:1"])
+
+
+def test_a_file_pool_without_workers_is_refused() -> None:
+    cfg = parse_priority_config("pools: {big: {}}", "p.yaml")
+    check_pools(cfg, {"big": ("http://b:1",)})
+    with pytest.raises(ConfigError) as exc:
+        check_pools(cfg, {"other": ("http://b:1",)})
+    assert exc.value.key == "pools.big" and "--worker-urls big=URL" in exc.value.reason
+    with pytest.raises(ConfigError, match="pools are off"):
+        check_pools(parse_priority_config("pools: {default: {}}", "p.yaml"), {})
+
+
+def _settings(*argv: str) -> Any:
+    ns: argparse.Namespace = build_parser().parse_args(
+        ["--priority-scheduler-enabled", *argv])
+    return settings_from_args(ns, isatty=False)
+
+
+def test_settings_with_and_without_pools() -> None:
+    s = _settings("--worker-urls", "http://a:1", "big=http://b:1")
+    assert s.worker_urls == ("http://a:1",) and s.pool_workers == {"big": ("http://b:1",)}
+    plain = _settings("--worker-urls", "http://a:1")
+    assert plain.pool_workers == {}
+
+
+def test_pools_with_coordination_or_edge_shed_are_refused_for_now() -> None:
+    with pytest.raises(ConfigError, match="--coordination-url cannot be combined with pools"):
+        _settings("--worker-urls", "big=http://b:1", "--coordination-url",
+                  "redis://127.0.0.1:6379/0")
+    with pytest.raises(ConfigError, match="--edge-shed cannot be combined with pools"):
+        _settings("--worker-urls", "big=http://b:1", "--edge-shed")
+
+
+# ----------------------------------------------------------------------- ids and codec
+
+
+def test_ids_carry_the_pool_and_the_default_pools_look_as_without_pools() -> None:
+    plain = id_factory(DEFAULT_POOL)()
+    assert len(plain) == 32 and pool_of(plain) == DEFAULT_POOL
+    big = id_factory("big-70b")()
+    assert big.startswith("big-70b.") and pool_of(big) == "big-70b"
+    longest = id_factory("p" * 31)()
+    assert len(longest) <= codec.MAX_ADMISSION_ID_LEN
+
+
+@pytest.mark.parametrize("pool", [DEFAULT_POOL, "big", "p" * 31])
+def test_allow_template_matches_the_field_by_field_message_for_pool_ids(pool: str) -> None:
+    for _ in range(2):  # the second call uses the cached template
+        aid = id_factory(pool)()
+        assert codec.encode_allow(aid, "bulk", "t1", False) == codec.build_allow(
+            aid, "bulk", "t1", False)
+
+
+def test_check_view_carries_the_routes_pool() -> None:
+    from envoy.service.auth.v3 import external_auth_pb2
+    req = external_auth_pb2.CheckRequest()
+    assert codec.decode_check(req.SerializeToString()).pool is None
+    req.attributes.context_extensions["smg-pool"] = "big"
+    assert codec.decode_check(req.SerializeToString()).pool == "big"
+
+
+# ------------------------------------------------------------------- pooled admission
+
+SMALL = {c: dataclasses.replace(k, reserved_floor=0, reserved_per_slot=0.0, queue_size=2)
+         for c, k in BUILTIN_CLASSES.items()}
+
+
+def pooled(clock: FakeClock, capacities: dict[str, int]) -> PooledAdmission:
+    return PooledAdmission({
+        name: AdmissionController(Scheduler(SMALL, cap, clock), lease_secs=60.0, clock=clock,
+                                  id_factory=id_factory(name))
+        for name, cap in capacities.items()})
+
+
+async def test_calls_by_id_reach_the_pool_the_id_names() -> None:
+    clock = FakeClock()
+    p = pooled(clock, {DEFAULT_POOL: 1, "big": 1})
+    big = p.get("big")
+    assert big is not None
+    a = await big.admit(B, "t")
+    d = await p.admit(B, "t")  # no pool: the default pool
+    assert pool_of(a.admission.id) == "big" and pool_of(d.admission.id) == DEFAULT_POOL
+    assert p.holds(a.admission.id) and p.holds(d.admission.id)
+    assert p.snapshot().inflight == 2 and p.snapshot().capacity == 2
+    assert p.release(a.admission.id) is ReleaseResult.RELEASED
+    assert big.snapshot().inflight == 0 and p.snapshot().inflight == 1
+    assert p.release("ghost." + "0" * 32) is ReleaseResult.UNKNOWN
+    # Adoption after a restart: the id alone finds the pool.
+    assert p.renew_or_adopt("big." + "1" * 32, B, "t")
+    assert big.snapshot().inflight == 1
+    assert not p.renew_or_adopt("ghost." + "1" * 32, B, "t")
+    p.close()
+
+
+async def test_a_full_pool_does_not_block_another() -> None:
+    clock = FakeClock()
+    p = pooled(clock, {DEFAULT_POOL: 1, "big": 1})
+    big, small = p.get("big"), p.get(DEFAULT_POOL)
+    assert big is not None and small is not None
+    await big.admit(B, "t")
+    waiting = asyncio.ensure_future(big.admit(B, "t"))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # big is full: queued
+    await small.admit(B, "t")  # the default pool still has its slot
+    waiting.cancel()
+    p.close()
+
+
+def test_merged_snapshot_is_the_sum() -> None:
+    clock = FakeClock()
+    a, b = Scheduler(SMALL, 3, clock), Scheduler(SMALL, 5, clock)
+    a.arrive("x", B, "t")
+    m = merge_snapshots([a.snapshot(), b.snapshot()])
+    assert m.capacity == 8 and m.inflight == 1 and m.classes[B].inflight == 1
+    assert m.classes[B].queue_limit == 4
+
+
+# --------------------------------------------------------------- independence property
+
+OPS_A = st.lists(st.one_of(
+    st.tuples(st.just("arrive"), st.sampled_from(HIGH_TO_LOW)),
+    st.tuples(st.just("release"), st.integers(0, 20)),
+    st.tuples(st.just("open"), st.integers(0, 20)),
+    st.tuples(st.just("first_byte"), st.integers(0, 20)),
+    st.tuples(st.just("cancel"), st.integers(0, 20)),
+    st.tuples(st.just("capacity"), st.integers(0, 4)),
+    st.tuples(st.just("time"), st.sampled_from([0.5, 3.0, 6.0, 40.0])),
+), max_size=40)
+OPS_B = st.lists(st.one_of(
+    st.tuples(st.just("arrive"), st.sampled_from(HIGH_TO_LOW)),
+    st.tuples(st.just("release"), st.integers(0, 20)),
+    st.tuples(st.just("open"), st.integers(0, 20)),
+    st.tuples(st.just("cancel"), st.integers(0, 20)),
+    st.tuples(st.just("capacity"), st.integers(0, 4)),
+), max_size=40)
+
+
+class Driver:
+    """Runs one pool's ops and records what that pool decided."""
+
+    def __init__(self, p: PooledAdmission, pool: str) -> None:
+        self.p = p
+        self.pool = pool
+        ctl = p.get(pool)
+        assert ctl is not None
+        self.ctl = ctl
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.stops: dict[int, asyncio.Future[None] | None] = {}
+
+    def status(self, i: int) -> str:
+        t = self.tasks[i]
+        if not t.done():
+            return "queued"
+        if t.cancelled():
+            return "cancelled"
+        exc = t.exception()
+        if isinstance(exc, Denied):
+            return exc.outcome.value
+        stop = self.stops.get(i)
+        return "preempted" if stop is not None and stop.done() else "admitted"
+
+    def admitted_id(self, k: int) -> str | None:
+        done = [t for t in self.tasks if t.done() and not t.cancelled() and not t.exception()]
+        if not done:
+            return None
+        aid: str = done[k % len(done)].result().admission.id
+        return aid
+
+    async def step(self, op: tuple[str, Any]) -> None:
+        kind, arg = op
+        if kind == "arrive":
+            self.tasks.append(asyncio.ensure_future(self.ctl.admit(arg, "t")))
+        elif kind == "release":
+            aid = self.admitted_id(arg)
+            if aid is not None:
+                self.p.release(aid)
+        elif kind == "open":
+            aid = self.admitted_id(arg)
+            if aid is not None:
+                i = next(j for j, t in enumerate(self.tasks) if t.done() and not t.cancelled()
+                         and not t.exception() and t.result().admission.id == aid)
+                self.stops.setdefault(i, self.p.open_stop_channel(aid))
+        elif kind == "first_byte":
+            aid = self.admitted_id(arg)
+            if aid is not None:
+                self.p.mark_first_byte(aid)
+        elif kind == "cancel":
+            waiting = [t for t in self.tasks if not t.done()]
+            if waiting:
+                waiting[arg % len(waiting)].cancel()
+        elif kind == "capacity":
+            self.ctl.set_capacity(arg)
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    def trace(self) -> tuple[Any, ...]:
+        snap = self.ctl.snapshot()
+        return (tuple(self.status(i) for i in range(len(self.tasks))), snap.capacity,
+                tuple((c.inflight, c.queue_depth) for c in snap.classes.values()))
+
+
+async def run(ops_a: list[tuple[str, Any]], ops_b: list[tuple[str, Any]],
+              order: list[bool]) -> list[tuple[Any, ...]]:
+    clock = FakeClock()
+    p = pooled(clock, {"a": 2, DEFAULT_POOL: 2})
+    a, b = Driver(p, "a"), Driver(p, DEFAULT_POOL)
+    out: list[tuple[Any, ...]] = []
+    ia = ib = 0
+    for pick_b in order + [False] * len(ops_a):
+        if pick_b and ib < len(ops_b):
+            await b.step(ops_b[ib])
+            ib += 1
+            continue
+        if ia == len(ops_a):
+            break
+        op = ops_a[ia]
+        ia += 1
+        if op[0] == "time":  # the clock is shared: both pools see time pass
+            clock.advance(op[1])
+            for ctl in p.controllers.values():
+                ctl.tick()
+            for _ in range(3):
+                await asyncio.sleep(0)
+        else:
+            await a.step(op)
+        out.append(a.trace())
+    for t in a.tasks + b.tasks:
+        t.cancel()
+    await asyncio.gather(*a.tasks, *b.tasks, return_exceptions=True)
+    p.close()
+    return out
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops_a=OPS_A, ops_b=OPS_B, order=st.lists(st.booleans(), max_size=80))
+def test_a_pools_decisions_do_not_depend_on_another_pools_traffic(
+        ops_a: list[tuple[str, Any]], ops_b: list[tuple[str, Any]], order: list[bool]) -> None:
+    alone = asyncio.run(run(ops_a, [], []))
+    together = asyncio.run(run(ops_a, ops_b, order))
+    assert together == alone
