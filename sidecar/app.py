@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,7 +25,7 @@ from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.capacity import CapacityReading
 from sidecar.classes import PriorityClass
 from sidecar.completion import CompletionService, ResponsePathService
-from sidecar.config import ConfigError, PriorityConfig, Settings
+from sidecar.config import ConfigError, PriorityConfig, Settings, check_pools
 from sidecar.coordination import server
 from sidecar.coordination.controller import FleetController
 from sidecar.coordination.credentials import with_password
@@ -33,6 +34,7 @@ from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
 from sidecar.metrics import Metrics
+from sidecar.pools import DEFAULT_POOL, PooledAdmission, id_factory, merge_readings
 from sidecar.ratelimit import build_bucket
 from sidecar.reload import ConfigWatcher
 from sidecar.scheduler import (
@@ -92,25 +94,20 @@ async def build_runtime(settings: Settings) -> Runtime:
     admin = AdminServer(metrics.registry, serving.is_set, metrics)
     hhost, hport = _split(s.http_listen)
     http_port = await admin.start(hhost, hport)
-    monitor = CapacityMonitor(
-        worker_urls=s.worker_urls,
-        envoy_admin_url=s.envoy_admin_url,
-        envoy_cluster=s.envoy_cluster,
-        interval=s.health_interval_secs,
-        timeout=s.health_timeout_secs,
-        fallback=s.fallback_capacity,
-        override=s.worker_capacity_override,
-        # Until the runtime exists, readings only feed metrics; it takes them over.
-        on_change=metrics.capacity_read,
-        engine=s.worker_engine,
-        default_cap=s.worker_max_running_requests,
-        saturation_guard=s.saturation_guard,
-        credential=s.worker_credential,
-    )
+    # Until the runtime exists, readings only feed metrics; it takes them over.
+    monitor = _monitor(s, s.worker_urls, s.envoy_admin_url, metrics.capacity_read)
+    # Named pools probe their own --worker-urls POOL=URL entries (sidecar.pools); the
+    # default pool is the monitor above. Their readings reach metrics via the runtime.
+    pool_monitors = {name: _monitor(s, urls, None, lambda _r: None)
+                     for name, urls in s.pool_workers.items()}
     fleet: FleetController | None = None
     try:
-        # The first capacity reading decides scheduler vs. legacy (the startup check).
-        reading = await _first_reading(s, monitor)
+        # The first capacity reading decides scheduler vs. legacy (the startup check),
+        # per pool when there are pools.
+        reading, *rest = await asyncio.gather(
+            _first_reading(s, monitor),
+            *(_first_reading(s, m, name) for name, m in pool_monitors.items()))
+        pool_readings = dict(zip(pool_monitors, rest, strict=True))
         if s.coordination_url is not None:
             # The password joins the URL in memory only (never argv, never printed).
             url = s.coordination_url if s.coordination_password is None else with_password(
@@ -127,18 +124,40 @@ async def build_runtime(settings: Settings) -> Runtime:
                 metrics=metrics)
         try:
             return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
-                           serving=serving, monitor=monitor, reading=reading, fleet=fleet)
+                           serving=serving, monitor=monitor, reading=reading, fleet=fleet,
+                           pool_monitors=pool_monitors, pool_readings=pool_readings)
         except BaseException:
             if fleet is not None:
                 await fleet.aclose()
             raise
     except BaseException:
         await monitor.close()
+        for m in pool_monitors.values():
+            await m.close()
         await admin.stop()
         raise
 
 
-async def _first_reading(s: Settings, monitor: CapacityMonitor) -> CapacityReading:
+def _monitor(s: Settings, worker_urls: tuple[str, ...], envoy_admin_url: str | None,
+             on_change: Callable[[CapacityReading], None]) -> CapacityMonitor:
+    return CapacityMonitor(
+        worker_urls=worker_urls,
+        envoy_admin_url=envoy_admin_url,
+        envoy_cluster=s.envoy_cluster,
+        interval=s.health_interval_secs,
+        timeout=s.health_timeout_secs,
+        fallback=s.fallback_capacity,
+        override=s.worker_capacity_override,
+        on_change=on_change,
+        engine=s.worker_engine,
+        default_cap=s.worker_max_running_requests,
+        saturation_guard=s.saturation_guard,
+        credential=s.worker_credential,
+    )
+
+
+async def _first_reading(s: Settings, monitor: CapacityMonitor,
+                         pool: str = DEFAULT_POOL) -> CapacityReading:
     """Poll until real workers answer, for at most --startup-capacity-wait-secs.
 
     In a pod the sidecar starts before Envoy, so with --envoy-admin-url the
@@ -146,14 +165,15 @@ async def _first_reading(s: Settings, monitor: CapacityMonitor) -> CapacityReadi
     check reservations against a guess.
     """
     reading = await monitor.poll_once()
-    if not (s.worker_urls or s.envoy_admin_url):
+    if not (monitor.worker_urls or monitor.envoy_admin_url):
         return reading  # nothing to wait for: fallback or override is the answer
+    classes = s.priority.classes_for(pool)
 
     def settled(r: CapacityReading) -> bool:
         # Workers often come up one by one: with the scheduler on, keep waiting
         # while the reservations do not fit yet, since the mode is chosen once.
         return r.source != "fallback" and (
-            not s.scheduler_enabled or reservations_fit(s.priority.classes, r.capacity))
+            not s.scheduler_enabled or reservations_fit(classes, r.capacity))
 
     deadline = time.monotonic() + s.startup_capacity_wait_secs
     while not settled(reading) and time.monotonic() < deadline:
@@ -161,12 +181,14 @@ async def _first_reading(s: Settings, monitor: CapacityMonitor) -> CapacityReadi
         reading = await monitor.poll_once()
     if reading.source == "fallback" and s.startup_capacity_wait_secs > 0:
         log.warning("no_healthy_worker_at_startup", waited_secs=s.startup_capacity_wait_secs,
-                    fallback_capacity=reading.capacity)
+                    fallback_capacity=reading.capacity,
+                    **({"pool": pool} if s.pool_workers else {}))
     return reading
 
 
-def _build_core(s: Settings, reading: CapacityReading) -> AdmissionCore:
-    classes = s.priority.classes
+def _build_core(s: Settings, reading: CapacityReading,
+                pool: str | None = None) -> AdmissionCore:
+    classes = s.priority.classes if pool is None else s.priority.classes_for(pool)
     limit = s.max_concurrent_requests if s.max_concurrent_requests > 0 else None
     if s.scheduler_enabled:
         if reservations_fit(classes, reading.capacity):
@@ -179,7 +201,7 @@ def _build_core(s: Settings, reading: CapacityReading) -> AdmissionCore:
                     mode=mode, reason=reason, capacity=reading.capacity,
                     capacity_source=reading.source, reserved_total=sum(desired.values()),
                     reserved={c.label: n for c, n in desired.items()},
-                    concurrency_cap=limit,
+                    concurrency_cap=limit, **({"pool": pool} if pool is not None else {}),
                     hint="for life of the process; lower the reservations (check with "
                          "--check-config FILE --check-capacity N) or restart once the "
                          "fleet is larger")
@@ -190,6 +212,10 @@ def _build_core(s: Settings, reading: CapacityReading) -> AdmissionCore:
                            "admission: every request goes to the workers at once")
     return LegacyAdmission(limit=limit, queue_size=s.queue_size,
                            queue_timeout_secs=s.queue_timeout_secs, clock=time.monotonic)
+
+
+def _inflight(controller: AdmissionController) -> int:
+    return controller.snapshot().inflight
 
 
 FALLBACK_REASON = "reservations_exceed_capacity"  # the only way the scheduler falls back
@@ -210,7 +236,9 @@ class Runtime:
 
     def __init__(self, settings: Settings, *, metrics: Metrics, admin: AdminServer,
                  http_port: int, serving: asyncio.Event, monitor: CapacityMonitor,
-                 reading: CapacityReading, fleet: FleetController | None = None) -> None:
+                 reading: CapacityReading, fleet: FleetController | None = None,
+                 pool_monitors: Mapping[str, CapacityMonitor] | None = None,
+                 pool_readings: Mapping[str, CapacityReading] | None = None) -> None:
         s = self.settings = settings
         self.metrics = metrics
         self.monitor = monitor
@@ -230,8 +258,27 @@ class Runtime:
             fleet.ledger.identity = server.capacity_source(reading)
         self.core: AdmissionCore | None = None
         self.controller: AdmissionService
+        # Pools (sidecar.pools): one monitor, core and controller each; the default
+        # pool's monitor and core are also self.monitor and self.core.
+        self.pools: PooledAdmission | None = None
+        self._pool_monitors: dict[str, CapacityMonitor] = {}
+        self._pool_readings: dict[str, CapacityReading] = {}
+        self._pool_uncancellable: dict[str, tuple[str, ...]] = {}
         if fleet is not None:
             self.controller = fleet
+        elif pool_monitors:
+            self._pool_monitors = {DEFAULT_POOL: monitor, **pool_monitors}
+            self._pool_readings = {DEFAULT_POOL: reading, **(pool_readings or {})}
+            bucket = build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
+                                  time.monotonic)  # one request-rate check for all pools
+            controllers = {
+                name: AdmissionController(_build_core(s, r, name),
+                                          lease_secs=s.admission_lease_secs, bucket=bucket,
+                                          metrics=metrics, id_factory=id_factory(name))
+                for name, r in self._pool_readings.items()}
+            self.pools = PooledAdmission(controllers, metrics)
+            self.controller = self.pools
+            self.core = controllers[DEFAULT_POOL].core
         else:
             self.core = _build_core(s, reading)
             bucket = build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
@@ -248,17 +295,32 @@ class Runtime:
             )
         self.legacy = self.controller.legacy
         self._classes = s.priority.classes  # the file's; preemption may be suspended below
+        self._config = s.priority
         self._uncancellable = uncancellable_workers(reading)
-        if self._uncancellable:
-            self._preemption_suspended(reading)
-            self.controller.update_config(self._effective_classes())
-        metrics.preemption_suspended(bool(self._uncancellable))
-        if fleet is None:
-            # The guard compares the engines' own counts with what this sidecar holds
-            # (a fleet's ledger holds other replicas' admissions too: not compared).
-            monitor.policy.held = lambda: self.controller.snapshot().inflight
-        # From here on a new capacity reading also resizes admission.
-        monitor.on_change = self._on_capacity
+        if self.pools is not None:
+            for name, r in self._pool_readings.items():
+                self._pool_uncancellable[name] = uncancellable_workers(r)
+                if self._pool_uncancellable[name]:
+                    self._preemption_suspended(r, name)
+                ctl = self.pools.controllers[name]
+                ctl.update_config(self._pool_classes(name))
+                # The guard of each pool compares its engines with that pool's admissions.
+                self._pool_monitors[name].policy.held = functools.partial(_inflight, ctl)
+                self._pool_monitors[name].on_change = functools.partial(
+                    self._on_pool_capacity, name)
+            metrics.capacity_read(merge_readings(self._pool_readings.values()))
+            metrics.preemption_suspended(any(self._pool_uncancellable.values()))
+        else:
+            if self._uncancellable:
+                self._preemption_suspended(reading)
+                self.controller.update_config(self._effective_classes())
+            metrics.preemption_suspended(bool(self._uncancellable))
+            if fleet is None:
+                # The guard compares the engines' own counts with what this sidecar holds
+                # (a fleet's ledger holds other replicas' admissions too: not compared).
+                monitor.policy.held = lambda: self.controller.snapshot().inflight
+            # From here on a new capacity reading also resizes admission.
+            monitor.on_change = self._on_capacity
         metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,
                         config_digest=s.priority.digest,
                         fallback=(_fallback_mode(s), FALLBACK_REASON)
@@ -277,10 +339,11 @@ class Runtime:
             fleet.liveness_decides = True  # acknowledged only while its Envoy is watched
         self.authz = AuthzService(self.controller, metrics, s.tenant_source,
                                   TenantPolicy(s.priority.tenant_policies, s.default_max_class),
-                                  self._preemptible(self._effective_classes()),
+                                  self._preemptible_now(),
                                   liveness=self.liveness)
         if isinstance(self.core, ShadowCore):
             self.authz.shadow_verdict = self.core.take_verdict
+        self.authz.pools = self.pools
         self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
                                         wall_clock=time.time)
         self.completion = CompletionService(self.controller, metrics, self.features,
@@ -340,6 +403,9 @@ class Runtime:
         for name in ("", AUTHZ_SERVICE, ALS_SERVICE, EXT_PROC_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self.monitor.run()))
+        for name, m in self._pool_monitors.items():
+            if name != DEFAULT_POOL:
+                self._tasks.append(asyncio.create_task(m.run()))
         if self.fleet is not None:
             self.fleet.start()
             # A library replaced after start-up is noticed within one --replica-ttl-secs.
@@ -365,6 +431,8 @@ class Runtime:
             lease_secs=s.admission_lease_secs,
             coordination="fleet" if self.fleet is not None else "in-process",
             shadow=s.shadow,
+            **({"pools": {n: r.capacity for n, r in self._pool_readings.items()}}
+               if self.pools is not None else {}),
         )
         if s.envoy_authz_timeout is None and s.scheduler_enabled:
             log.info("envoy_authz_timeout_reminder",
@@ -389,8 +457,43 @@ class Runtime:
         self._uncancellable = uncancellable
         self.controller.set_capacity(reading.capacity)
 
-    def _preemption_suspended(self, reading: CapacityReading) -> None:
-        log.warning("preemption_suspended", workers=list(self._uncancellable),
+    def _on_pool_capacity(self, pool: str, reading: CapacityReading) -> None:
+        """A pool's reading: resizes that pool only; metrics see the pools summed."""
+        assert self.pools is not None
+        self._pool_readings[pool] = reading
+        self.metrics.capacity_read(merge_readings(self._pool_readings.values()))
+        uncancellable = uncancellable_workers(reading)
+        was = self._pool_uncancellable.get(pool, ())
+        self._pool_uncancellable[pool] = uncancellable
+        if bool(uncancellable) != bool(was):
+            if uncancellable:
+                self._preemption_suspended(reading, pool)
+            else:
+                log.info("preemption_resumed", pool=pool,
+                         reason="no counted worker of the pool runs an engine that cannot "
+                                "cancel a running request")
+            self._apply_classes()
+            self.metrics.preemption_suspended(any(self._pool_uncancellable.values()))
+        self.pools.controllers[pool].set_capacity(reading.capacity)
+
+    def _pool_classes(self, pool: str) -> Mapping[PriorityClass, ClassSettings]:
+        """A pool's class table, with can_preempt off while its preemption is suspended."""
+        classes = self._config.classes_for(pool)
+        return without_preemption(classes) if self._pool_uncancellable.get(pool) else classes
+
+    def _preemptible_now(self) -> frozenset[PriorityClass]:
+        if self.pools is None:
+            return self._preemptible(self._effective_classes())
+        # One allow format for all pools: a class preemptible in any pool opens a stream.
+        out: frozenset[PriorityClass] = frozenset()
+        for name, ctl in self.pools.controllers.items():
+            if not ctl.legacy:
+                out |= authz.preemptible_classes(self._pool_classes(name))
+        return out
+
+    def _preemption_suspended(self, reading: CapacityReading, pool: str | None = None) -> None:
+        log.warning("preemption_suspended", workers=list(uncancellable_workers(reading)),
+                    **({"pool": pool} if pool is not None else {}),
                     engines=sorted({w.engine for w in reading.workers
                                     if w.engine in CANNOT_CANCEL_ENGINES}),
                     reason="the engine runs a preempted request to its end, so preempting "
@@ -402,6 +505,11 @@ class Runtime:
         return without_preemption(self._classes) if self._uncancellable else self._classes
 
     def _apply_classes(self) -> None:
+        if self.pools is not None:
+            for name, ctl in self.pools.controllers.items():
+                ctl.update_config(self._pool_classes(name))
+            self.authz.preemptible = self._preemptible_now()
+            return
         classes = self._effective_classes()
         self.controller.update_config(classes)
         self.authz.preemptible = self._preemptible(classes)
@@ -411,6 +519,7 @@ class Runtime:
         # Queued requests keep their place; in-flight ones are untouched;
         # reservations are recomputed at the live capacity.
         self._classes = cfg.classes
+        self._config = cfg
         self._apply_classes()
         if self.legacy:
             log.warning("config_reload_legacy_mode",
@@ -426,6 +535,7 @@ class Runtime:
 
     def _validate_reload(self, cfg: PriorityConfig) -> None:
         """The start-up rule holds on reload too: Envoy must outwait every queue."""
+        check_pools(cfg, self.settings.pool_workers)  # the pools are the workers'
         limit = self.settings.envoy_authz_timeout
         if limit is not None and cfg.max_queue_timeout() >= limit:
             raise ConfigError(
@@ -460,6 +570,9 @@ class Runtime:
         await self._grpc.stop(grace=1.0)
         await self._admin.stop()
         await self.monitor.close()
+        for name, m in self._pool_monitors.items():
+            if name != DEFAULT_POOL:
+                await m.close()
         self.controller.close()
         if self.fleet is not None:
             await self.fleet.aclose()

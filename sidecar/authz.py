@@ -13,7 +13,7 @@ serialised once at start-up.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -27,6 +27,7 @@ from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
 from sidecar.pools import DEFAULT_POOL, PooledAdmission
 from sidecar.scheduler import ClassSettings, Outcome
+from sidecar.shadow import Verdict
 
 ANONYMOUS = "anonymous"
 # Checks held open at once (queued, or being decided) before a new one is shed with
@@ -136,6 +137,9 @@ class AuthzService:
         self.rejection_counted = self._rejections.add  # edge sheds join the same line
         # --edge-shed: the control loop sees each Check's class and every queue overflow.
         self.edge: ShedController | None = None
+        # --shadow: the would-be answer for an admission id (sidecar.shadow); nothing waits
+        # or is refused, so the overload shed is off too.
+        self.shadow_verdict: Callable[[str], Verdict | None] | None = None
         # Pools configured: the route's pool picks the controller (sidecar.pools).
         self.pools: PooledAdmission | None = None
         self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
@@ -164,7 +168,7 @@ class AuthzService:
         edge = self.edge
         if edge is not None:
             edge.arrived(c.effective)
-        if self.open_checks > MAX_OPEN_CHECKS:
+        if self.open_checks > MAX_OPEN_CHECKS and self.shadow_verdict is None:
             self.metrics.overloaded(c.effective)
             self._overload_log.event(open_checks=self.open_checks)
             return self._deny[(responses.Rejection.OVERLOADED, c.effective)]
@@ -212,5 +216,8 @@ class AuthzService:
                       effective=c.effective.label, admission_id=aid,
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
                       request_id=request_id)
-        return codec.encode_allow(aid, c.effective.label, tenant,
-                                  c.effective in self.preemptible or not periodic)
+        allow = codec.encode_allow(aid, c.effective.label, tenant,
+                                   c.effective in self.preemptible or not periodic)
+        if self.shadow_verdict is not None and (v := self.shadow_verdict(aid)) is not None:
+            allow += codec.shadow_suffix(v.outcome, v.code)
+        return allow

@@ -162,6 +162,39 @@ def build_allow(admission_id: str, effective_class: str, tenant: str,
     return out
 
 
+# --shadow (sidecar.shadow): the would-be answer, in the metadata for Envoy's access log
+# (%DYNAMIC_METADATA(envoy.filters.http.ext_authz:shadow_outcome)%) and as a header to
+# the worker. The code is set only for a would-be rejection.
+SHADOW_OUTCOME_KEY = "shadow_outcome"
+SHADOW_CODE_KEY = "shadow_code"
+SHADOW_HEADER = "x-smg-shadow-outcome"
+_SHADOW_SUFFIXES: dict[tuple[str, str], bytes] = {}
+
+
+def shadow_suffix(outcome: str, code: str = "") -> bytes:
+    """Bytes to append to an encoded allow to add the would-be answer to it.
+
+    Protobuf merges concatenated messages (map entries and repeated headers are
+    added), so the allow's own template is left as it is. A handful of (outcome,
+    code) pairs exist: each is serialised once.
+    """
+    key = (outcome, code)
+    out = _SHADOW_SUFFIXES.get(key)
+    if out is None:
+        md = struct_pb2.Struct()
+        md.fields[SHADOW_OUTCOME_KEY].string_value = outcome
+        if code:
+            md.fields[SHADOW_CODE_KEY].string_value = code
+        out = external_auth_pb2.CheckResponse(
+            dynamic_metadata=md,
+            ok_response=external_auth_pb2.OkHttpResponse(
+                headers=[_header(SHADOW_HEADER, outcome)]),
+        ).SerializeToString()
+        if len(_SHADOW_SUFFIXES) < 64:
+            _SHADOW_SUFFIXES[key] = out
+    return out
+
+
 def encode_deny(reply: Reply) -> bytes:
     """A Check denial: Envoy sends ``reply`` to the client as it stands."""
     resp = external_auth_pb2.CheckResponse(
@@ -193,6 +226,8 @@ class LogEntry:
     ended_at: float = 0.0
     # False when the allow said no class above may preempt it (no ext_proc stream expected).
     preemptible: bool = True
+    # --shadow: the would-be outcome the allow carried ("" without --shadow).
+    shadow_outcome: str = ""
 
 
 def decode_access_logs(data: bytes) -> list[LogEntry]:
@@ -215,6 +250,7 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
         cls_value = fields.get("class")
         tenant_value = fields.get("tenant")
         preemptible_value = fields.get(PREEMPTIBLE_KEY)
+        shadow_value = fields.get(SHADOW_OUTCOME_KEY)
         cls = cls_value.string_value if cls_value is not None else ""
         tenant = tenant_value.string_value if tenant_value is not None else ""
         out.append(LogEntry(
@@ -226,6 +262,8 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             lived_secs=_lived_secs(cp),
             ended_at=_ended_at(cp),
             preemptible=preemptible_value is None or preemptible_value.bool_value,
+            shadow_outcome=shadow_value.string_value[:MAX_CLASS_LEN]
+            if shadow_value is not None else "",
         ))
     return out
 

@@ -113,6 +113,10 @@ class CompletionService:
                         if result is not ReleaseResult.RELEASED:
                             log.info("completion_unmatched", admission_id=entry.admission_id,
                                      reason=result.value, response_code=entry.response_code)
+                        if entry.shadow_outcome:  # --shadow: what the access log carried
+                            log.debug("shadow_completed", admission_id=entry.admission_id,
+                                      shadow_outcome=entry.shadow_outcome,
+                                      response_code=entry.response_code)
                     else:
                         if liveness is not None:
                             liveness.periodic_entry(owner)

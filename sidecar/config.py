@@ -594,6 +594,8 @@ class Settings:
     worker_credential: Mapping[str, str] | None = field(default=None, repr=False)
     # Envoy answers a flooded bulk queue's overflow itself (sidecar.edge).
     edge_shed: bool = False
+    # Admit everything, record what admission would have done (sidecar.shadow).
+    shadow: bool = False
     # Named pools' worker URLs (--worker-urls POOL=URL); empty: no pools. The default
     # pool's workers stay in worker_urls (bare entries) or come from --envoy-admin-url.
     pool_workers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -701,6 +703,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers "
                          "the overflow of a full bulk queue with the 429 itself, without a "
                          "Check; off again about 2 s after the sidecar goes silent")
+    sc.add_argument("--shadow", action="store_true", default=False,
+                    help="shadow mode: admit every request at once (no queue, no 429/503, no "
+                         "preemption) and record what admission would have answered, in "
+                         "smg_sidecar_shadow_admit_total and the allow's metadata "
+                         "(shadow_outcome, shadow_code); docs/operations.md")
     sc.add_argument("--startup-capacity-wait-secs", type=float, default=0, metavar="SECS",
                     help="wait up to SECS for a first capacity reading from real workers "
                          "before deciding scheduler vs. legacy admission (/healthz answers "
@@ -895,6 +902,12 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         if not ns.priority_scheduler_enabled:
             # The ledger implements the priority scheduler; the legacy path has no fleet form.
             raise ConfigError("--coordination-url requires --priority-scheduler-enabled")
+    if ns.shadow and ns.coordination_url is not None:
+        # The fleet's ledger queues and refuses across replicas: no shadow form of it.
+        raise ConfigError("--shadow cannot be combined with --coordination-url")
+    if ns.shadow and ns.edge_shed:
+        raise ConfigError("--shadow cannot be combined with --edge-shed (Envoy would refuse "
+                          "requests itself)")
     password = coordination_password(ns)
     replica_id = ns.replica_id if ns.replica_id is not None else default_replica_id()
     for flag, name in (("--fleet-id", ns.fleet_id), ("--replica-id", replica_id)):
@@ -909,6 +922,9 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     if pool_workers and ns.coordination_url is not None:
         raise ConfigError("--coordination-url cannot be combined with pools (--worker-urls "
                           "POOL=URL) yet: the fleet ledger has one capacity")
+    if pool_workers and ns.shadow:
+        # Each pool's core would need its own shadow: not built yet.
+        raise ConfigError("--shadow cannot be combined with pools (--worker-urls POOL=URL) yet")
     if pool_workers and ns.edge_shed:
         raise ConfigError("--edge-shed cannot be combined with pools (--worker-urls POOL=URL) "
                           "yet: Envoy's edge route sheds for every route alike")
@@ -960,6 +976,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         coordination_url=ns.coordination_url,
         coordination_password=password,
         edge_shed=ns.edge_shed,
+        shadow=ns.shadow,
         fleet_id=ns.fleet_id,
         replica_id=replica_id,
         replica_ttl_secs=float(ns.replica_ttl_secs),

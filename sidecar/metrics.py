@@ -17,6 +17,7 @@ verb                        caller                 metrics
 ``rate_limit``              admission controller   ``smg_http_rate_limit_total``
 ``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
 ``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
+``unknown_pool``            authz (Check)          ``smg_sidecar_unknown_pool_total``
 ``adoption_refused``        completion (ALS)       ``smg_sidecar_adoption_refused_total``
 ``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
@@ -155,6 +156,9 @@ class Recorder(Protocol):
     def overloaded(self, cls: PriorityClass) -> None:
         """A Check shed before admission because too many Checks are open at once."""
 
+    def unknown_pool(self, cls: PriorityClass) -> None:
+        """A Check whose route names a pool this sidecar does not have (429)."""
+
     def adoption_refused(self, cls: PriorityClass) -> None:
         """A periodic entry not adopted: as many admissions as the capacity are in flight."""
 
@@ -254,6 +258,9 @@ class NullRecorder:
         pass
 
     def overloaded(self, cls: PriorityClass) -> None:
+        pass
+
+    def unknown_pool(self, cls: PriorityClass) -> None:
         pass
 
     def adoption_refused(self, cls: PriorityClass) -> None:
@@ -359,6 +366,11 @@ class Metrics:
         self._overload = Counter("smg_sidecar_overload_shed",
                                  "Checks shed because too many were open at once "
                                  "(429 scheduler_queue_full)", ["class"], registry=r)
+        # Labelled, so that without pools no series exists (nothing can count then).
+        self._unknown_pool = Counter(
+            "smg_sidecar_unknown_pool",
+            "Checks whose route names a pool the sidecar does not have "
+            "(429 scheduler_queue_full)", ["class"], registry=r)
         self._adoption_refused = Counter(
             "smg_sidecar_adoption_refused",
             "Periodic access-log entries not adopted because admissions in flight "
@@ -544,6 +556,9 @@ class Metrics:
 
     def overloaded(self, cls: PriorityClass) -> None:
         self._overload_child[cls].inc()
+
+    def unknown_pool(self, cls: PriorityClass) -> None:
+        self._unknown_pool.labels(cls.label).inc()
 
     def adoption_refused(self, cls: PriorityClass) -> None:
         self._adoption_refused.labels(cls.label).inc()

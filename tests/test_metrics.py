@@ -79,6 +79,7 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "rate_limit": lambda r: r.rate_limit(False),
     "completion_unmatched": lambda r: r.completion_unmatched("unknown"),
     "overloaded": lambda r: r.overloaded(B),
+    "unknown_pool": lambda r: r.unknown_pool(B),
     "ext_proc_stream": lambda r: r.ext_proc_stream(False),
     "adoption_refused": lambda r: r.adoption_refused(D),
     "admin_dropped": lambda r: r.admin_dropped("deadline"),

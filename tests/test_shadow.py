@@ -217,6 +217,8 @@ def test_shadow_flag_and_its_refusals() -> None:
                         "--coordination-url", "redis://127.0.0.1:1"])
     with pytest.raises(ConfigError, match="--shadow"):
         parse_settings(["--shadow", "--edge-shed"])
+    with pytest.raises(ConfigError, match="--shadow cannot be combined with pools"):
+        parse_settings(["--shadow", "--worker-urls", "http://w0", "big=http://w1"])
 
 
 # ------------------------------------------------------------------ codec
