@@ -167,7 +167,9 @@ async def test_a_restarted_sidecar_with_the_same_replica_id_keeps_its_running_st
     # same --replica-id) while its 3 streams still run in Envoy. Before: the new process's
     # first resync dropped its predecessor's admissions, B admitted 3 more (6 of 3), and
     # the periodic entries' adoption was refused by the ledger, unnoticed.
-    ttl = 2.0
+    # ttl 10: a resync drops what it does not list once older than 4 call timeouts (4 s),
+    # well inside the old registration's 9 s.
+    ttl = 10.0
     old = await start_replica(tmp_path, valkey_server.url, "a", capacity=3, ttl=ttl)
     b = await start_replica(tmp_path, valkey_server.url, "b", capacity=3, ttl=ttl)
     new: Replica | None = None
@@ -175,13 +177,14 @@ async def test_a_restarted_sidecar_with_the_same_replica_id_keeps_its_running_st
     try:
         for _ in range(3):
             truth.admitted(await ok(old.check()))
+        await old.fleet.ledger.heartbeat()  # its registration runs 9 s from here
         await old.close()  # the process ends; Envoy's streams run on
-        await asyncio.sleep(1.7)  # older than any resync's min_age (4 x call timeout)
+        await asyncio.sleep(4.2)  # older than any resync's min_age (4 x call timeout)
         new = await start_replica(tmp_path, valkey_server.url, "a", capacity=3, ttl=ttl)
         assert set(new.fleet.held) == truth.ids
         assert new.sample("smg_sidecar_coordination_faults_total", kind="taken_over") == 1
         on_b = [b.check() for _ in range(3)]
-        await watch(on_b, truth, 2.5)  # two heartbeats of each
+        await watch(on_b, truth, 4.0)  # past the first heartbeat (resync) of each
         print(f"restart with the same id: peak {truth.peak}/3, ledger "
               f"{await inflight(client)}")
         assert truth.peak <= 3
@@ -217,8 +220,9 @@ async def test_a_running_stream_the_ledger_had_ended_is_counted_again_on_adoptio
         await new.envoy.log((x, "periodic"), cls="default")
         assert x in new.fleet.held
         await eventually(lambda: _equals(client, 1), what="X counted again in the ledger")
-        assert new.sample("smg_sidecar_coordination_faults_total",
-                          kind="ended_but_running_readded") == 1
+        await eventually(lambda: new is not None and new.sample(
+            "smg_sidecar_coordination_faults_total", kind="ended_but_running_readded") == 1,
+            what="the re-add counted")
     finally:
         if new is not None:
             await new.close()
@@ -258,7 +262,8 @@ async def test_an_admission_held_here_that_the_ledger_ended_is_not_ignored(
                              what="X counted again at the next heartbeat")
             assert x in a.fleet.held
             kind = "ended_but_running_readded"
-        assert a.sample("smg_sidecar_coordination_faults_total", kind=kind) == 1
+        await eventually(lambda: a.sample("smg_sidecar_coordination_faults_total",
+                                          kind=kind) == 1, what=f"{kind} counted")
     finally:
         await outgoing.put(None)
         await a.close()
