@@ -10,20 +10,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from devtools.stack import load_renderer
 from sidecar import codec
 from sidecar.admission import AdmissionController, Denied
+from sidecar.app import build_runtime
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.config import (
     ConfigError,
     build_parser,
     check_pools,
     parse_priority_config,
+    parse_settings,
     settings_from_args,
     split_worker_urls,
 )
@@ -321,3 +326,77 @@ def test_a_pools_decisions_do_not_depend_on_another_pools_traffic(
     alone = asyncio.run(run(ops_a, [], []))
     together = asyncio.run(run(ops_a, ops_b, order))
     assert together == alone
+
+
+# ----------------------------------------------------------------- reload and renderer
+
+RELOAD_A = """
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0}
+  bulk: {queue_size: 5}
+pools:
+  big: {classes: {bulk: {queue_size: 3}}}
+"""
+RELOAD_B = RELOAD_A.replace("bulk: {queue_size: 5}", "bulk: {queue_size: 6}").replace(
+    "queue_size: 3", "queue_size: 2")
+
+
+async def test_reload_applies_each_pools_table_and_refuses_an_unknown_pool(
+        tmp_path: Path) -> None:
+    path = tmp_path / "priority.yaml"
+    path.write_text(RELOAD_A)
+    app = await build_runtime(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", str(path),
+        "--worker-urls", "http://127.0.0.1:9", "big=http://127.0.0.1:9",
+        "--worker-capacity-override", "4", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
+    await app.serve()
+    try:
+        assert app.pools is not None
+
+        def limits() -> dict[str, int]:
+            assert app.pools is not None
+            return {n: c.snapshot().classes[B].queue_limit
+                    for n, c in app.pools.controllers.items()}
+
+        assert limits() == {DEFAULT_POOL: 5, "big": 3}
+        path.write_text(RELOAD_B)
+        assert await app.reload_now()
+        assert limits() == {DEFAULT_POOL: 6, "big": 2}
+        path.write_text(RELOAD_B + "  ghost: {}\n")
+        assert not await app.reload_now()
+        assert limits() == {DEFAULT_POOL: 6, "big": 2}
+        assert app.metrics.registry.get_sample_value(
+            "smg_sidecar_config_reload_total", {"result": "error"}) == 1
+    finally:
+        await app.stop()
+
+
+def test_renderer_routes_each_pool_with_its_context_extension() -> None:
+    render = load_renderer().render
+    base: dict[str, Any] = dict(listen_port=10000, admin_port=9901, sidecar_host="127.0.0.1",
+                                sidecar_port=9001, workers=[("127.0.0.1", 8081)],
+                                authz_timeout_secs=40, flush_interval_secs=1)
+    doc = yaml.safe_load(render(**base, pools=[("big", "/big/", [("127.0.0.1", 8091)])]))
+    listener = doc["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    big = next(r for r in routes if r.get("name") == "smg_pool_big")
+    assert big["match"] == {"prefix": "/big/"} and big["route"]["cluster"] == "pool_big"
+    per_route = big["typed_per_filter_config"]["envoy.filters.http.ext_authz"]
+    assert per_route["check_settings"]["context_extensions"] == {"smg-pool": "big"}
+    assert routes[-1]["match"] == {"prefix": "/"}  # the default pool's catch-all stays last
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    ep = clusters["pool_big"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert ep["endpoint"]["address"]["socket_address"]["port_value"] == 8091
+    assert "workers" in clusters
+    # Without pools the output is exactly today's.
+    assert "smg-pool" not in render(**base)
+    for bad in ([("big", "big", [("127.0.0.1", 1)])], [("Big", "/b/", [("127.0.0.1", 1)])],
+                [("default", "/d/", [("127.0.0.1", 1)])], [("b", "/b/", [])]):
+        with pytest.raises(ValueError):
+            render(**base, pools=bad)
+    with pytest.raises(ValueError, match="edge_shed"):
+        render(**base, edge_shed=True, pools=[("b", "/b/", [("127.0.0.1", 1)])])
