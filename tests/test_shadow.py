@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from sidecar.scheduler import (
     ClassSettings,
     LegacyAdmission,
     Outcome,
+    Rejected,
     Released,
     ReleaseReason,
     ReleaseResult,
@@ -206,6 +208,88 @@ def test_an_adopted_stream_holds_a_shadow_slot_but_is_no_decision() -> None:
     assert rec.seen == {}
 
 
+# ------------------------------------------------------------------ against enforcement
+
+
+def _enforce(trace: list[tuple[float, PriorityClass, float]], cfg: dict[PriorityClass,
+             ClassSettings], capacity: int) -> Counter[tuple[str, str]]:
+    """The real scheduler on the trace: a request runs its service time from its admission."""
+    clock = FakeClock(0.0)
+    core = Scheduler(cfg, capacity, clock)
+    ends: dict[str, float] = {}
+    seen: Counter[tuple[str, str]] = Counter()
+    service = {f"r{i}": svc for i, (_, _, svc) in enumerate(trace)}
+    pending = sorted((t, f"r{i}", cls) for i, (t, cls, _) in enumerate(trace))
+
+    def drain() -> None:
+        for e in core.take_events():
+            if isinstance(e, Admitted):
+                seen[(e.admission.cls.label, "admitted")] += 1
+                ends[e.admission.id] = clock.now + service[e.admission.id]
+            elif isinstance(e, Rejected):
+                seen[(e.cls.label, e.outcome.value)] += 1
+
+    while pending or ends or core.next_deadline() is not None:
+        due = [x for x in (pending[0][0] if pending else None,
+                           min(ends.values()) if ends else None, core.next_deadline())
+               if x is not None]
+        clock.now = max(clock.now, min(due))
+        for aid in [a for a, t in ends.items() if t <= clock.now]:
+            del ends[aid]
+            core.release(aid)
+        core.tick()
+        while pending and pending[0][0] <= clock.now:
+            _, aid, cls = pending.pop(0)
+            core.arrive(aid, cls, "t")
+        drain()
+    return seen
+
+
+def _shadow(trace: list[tuple[float, PriorityClass, float]], cfg: dict[PriorityClass,
+            ClassSettings], capacity: int) -> Counter[tuple[str, str]]:
+    """Shadow mode on the same trace: everything runs its service time from its arrival."""
+    clock = FakeClock(0.0)
+    rec = Verdicts()
+    core = ShadowCore(Scheduler(cfg, capacity, clock), clock, rec)
+    ends = {f"r{i}": t + svc for i, (t, _, svc) in enumerate(trace)}
+    pending = sorted((t, f"r{i}", cls) for i, (t, cls, _) in enumerate(trace))
+    while pending or ends or core.next_deadline() is not None:
+        due = [x for x in (pending[0][0] if pending else None,
+                           min(ends.values()) if ends else None, core.next_deadline())
+               if x is not None]
+        clock.now = max(clock.now, min(due))
+        for aid in [a for a, t in ends.items() if t <= clock.now]:
+            del ends[aid]
+            core.release(aid)
+        core.tick()
+        while pending and pending[0][0] <= clock.now:
+            _, aid, cls = pending.pop(0)
+            core.arrive(aid, cls, "t")
+    assert core.snapshot().inflight == 0 and core.shadow_snapshot().inflight == 0
+    return rec.seen
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_with_the_same_service_times_the_shadow_counts_what_enforcement_does(seed: int) -> None:
+    # The design claim: a would-be queued request holds its shadow slot for its real
+    # service time, shifted by its would-be wait, so with service times that do not depend
+    # on the load the shadow's decisions are enforcement's (no preemption: that needs
+    # ext_proc's first-byte signal, which a trace does not have).
+    rnd = random.Random(seed)
+    cfg = {c: ClassSettings(rnd.randint(0, 1), 0.0, rnd.randint(0, 3), rnd.uniform(0.5, 3.0),
+                            rnd.uniform(0.5, 5.0), False) for c in PriorityClass}
+    capacity = rnd.randint(2, 4)
+    t = 0.0
+    trace = []
+    for _ in range(60):
+        t += rnd.expovariate(4.0)
+        trace.append((t, rnd.choice(list(PriorityClass)), rnd.uniform(0.05, 2.0)))
+    enforced = _enforce(trace, cfg, capacity)
+    assert sum(enforced.values()) == len(trace)
+    assert {o for _, o in enforced} - {"admitted"}  # the trace does overload
+    assert _shadow(trace, cfg, capacity) == enforced
+
+
 # ------------------------------------------------------------------ flags
 
 
@@ -270,6 +354,25 @@ async def test_over_grpc_every_check_is_allowed_with_the_would_be_answer(
         assert h.sample("smg_sidecar_shadow_admit_total", **{
             "class": "bulk", "outcome": "admitted"}) == 1
         for r in resps:
+            await h.envoy.log((admission_id(r), "end"))
+        assert h.inflight == 0
+    finally:
+        await h.envoy.close()
+        await h.app.stop()
+
+
+async def test_the_rate_check_sheds_nothing_in_shadow_mode(tmp_path: Path) -> None:
+    h = await start(tmp_path, "--shadow", "--max-concurrent-requests", "1",
+                    "--rate-limit-tokens-per-second", "0.001")  # one token, never refilled
+    try:
+        first = await h.envoy.check({"x-smg-priority": "bulk"})
+        second = await h.envoy.check({"x-smg-priority": "bulk"})
+        assert first.status.code == 0 and second.status.code == 0
+        md = second.dynamic_metadata.fields
+        assert md["shadow_outcome"].string_value == "rejected_queue_full"
+        assert md["shadow_code"].string_value == "scheduler_queue_full"
+        assert h.sample("smg_http_rate_limit_total", result="rejected") == 0
+        for r in (first, second):
             await h.envoy.log((admission_id(r), "end"))
         assert h.inflight == 0
     finally:
