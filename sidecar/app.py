@@ -34,7 +34,7 @@ from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
 from sidecar.metrics import Metrics
-from sidecar.pools import DEFAULT_POOL, PooledAdmission, id_factory, merge_readings
+from sidecar.pools import DEFAULT_POOL, PooledAdmission, PoolRecorder, id_factory
 from sidecar.ratelimit import build_bucket
 from sidecar.reload import ConfigWatcher
 from sidecar.scheduler import (
@@ -89,7 +89,7 @@ async def build_runtime(settings: Settings) -> Runtime:
     if not s.default_max_class_valid:
         log.warning("unknown_default_max_class_using_default",
                     flag="--priority-scheduler-default-max-class")
-    metrics = Metrics(tenant_top_n=s.tenant_metric_top_n)
+    metrics = Metrics(tenant_top_n=s.tenant_metric_top_n, pools=bool(s.pool_workers))
     serving = asyncio.Event()
     admin = AdminServer(metrics.registry, serving.is_set, metrics)
     hhost, hport = _split(s.http_listen)
@@ -274,7 +274,8 @@ class Runtime:
             controllers = {
                 name: AdmissionController(_build_core(s, r, name),
                                           lease_secs=s.admission_lease_secs, bucket=bucket,
-                                          metrics=metrics, id_factory=id_factory(name))
+                                          metrics=PoolRecorder(metrics, name),
+                                          id_factory=id_factory(name))
                 for name, r in self._pool_readings.items()}
             self.pools = PooledAdmission(controllers, metrics)
             self.controller = self.pools
@@ -308,7 +309,9 @@ class Runtime:
                 self._pool_monitors[name].policy.held = functools.partial(_inflight, ctl)
                 self._pool_monitors[name].on_change = functools.partial(
                     self._on_pool_capacity, name)
-            metrics.capacity_read(merge_readings(self._pool_readings.values()))
+            for name, r in self._pool_readings.items():
+                metrics.pool_capacity_read(name, r)
+            metrics.pools_started(self.pools.snapshots)
             metrics.preemption_suspended(any(self._pool_uncancellable.values()))
         else:
             if self._uncancellable:
@@ -458,10 +461,10 @@ class Runtime:
         self.controller.set_capacity(reading.capacity)
 
     def _on_pool_capacity(self, pool: str, reading: CapacityReading) -> None:
-        """A pool's reading: resizes that pool only; metrics see the pools summed."""
+        """A pool's reading: resizes that pool only."""
         assert self.pools is not None
         self._pool_readings[pool] = reading
-        self.metrics.capacity_read(merge_readings(self._pool_readings.values()))
+        self.metrics.pool_capacity_read(pool, reading)
         uncancellable = uncancellable_workers(reading)
         was = self._pool_uncancellable.get(pool, ())
         self._pool_uncancellable[pool] = uncancellable

@@ -18,6 +18,26 @@ verb                        caller                 metrics
 ``completion_unmatched``    admission controller   ``smg_sidecar_completion_unmatched_total``
 ``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
 ``unknown_pool``            authz (Check)          ``smg_sidecar_unknown_pool_total``
+``pool_events``             a pool's controller    the metrics of on_events, the scheduler ones
+                                                   with a ``pool`` label:
+                                                   ``smg_scheduler_admit_total``,
+                                                   ``smg_scheduler_queue_wait_seconds``,
+                                                   ``smg_scheduler_starvation_promotion_total``,
+                                                   ``smg_scheduler_preemption_total``,
+                                                   ``smg_sidecar_released_total``,
+                                                   ``smg_sidecar_lease_expired_total``,
+                                                   ``smg_sidecar_adopted_total``,
+                                                   ``smg_sidecar_tenant_admitted_total``
+``pool_capacity_read``      app (a pool's monitor) the metrics of capacity_read, with a ``pool``
+                                                   label but for the per-worker ones:
+                                                   ``smg_sidecar_capacity_source``,
+                                                   ``smg_sidecar_healthy_workers``,
+                                                   ``smg_sidecar_worker_capacity``,
+                                                   ``smg_sidecar_worker_probe_refused``,
+                                                   ``smg_sidecar_engine_excess``
+``pools_started``           app (build, pools)     with pools, the snapshot gauges (below) per
+                                                   pool, with a ``pool`` label (registered
+                                                   instead of started's)
 ``adoption_refused``        completion (ALS)       ``smg_sidecar_adoption_refused_total``
 ``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
@@ -159,6 +179,15 @@ class Recorder(Protocol):
     def unknown_pool(self, cls: PriorityClass) -> None:
         """A Check whose route names a pool this sidecar does not have (429)."""
 
+    def pool_events(self, pool: str, events: Iterable[Event]) -> None:
+        """A pool's admission events (``Metrics(pools=True)``: series with ``pool``)."""
+
+    def pool_capacity_read(self, pool: str, reading: CapacityReading) -> None:
+        """A pool's capacity reading."""
+
+    def pools_started(self, snapshots: Callable[[], Mapping[str, Snapshot]]) -> None:
+        """The scrape-time gauges of every pool (only with ``Metrics(pools=True)``)."""
+
     def adoption_refused(self, cls: PriorityClass) -> None:
         """A periodic entry not adopted: as many admissions as the capacity are in flight."""
 
@@ -263,6 +292,15 @@ class NullRecorder:
     def unknown_pool(self, cls: PriorityClass) -> None:
         pass
 
+    def pool_events(self, pool: str, events: Iterable[Event]) -> None:
+        pass
+
+    def pool_capacity_read(self, pool: str, reading: CapacityReading) -> None:
+        pass
+
+    def pools_started(self, snapshots: Callable[[], Mapping[str, Snapshot]]) -> None:
+        pass
+
     def adoption_refused(self, cls: PriorityClass) -> None:
         pass
 
@@ -342,25 +380,30 @@ class Metrics:
     """All metrics of one sidecar, on its own registry, fed only through the
     :class:`Recorder` verbs (the Prometheus objects are private)."""
 
-    def __init__(self, *, tenant_top_n: int, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, *, tenant_top_n: int, registry: CollectorRegistry | None = None,
+                 pools: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self._tenant = TenantLabels(tenant_top_n)
+        # Pools (sidecar.pools): the scheduler and capacity series gain a leading `pool`
+        # label; without pools they are exactly the contract's.
+        self._pooled = pools
+        pl = ["pool"] if pools else []
         self._admit = Counter("smg_scheduler_admit", "Admission decisions by class and outcome",
-                              ["class", "outcome"], registry=r)
+                              [*pl, "class", "outcome"], registry=r)
         self._queue_wait = Histogram("smg_scheduler_queue_wait_seconds",
                                      "Time admitted requests waited in their class queue",
-                                     ["class"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
+                                     [*pl, "class"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
         self._preemption = Counter("smg_scheduler_preemption", "Preemptions",
-                                   ["victim_class", "by_class"], registry=r)
+                                   [*pl, "victim_class", "by_class"], registry=r)
         self._clamp = Counter("smg_scheduler_clamp", "Requests clamped to their tenant ceiling",
                               ["tenant", "requested_class", "effective_class"], registry=r)
         self._unknown_priority = Counter("smg_scheduler_unknown_priority_value",
                                          "Unrecognised x-smg-priority values", ["tenant"],
                                          registry=r)
         self._starvation = Counter("smg_scheduler_starvation_promotion",
-                                   "Queue heads admitted by the starvation rule", ["class"],
-                                   registry=r)
+                                   "Queue heads admitted by the starvation rule",
+                                   [*pl, "class"], registry=r)
         self._rate_limit = Counter("smg_http_rate_limit", "Request-rate check results",
                                    ["result"], registry=r)
         self._overload = Counter("smg_sidecar_overload_shed",
@@ -408,10 +451,10 @@ class Metrics:
         self._config_info = Gauge("smg_sidecar_config_info", "Config in force (hash label)",
                                   ["sha256"], registry=r)
         self._capacity_source = Gauge("smg_sidecar_capacity_source",
-                                      "Where capacity comes from (1 = in force)", ["source"],
-                                      registry=r)
+                                      "Where capacity comes from (1 = in force)",
+                                      [*pl, "source"], registry=r)
         self._healthy_workers = Gauge("smg_sidecar_healthy_workers",
-                                      "Workers counted healthy", registry=r)
+                                      "Workers counted healthy", pl, registry=r)
         self._envoy_feature = Gauge(
             "smg_sidecar_envoy_feature",
             "Envoy settings the sidecar relies on, as inferred from traffic (1 = current state)",
@@ -474,13 +517,20 @@ class Metrics:
         self._worker_problems: Mapping[tuple[str, str, str], int] = {}
         self._engine_excess = Gauge("smg_sidecar_engine_excess",
                                     "Requests the engines run or queue beyond what the "
-                                    "sidecar holds (--saturation-guard)", registry=r)
+                                    "sidecar holds (--saturation-guard)", pl, registry=r)
+        self._pool_workers: dict[str, tuple[dict[tuple[str, str], int],
+                                            dict[tuple[str, str, str], int]]] = {}
         r.register(_WorkerProblemCollector(lambda: self._worker_problems))
         # Label children resolved once: labels() costs a lock and a tuple per call,
         # and these run on every admission.
-        self._admit_child = {(cls, outcome): self._admit.labels(cls.label, outcome.value)
-                             for cls in HIGH_TO_LOW for outcome in Outcome}
-        self._wait_child = {cls: self._queue_wait.labels(cls.label) for cls in HIGH_TO_LOW}
+        self._admit_child = {} if pools else {
+            (cls, outcome): self._admit.labels(cls.label, outcome.value)
+            for cls in HIGH_TO_LOW for outcome in Outcome}
+        self._wait_child = {} if pools else {
+            cls: self._queue_wait.labels(cls.label) for cls in HIGH_TO_LOW}
+        # Per pool, the same children with the pool's label value first.
+        self._pool_children: dict[str, tuple[dict[tuple[PriorityClass, Outcome], Counter],
+                                             dict[PriorityClass, Histogram]]] = {}
         self._released_child: dict[tuple[PriorityClass, str], Counter] = {}
         # Keyed by the capped label, so they stay as small as the label sets. A flood of
         # clamped or mislabelled Checks reaches classified() on every one of them.
@@ -515,6 +565,23 @@ class Metrics:
             self._reload.labels(result)
 
     def on_events(self, events: Iterable[Event]) -> None:
+        self._count(events, self._admit_child, self._wait_child, ())
+
+    def pool_events(self, pool: str, events: Iterable[Event]) -> None:
+        if not self._pooled:
+            self.on_events(events)
+            return
+        children = self._pool_children.get(pool)
+        if children is None:
+            children = self._pool_children[pool] = (
+                {(cls, o): self._admit.labels(pool, cls.label, o.value)
+                 for cls in HIGH_TO_LOW for o in Outcome},
+                {cls: self._queue_wait.labels(pool, cls.label) for cls in HIGH_TO_LOW})
+        self._count(events, children[0], children[1], (pool,))
+
+    def _count(self, events: Iterable[Event],
+               admit_child: Mapping[tuple[PriorityClass, Outcome], Counter],
+               wait_child: Mapping[PriorityClass, Histogram], pl: tuple[str, ...]) -> None:
         for e in events:
             if isinstance(e, Released):
                 cls = e.admission.cls
@@ -532,8 +599,8 @@ class Metrics:
                     # Admitted by an earlier process: not a decision of this one.
                     self._adopted.labels(cls.label).inc()
                     continue
-                self._admit_child[(cls, Outcome.ADMITTED)].inc()
-                self._wait_child[cls].observe(e.waited)
+                admit_child[(cls, Outcome.ADMITTED)].inc()
+                wait_child[cls].observe(e.waited)
                 tkey = (cls, self._tenant(e.admission.tenant))
                 tchild = self._tenant_child.get(tkey)
                 if tchild is None:
@@ -541,12 +608,12 @@ class Metrics:
                         cls.label, tkey[1])
                 tchild.inc()
                 if e.starvation:
-                    self._starvation.labels(cls.label).inc()
+                    self._starvation.labels(*pl, cls.label).inc()
             elif isinstance(e, Rejected):
-                self._admit_child[(e.cls, e.outcome)].inc()
+                admit_child[(e.cls, e.outcome)].inc()
             elif isinstance(e, Preempted):
-                self._admit_child[(e.victim.cls, Outcome.PREEMPTED)].inc()
-                self._preemption.labels(e.victim.cls.label, e.by_class.label).inc()
+                admit_child[(e.victim.cls, Outcome.PREEMPTED)].inc()
+                self._preemption.labels(*pl, e.victim.cls.label, e.by_class.label).inc()
 
     def rate_limit(self, allowed: bool) -> None:
         self._rate_child[allowed].inc()
@@ -589,6 +656,9 @@ class Metrics:
         self._preemption_undelivered.inc()
 
     def capacity_read(self, reading: CapacityReading) -> None:
+        if self._pooled:  # before the runtime wires the pools: the default pool's monitor
+            self.pool_capacity_read("default", reading)  # sidecar.config.DEFAULT_POOL
+            return
         for s in ("workers", "fallback", "override"):
             self._capacity_source.labels(s).set(1 if s == reading.source else 0)
         self._healthy_workers.set(reading.healthy)
@@ -597,6 +667,26 @@ class Metrics:
         self._worker_problems = dict(worker_problems(reading))
         self._engine_excess.set(reading.excess)
 
+    def pool_capacity_read(self, pool: str, reading: CapacityReading) -> None:
+        if not self._pooled:
+            self.capacity_read(reading)
+            return
+        for s in ("workers", "fallback", "override"):
+            self._capacity_source.labels(pool, s).set(1 if s == reading.source else 0)
+        self._healthy_workers.labels(pool).set(reading.healthy)
+        self._engine_excess.labels(pool).set(reading.excess)
+        # Worker series are per worker already: all pools' workers, replaced as a whole.
+        self._pool_workers[pool] = (dict(per_worker(reading)), dict(worker_problems(reading)))
+        self._worker_capacity = {k: v for wc, _ in self._pool_workers.values()
+                                 for k, v in wc.items()}
+        self._worker_problems = {k: v for _, wp in self._pool_workers.values()
+                                 for k, v in wp.items()}
+
+    def pools_started(self, snapshots: Callable[[], Mapping[str, Snapshot]]) -> None:
+        if self._pooled:
+            self.registry.register(_SnapshotCollector(lambda: next(iter(snapshots().values())),
+                                                      self._tenant, snapshots))
+
     def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
                 config_digest: str, fallback: tuple[str, str] | None = None) -> None:
         self._mode.labels("scheduler").set(0 if legacy else 1)
@@ -604,7 +694,8 @@ class Metrics:
         for mode in FALLBACK_MODES:  # every series present: 0 is "no fallback"
             for reason in FALLBACK_REASONS:
                 self._fallback.labels(mode, reason).set(1 if fallback == (mode, reason) else 0)
-        self.registry.register(_SnapshotCollector(snapshot, self._tenant))
+        if not self._pooled:  # with pools: pools_started, per pool
+            self.registry.register(_SnapshotCollector(snapshot, self._tenant))
         self._config_generation.set(1)
         self._config_info.labels(config_digest).set(1)
 
@@ -726,28 +817,45 @@ class _ShadowCollector(Collector):
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Snapshot], tenant: Callable[[str], str]) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], tenant: Callable[[str], str],
+                 pools: Callable[[], Mapping[str, Snapshot]] | None = None) -> None:
         self._snapshot = snapshot
         self._tenant = tenant
+        self._pools = pools  # set: every series per pool, with the `pool` label first
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        snap = self._snapshot()
+        pl = ["pool"] if self._pools is not None else []
+        snaps = ([((p,), s) for p, s in self._pools().items()] if self._pools is not None
+                 else [((), self._snapshot())])
         inflight = GaugeMetricFamily("smg_scheduler_inflight", "Admitted requests in flight",
-                                     labels=["class"])
+                                     labels=[*pl, "class"])
         depth = GaugeMetricFamily("smg_scheduler_queue_depth", "Requests queued",
-                                  labels=["class"])
+                                  labels=[*pl, "class"])
         limit = GaugeMetricFamily("smg_scheduler_queue_size_limit", "Queue size limit",
-                                  labels=["class"])
+                                  labels=[*pl, "class"])
         pressure = GaugeMetricFamily(
             "smg_scheduler_class_capacity_pressure",
-            "0..1: queue fill or use beyond reservation, whichever is higher", labels=["class"])
+            "0..1: queue fill or use beyond reservation, whichever is higher",
+            labels=[*pl, "class"])
         reserved = GaugeMetricFamily("smg_sidecar_reserved_slots",
                                      "Slots reserved for the class at current capacity",
-                                     labels=["class"])
+                                     labels=[*pl, "class"])
         tenant_depth = GaugeMetricFamily(
             "smg_sidecar_tenant_queue_depth",
             "Requests queued by class and tenant (tenant label capped; none queued: no series)",
-            labels=["class", "tenant"])
+            labels=[*pl, "class", "tenant"])
+        util = GaugeMetricFamily("smg_scheduler_utilization", "Sum of in-flight / capacity",
+                                 labels=pl)
+        cap = GaugeMetricFamily("smg_sidecar_capacity", "Live capacity (slots)", labels=pl)
+        for p, snap in snaps:
+            self._add(p, snap, inflight, depth, limit, pressure, reserved, tenant_depth)
+            util.add_metric(list(p), snap.inflight / snap.capacity if snap.capacity else 0.0)
+            cap.add_metric(list(p), snap.capacity)
+        yield from (inflight, depth, limit, pressure, reserved, util, cap, tenant_depth)
+
+    def _add(self, p: tuple[str, ...], snap: Snapshot, inflight: GaugeMetricFamily,
+             depth: GaugeMetricFamily, limit: GaugeMetricFamily, pressure: GaugeMetricFamily,
+             reserved: GaugeMetricFamily, tenant_depth: GaugeMetricFamily) -> None:
         for cls in HIGH_TO_LOW:
             c = snap.classes[cls]
             by_label: dict[str, int] = {}
@@ -755,14 +863,9 @@ class _SnapshotCollector(Collector):
                 label = self._tenant(t)
                 by_label[label] = by_label.get(label, 0) + n
             for label, n in sorted(by_label.items()):
-                tenant_depth.add_metric([cls.label, label], n)
-            inflight.add_metric([cls.label], c.inflight)
-            depth.add_metric([cls.label], c.queue_depth)
-            limit.add_metric([cls.label], c.queue_limit)
-            reserved.add_metric([cls.label], c.reserved)
-            pressure.add_metric([cls.label], capacity_pressure(snap, cls))
-        util = GaugeMetricFamily("smg_scheduler_utilization", "Sum of in-flight / capacity")
-        util.add_metric([], snap.inflight / snap.capacity if snap.capacity else 0.0)
-        cap = GaugeMetricFamily("smg_sidecar_capacity", "Live capacity (slots)")
-        cap.add_metric([], snap.capacity)
-        yield from (inflight, depth, limit, pressure, reserved, util, cap, tenant_depth)
+                tenant_depth.add_metric([*p, cls.label, label], n)
+            inflight.add_metric([*p, cls.label], c.inflight)
+            depth.add_metric([*p, cls.label], c.queue_depth)
+            limit.add_metric([*p, cls.label], c.queue_limit)
+            reserved.add_metric([*p, cls.label], c.reserved)
+            pressure.add_metric([*p, cls.label], capacity_pressure(snap, cls))

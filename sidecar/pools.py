@@ -20,7 +20,6 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping
 
 from sidecar.admission import AdmissionController, new_admission_id
-from sidecar.capacity import CapacityReading
 from sidecar.classes import PriorityClass
 from sidecar.codec import POOL_KEY
 from sidecar.config import DEFAULT_POOL
@@ -29,6 +28,7 @@ from sidecar.scheduler import (
     Admitted,
     ClassSettings,
     ClassSnapshot,
+    Event,
     ReleaseReason,
     ReleaseResult,
     Snapshot,
@@ -39,9 +39,9 @@ SEPARATOR = "."  # never in a pool name nor in the hex part of an id
 __all__ = [
     "DEFAULT_POOL",
     "POOL_KEY",
+    "PoolRecorder",
     "PooledAdmission",
     "id_factory",
-    "merge_readings",
     "merge_snapshots",
     "pool_of",
 ]
@@ -77,6 +77,23 @@ def merge_snapshots(snaps: list[Snapshot]) -> Snapshot:
             tenant_depths=tenants)
     return Snapshot(capacity=sum(s.capacity for s in snaps),
                     inflight=sum(s.inflight for s in snaps), classes=classes)
+
+
+class PoolRecorder(NullRecorder):
+    """What a pool's controller records: its events under its pool's label."""
+
+    def __init__(self, metrics: Recorder, pool: str) -> None:
+        self._metrics = metrics
+        self.pool = pool
+
+    def on_events(self, events: Iterable[Event]) -> None:
+        self._metrics.pool_events(self.pool, events)
+
+    def rate_limit(self, allowed: bool) -> None:
+        self._metrics.rate_limit(allowed)
+
+    def completion_unmatched(self, reason: str) -> None:
+        self._metrics.completion_unmatched(reason)
 
 
 class PooledAdmission:
@@ -171,13 +188,3 @@ class PooledAdmission:
         for c in self.controllers.values():
             c.close()
 
-
-def merge_readings(readings: Iterable[CapacityReading]) -> CapacityReading:
-    """The pools' readings as one, for the capacity metrics (each pool admits on its own)."""
-    rs = list(readings)
-    sources = {r.source for r in rs}
-    source = next((s for s in ("override", "workers") if s in sources), "fallback")
-    return CapacityReading(
-        capacity=sum(r.capacity for r in rs), source=source,
-        healthy=sum(r.healthy for r in rs), total=sum(r.total for r in rs),
-        workers=tuple(w for r in rs for w in r.workers), excess=sum(r.excess for r in rs))

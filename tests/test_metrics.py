@@ -80,6 +80,20 @@ CALLS: dict[str, Callable[[Recorder], None]] = {
     "completion_unmatched": lambda r: r.completion_unmatched("unknown"),
     "overloaded": lambda r: r.overloaded(B),
     "unknown_pool": lambda r: r.unknown_pool(B),
+    "pool_events": lambda r: r.pool_events("big", [
+        Admitted(admission(B), waited=0.2, queued=True, starvation=True),
+        Admitted(admission(D, "old"), waited=0.0, queued=False, adopted=True),
+        Rejected("r", D, "t", Outcome.REJECTED_QUEUE_FULL, 0.0),
+        Preempted(admission(B), by_class=I),
+        Released(admission(B), ReleaseReason.COMPLETED),
+        Released(admission(D), LEASE_EXPIRED),
+    ]),
+    "pool_capacity_read": lambda r: r.pool_capacity_read("big", CapacityReading(
+        96, "workers", healthy=2, total=3, excess=2,
+        workers=(WorkerCapacity("http://w1", "sglang", 64),
+                 WorkerCapacity("http://w2", "vllm", 32,
+                                problems=(("/metrics", "unauthorized"),))))),
+    "pools_started": lambda r: r.pools_started(lambda: {"big": SNAPSHOT()}),
     "ext_proc_stream": lambda r: r.ext_proc_stream(False),
     "adoption_refused": lambda r: r.adoption_refused(D),
     "admin_dropped": lambda r: r.admin_dropped("deadline"),
@@ -143,6 +157,33 @@ def test_every_exported_metric_is_fed_by_some_verb() -> None:
     exported = {name for name, _ in samples(m)} | {
         f.name + ("_total" if f.type == "counter" else "") for f in m.registry.collect()}
     assert exported == set().union(*verbs.values()) | gauges
+
+
+def test_with_pools_the_scheduler_and_capacity_series_carry_the_pool() -> None:
+    m = Metrics(tenant_top_n=4, pools=True)
+    m.started(legacy=False, snapshot=SNAPSHOT, config_digest="x")
+    m.pools_started(lambda: {"big": SNAPSHOT(), "default": SNAPSHOT()})
+    CALLS["pool_events"](m)
+    CALLS["pool_capacity_read"](m)
+    m.capacity_read(CapacityReading(8, "fallback", healthy=0, total=0))  # the default pool's
+
+    def get(name: str, **labels: str) -> float | None:
+        return m.registry.get_sample_value(name, labels)
+
+    assert get("smg_scheduler_admit_total", pool="big", **{"class": "bulk",
+                                                            "outcome": "admitted"}) == 1
+    assert get("smg_scheduler_preemption_total", pool="big", victim_class="bulk",
+               by_class="interactive") == 1
+    assert get("smg_scheduler_starvation_promotion_total", pool="big", **{"class": "bulk"}) == 1
+    assert get("smg_scheduler_queue_wait_seconds_count", pool="big", **{"class": "bulk"}) == 1
+    assert get("smg_sidecar_healthy_workers", pool="big") == 2
+    assert get("smg_sidecar_capacity_source", pool="default", source="fallback") == 1
+    assert get("smg_sidecar_engine_excess", pool="big") == 2
+    assert get("smg_sidecar_worker_capacity", worker="http://w1", engine="sglang") == 64
+    for pool in ("big", "default"):
+        assert get("smg_scheduler_queue_depth", pool=pool, **{"class": "default"}) == 1
+        assert get("smg_sidecar_capacity", pool=pool) == 0
+    assert get("smg_scheduler_queue_depth", **{"class": "default"}) is None  # no unlabelled
 
 
 def test_lease_expiry_and_adoption_are_counted_from_core_events() -> None:

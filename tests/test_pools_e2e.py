@@ -61,4 +61,9 @@ async def test_each_pool_admits_on_its_own_capacity(make_stack: StackFactory) ->
     assert sum(len(w.records) for w in stack.fleet.workers) == before
     m = await settle(stack)
     assert m['smg_sidecar_unknown_pool_total{class="bulk"}'] == 1
-    assert m['smg_scheduler_admit_total{class="bulk",outcome="admitted"}'] == n * len(paths)
+    # Per pool, under the pool label (summed over pools: today's series).
+    for pool, cap in CAPACITY.items():
+        assert m[f'smg_scheduler_admit_total{{class="bulk",outcome="admitted",pool="{pool}"}}'] == n
+        assert m[f'smg_sidecar_capacity{{pool="{pool}"}}'] == cap
+        assert m[f'smg_sidecar_healthy_workers{{pool="{pool}"}}'] == len(fleets[pool].workers)
+    assert all("pool=" in k for k in m if k.startswith("smg_scheduler_admit_total{"))
