@@ -925,6 +925,9 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     if pool_workers and ns.shadow:
         # Each pool's core would need its own shadow: not built yet.
         raise ConfigError("--shadow cannot be combined with pools (--worker-urls POOL=URL) yet")
+    if pool_workers and ns.shadow:
+        raise ConfigError("--shadow cannot be combined with pools (--worker-urls POOL=URL) "
+                          "yet: the shadow runs beside one admission core")
     if pool_workers and ns.edge_shed:
         raise ConfigError("--edge-shed cannot be combined with pools (--worker-urls POOL=URL) "
                           "yet: Envoy's edge route sheds for every route alike")

@@ -111,12 +111,14 @@ def test_settings_with_and_without_pools() -> None:
     assert plain.pool_workers == {}
 
 
-def test_pools_with_coordination_or_edge_shed_are_refused_for_now() -> None:
+def test_pools_with_coordination_edge_shed_or_shadow_are_refused_for_now() -> None:
     with pytest.raises(ConfigError, match="--coordination-url cannot be combined with pools"):
         _settings("--worker-urls", "big=http://b:1", "--coordination-url",
                   "redis://127.0.0.1:6379/0")
     with pytest.raises(ConfigError, match="--edge-shed cannot be combined with pools"):
         _settings("--worker-urls", "big=http://b:1", "--edge-shed")
+    with pytest.raises(ConfigError, match="--shadow cannot be combined with pools"):
+        _settings("--worker-urls", "big=http://b:1", "--shadow")
 
 
 # ----------------------------------------------------------------------- ids and codec
@@ -400,3 +402,9 @@ def test_renderer_routes_each_pool_with_its_context_extension() -> None:
             render(**base, pools=bad)
     with pytest.raises(ValueError, match="edge_shed"):
         render(**base, edge_shed=True, pools=[("b", "/b/", [("127.0.0.1", 1)])])
+
+
+def test_the_pools_benchmark_runs() -> None:
+    from bench import pools as bench_pools
+    assert bench_pools.measure_core(3, 0.02) > 0
+    assert bench_pools.measure_controller(3, 0.02) > 0
