@@ -95,10 +95,11 @@ async def build_runtime(settings: Settings) -> Runtime:
     hhost, hport = _split(s.http_listen)
     http_port = await admin.start(hhost, hport)
     # Until the runtime exists, readings only feed metrics; it takes them over.
-    monitor = _monitor(s, s.worker_urls, s.envoy_admin_url, metrics.capacity_read)
+    monitor = _monitor(s, s.worker_urls, s.envoy_admin_url, metrics.capacity_read,
+                       DEFAULT_POOL if s.pool_workers else None)
     # Named pools probe their own --worker-urls POOL=URL entries (sidecar.pools); the
     # default pool is the monitor above. Their readings reach metrics via the runtime.
-    pool_monitors = {name: _monitor(s, urls, None, lambda _r: None)
+    pool_monitors = {name: _monitor(s, urls, None, lambda _r: None, name)
                      for name, urls in s.pool_workers.items()}
     fleet: FleetController | None = None
     try:
@@ -139,7 +140,8 @@ async def build_runtime(settings: Settings) -> Runtime:
 
 
 def _monitor(s: Settings, worker_urls: tuple[str, ...], envoy_admin_url: str | None,
-             on_change: Callable[[CapacityReading], None]) -> CapacityMonitor:
+             on_change: Callable[[CapacityReading], None],
+             pool: str | None = None) -> CapacityMonitor:
     return CapacityMonitor(
         worker_urls=worker_urls,
         envoy_admin_url=envoy_admin_url,
@@ -153,6 +155,7 @@ def _monitor(s: Settings, worker_urls: tuple[str, ...], envoy_admin_url: str | N
         default_cap=s.worker_max_running_requests,
         saturation_guard=s.saturation_guard,
         credential=s.worker_credential,
+        pool=pool,
     )
 
 

@@ -692,7 +692,10 @@ class CapacityMonitor:
         saturation_guard: bool = False,
         clock: Callable[[], float] | None = None,
         credential: Mapping[str, str] | None = None,
+        pool: str | None = None,
     ) -> None:
+        # With pools (sidecar.pools) every line of this monitor names its pool.
+        self._log = log if pool is None else log.bind(pool=pool)
         self.worker_urls = list(worker_urls)
         self.envoy_admin_url = envoy_admin_url
         self.envoy_cluster = envoy_cluster
@@ -732,9 +735,9 @@ class CapacityMonitor:
                                            CLUSTERS_BODY_LIMIT)
             if status == 200:
                 return routable_hosts(json.loads(body), self.envoy_cluster)
-            log.warning("envoy_admin_unreachable", url=url, status=status)
+            self._log.warning("envoy_admin_unreachable", url=url, status=status)
         except PROBE_ERRORS as exc:
-            log.warning("envoy_admin_unreachable", url=url, error=str(exc)[:200])
+            self._log.warning("envoy_admin_unreachable", url=url, error=str(exc)[:200])
         return None
 
     async def read(self) -> CapacityReading:
@@ -750,24 +753,24 @@ class CapacityMonitor:
         reading = await self.read()
         was_held = self.last is not None and self.last.held
         if reading.held and not was_held:
-            log.warning("capacity_held", capacity=reading.capacity, workers=reading.total,
-                        reason="no probe could complete (a sidecar-side failure: local "
-                               "timeout, out of file descriptors); last reading kept")
+            self._log.warning("capacity_held", capacity=reading.capacity, workers=reading.total,
+                              reason="no probe could complete (a sidecar-side failure: local "
+                                     "timeout, out of file descriptors); last reading kept")
         elif was_held and not reading.held:
-            log.info("capacity_hold_ended", held_secs=round(self.policy.last_hold_secs, 3))
+            self._log.info("capacity_hold_ended", held_secs=round(self.policy.last_hold_secs, 3))
         if reading.excess and not (self.last is not None and self.last.excess):
-            log.warning("engine_excess", excess=reading.excess, capacity=reading.capacity,
-                        reason="the engines run or queue more requests than the sidecar "
-                               "holds (not admitted by it, or released while still running); "
-                               "capacity is lowered by as many until they are gone")
+            self._log.warning("engine_excess", excess=reading.excess, capacity=reading.capacity,
+                              reason="the engines run or queue more requests than the sidecar "
+                                     "holds (not admitted by it, or released while still running); "
+                                     "capacity is lowered by as many until they are gone")
         elif self.last is not None and self.last.excess and not reading.excess:
-            log.info("engine_excess_gone")
+            self._log.info("engine_excess_gone")
         changed = reading != self.last
         if changed:
-            log.info("capacity_changed", capacity=reading.capacity, source=reading.source,
-                     healthy_workers=reading.healthy, workers=reading.total,
-                     excess=reading.excess,
-                     previous=self.last.capacity if self.last else None)
+            self._log.info("capacity_changed", capacity=reading.capacity, source=reading.source,
+                           healthy_workers=reading.healthy, workers=reading.total,
+                           excess=reading.excess,
+                           previous=self.last.capacity if self.last else None)
         self.last = reading
         if changed:
             self.on_change(reading)
@@ -781,4 +784,4 @@ class CapacityMonitor:
             try:
                 await self.poll_once()
             except Exception:  # keep polling whatever one round did
-                log.exception("capacity_poll_failed")
+                self._log.exception("capacity_poll_failed")
