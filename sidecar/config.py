@@ -1036,13 +1036,9 @@ def _effective(c: ClassSettings, name: str) -> str:
 def format_class_table(cfg: PriorityConfig,
                        default_max_class: PriorityClass = PriorityClass.DEFAULT) -> str:
     """The effective per-class table and tenant policies, as ``--check-config`` prints them."""
-    cols = ("class", *_CLASS_FIELDS)
-    rows = [cols]
-    for cls in HIGH_TO_LOW:
-        c = cfg.classes[cls]
-        rows.append((cls.label, *(_effective(c, n) for n in _CLASS_FIELDS)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines = _class_rows(cfg.classes)
+    for pool, classes in sorted(cfg.pools.items()):
+        lines += ["", f"pools.{pool}:", *(f"  {row}" for row in _class_rows(classes))]
     tenants = sorted({*cfg.tenant_policies, *cfg.tenant_weights})
     if tenants:
         lines.append("")
@@ -1051,6 +1047,16 @@ def format_class_table(cfg: PriorityConfig,
             f"  {t}: max_class={cfg.tenant_policies.get(t, default_max_class).label}"
             f" weight={cfg.tenant_weights.get(t, 1.0):g}" for t in tenants)
     return "\n".join(lines)
+
+
+def _class_rows(classes: Mapping[PriorityClass, ClassSettings]) -> list[str]:
+    cols = ("class", *_CLASS_FIELDS)
+    rows = [cols]
+    for cls in HIGH_TO_LOW:
+        c = classes[cls]
+        rows.append((cls.label, *(_effective(c, n) for n in _CLASS_FIELDS)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def smallest_fitting_capacity(cfg: PriorityConfig, limit: int = 65535) -> int | None:

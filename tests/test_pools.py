@@ -408,3 +408,16 @@ def test_the_pools_benchmark_runs() -> None:
     from bench import pools as bench_pools
     assert bench_pools.measure_core(3, 0.02) > 0
     assert bench_pools.measure_controller(3, 0.02) > 0
+
+
+def test_check_config_prints_each_pools_table(capsys: pytest.CaptureFixture[str],
+                                             tmp_path: Path) -> None:
+    from sidecar.main import main
+    path = tmp_path / "p.yaml"
+    path.write_text("classes: {bulk: {queue_size: 7}}\n"
+                    "pools: {big: {classes: {bulk: {queue_size: 3}}}}\n")
+    assert main(["--check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    top, _, big = out.partition("pools.big:")
+    assert [ln.split()[3] for ln in top.splitlines() if ln.startswith("bulk")] == ["7"]
+    assert [ln.split()[3] for ln in big.splitlines() if ln.strip().startswith("bulk")] == ["3"]
