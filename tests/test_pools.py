@@ -421,3 +421,23 @@ def test_check_config_prints_each_pools_table(capsys: pytest.CaptureFixture[str]
     top, _, big = out.partition("pools.big:")
     assert [ln.split()[3] for ln in top.splitlines() if ln.startswith("bulk")] == ["7"]
     assert [ln.split()[3] for ln in big.splitlines() if ln.strip().startswith("bulk")] == ["3"]
+
+
+async def test_preemption_takes_a_victim_only_in_the_preemptors_pool() -> None:
+    clock = FakeClock()
+    p = pooled(clock, {DEFAULT_POOL: 1, "big": 1})
+    big, small = p.get("big"), p.get(DEFAULT_POOL)
+    assert big is not None and small is not None
+    victim = await small.admit(B, "t")  # the default pool's one slot, preemptible
+    stop = p.open_stop_channel(victim.admission.id)
+    assert stop is not None
+    await big.admit(B, "t")  # big's one slot, not yet preemptible
+    waiting = asyncio.ensure_future(big.admit(S, "t"))  # system may preempt, in big only
+    await asyncio.sleep(0)
+    assert not waiting.done() and not stop.done()  # nothing in big to take; small untouched
+    assert small.holds(victim.admission.id)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await small.admit(S, "t")  # in its own pool the same arrival does preempt it
+    assert stop.done() and not small.holds(victim.admission.id)
+    p.close()
