@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from devtools.httpclient import request
-from tests.conftest import StackFactory, assert_denied, settle
+from tests.conftest import StackFactory, assert_denied, settle, until
 
 pytestmark = pytest.mark.e2e
 
@@ -67,3 +67,21 @@ async def test_each_pool_admits_on_its_own_capacity(make_stack: StackFactory) ->
         assert m[f'smg_sidecar_capacity{{pool="{pool}"}}'] == cap
         assert m[f'smg_sidecar_healthy_workers{{pool="{pool}"}}'] == len(fleets[pool].workers)
     assert all("pool=" in k for k in m if k.startswith("smg_scheduler_admit_total{"))
+
+
+async def test_the_default_pool_may_take_its_workers_from_envoys_cluster(
+        make_stack: StackFactory) -> None:
+    # --envoy-admin-url: the default pool counts the `workers` cluster's hosts only, not
+    # the pools' clusters, whose workers the named pools probe themselves.
+    stack = await make_stack(priority_yaml=PRIORITY, max_running_requests=1, service_time=0.15,
+                             pools={"big": (1, 3)}, capacity_from_envoy=True)
+    m = await until(stack, lambda m: m.get('smg_sidecar_capacity{pool="default"}') == 2
+                    and m.get('smg_sidecar_capacity{pool="big"}') == 3, timeout=10)
+    assert m['smg_sidecar_healthy_workers{pool="default"}'] == 2
+    results = await asyncio.gather(*(
+        request(stack.listen_port, path, headers={"x-smg-priority": "bulk"}, timeout=30)
+        for path in ("/v1/chat/completions", "/big/v1/chat/completions") for _ in range(8)))
+    assert [r.status for r in results] == [200] * 16
+    assert stack.fleet.tally.peak == 2  # type: ignore[union-attr]
+    assert stack.pool_fleets["big"].tally.peak == 3
+    await settle(stack)
