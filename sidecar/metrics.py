@@ -557,6 +557,8 @@ class Metrics:
             ["class", "outcome"], registry=r)
         for cls in HIGH_TO_LOW:
             self._adoption_refused.labels(cls.label)
+            if pools:  # at 0 from the start where pools exist (nothing counts without)
+                self._unknown_pool.labels(cls.label)
         for admitted in ("true", "false"):
             self._ext_proc_streams.labels(admitted)
         for reason in ("over_cap", "deadline", "exhausted"):

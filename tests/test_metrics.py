@@ -184,6 +184,9 @@ def test_with_pools_the_scheduler_and_capacity_series_carry_the_pool() -> None:
         assert get("smg_scheduler_queue_depth", pool=pool, **{"class": "default"}) == 1
         assert get("smg_sidecar_capacity", pool=pool) == 0
     assert get("smg_scheduler_queue_depth", **{"class": "default"}) is None  # no unlabelled
+    assert get("smg_sidecar_unknown_pool_total", **{"class": "system"}) == 0
+    assert Metrics(tenant_top_n=4).registry.get_sample_value(
+        "smg_sidecar_unknown_pool_total", {"class": "system"}) is None  # no pools: no series
 
 
 def test_lease_expiry_and_adoption_are_counted_from_core_events() -> None:
