@@ -24,6 +24,7 @@ from bench import (
     fairness,
     isolation,
     ledger,
+    pools,
     saturation,
 )
 
@@ -43,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="",
-                   help="comma list: codec,core,check,ext_proc,e2e,isolation,fairness,"
+                   help="comma list: codec,core,pools,check,ext_proc,e2e,isolation,fairness,"
                         "saturation,ledger,coordination")
     args = p.parse_args(argv)
     parts: list[tuple[str, Callable[[list[str]], int]]] = [
-        ("codec", codec.main), ("core", core.main), ("check", check_throughput.main),
+        ("codec", codec.main), ("core", core.main), ("pools", pools.main),
+        ("check", check_throughput.main),
         ("ext_proc", ext_proc_cost.main), ("e2e", e2e.main), ("isolation", isolation.main),
         ("fairness", fairness.main),
         ("saturation", saturation.main), ("ledger", ledger.main),

@@ -13,7 +13,7 @@ round-robin over the pools:
   route's pool, ``await admit()``, ``release(id)``, as Check and the access log do.
   Baseline: one controller called directly.
 
-    python -m bench.pools [--seconds 3.0]   (best of 3 runs of seconds/3 per point)
+    python -m bench.pools [--seconds 3.0] [--quick]   (best of 3 runs of seconds/3 per point)
 """
 
 from __future__ import annotations
@@ -116,7 +116,10 @@ def best(fn: Callable[[int, float, bool], float], pools: int, seconds: float,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--quick", action="store_true", help="0.6 s per point")
     args = p.parse_args(argv)
+    if args.quick:
+        args.seconds = 0.6
     print("pools: one decision + one release per iteration, round-robin over the pools, "
           "single-threaded")
     for title, fn in (("core (full pools, release dispatches a queue head, arrival queues)",
