@@ -11,8 +11,9 @@ import asyncio
 
 import pytest
 
-from devtools.httpclient import request
-from tests.conftest import StackFactory, assert_denied, settle, until
+from devtools.fleet import wait_for
+from devtools.httpclient import Exchange, request
+from tests.conftest import StackFactory, assert_denied, assert_preempted, settle, until
 
 pytestmark = pytest.mark.e2e
 
@@ -85,3 +86,35 @@ async def test_the_default_pool_may_take_its_workers_from_envoys_cluster(
     assert stack.fleet.tally.peak == 2  # type: ignore[union-attr]
     assert stack.pool_fleets["big"].tally.peak == 3
     await settle(stack)
+
+
+async def test_preemption_through_envoy_stays_inside_the_pool(make_stack: StackFactory) -> None:
+    # big: 1 slot; the default pool: 1 slot. A bulk request held before its first byte in
+    # each; a system request on big's route preempts big's, never the default pool's.
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1,
+                             pools={"big": (1, 1)},  # anonymous may ask for system here:
+                             sidecar_args=["--priority-scheduler-default-max-class", "system"])
+    default_victim = await Exchange.send(
+        stack.listen_port, headers={"x-smg-priority": "bulk", "x-fake-gate": "d"})
+    big_victim = await Exchange.send(
+        stack.listen_port, "/big/v1/chat/completions",
+        headers={"x-smg-priority": "bulk", "x-fake-gate": "never"})
+    big_worker = stack.pool_fleets["big"].workers[0]
+    await wait_for(lambda: stack.fleet.workers[0].running == 1 and big_worker.running == 1, 5)
+    try:
+        r = await request(stack.listen_port, "/big/v1/chat/completions",
+                          headers={"x-smg-priority": "system"})
+        assert r.status == 200
+        await assert_preempted(big_victim)
+        assert stack.fleet.workers[0].running == 1  # the default pool's victim-to-be runs on
+        stack.fleet.gates.open("d")
+        await asyncio.wait_for(default_victim.read_head(), 10)
+        assert default_victim.status == 200
+        await asyncio.wait_for(default_victim.read_body(), 10)
+    finally:
+        await big_victim.close()
+        await default_victim.close()
+    m = await settle(stack)
+    key = 'smg_scheduler_preemption_total{by_class="system",pool="big",victim_class="bulk"}'
+    assert m[key] == 1
+    assert not any("preemption_total" in k and 'pool="default"' in k for k in m)
