@@ -214,7 +214,8 @@ class Recorder(Protocol):
     def started(self, *, legacy: bool, snapshot: Callable[[], Snapshot],
                 config_digest: str, fallback: tuple[str, str] | None = None) -> None:
         """Admission is built: its mode, the scrape-time gauges over ``snapshot``,
-        and the start-up config (generation 1)."""
+        and the start-up config (generation 1). ``fallback`` (mode, reason): the
+        scheduler was enabled, yet legacy admission serves."""
 
     def config_reloaded(self, generation: int, digest: str) -> None:
         """A new config is in force."""
