@@ -1,4 +1,4 @@
-"""One replica with fleet coordination vs. without, same run, same machine (issue 11).
+"""One replica with fleet coordination vs. without, same run, same machine.
 
 Two ``devtools.stack.Stack``s as in bench.e2e (Envoy --concurrency 1, two fake workers
 in this process with ~0 s service time, preemption off, load client in its own process):

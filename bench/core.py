@@ -3,7 +3,7 @@
 The baseline is the same loop with an empty queue, measured in this run; the
 ratios show the per-operation cost does not grow with queue length (O(1)).
 
-A second table prices fair queuing between tenants (issue 14): the same
+A second table prices fair queuing between tenants: the same
 admit+release pair with 10,000 bulk requests queued across 1, 100 and 10,000
 tenants, ``fair_queuing`` off (one FIFO) and on (per-tenant FIFOs, a heap of
 tenant turns: O(log tenants)); baseline: the FIFO with one tenant.
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{1e6 / ops:6.2f} us/pair  cost x{base / ops:.2f}")
     plot(depths, us, direct)
     print("  plot: bench/out/core_scaling.png")
-    print("  fair queuing (issue 14): 10,000 bulk queued across N tenants, release -> "
+    print("  fair queuing: 10,000 bulk queued across N tenants, release -> "
           "dispatch the head, arrival queues:")
     fifo1 = measure_fair(1, False, args.seconds)
     for tenants in (1, 100, 10_000):

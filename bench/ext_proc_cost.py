@@ -1,4 +1,4 @@
-"""What an ext_proc stream costs the sidecar, without Envoy in the way (issue 13).
+"""What an ext_proc stream costs the sidecar, without Envoy in the way.
 
 A load client in its own process plays Envoy's part against one sidecar: per
 request a Check, then (``stream``) an ext_proc stream shaped like Envoy's

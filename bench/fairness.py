@@ -1,4 +1,4 @@
-"""Fairness between two tenants in one class, through the real stack (issue 14).
+"""Fairness between two tenants in one class, through the real stack.
 
 Fleet: 2 fake workers x 4 slots (capacity 8), 50 ms service time -> 160 req/s.
 Two JWT tenants send bulk, open loop, the heavy one at 10x the light one's rate:

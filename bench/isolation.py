@@ -49,7 +49,7 @@ tenant_policies:
   "auth:acme": {{max_class: interactive}}
   "auth:internal-cron": {{max_class: system}}
 """
-# --no-reservations (issue 13): the same table with system's and interactive's reservations
+# --no-reservations: the same table with system's and interactive's reservations
 # at 0, to see what the admission loop itself leaves idle once the contract's reservation
 # rule (available(c) keeps higher classes' unused reservations free) holds nothing back.
 PRIORITY_NO_RESERVATIONS = (PRIORITY

@@ -1,4 +1,4 @@
-"""Fleet ledger cost against a real valkey-server on loopback (issue 11, slice 1).
+"""Fleet ledger cost against a real valkey-server on loopback.
 
 1. Client round trip: a trivial EVALSHA with redis.asyncio + hiredis (sequential and
    pipelined), and valkey-glide when it is installed (not a dependency).

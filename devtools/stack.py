@@ -335,7 +335,7 @@ class Stack:
 
 class Replicas:
     """Several full stacks (an Envoy and a sidecar each) in front of ONE fleet of fake
-    workers, their sidecars coordinated through ONE valkey-server (issue 11).
+    workers, their sidecars coordinated through ONE valkey-server.
 
     The fleet's :class:`~devtools.fleet.Tally` is the ground truth: what the workers
     really ran at once, whichever replica admitted it. ``server`` can be paused

@@ -88,7 +88,7 @@ def preemptible_classes(classes: Mapping[PriorityClass, ClassSettings]
 
     The others are admitted with ``preemptible: false`` in the metadata, so Envoy opens
     no ext_proc stream for them (the stream is most of the cost of an admitted request
-    through Envoy; issue 13): whatever the load, nothing could ever stop them.
+    through Envoy): whatever the load, nothing could ever stop them.
     """
     out: set[PriorityClass] = set()
     preemptor_above = False
@@ -208,7 +208,7 @@ class AuthzService:
         # An allow may say `preemptible: false` (Envoy then opens no ext_proc stream) only
         # when the Envoy that asked is known to send periodic access-log entries: without
         # them the stream is the only sign that Envoy runs the request, and an admission
-        # nothing acknowledges keeps its lease, which a long stream outlives (issue 12).
+        # nothing acknowledges keeps its lease, which a long stream outlives.
         periodic = (self.liveness is not None
                     and self.liveness.admitted(aid, context.peer()))  # which Envoy asked
         if logs.debug_enabled():

@@ -241,7 +241,7 @@ class ResponsePathService:
                     self.controller.mark_first_byte(aid)
                     # End the stream instead of answering CONTINUE: a clean close is
                     # Envoy's "carry on without the processor" and saves a message
-                    # (a grpc send batch) on every request (issue 13).
+                    # (a grpc send batch) on every request.
                     return
                 # Stream closed (the request ended): a preemption not yet written has
                 # nobody left to tell, and the late callback is a no-op from here.

@@ -1,4 +1,4 @@
-"""Which Envoy runs each admission, and whether that Envoy is still there (issue 12).
+"""Which Envoy runs each admission, and whether that Envoy is still there.
 
 A slot held by a request Envoy still runs must never be reclaimed by a timer alone.
 Envoy sends no heartbeat, but it keeps its gRPC access-log (ALS) stream open while idle

@@ -1,4 +1,4 @@
-"""The priority scheduler exactly as it was before fair queuing (issue 14): a frozen oracle.
+"""The priority scheduler exactly as it was before fair queuing: a frozen oracle.
 
 ``tests/test_fair_queuing.py`` runs it beside :class:`sidecar.scheduler.Scheduler`
 with ``fair_queuing: false`` (and no per-tenant limit) everywhere on random

@@ -1,4 +1,4 @@
-"""The admin port stays bounded under a connection storm (issue 15, point 2).
+"""The admin port stays bounded under a connection storm.
 
 1,100 connections that never finish their request, against a sidecar whose file
 descriptor limit is 1,024 (soft = hard, so start-up cannot raise it): before the

@@ -1,4 +1,4 @@
-"""Capacity never rises because a probe failed (issue 15, point 1).
+"""Capacity never rises because a probe failed.
 
 The decision rules are unit-tested on :class:`sidecar.capacity.CapacityPolicy`
 with an injected clock; the I/O around them against real fake workers: a slow

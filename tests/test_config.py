@@ -100,7 +100,7 @@ def test_int_accepted_for_float_fields() -> None:
          "unknown class"),
         ("tenant_policies:\n  acme:\n    max_clas: system\n", "tenant_policies.acme.max_clas",
          "unknown key"),
-        # issue 14: max_class is optional now (an empty policy is valid); weight is checked
+        # max_class is optional (an empty policy is valid); weight is checked
         ("tenant_policies:\n  acme: {weight: 0}\n", "tenant_policies.acme.weight", "> 0"),
         ("tenant_policies:\n  acme: {weight: -1}\n", "tenant_policies.acme.weight", "> 0"),
         ("tenant_policies:\n  acme: {weight: .inf}\n", "tenant_policies.acme.weight", "finite"),

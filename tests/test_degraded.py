@@ -1,4 +1,4 @@
-"""Degraded mode's local limit (issue 11, point 1 and 6), against a real valkey-server.
+"""Degraded mode's local limit, against a real valkey-server.
 
 While the server is unreachable each replica admits on its own within
 ``L_i = max(0, min(floor(C/N), h_i + floor((C − H)/N)))``, C, N, H (the fleet's admissions)

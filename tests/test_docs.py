@@ -330,3 +330,18 @@ def test_every_response_is_documented(response: Response) -> None:
             return
     pytest.fail(f"no row documents {response} with its headers {wanted} and message "
                 f"{message!r}")
+
+
+def test_no_tracker_numbers_in_the_repository() -> None:
+    """Code, docs and configs explain themselves; an issue number means nothing to a reader
+    of the repository (the tracker is not in it)."""
+    pattern = re.compile(r"\bissues? ?#?\d+", re.IGNORECASE)
+    found = []
+    for path in repo_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary (plots)
+        found += [f"{path.relative_to(ROOT)}:{n}" for n, line in enumerate(text.splitlines(), 1)
+                  if pattern.search(line)]
+    assert not found, found

@@ -239,7 +239,7 @@ async def test_worker_health_drives_capacity(make_stack: StackFactory) -> None:
     assert (await stack.metrics())["smg_sidecar_healthy_workers"] == 1
     stack.fleet.workers[0].healthy = False
     # no healthy worker: the --max-concurrent-requests fallback (unset -> 1024), but never
-    # above the last capacity read from workers (issue 15.1): 3
+    # above the last capacity read from workers: 3
     await until(stack, lambda m: m['smg_sidecar_capacity_source{source="fallback"}'] == 1,
                 timeout=3)
     assert (await stack.metrics())["smg_sidecar_capacity"] == 3

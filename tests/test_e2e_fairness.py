@@ -1,4 +1,4 @@
-"""Fairness between tenants inside a class, end to end (issue 14).
+"""Fairness between tenants inside a class, end to end.
 
 client -> Envoy (jwt_authn: the tenant) -> sidecar -> one fake worker of one slot.
 A heavy JWT tenant queues 20 bulk requests, then a light one queues 6; a

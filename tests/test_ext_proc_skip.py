@@ -45,7 +45,7 @@ async def test_a_class_nothing_can_preempt_opens_no_ext_proc_stream_once_periodi
                              sidecar_args=["--priority-scheduler-default-max-class", "system"])
     periodic = 'smg_sidecar_envoy_feature{feature="periodic_access_log",state="present"}'
     # Until Envoy is seen sending periodic entries the ext_proc stream is the only sign that
-    # it runs a request (issue 12), so even a class nobody can preempt gets one.
+    # it runs a request, so even a class nobody can preempt gets one.
     first = await hold(stack, "first", "system")
     m = await until(stack, lambda m: m.get(periodic) == 1)  # the held request's entry
     assert m[STREAMS % "true"] == 1

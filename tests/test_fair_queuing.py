@@ -1,4 +1,4 @@
-"""Fair queuing between tenants inside a class (issue 14): the core.
+"""Fair queuing between tenants inside a class: the core.
 
 * the issue's unit scenarios (interleaving, 2:1 weights, the per-tenant limit,
   hot reload on and off, starvation aged by the oldest waiter);

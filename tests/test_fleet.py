@@ -1,6 +1,6 @@
 """Two sidecar runtimes sharing one ledger in a real valkey-server, over loopback gRPC.
 
-Issue 11, slice 2a: the coordinated admission controller. Each runtime is a whole sidecar
+The coordinated admission controller. Each runtime is a whole sidecar
 (``build_runtime`` + ``serve``) with ``--coordination-url``; Envoy is played by the gRPC
 stand-in (Check, access-log entries, ext_proc streams). The two-Envoy tests are elsewhere.
 """
@@ -297,7 +297,7 @@ async def test_a_long_admission_keeps_its_slot_past_the_lease(
 async def test_an_acknowledged_slot_is_released_when_its_envoy_dies_not_its_replica(
         tmp_path: Path, valkey_server: ValkeyServer,
         client: redis.Redis) -> None:
-    """Issue 12 on the fleet path: the replica lives on, the Envoy that asked is gone
+    """Envoy liveness on the fleet path: the replica lives on, the Envoy that asked is gone
     (its access-log stream reset, as by SIGKILL): its acknowledged admission comes back
     fleet-wide within the grace instead of staying held until the replica dies."""
     grace = 0.5

@@ -1,4 +1,4 @@
-"""Two replicas, one admission controller (issue 11), end to end through the real stacks.
+"""Two replicas, one admission controller, end to end through the real stacks.
 
 Two Envoys and two sidecars in front of ONE fleet of fake workers, the sidecars sharing
 ONE real valkey-server (devtools.stack.Replicas). The fleet's ``tally`` counts what the
@@ -295,7 +295,7 @@ async def test_replica_killed_its_slots_return_within_the_ttl(
 
 async def test_envoy_killed_while_its_sidecar_lives_its_slots_return_within_the_grace(
         make_replicas: ReplicasFactory) -> None:
-    """Issue 12 on the fleet path: B's Envoy dies (SIGKILL), B's sidecar lives on and keeps
+    """Envoy liveness on the fleet path: B's Envoy dies (SIGKILL), B's sidecar lives on and keeps
     heartbeating. B's acknowledged streams have no lease; they come back fleet-wide once
     B's sidecar has seen no access-log stream from that Envoy for the grace (not when the
     replica dies, which it does not)."""

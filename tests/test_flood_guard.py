@@ -1,4 +1,4 @@
-"""envoy/flood-guard.yaml, the operator's option for shedding a flood before Check (issue 13).
+"""envoy/flood-guard.yaml, the operator's option for shedding a flood before Check.
 
 A shed Check costs the sidecar about what an admitted one does (the gRPC call is most
 of it), so the cheap shed is the one Envoy answers itself. The example's three pieces

@@ -1,4 +1,4 @@
-"""A restarted Envoy told from a connection blip, through the real Envoy (issue 12 point 1).
+"""A restarted Envoy told from a connection blip, through the real Envoy.
 
 With ``--envoy-admin-url`` (the shipped k8s base sets it) the sidecar asks its pod's Envoy
 when its process started (``GET /server_info``), so for a loopback owner it tells a new

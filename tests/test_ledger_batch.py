@@ -1,4 +1,4 @@
-"""The ledger's ``multi`` call and the owner's deferred marks (issue 11, round trips).
+"""The ledger's ``multi`` call and the owner's deferred marks (round trips).
 
 * Property: a random sequence of request-path operations sent in random ``multi`` batches
   decides exactly as the same operations sent one call each, at the same instant: same

@@ -1,4 +1,4 @@
-"""Envoy liveness (issue 12 point 1): owners, their streams, and what a timer may reclaim.
+"""Envoy liveness: owners, their streams, and what a timer may reclaim.
 
 The table is pure (fake clock); :class:`EnvoyLiveness` is driven over a real
 :class:`AdmissionController` on the same clock, so "no timer alone" is checked against

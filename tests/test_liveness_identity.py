@@ -1,4 +1,4 @@
-"""A restarted Envoy told from a connection blip by its process start (issue 12 point 1).
+"""A restarted Envoy told from a connection blip by its process start.
 
 With ``--envoy-admin-url``, a loopback owner is the pod's own Envoy, and its admin says when
 the running process started. The table takes that start as an input (pure, fake clock);

@@ -115,7 +115,7 @@ async def warm_up(stack: Stack, port: int | None = None, streams: int = 1) -> No
 
 @pytest.mark.parametrize(("lease", "hold"), [
     (2.0, 6.0),     # the same condition in 6 s: a stream 3x the lease
-    (30.0, 90.0),   # issue 12's literal case: a 90 s stream under the default 30 s lease
+    (30.0, 90.0),   # the case that started it: a 90 s stream under the default 30 s lease
 ], ids=["3x-lease", "90s-default-lease"])
 async def test_mesh_long_stream_keeps_its_slot(make_stack: StackFactory, lease: float,
                                                hold: float) -> None:

@@ -1,4 +1,4 @@
-"""Rejections at info: one throttled summary line, never a line per rejection (issue 13).
+"""Rejections at info: one throttled summary line, never a line per rejection.
 
 A flood is shed at thousands of Checks a second; the per-rejection ``rejected`` line
 is at debug, and :class:`sidecar.logs.RejectionSummary` gives the operator one

@@ -182,7 +182,7 @@ DEEP_FAIR = DEEP_FIFO.replace("queue_timeout_secs: 20}", "queue_timeout_secs: 20
 
 async def test_reload_turning_fair_queuing_on_re_sorts_the_queued_and_loses_none(
         running: tuple[Runtime, EnvoyStandIn, ConfigMapDir]) -> None:
-    """Issue 14: the real reload path (a ConfigMap swap) re-sorts a FIFO into per-tenant
+    """Fair queuing: the real reload path (a ConfigMap swap) re-sorts a FIFO into per-tenant
     FIFOs by arrival; nothing queued is shed, and the order served interleaves tenants."""
     app, envoy, cm = running
     cm.swap(DEEP_FIFO)

@@ -1,4 +1,4 @@
-"""Fleet-wide admission: one replica's admission controller over the shared ledger (issue 11).
+"""Fleet-wide admission: one replica's admission controller over the shared ledger.
 
 :class:`FleetController` offers the gRPC services the same calls as the in-process
 :class:`~sidecar.admission.AdmissionController` (``admit``, ``release``, ``renew_or_adopt``,

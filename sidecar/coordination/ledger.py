@@ -1,7 +1,7 @@
 """The fleet ledger's client: one async method per script operation, typed results.
 
 N gateway replicas become one admission controller by sharing a ledger in a Valkey or Redis
-server (issue 11). Every decision is one atomic run of ``ledger.lua`` on the server (a
+server. Every decision is one atomic run of ``ledger.lua`` on the server (a
 function library: ``FUNCTION LOAD`` once, ``FCALL`` per call), using the server's clock,
 so the fleet admits exactly as one in-process :class:`Scheduler` would.
 

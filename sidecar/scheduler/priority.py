@@ -237,8 +237,8 @@ class Scheduler:
               streaming: bool) -> bool:
         """new → ADMITTED (or STREAMING): an admission another authority made, as it stands.
 
-        The fleet controller seeds its degraded-mode core with what its replica holds
-        (issue 11). Unlike :meth:`adopt`, the stop channel is still alive: one before its
+        The fleet controller seeds its degraded-mode core with what its replica holds.
+        Unlike :meth:`adopt`, the stop channel is still alive: one before its
         first byte keeps its admission time (the victim order) and becomes a candidate
         again through :meth:`mark_preemptible`. Counts as in flight, even past capacity.
         No event: it is not a new admission.
