@@ -3,7 +3,7 @@
 The hot path (Check, access-log entries, ext_proc) uses ``xds-protos`` — the
 grpc project's protobuf (upb) build of the Envoy API — because it decodes a
 Check in microseconds where ``envoy-data-plane`` (betterproto2, pydantic) takes
-~0.5 ms; see README "Performance" for the measured figures. Everything else in
+~0.5 ms; see docs/performance.md for the measured figures. Everything else in
 the sidecar sees plain Python values (:class:`CheckView`, :class:`LogEntry`),
 so the library could be swapped here alone. ``envoy-data-plane`` stays the
 project's reference decoder: the conformance tests decode every response this

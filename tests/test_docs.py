@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import enum
+import fnmatch
 import importlib
 import pkgutil
 import re
@@ -107,7 +108,8 @@ def test_readme_links_the_reference() -> None:
     assert "(docs/reference.md)" in readme
 
 
-@pytest.mark.parametrize("page", ["docs/reference.md", "README.md"])
+@pytest.mark.parametrize("page", ["docs/reference.md", "README.md", "docs/performance.md",
+                                  "docs/operations.md"])
 def test_links_resolve(page: str) -> None:
     """Relative links, and anchors into the reference, lead somewhere."""
     source = ROOT / page
@@ -345,3 +347,16 @@ def test_no_tracker_numbers_in_the_repository() -> None:
         found += [f"{path.relative_to(ROOT)}:{n}" for n, line in enumerate(text.splitlines(), 1)
                   if pattern.search(line)]
     assert not found, found
+
+
+def test_the_readmes_test_table_names_every_test_file() -> None:
+    """The README's table of test files is the map a newcomer reads: no file missing, none
+    that is gone (``test_ledger*.py`` style names cover a family)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## Tests"):readme.index("\n## ", readme.index("## Tests") + 1)]
+    named = set(re.findall(r"`(?:tests/)?(test_[a-z0-9_*]+\.py)`", table))
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    covered = {f for f in files if any(fnmatch.fnmatch(f, n) for n in named)}
+    assert files == covered, f"not in the README's test table: {sorted(files - covered)}"
+    gone = {n for n in named if not any(fnmatch.fnmatch(f, n) for f in files)}
+    assert not gone, f"in the README's test table but not in tests/: {sorted(gone)}"
