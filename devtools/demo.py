@@ -19,15 +19,13 @@ import base64
 import hashlib
 import hmac
 import json
-import signal
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 from devtools.httpclient import request
 from devtools.proc import exit_on_signals, print_safely
-from devtools.stack import Stack, StackConfig
+from devtools.stack import Stack, StackConfig, serve_until_stopped
 
 DEMO_SECRET = "demo-secret"
 PRIORITY = (Path(__file__).parent / "demo-priority.yaml").read_text()
@@ -111,28 +109,8 @@ Try:
 
 async def main_async(args: argparse.Namespace) -> int:
     stack = Stack(demo_config(args.free_ports))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    # From here on every stop signal ends the demo the same way, start-up included.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
-    running = asyncio.ensure_future(show(stack, args))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if running.done():
-            running.result()  # raises what start-up raised
-            return 0
-        print_safely("stopping ...")
-        return 0
-    except (OSError, RuntimeError, TimeoutError) as exc:
-        print(f"demo failed to start: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        for task in (running, stopping):
-            task.cancel()
-        await asyncio.gather(running, stopping, return_exceptions=True)
-        await stack.stop()
+    # Every stop signal ends the demo the same way, start-up included.
+    return await serve_until_stopped(stack, show(stack, args), "demo")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import socket
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from devtools.httpclient import HTTP_ERRORS
 from devtools.httpclient import get as http_get
 from devtools.llama import LlamaFleet
 from devtools.proc import exit_on_signals, print_safely
-from devtools.stack import Stack, StackConfig
+from devtools.stack import Stack, StackConfig, serve_until_stopped
 
 # Generous queues and no reservations: a first look at one's own engines should admit
 # what they can run and queue the rest, not shed because the fleet is small.
@@ -129,25 +128,7 @@ async def main_async(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"front: {exc}", file=sys.stderr)
         return 2
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
-    running = asyncio.ensure_future(serve(stack, args))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if running.done():
-            running.result()
-        return 0
-    except (OSError, RuntimeError, TimeoutError) as exc:
-        print(f"front failed to start: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        for task in (running, stopping):
-            task.cancel()
-        await asyncio.gather(running, stopping, return_exceptions=True)
-        await stack.stop()
+    return await serve_until_stopped(stack, serve(stack, args), "front")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

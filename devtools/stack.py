@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from devtools.fleet import Fleet
 from devtools.httpclient import HTTP_ERRORS
 from devtools.httpclient import get as http_get
-from devtools.proc import die_with_parent
+from devtools.proc import die_with_parent, print_safely
 from devtools.valkey import ValkeyServer
 from sidecar.config import parse_priority_config
 
@@ -385,6 +385,34 @@ class Replicas:
         await stack.wait_sidecar_ready()
         stack.start_envoy()
         await stack.wait_envoy_ready()
+
+
+async def serve_until_stopped(stack: Stack, work: Coroutine[object, object, None],
+                              name: str) -> int:
+    """Run ``work`` (start-up, then serving) until it ends or SIGINT, SIGTERM or SIGHUP
+    arrives, start-up included; stop ``stack`` either way. Returns 0, or 1 when start-up
+    failed (said on stderr as ``NAME failed to start: ...``)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    running = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            running.result()  # raises what start-up raised
+            return 0
+        print_safely("stopping ...")
+        return 0
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"{name} failed to start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for task in (running, stopping):
+            task.cancel()
+        await asyncio.gather(running, stopping, return_exceptions=True)
+        await stack.stop()
 
 
 def terminate(proc: subprocess.Popen[bytes] | None) -> None:
