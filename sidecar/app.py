@@ -451,8 +451,8 @@ class Runtime:
         if self.fleet is not None:  # published with the next heartbeat (watch_fleet)
             self.fleet.ledger.identity = server.capacity_source(reading)
         uncancellable = uncancellable_workers(reading)
-        if bool(uncancellable) != bool(self._uncancellable):
-            self._uncancellable = uncancellable
+        was, self._uncancellable = self._uncancellable, uncancellable
+        if bool(uncancellable) != bool(was):
             if uncancellable:
                 self._preemption_suspended(reading)
             else:
@@ -460,7 +460,6 @@ class Runtime:
                                                       "cannot cancel a running request")
             self._apply_classes()
             self.metrics.preemption_suspended(bool(uncancellable))
-        self._uncancellable = uncancellable
         self.controller.set_capacity(reading.capacity)
 
     def _on_pool_capacity(self, pool: str, reading: CapacityReading) -> None:
