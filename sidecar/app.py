@@ -25,7 +25,7 @@ from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.capacity import CapacityReading
 from sidecar.classes import PriorityClass
 from sidecar.completion import CompletionService, ResponsePathService
-from sidecar.config import ConfigError, PriorityConfig, Settings, check_pools
+from sidecar.config import ConfigError, PriorityConfig, Settings, check_authz_timeout, check_pools
 from sidecar.coordination import server
 from sidecar.coordination.controller import FleetController
 from sidecar.coordination.credentials import with_password
@@ -35,7 +35,6 @@ from sidecar.health import CapacityMonitor
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
 from sidecar.metrics import Metrics
 from sidecar.pools import DEFAULT_POOL, PooledAdmission, PoolRecorder, id_factory
-from sidecar.ratelimit import build_bucket
 from sidecar.reload import ConfigWatcher
 from sidecar.scheduler import (
     AdmissionCore,
@@ -72,11 +71,6 @@ def without_preemption(classes: Mapping[PriorityClass, ClassSettings]
     return {c: dataclasses.replace(k, can_preempt=False) for c, k in classes.items()}
 
 
-def _split(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 async def build_runtime(settings: Settings) -> Runtime:
     """Build the whole sidecar; nothing serves admission until :meth:`Runtime.serve`.
 
@@ -92,7 +86,7 @@ async def build_runtime(settings: Settings) -> Runtime:
     metrics = Metrics(tenant_top_n=s.tenant_metric_top_n, pools=bool(s.pool_workers))
     serving = asyncio.Event()
     admin = AdminServer(metrics.registry, serving.is_set, metrics)
-    hhost, hport = _split(s.http_listen)
+    hhost, hport = listen.host_port(s.http_listen)
     http_port = await admin.start(hhost, hport)
     # Until the runtime exists, readings only feed metrics; it takes them over.
     monitor = _monitor(s, s.worker_urls, s.envoy_admin_url, metrics.capacity_read,
@@ -120,8 +114,7 @@ async def build_runtime(settings: Settings) -> Runtime:
                 url, fleet=s.fleet_id, replica=s.replica_id,
                 ttl=s.replica_ttl_secs, classes=s.priority.classes, capacity=reading.capacity,
                 ack_timeout=s.admission_lease_secs,
-                bucket=build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
-                                    time.monotonic),
+                bucket=s.legacy_limits.bucket(time.monotonic),
                 metrics=metrics)
         try:
             return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
@@ -192,14 +185,14 @@ async def _first_reading(s: Settings, monitor: CapacityMonitor,
 def _build_core(s: Settings, reading: CapacityReading,
                 pool: str | None = None) -> AdmissionCore:
     classes = s.priority.classes if pool is None else s.priority.classes_for(pool)
-    limit = s.max_concurrent_requests if s.max_concurrent_requests > 0 else None
+    limit = s.legacy_limits.cap
     if s.scheduler_enabled:
         if reservations_fit(classes, reading.capacity):
             return Scheduler(classes, reading.capacity, time.monotonic)
         # The contract's fallback, made impossible to miss: without a cap it admits
         # everything at once, whatever the workers can run.
         desired = desired_reservations(classes, reading.capacity)
-        mode, reason = _fallback_mode(s), FALLBACK_REASON
+        mode, reason = s.legacy_limits.mode, FALLBACK_REASON
         log.warning("reservations_exceed_capacity_using_legacy_admission",
                     mode=mode, reason=reason, capacity=reading.capacity,
                     capacity_source=reading.source, reserved_total=sum(desired.values()),
@@ -222,10 +215,6 @@ def _inflight(controller: AdmissionController) -> int:
 
 
 FALLBACK_REASON = "reservations_exceed_capacity"  # the only way the scheduler falls back
-
-
-def _fallback_mode(s: Settings) -> str:
-    return "legacy" if s.max_concurrent_requests > 0 else "legacy_uncapped"
 
 
 class Runtime:
@@ -272,8 +261,8 @@ class Runtime:
         elif pool_monitors:
             self._pool_monitors = {DEFAULT_POOL: monitor, **pool_monitors}
             self._pool_readings = {DEFAULT_POOL: reading, **(pool_readings or {})}
-            bucket = build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
-                                  time.monotonic)  # one request-rate check for all pools
+            # One request-rate check for all pools.
+            bucket = s.legacy_limits.bucket(time.monotonic)
             controllers = {
                 name: AdmissionController(_build_core(s, r, name),
                                           lease_secs=s.admission_lease_secs, bucket=bucket,
@@ -285,8 +274,7 @@ class Runtime:
             self.core = controllers[DEFAULT_POOL].core
         else:
             self.core = _build_core(s, reading)
-            bucket = build_bucket(s.max_concurrent_requests, s.rate_limit_tokens_per_second,
-                                  time.monotonic)
+            bucket = s.legacy_limits.bucket(time.monotonic)
             if s.shadow:  # the core built above only says what it would have done
                 self.core = ShadowCore(self.core, time.monotonic, metrics, bucket=bucket)
                 metrics.shadow_started(self.core.shadow_snapshot)
@@ -329,7 +317,7 @@ class Runtime:
             monitor.on_change = self._on_capacity
         metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,
                         config_digest=s.priority.digest,
-                        fallback=(_fallback_mode(s), FALLBACK_REASON)
+                        fallback=(s.legacy_limits.mode, FALLBACK_REASON)
                         if self.legacy and s.scheduler_enabled else None)
         # Which Envoy asked for each admission and whether it is still there: slots of
         # requests Envoy still runs are never reclaimed by a timer alone.
@@ -429,7 +417,7 @@ class Runtime:
             "started",
             grpc=str(self.grpc_listen) if self.grpc_listen.path is not None
             else f"{self.grpc_listen.host}:{self.grpc_port}",
-            http=f"{_split(s.http_listen)[0]}:{self.http_port}",
+            http=f"{listen.host_port(s.http_listen)[0]}:{self.http_port}",
             mode="legacy" if self.legacy else "scheduler",
             capacity=self.reading.capacity, capacity_source=self.reading.source,
             config=s.priority.source or "builtin", config_sha256=s.priority.digest,
@@ -541,11 +529,8 @@ class Runtime:
     def _validate_reload(self, cfg: PriorityConfig) -> None:
         """The start-up rule holds on reload too: Envoy must outwait every queue."""
         check_pools(cfg, self.settings.pool_workers)  # the pools are the workers'
-        limit = self.settings.envoy_authz_timeout
-        if limit is not None and cfg.max_queue_timeout() >= limit:
-            raise ConfigError(
-                f"longest queue_timeout_secs {cfg.max_queue_timeout():g}s must stay below "
-                f"--envoy-authz-timeout {limit:g}s", file=cfg.source)
+        s = self.settings
+        check_authz_timeout(s.envoy_authz_timeout, cfg, s.scheduler_enabled, file=cfg.source)
 
     def _reload_failed(self, exc: ConfigError) -> None:
         self.metrics.config_reload_failed()

@@ -27,7 +27,7 @@ import socket
 import stat
 import typing
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +41,7 @@ from sidecar.coordination.credentials import (
     redact_url,
     url_has_password,
 )
+from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
 from sidecar.scheduler.reservations import desired_reservations, reservations_fit
 
@@ -551,6 +552,50 @@ class TenantSource:
 
 
 @dataclass(frozen=True, slots=True)
+class LegacyLimits:
+    """Every meaning ``--max-concurrent-requests`` (with ``--rate-limit-tokens-per-second``)
+    has, in one place: the legacy cap, the scheduler's fallback capacity, the legacy mode's
+    name and the request-rate bucket."""
+
+    max_concurrent_requests: int
+    rate_limit_tokens_per_second: float | None = None
+
+    @property
+    def cap(self) -> int | None:
+        """The legacy concurrency cap; None (``<= 0``): uncapped."""
+        m = self.max_concurrent_requests
+        return m if m > 0 else None
+
+    @property
+    def fallback_capacity(self) -> int:
+        """Capacity while no healthy worker is known (scheduler mode).
+
+        Read as a 16-bit count, as smg does: 0..65535 as given (0: no capacity until a
+        worker is healthy); -1 (unset) or any value a 16-bit count cannot hold means 1024.
+        """
+        m = self.max_concurrent_requests
+        return m if 0 <= m <= 65535 else 1024
+
+    @property
+    def mode(self) -> str:
+        """The legacy admission's name in logs and metrics."""
+        return "legacy" if self.cap is not None else "legacy_uncapped"
+
+    def bucket(self, clock: Callable[[], float]) -> TokenBucket | None:
+        """The request-rate check: only with a rate > 0 and a cap (its capacity)."""
+        rate = self.rate_limit_tokens_per_second
+        if rate is None or rate <= 0 or self.cap is None:
+            return None
+        return TokenBucket(self.cap, rate, clock)
+
+    def cap_words(self) -> str:
+        """What legacy admission would cap at, for ``--check-capacity``."""
+        if self.cap is not None:
+            return f"capped at --max-concurrent-requests {self.cap}"
+        return "UNCAPPED (--max-concurrent-requests <= 0): every request admitted at once"
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything the process needs, validated."""
 
@@ -601,15 +646,12 @@ class Settings:
     pool_workers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
-    def fallback_capacity(self) -> int:
-        """Capacity while no healthy worker is known (scheduler mode).
+    def legacy_limits(self) -> LegacyLimits:
+        return LegacyLimits(self.max_concurrent_requests, self.rate_limit_tokens_per_second)
 
-        ``--max-concurrent-requests`` read as a 16-bit count, as smg does: 0..65535
-        as given (0: no capacity until a worker is healthy); -1 (unset) or any
-        value a 16-bit count cannot hold means 1024.
-        """
-        m = self.max_concurrent_requests
-        return m if 0 <= m <= 65535 else 1024
+    @property
+    def fallback_capacity(self) -> int:
+        return self.legacy_limits.fallback_capacity
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -743,9 +785,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_listen(value: str, flag: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{flag} must be HOST:PORT, got {value!r}")
+    try:
+        listen.host_port(value)
+    except ValueError:
+        raise ConfigError(f"{flag} must be HOST:PORT, got {value!r}") from None
+
+
+def check_authz_timeout(authz_timeout: float | None, cfg: PriorityConfig,
+                        scheduler_enabled: bool, *, file: str | None = None) -> None:
+    """``--envoy-authz-timeout`` must outlast every class queue (scheduler on), or Envoy
+    gives up on queued requests first: the one rule, at start-up and on every reload
+    (which names the ``file`` it rejects)."""
+    if authz_timeout is None or not scheduler_enabled:
+        return
+    longest = cfg.max_queue_timeout()
+    if authz_timeout <= longest:
+        raise ConfigError(
+            f"--envoy-authz-timeout {authz_timeout:g}s must exceed the longest class "
+            f"queue_timeout_secs ({longest:g}s), or Envoy gives up on queued requests first",
+            file=file)
 
 
 _FLEET_NAME = re.compile(r"[^\s{}]{1,128}\Z")
@@ -932,13 +990,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         raise ConfigError("--edge-shed cannot be combined with pools (--worker-urls POOL=URL) "
                           "yet: Envoy's edge route sheds for every route alike")
     authz_timeout = ns.envoy_authz_timeout
-    if authz_timeout is not None and ns.priority_scheduler_enabled:
-        longest = priority.max_queue_timeout()
-        if authz_timeout <= longest:
-            raise ConfigError(
-                f"--envoy-authz-timeout {authz_timeout:g}s must exceed the longest class "
-                f"queue_timeout_secs ({longest:g}s), or Envoy gives up on queued requests first"
-            )
+    check_authz_timeout(authz_timeout, priority, ns.priority_scheduler_enabled)
     default_max, valid = parse_default_max_class(ns.priority_scheduler_default_max_class)
     log_format = ns.log_format
     if log_format is None:
@@ -1084,9 +1136,7 @@ def capacity_verdict(cfg: PriorityConfig, capacity: int,
         least = f" (it needs at least {need})" if need is not None else ""
         return True, (f"capacity {capacity}: OK, reservations {shares} = {total} fit: the "
                       f"scheduler serves{least}")
-    cap = (f"capped at --max-concurrent-requests {max_concurrent_requests}"
-           if max_concurrent_requests > 0 else
-           "UNCAPPED (--max-concurrent-requests <= 0): every request admitted at once")
+    cap = LegacyLimits(max_concurrent_requests).cap_words()
     return False, (f"capacity {capacity}: NOT OK, reservations {shares} = {total} exceed it: "
                    f"the sidecar would serve with legacy admission for its whole life, {cap}; "
                    f"{needs}")

@@ -43,10 +43,24 @@ def parse(value: str) -> GrpcListen:
         if len(path.encode()) > 107:  # sun_path holds 108 bytes with the NUL
             raise ValueError(f"Unix socket path over 107 bytes: {value!r}")
         return GrpcListen(path=path)
+    try:
+        host, port = host_port(value)
+    except ValueError:
+        raise ValueError(f"expected HOST:PORT or unix:///path, got {value!r}") from None
+    return GrpcListen(host=host, port=port)
+
+
+def host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host may be bracketed) as ``(host, port)``; ValueError otherwise.
+
+    The one parser of ``--grpc-listen`` and ``--http-listen`` addresses: what start-up
+    validates is what the servers bind.
+    """
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT or unix:///path, got {value!r}")
-    return GrpcListen(host=host.strip("[]"), port=int(port))
+    # isascii: "²".isdigit() is true, yet int() refuses it.
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
 
 
 def parse_mode(value: str) -> int:

@@ -2,6 +2,7 @@
 
 Capacity is ``--max-concurrent-requests`` and the refill rate is the flag; a
 request takes one token before admission and a request that finds none is shed.
+When the bucket exists is :meth:`sidecar.config.LegacyLimits.bucket`.
 """
 
 from __future__ import annotations
@@ -36,11 +37,3 @@ class TokenBucket:
     def tokens(self) -> float:
         return self._tokens
 
-
-def build_bucket(
-    max_concurrent_requests: int, rate: float | None, clock: Callable[[], float]
-) -> TokenBucket | None:
-    """The bucket exists only if the rate is > 0 and max concurrency is > 0."""
-    if rate is None or rate <= 0 or max_concurrent_requests <= 0:
-        return None
-    return TokenBucket(max_concurrent_requests, rate, clock)

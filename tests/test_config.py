@@ -417,3 +417,67 @@ def test_bad_coordination_url_is_a_startup_error(url: str, reason: str) -> None:
 def test_bad_fleet_names_and_ttl_refused(flags: list[str], reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):
         parse_settings(flags)
+
+
+# ---------------------------------------------------- one rule at start-up and on reload
+
+SHORT_QUEUES = "classes:\n" + "".join(
+    f"  {c}: {{queue_timeout_secs: 10}}\n" for c in ("system", "interactive", "default", "bulk"))
+BULK_300 = "classes:\n  bulk: {queue_timeout_secs: 300}\n"
+
+
+def _startup_verdict(argv: list[str]) -> str | None:
+    try:
+        parse_settings(argv)
+    except ConfigError as exc:
+        return exc.reason
+    return None
+
+
+@pytest.mark.parametrize("scheduler", [True, False])
+@pytest.mark.parametrize("authz", ["299", "300", "300.5", "301"])
+async def test_authz_timeout_rule_is_the_same_at_start_up_and_on_reload(
+        tmp_path: Path, scheduler: bool, authz: str) -> None:
+    from sidecar.app import build_runtime  # grpc: only this test needs it
+
+    on = ["--priority-scheduler-enabled"] if scheduler else []
+    wanted = tmp_path / "bulk300.yaml"
+    wanted.write_text(BULK_300)
+    startup = _startup_verdict([*on, "--envoy-authz-timeout", authz,
+                                "--priority-scheduler-config", str(wanted)])
+    running = tmp_path / "short.yaml"
+    running.write_text(SHORT_QUEUES)
+    app = await build_runtime(parse_settings([
+        *on, "--envoy-authz-timeout", authz, "--priority-scheduler-config", str(running),
+        "--worker-capacity-override", "64", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
+    try:
+        try:
+            app._validate_reload(load_priority_config(str(wanted)))
+            reload = None
+        except ConfigError as exc:
+            reload = exc.reason
+    finally:
+        await app.stop()
+    assert reload == startup
+    assert (startup is not None) == (scheduler and float(authz) <= 300)
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:0", "[::1]:9090", "0.0.0.0:65535", "x",
+                                   ":80", "h:", "h:65536", "h:-1", "h:\u00b2", "h:8o"])
+def test_host_port_is_parsed_once_for_both_listen_flags(value: str) -> None:
+    """What start-up accepts is exactly what the servers will bind, for either flag."""
+    from sidecar import listen
+
+    try:
+        want: tuple[str, int] | None = listen.host_port(value)
+    except ValueError:
+        want = None
+    for flag in ("--grpc-listen", "--http-listen"):
+        if want is None:
+            with pytest.raises(ConfigError, match=f"^{flag}"):
+                parse_settings([flag, value])
+        else:
+            assert getattr(parse_settings([flag, value]), flag[2:].replace("-", "_")) == value
+    if want is not None:
+        assert listen.parse(value) == listen.GrpcListen(host=want[0], port=want[1])

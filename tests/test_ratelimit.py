@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sidecar.ratelimit import TokenBucket, build_bucket
+from sidecar.config import LegacyLimits
+from sidecar.ratelimit import TokenBucket
 from tests.clock import FakeClock
 
 
@@ -22,8 +23,8 @@ def test_token_bucket() -> None:
 
 def test_bucket_only_with_positive_rate_and_limit() -> None:
     clock = FakeClock()
-    assert build_bucket(10, None, clock) is None
-    assert build_bucket(10, 0, clock) is None
-    assert build_bucket(0, 5, clock) is None  # --max-concurrent-requests 0 removes it
-    assert build_bucket(-1, 5, clock) is None
-    assert build_bucket(10, 5, clock) is not None
+    assert LegacyLimits(10, None).bucket(clock) is None
+    assert LegacyLimits(10, 0).bucket(clock) is None
+    assert LegacyLimits(0, 5).bucket(clock) is None  # --max-concurrent-requests 0 removes it
+    assert LegacyLimits(-1, 5).bucket(clock) is None
+    assert LegacyLimits(10, 5).bucket(clock) is not None
