@@ -27,7 +27,7 @@ when the connection or the process goes. So:
   connection blip: the admissions acknowledged before the gap go back under the lease
   (periodic entries, if any, keep them), so a restart does not leak them. Envoy reopens a
   closed ALS stream only at its next entry, so a blip followed by no request ending
-  within the grace reads as a death (docs/reference.md, "Leases and Envoy liveness").
+  within the grace reads as a death (docs/design.md, "Leases and Envoy liveness").
 * **Which process.** Those two limits go for the pod's own Envoy when its admin is known
   (``--envoy-admin-url``; a loopback, ``unix`` or admin-host owner): its process start
   (``/server_info``) says whether a lost owner is the same process (a blip: nothing

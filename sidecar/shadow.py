@@ -10,7 +10,7 @@ ext_proc and the access log work on the real side unchanged, so
 ``smg_scheduler_admit_total`` and the snapshot gauges say what really happened.
 
 How the shadow stays close to enforcement under the same traffic
-(docs/reference.md §8, "Shadow mode"):
+(docs/design.md, "Decisions where SMG's scheduler is silent", "Shadow mode"):
 
 * A would-be admitted request holds a shadow slot until its real request ends
   (the final access-log entry), or until the shadow preempts it.

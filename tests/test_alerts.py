@@ -184,13 +184,13 @@ def test_rules_read_only_exported_metrics() -> None:
 
 def test_rule_selectors_use_documented_labels_and_values() -> None:
     """Each ``metric{label="value"}`` names a label of that metric (its row in the
-    reference's §6 tables) and, where the reference enumerates the values, one of those."""
+    reference's "Metrics" tables) and, where the reference enumerates the values, one of those."""
     rows = _metric_rows()
     checked = 0
     for rule in _rules():
         for name, matchers in _SELECTOR.findall(rule["expr"]):
             row = rows.get(_base_name(name))
-            assert row is not None, f"{name}: no row in docs/reference.md §6"
+            assert row is not None, f"{name}: no metric row in docs/reference.md"
             labels_cell = row[2]
             for label, op, value in _MATCHER.findall(matchers):
                 if label == "le":

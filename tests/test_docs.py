@@ -108,20 +108,39 @@ def test_readme_links_the_reference() -> None:
     assert "(docs/reference.md)" in readme
 
 
-@pytest.mark.parametrize("page", ["docs/reference.md", "README.md", "docs/performance.md",
-                                  "docs/operations.md"])
+def doc_pages() -> list[str]:
+    """The pages a reader follows links through: README, docs/, the recipes' READMEs, envoy/."""
+    pages = {"README.md"} | {p.relative_to(ROOT).as_posix() for p in repo_files()
+                             if p.suffix == ".md" and p.parent in (ROOT / "docs", ROOT / "envoy")}
+    pages |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "k8s").rglob("README.md")}
+    return sorted(pages)
+
+
+def test_the_page_scan_sees_the_pages() -> None:
+    assert {"README.md", "docs/reference.md", "docs/design.md", "docs/operations.md",
+            "docs/performance.md", "k8s/README.md", "envoy/NOTES.md"} <= set(doc_pages())
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return {_github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", doc_pages())
 def test_links_resolve(page: str) -> None:
-    """Relative links, and anchors into the reference, lead somewhere."""
+    """Every relative link leads to a file, and every ``#anchor`` to a heading of its page."""
     source = ROOT / page
-    anchors = {_github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", reference(), re.M)}
+    broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", source.read_text(encoding="utf-8")):
-        if target.startswith(("http://", "https://")):
+        if target.startswith(("http://", "https://", "mailto:")):
             continue
         path, _, anchor = target.partition("#")
         resolved = (source.parent / path).resolve() if path else source
-        assert resolved.exists(), f"{page}: broken link {target}"
-        if anchor and resolved == REFERENCE:
-            assert anchor in anchors, f"{page}: broken anchor {target}"
+        if not resolved.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, f"{page}: broken links: {broken}"
 
 
 def _github_anchor(heading: str) -> str:
@@ -349,14 +368,45 @@ def test_no_tracker_numbers_in_the_repository() -> None:
     assert not found, found
 
 
-def test_the_readmes_test_table_names_every_test_file() -> None:
-    """The README's table of test files is the map a newcomer reads: no file missing, none
-    that is gone (``test_ledger*.py`` style names cover a family)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = readme[readme.index("## Tests"):readme.index("\n## ", readme.index("## Tests") + 1)]
+DESIGN = ROOT / "docs" / "design.md"
+
+
+def _design_section(heading: str) -> str:
+    text = DESIGN.read_text(encoding="utf-8")
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+def test_the_test_table_names_every_test_file() -> None:
+    """The design page's table of test files is the map a contributor reads: no file
+    missing, none that is gone (``test_ledger*.py`` style names cover a family)."""
+    table = _design_section("Tests")
     named = set(re.findall(r"`(?:tests/)?(test_[a-z0-9_*]+\.py)`", table))
     files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
     covered = {f for f in files if any(fnmatch.fnmatch(f, n) for n in named)}
-    assert files == covered, f"not in the README's test table: {sorted(files - covered)}"
+    assert files == covered, f"not in the test table of docs/design.md: {sorted(files - covered)}"
     gone = {n for n in named if not any(fnmatch.fnmatch(f, n) for f in files)}
-    assert not gone, f"in the README's test table but not in tests/: {sorted(gone)}"
+    assert not gone, f"in the test table of docs/design.md but not in tests/: {sorted(gone)}"
+
+
+def test_the_module_map_names_every_module() -> None:
+    """Every module of the package is in the design page's module map (by its path, or by
+    its file name in its package's row), and every path the map names exists."""
+    table = _design_section("Module map")
+    named = set(re.findall(r"`((?:sidecar|devtools|envoy|bench|k8s)/[\w/.]*)`", table))
+    gone = sorted(n for n in named if not (ROOT / n).exists())
+    assert not gone, f"in the module map of docs/design.md but not in the tree: {gone}"
+    missing = []
+    for path in sorted((ROOT / "sidecar").rglob("*")):
+        if path.suffix not in (".py", ".lua") or "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py" and path.parent != ROOT / "sidecar":
+            rel = path.parent.relative_to(ROOT).as_posix() + "/"
+        elif path.name == "__init__.py":
+            continue
+        package_row = path.parent != ROOT / "sidecar" and f"`{path.name}`" in table
+        if f"`{rel}`" not in table and not package_row:
+            missing.append(rel)
+    assert not missing, f"not in the module map of docs/design.md: {missing}"

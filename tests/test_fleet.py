@@ -857,7 +857,7 @@ class Cuttable:
 async def test_a_partitioned_replica_adds_at_most_its_headroom(
         tmp_path: Path, valkey_server: ValkeyServer,
         client: redis.Redis) -> None:
-    # Documents the partition bound (reference §9): A loses the server, B does not. A
+    # Documents the partition bound (reference, "Failure modes"): A loses the server, B does not. A
     # cannot tell this from an outage and admits within its limit L = 2 (it held nothing
     # of a free fleet of 4); the ledger does not see those, so B may fill all 4: the
     # fleet runs C + (L - h) = 6, never more.

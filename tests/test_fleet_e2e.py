@@ -453,7 +453,7 @@ async def test_soak_with_random_aborts_admitted_equals_released(
     n = int(os.environ.get("SOAK_REQUESTS", 10_000))
     aborts = float(os.environ.get("SOAK_ABORTS", 0.1))
     # A short lease: an admission Envoy never learns of (the client left just as Check
-    # answered) ends by expiry, as §9 says, without keeping the test waiting.
+    # answered) ends by expiry, as the failure table says, without keeping the test waiting.
     r = await make_replicas(service_time=0.002, max_running_requests=8, lease_secs=2.0)
     a, b = r.stacks
     rng = random.Random(11)

@@ -111,7 +111,7 @@ async def test_a_ledger_restored_from_an_older_copy_admits_nothing_past_capacity
             own_server.restart()
         else:
             # The generation finds the copy older on the first call of a replica that saw
-            # a later state: make sure A has too (reference §10 on the remaining case).
+            # a later state: make sure A has too (design, "Data loss the ledger notices").
             await a.fleet.ledger.heartbeat()
             await restore_keyspace(own_server, FLEET, copy)
         more = [r.check() for r in (a, b) for _ in range(2)]

@@ -22,7 +22,7 @@ from sidecar.scheduler import Outcome
 CONTRACT: dict[Rejection, tuple[int, str, dict[str, str]]] = {
     Rejection.QUEUE_FULL: (429, "scheduler_queue_full", {"retry-after": "2"}),
     Rejection.RATE_LIMITED: (429, "scheduler_queue_full", {"retry-after": "2"}),
-    # The sidecar's overload shed takes the contract's shed row (docs/reference.md §5).
+    # The sidecar's overload shed takes the contract's shed row (docs/reference.md, "Rejections").
     Rejection.OVERLOADED: (429, "scheduler_queue_full", {"retry-after": "2"}),
     Rejection.QUEUE_TIMEOUT: (503, "scheduler_queue_timeout", {"retry-after": "2"}),
     Rejection.PREEMPTED: (503, "scheduler_preempted",

@@ -66,8 +66,8 @@ ledger releases its admissions and the others may fill them while this replica s
 up to L_i: excess ≤ L_i ≤ floor(C/N), for as long as the partition lasts. Admitting
 nothing new once the registration may have lapsed would drain it instead, but a replica
 cannot tell a partition from an outage of the server itself, so the whole fleet would
-stop admitting ~0.6 ttl into every server outage; the share is kept (the issue's point
-6), and this bound is documented (reference §9).
+stop admitting ~0.6 ttl into every server outage; the share is kept, and this bound is
+documented (docs/reference.md, "Failure modes").
 
 The heartbeat keeps trying; each success is a ``resync`` that makes the ledger's view of
 this replica exactly what it holds (adds back local admissions, drops what ended

@@ -1,4 +1,4 @@
-"""The priority scheduler (docs/reference.md, "The admission algorithm").
+"""The priority scheduler (docs/design.md, "The admission algorithm").
 
 Per-class reservations, class queues with size and timeout (FIFO, or fair
 across tenants: :mod:`sidecar.scheduler.queues`), starvation aging and
