@@ -1125,7 +1125,7 @@ def smallest_fitting_capacity(cfg: PriorityConfig, limit: int = 65535) -> int | 
 def capacity_verdict(cfg: PriorityConfig, capacity: int,
                      max_concurrent_requests: int) -> tuple[bool, str]:
     """``--check-config --check-capacity N``: do the reservations fit N, and what would
-    serve if they do not (the start-up reservation check, docs/reference.md §3)."""
+    serve if they do not (docs/reference.md, "The start-up reservation check")."""
     desired = desired_reservations(cfg.classes, max(0, capacity))
     total = sum(desired.values())
     shares = " / ".join(f"{c.label} {n}" for c, n in desired.items())
