@@ -260,6 +260,7 @@ def _built_sidecar(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
                                         "ServiceMonitor"])),
     ("overlays/single-replica", ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy",
                                  "Service"]),
+    ("overlays/pools", ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "Service"]),
 ])
 def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -279,7 +280,11 @@ def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
     args[args.index("--priority-scheduler-config") + 1] = str(cfg)
     _local_password_file(args, tmp_path)
     settings = settings_from_args(build_parser().parse_args(args), isatty=False)
-    if target == "overlays/single-replica":
+    if target == "overlays/pools":
+        # the pools the routes name are the sidecar's, each with its own workers and table
+        assert set(settings.pool_workers) == set(settings.priority.pools) == set(
+            _route_pools(_built_envoy(docs)))
+    if target in ("overlays/single-replica", "overlays/pools"):
         # one replica, admitting in-process: no server to point at
         assert dep["spec"]["replicas"] == 1
         assert settings.coordination_url is None
@@ -289,6 +294,64 @@ def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
         assert dep["spec"]["replicas"] == 2
         assert settings.coordination_url == "redis://priority-gate@priority-gate-valkey:6379/0"
         assert settings.coordination_password == "from-the-secret"
+
+
+def _built_envoy(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (cm,) = [d for d in docs if d["metadata"]["name"] == "priority-gate-envoy"]
+    boot: dict[str, Any] = yaml.safe_load(cm["data"]["envoy.yaml"])
+    return boot
+
+
+def _route_pools(boot: dict[str, Any]) -> dict[str, str]:
+    """pool -> the cluster of the route that names it (ext_authz's smg-pool)."""
+    (listener,) = boot["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    out: dict[str, str] = {}
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        for route in vhost["routes"]:
+            per_route = route.get("typed_per_filter_config", {}).get(
+                "envoy.filters.http.ext_authz", {})
+            pool = per_route.get("check_settings", {}).get("context_extensions", {}).get(
+                "smg-pool")
+            if pool is not None:
+                out[pool] = route["route"]["cluster"]
+    return out
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_pools_overlay_routes_each_pool_to_the_workers_its_sidecar_probes(
+        tmp_path: Path) -> None:
+    """Two model pools on one gateway: each route names its pool, its cluster holds exactly
+    the workers the sidecar probes for that pool, and Envoy accepts the whole bootstrap."""
+    from sidecar.config import split_worker_urls
+
+    docs = _build("overlays/pools")
+    boot = _built_envoy(docs)
+    _, sidecar = _built_sidecar(docs)
+    args = sidecar["args"]
+    urls = args[args.index("--worker-urls") + 1:]
+    _, pool_workers = split_worker_urls(urls)
+    routes = _route_pools(boot)
+    assert len(routes) == 2 and set(routes) == set(pool_workers)
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    for pool, cluster in routes.items():
+        eps = [e["endpoint"]["address"]["socket_address"]
+               for lb in clusters[cluster]["load_assignment"]["endpoints"]
+               for e in lb["lb_endpoints"]]
+        assert [f"http://{a['address']}:{a['port_value']}" for a in eps] == list(
+            pool_workers[pool]), pool
+        assert clusters[cluster]["type"] == "STRICT_DNS"
+    # the default pool keeps the base's workers cluster, read from Envoy's admin API
+    assert _arg(sidecar, "--envoy-cluster") in clusters
+    envoy = _envoy_bin()
+    if envoy is None:
+        pytest.skip("no Envoy binary (set ENVOY_BIN or run `make envoy`)")
+    cfg = tmp_path / "envoy.yaml"
+    cfg.write_text(yaml.safe_dump(boot), encoding="utf-8")
+    out = subprocess.run([str(envoy), "--mode", "validate", "-c", str(cfg),
+                          "--disable-hot-restart", "--log-level", "warn"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 # ------------------------------------------------------------------- the pod
