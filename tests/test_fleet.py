@@ -30,6 +30,7 @@ from sidecar import codec
 from sidecar.app import Runtime, build_runtime
 from sidecar.classes import PriorityClass
 from sidecar.config import parse_settings
+from sidecar.coordination.replica import Mode
 from tests.grpc_client import EnvoyStandIn, admission_id, headers_of
 from tests.ledger_support import client, valkey_server
 
@@ -722,7 +723,7 @@ async def test_a_replica_started_while_the_fleet_settles_has_no_share_in_an_outa
         # Both recoveries fail (the reuse-only rule of a resync the server answered ends:
         # back to the outage rule) before anything is asked of them.
         for r in (a, c):
-            await eventually(lambda r=r: r.fleet._recycle_only is None, timeout=2 * ttl,
+            await eventually(lambda r=r: r.fleet.core.recycle is None, timeout=2 * ttl,
                              what="recovery failed")
         assert c.fleet.degraded_limit == 0 and a.fleet.degraded_limit == 4
         on_c = c.check()
@@ -751,10 +752,12 @@ async def test_a_capacity_change_during_a_resync_admits_nothing_locally(
     try:
         own_server.pause()
         await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="degraded")
-        await eventually(lambda: a.fleet._resyncing, timeout=2 * ttl, what="a resync in flight")
+        await eventually(lambda: a.fleet.mode is Mode.RESYNCING, timeout=2 * ttl,
+                         what="a resync in flight")
         a.fleet.set_capacity(8)
         assert a.fleet.snapshot().capacity == 0
-        await eventually(lambda: not a.fleet._resyncing, timeout=ttl, what="resync failed")
+        await eventually(lambda: a.fleet.mode is not Mode.RESYNCING, timeout=ttl,
+                         what="resync failed")
         assert a.fleet.snapshot().capacity == 4  # the outage rule again, with the new reading
     finally:
         own_server.resume()

@@ -86,6 +86,12 @@ Waiters queued locally then re-arrive at the ledger. A replica that starts while
 settles admits nothing until it has. A replica that has never reached the server (start-up
 during an outage) has no view: it queues by the class rules until the server answers.
 
+The mode (starting, ok, degraded, resyncing, settling) is one value in the pure
+:class:`~sidecar.coordination.replica.Replica`, moved only through its transition table
+(the table, and what a resync's answer means, are documented there); this class owns
+the connections, loops and futures, and the local core that exists exactly while the
+mode is a local one.
+
 Carried-over admissions stay as they are in the local core: one before its first byte
 whose stop channel (ext_proc stream) is open remains a preemption candidate, so a class
 that may preempt takes it locally, and this replica, its owner, delivers the 503.
@@ -115,8 +121,8 @@ from sidecar.coordination.ledger import (
     FleetLedger,
     FleetStatus,
     Holding,
-    degraded_limit,
 )
+from sidecar.coordination.replica import Mode, Replica, View
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
@@ -250,22 +256,16 @@ class FleetController:
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self._clock = clock
         self._new_id = id_factory
-        self._fleet_capacity = 0
-        self._live = 0  # 0: never reached the fleet
-        # The rest of the last consistent view (degraded_limit): fleet in flight, ours.
-        self._fleet_inflight = 0
-        self._held_in_ledger = 0
-        # Degraded, after a resync the server answered: only slots freed from then on.
-        self._recycle_only: int | None = None
-        # Degraded, a resync in flight: no local admission (it would not be in the list).
-        self._resyncing = False
+        # The mode (ok, degraded, resyncing, settling) and the last view of the fleet, as
+        # one pure state machine (sidecar.coordination.replica).
+        self._core = Replica(interval=self._interval, clock=clock)
         self._held: dict[str, Held] = {}
         self._ended = EndedIds()
         self._waiting: dict[str, _Waiter] = {}
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
+        # The local core: exists exactly while the mode is a local one (Replica.local).
         self._local: AdmissionController | None = None
         self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._server_back_at: float | None = None
         self._config_dirty = False
         self._outbox: deque[tuple[str, Any]] = deque()
         self._mark_delay = mark_delay
@@ -335,11 +335,13 @@ class FleetController:
                 # no view from now (an outage meanwhile must not give a share computed
                 # from a ledger that lacks them: with no view the share is 0).
                 self._metrics.fleet_seen(status.by_class, status.live_replicas)
-                self._degrade(RuntimeError("fleet settling"), announce=False)
+                self._core.fleet_settling()
+                self._go_local(RuntimeError("fleet settling"), announce=False)
                 self._hold_until_settled(status)
                 log.info("coordination_settling", fleet=fleet, replica=replica,
                          settling_secs=round(status.settling, 3))
             else:
+                self._core.registered(_view(status))
                 self._seen(status)
                 self._metrics.coordination_changed(OK)
                 log.info("coordination_registered", fleet=fleet, replica=replica,
@@ -374,7 +376,18 @@ class FleetController:
 
     @property
     def state(self) -> str:
-        return OK if self._local is None else DEGRADED
+        """``ok`` or ``degraded`` (any mode in which the local core decides)."""
+        return DEGRADED if self._core.local else OK
+
+    @property
+    def mode(self) -> Mode:
+        """The replica's mode (see :mod:`sidecar.coordination.replica`)."""
+        return self._core.mode
+
+    @property
+    def core(self) -> Replica:
+        """The pure state machine behind this controller (read it; the driver moves it)."""
+        return self._core
 
     @property
     def held(self) -> Mapping[str, Held]:
@@ -382,29 +395,26 @@ class FleetController:
 
     @property
     def fleet_capacity(self) -> int:
-        return self._fleet_capacity
+        return self._core.view.capacity
 
     @property
     def live_replicas(self) -> int:
-        return self._live
+        return self._core.view.live_replicas
 
     @property
     def share(self) -> int:
         """floor(capacity / live replicas): the most the degraded limit can ever be."""
-        return degraded_share(self._fleet_capacity, self._capacity, self._live)
+        v = self._core.view
+        return degraded_share(v.capacity, self._capacity, v.live_replicas)
 
     @property
     def degraded_limit(self) -> int:
         """What this replica may hold on its own while degraded (module docstring)."""
-        limit = degraded_limit(min(self._fleet_capacity, self._capacity), self._live,
-                               self._fleet_inflight, self._held_in_ledger)
-        if self._recycle_only is not None:
-            limit = min(limit, self._recycle_only)
-        return limit
+        return self._core.degraded_limit(self._capacity)
 
     def _local_limit(self) -> int:
         """The local core's capacity: the degraded limit, or 0 while a resync is in flight."""
-        return 0 if self._resyncing else self.degraded_limit
+        return self._core.local_limit(self._capacity)
 
     @property
     def lease_count(self) -> int:
@@ -419,7 +429,7 @@ class FleetController:
         """This replica's own in-flight and queue counts (the contract gauges stay per replica)."""
         if self._local is not None:
             return self._local.core.snapshot()
-        capacity = self._fleet_capacity or self._capacity
+        capacity = self._core.view.capacity or self._capacity
         reserved = scaled_reservations(self._classes, capacity)
         inflight = dict.fromkeys(HIGH_TO_LOW, 0)
         for h in self._held.values():
@@ -789,10 +799,12 @@ class FleetController:
 
     def _degrade(self, exc: BaseException, *, announce: bool = True) -> None:
         """Server unreachable or slow: admit locally within the degraded share."""
-        if self._local is not None:
-            return
-        self._server_back_at = None
-        self._recycle_only = None
+        if self._core.ledger_lost():
+            self._go_local(exc, announce=announce)
+
+    def _go_local(self, exc: BaseException, *, announce: bool) -> None:
+        """The mode just became a local one: build the local core from what is held."""
+        assert self._local is None and self._core.local
         self._outbox.clear()  # the resync on return covers what it held
         limit = self.degraded_limit
         core = Scheduler(self._classes, limit, self._clock)
@@ -809,9 +821,10 @@ class FleetController:
             self._chain_stop_signal(local, aid)
         self._metrics.coordination_changed(DEGRADED)
         if announce:
+            view = self._core.view
             log.warning("coordination_degraded", error=_describe(exc), share=limit,
-                        fleet_capacity=self._fleet_capacity, live_replicas=self._live,
-                        fleet_inflight=self._fleet_inflight, held=len(self._held),
+                        fleet_capacity=view.capacity, live_replicas=view.live_replicas,
+                        fleet_inflight=view.inflight, held=len(self._held),
                         queued_in_ledger=len(self._waiting))
         self._wake_movers()
         self._heartbeat_wake.set()
@@ -832,7 +845,7 @@ class FleetController:
         assert local is not None
         # No local admission while the ledger's view is being written (_local_limit is 0,
         # also for a capacity change meanwhile).
-        self._resyncing = True
+        self._core.resync_sent()
         local.set_capacity(self._local_limit())
         listed = [h.holding(aid) for aid, h in self._held.items()]
         try:
@@ -844,15 +857,10 @@ class FleetController:
                                                          settle=self._settle,
                                                          in_flight=list(self._waiting)))
         except BaseException:
-            self._resyncing = False
-            self._server_back_at = None  # it must answer for a whole interval again
-            self._recycle_only = None  # unreachable again: the outage rule
+            # Unreachable again: the outage rule, and a whole interval of answers again.
+            self._core.resync_failed()
             local.set_capacity(self._local_limit())
             raise
-        self._resyncing = False
-        now = self._clock()
-        if self._server_back_at is None:
-            self._server_back_at = now
         for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
             if aid in self._held:
                 local.release(aid, ReleaseReason.PREEMPTED)
@@ -863,16 +871,16 @@ class FleetController:
         late = [(hd.id, ReleaseReason.COMPLETED) for hd in listed
                 if hd.id not in self._held and hd.id not in refused]
         self._metrics.fleet_seen(status.by_class, status.live_replicas)
-        if (not status.known or now - self._server_back_at < self._interval * 0.99
-                or status.settling > 0):
+        mode = self._core.resync_answered(known=status.known, settling=status.settling,
+                                          held=len(self._held), view=_view(status))
+        if mode is Mode.SETTLING:
             # The view stays the one from before the outage: after a data loss the ledger
             # knows only the replicas that have re-registered so far (the fleet settles
             # until every replica alive has). What this replica holds is in the ledger
             # again, but replicas that are back to ok admit against it without seeing
             # local admissions: only slots freed from now on are reused.
-            self._hold_until_settled(status, recycle=len(self._held))
+            self._hold_until_settled(status)
             return
-        self._recycle_only = None
         self._seen(status)
         self._local = None
         local.close()
@@ -936,10 +944,9 @@ class FleetController:
         log.warning("coordination_took_over", replica=self.ledger.replica, admissions=taken,
                     hint="a previous process with this replica id held them")
 
-    def _hold_until_settled(self, status: FleetStatus, recycle: int = 0) -> None:
-        """Degraded, the server answering: reuse only ``recycle`` slots locally, and ask
-        again as soon as the fleet has settled rather than a whole interval later."""
-        self._recycle_only = recycle
+    def _hold_until_settled(self, status: FleetStatus) -> None:
+        """Settling, the server answering: reuse only the core's ``recycle`` slots locally,
+        and ask again as soon as the fleet has settled rather than a whole interval later."""
         if self._local is not None:
             self._local.set_capacity(self._local_limit())
         if 0 < status.settling < self._interval:
@@ -948,10 +955,7 @@ class FleetController:
 
     def _seen(self, status: FleetStatus) -> None:
         """A consistent view while ok: what the degraded limit is computed from."""
-        self._fleet_capacity = status.capacity
-        self._live = status.live_replicas
-        self._fleet_inflight = status.inflight
-        self._held_in_ledger = status.held
+        self._core.seen(_view(status))
         self._metrics.fleet_seen(status.by_class, status.live_replicas)
 
     # ------------------------------------------------------------------ loops
@@ -1010,7 +1014,7 @@ class FleetController:
             self._heartbeat_wake.clear()
             self.expire_unacknowledged()
             try:
-                if self._local is None:
+                if not self._core.local:
                     # A resync rather than a bare heartbeat: it also drops what a late-run
                     # call left in the ledger for us (e.g. an arrive that timed out here but
                     # ran when a paused server resumed).
@@ -1210,6 +1214,10 @@ class _LocalRecorder(NullRecorder):
 
     def completion_unmatched(self, reason: str) -> None:
         self._o._metrics.completion_unmatched(reason)
+
+
+def _view(status: FleetStatus) -> View:
+    return View(status.capacity, status.live_replicas, status.inflight, status.held)
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,0 +1,235 @@
+"""One replica of the fleet as pure state: its mode, written down once as a table.
+
+No I/O, no asyncio, no wall clock: the driver
+(:class:`~sidecar.coordination.controller.FleetController`) owns the connections, loops
+and futures, tells this core what happened (a trigger, with what the ledger answered)
+and does what the new mode asks. Time comes from an injected clock, so every move can
+be tested exactly (``tests/test_replica.py``).
+
+The mode
+========
+
+==========  ===================================  =============================================
+mode        who admits                           leaves by: trigger → next mode
+==========  ===================================  =============================================
+STARTING    nobody yet (connect's ``register``)  ``registered`` → OK; ``fleet_settling`` (the
+                                                 fleet re-registers after a loss) → SETTLING
+                                                 with no slot to reuse; ``ledger_lost`` (the
+                                                 server did not answer) → DEGRADED with no
+                                                 view, so no share.
+OK          the ledger                           ``ledger_lost`` (a call failed or timed out,
+                                                 found this replica unknown, or found that
+                                                 the ledger lost writes) → DEGRADED.
+DEGRADED    the local core, within the degraded  ``resync_sent`` (the heartbeat found the
+            limit of the last view               server again) → RESYNCING.
+RESYNCING   nobody: the resync's list is fixed,  ``resync_failed`` → DEGRADED (the outage rule
+            a local admission would miss it      again); ``resync_held`` → SETTLING;
+                                                 ``resync_back`` → OK.
+SETTLING    the local core, reusing only the     ``resync_sent`` (the next heartbeat) →
+            slots freed since the resync         RESYNCING.
+            (recycle-only)
+==========  ===================================  =============================================
+
+``ledger_lost`` in DEGRADED, RESYNCING or SETTLING changes nothing: the ledger is
+already not deciding, and only the recovery resync's own answer moves the mode on (a
+late reply of a call made while OK lands there). Every other (mode, trigger) pair is a
+bug in the driver and raises :class:`IllegalTransition`. What a resync answer means is
+decided here (:meth:`Replica.resync_answered`): back to OK only once the ledger knew this
+replica, the fleet has settled, and the server has answered for at least one heartbeat
+interval since the outage (see the controller's module docstring for why each is needed).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from sidecar.coordination.ledger import degraded_limit
+
+
+class Mode(enum.StrEnum):
+    """Who decides admission for this replica now (see the module table)."""
+
+    STARTING = "starting"
+    OK = "ok"
+    DEGRADED = "degraded"
+    RESYNCING = "resyncing"
+    SETTLING = "settling"
+
+
+class Trigger(enum.StrEnum):
+    """What happened, as far as the mode is concerned."""
+
+    REGISTERED = "registered"  # start-up register answered, the fleet settled
+    FLEET_SETTLING = "fleet_settling"  # start-up register answered while the fleet settles
+    LEDGER_LOST = "ledger_lost"  # a call failed, timed out, found us unknown or lost writes
+    RESYNC_SENT = "resync_sent"  # a recovery resync left (its list is fixed from here)
+    RESYNC_FAILED = "resync_failed"  # it failed or timed out
+    RESYNC_HELD = "resync_held"  # answered, but not safe to return yet
+    RESYNC_BACK = "resync_back"  # answered, safe: the ledger decides again
+
+
+M, T = Mode, Trigger
+TRANSITIONS: Mapping[tuple[Mode, Trigger], Mode] = {
+    (M.STARTING, T.REGISTERED): M.OK,
+    (M.STARTING, T.FLEET_SETTLING): M.SETTLING,
+    (M.STARTING, T.LEDGER_LOST): M.DEGRADED,
+    (M.OK, T.LEDGER_LOST): M.DEGRADED,
+    (M.DEGRADED, T.LEDGER_LOST): M.DEGRADED,
+    (M.RESYNCING, T.LEDGER_LOST): M.RESYNCING,
+    (M.SETTLING, T.LEDGER_LOST): M.SETTLING,
+    (M.DEGRADED, T.RESYNC_SENT): M.RESYNCING,
+    (M.SETTLING, T.RESYNC_SENT): M.RESYNCING,
+    (M.RESYNCING, T.RESYNC_FAILED): M.DEGRADED,
+    (M.RESYNCING, T.RESYNC_HELD): M.SETTLING,
+    (M.RESYNCING, T.RESYNC_BACK): M.OK,
+}
+"""(mode, trigger) → next mode; a pair not listed is illegal."""
+del M, T
+
+# The modes in which the local core admits (the driver keeps one exactly then).
+LOCAL = frozenset({Mode.DEGRADED, Mode.RESYNCING, Mode.SETTLING})
+
+
+class IllegalTransition(RuntimeError):
+    """A trigger the table does not allow in the current mode: a driver bug."""
+
+    def __init__(self, mode: Mode, trigger: Trigger) -> None:
+        super().__init__(f"{trigger.value} is not allowed in mode {mode.value}")
+        self.mode = mode
+        self.trigger = trigger
+
+
+def next_mode(mode: Mode, trigger: Trigger) -> Mode:
+    """The table, as a function: the next mode, or :class:`IllegalTransition`."""
+    try:
+        return TRANSITIONS[mode, trigger]
+    except KeyError:
+        raise IllegalTransition(mode, trigger) from None
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """The last consistent view of the fleet (one atomic script run), taken while OK:
+    what the degraded limit is computed from. ``live_replicas`` 0: never saw the fleet."""
+
+    capacity: int = 0
+    live_replicas: int = 0
+    inflight: int = 0  # H: the fleet's admissions in flight
+    held: int = 0  # h_i: ours, as the ledger counted them
+
+
+NO_VIEW = View()
+
+
+class Replica:
+    """The mode of one replica and the data each mode carries.
+
+    ``back_at`` (RESYNCING, SETTLING): when the server first answered a recovery resync in
+    this return; ``recycle`` (SETTLING): the most the local core may hold (what it held
+    when the resync was answered, so only slots freed from then on are reused).
+    """
+
+    def __init__(self, *, interval: float, clock: Callable[[], float]) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._mode = Mode.STARTING
+        self._back_at: float | None = None
+        self._recycle: int | None = None
+        self._view = NO_VIEW
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def local(self) -> bool:
+        """The local core decides (DEGRADED, RESYNCING, SETTLING)."""
+        return self._mode in LOCAL
+
+    @property
+    def view(self) -> View:
+        return self._view
+
+    @property
+    def recycle(self) -> int | None:
+        return self._recycle
+
+    def _move(self, trigger: Trigger) -> Mode:
+        old = self._mode
+        new = self._mode = next_mode(old, trigger)
+        if new is Mode.DEGRADED:
+            # The outage rule: no answer counts towards a return, no recycle-only cap.
+            self._back_at = None
+            self._recycle = None
+        elif new is Mode.OK:
+            self._back_at = None
+            self._recycle = None
+        return old
+
+    # ------------------------------------------------------------------ triggers
+
+    def registered(self, view: View) -> None:
+        """Start-up: the ledger registered us and the fleet is settled."""
+        self._move(Trigger.REGISTERED)
+        self._view = view
+
+    def fleet_settling(self) -> None:
+        """Start-up: registered while the fleet settles. Keep no view (an outage meanwhile
+        must not give a share computed from a ledger that may lack admissions) and reuse
+        nothing until the fleet has settled."""
+        self._move(Trigger.FLEET_SETTLING)
+        self._recycle = 0
+
+    def ledger_lost(self) -> bool:
+        """The ledger stopped deciding for us. True when this moved the mode (from OK or
+        STARTING to DEGRADED): the driver then builds the local core."""
+        old = self._move(Trigger.LEDGER_LOST)
+        return old is not self._mode
+
+    def seen(self, view: View) -> None:
+        """A consistent view (every heartbeat while OK; one answered just after a switch
+        to DEGRADED is newer than the one the switch used, and kept)."""
+        self._view = view
+
+    def resync_sent(self) -> None:
+        self._move(Trigger.RESYNC_SENT)
+
+    def resync_failed(self) -> None:
+        """Unreachable again: the outage rule, and a whole interval of answers again."""
+        self._move(Trigger.RESYNC_FAILED)
+
+    def resync_answered(self, *, known: bool, settling: float, held: int,
+                        view: View) -> Mode:
+        """The recovery resync's answer (``held``: what this replica holds now). Back to
+        OK (taking ``view``) once the ledger knew us, the fleet has settled and the server
+        has answered for at least one interval; else SETTLING, reusing only slots freed
+        from now on."""
+        now = self._clock()
+        back_at = now if self._back_at is None else self._back_at
+        if not known or settling > 0 or now - back_at < self._interval * 0.99:
+            self._move(Trigger.RESYNC_HELD)
+            self._back_at = back_at
+            self._recycle = held
+        else:
+            self._move(Trigger.RESYNC_BACK)
+            self._view = view
+        return self._mode
+
+    # ------------------------------------------------------------------ limits
+
+    def degraded_limit(self, own_capacity: int) -> int:
+        """What this replica may hold on its own while away from the ledger
+        (L_i of the controller's module docstring), capped by ``recycle`` in SETTLING."""
+        v = self._view
+        limit = degraded_limit(min(v.capacity, own_capacity), v.live_replicas, v.inflight,
+                               v.held)
+        if self._recycle is not None:
+            limit = min(limit, self._recycle)
+        return limit
+
+    def local_limit(self, own_capacity: int) -> int:
+        """The local core's capacity: the degraded limit, or 0 while a resync is in flight
+        (its list is fixed: a local admission then would not be in it)."""
+        return 0 if self._mode is Mode.RESYNCING else self.degraded_limit(own_capacity)

@@ -1,0 +1,200 @@
+"""The replica's pure core (sidecar.coordination.replica) on a fake clock: every legal move
+of the mode table, every illegal one refused, and what each mode lets the local core hold."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from sidecar.coordination.replica import (
+    LOCAL,
+    TRANSITIONS,
+    IllegalTransition,
+    Mode,
+    Replica,
+    Trigger,
+    View,
+    next_mode,
+)
+from tests.clock import FakeClock
+
+INTERVAL = 1.0
+VIEW = View(capacity=8, live_replicas=2, inflight=4, held=2)  # share 4, limit 4
+NEWER = View(capacity=8, live_replicas=2, inflight=6, held=1)  # limit 1 + 1 = 2
+
+
+def _replica(clock: FakeClock | None = None) -> tuple[Replica, FakeClock]:
+    clock = clock or FakeClock()
+    return Replica(interval=INTERVAL, clock=clock), clock
+
+
+def _drive(r: Replica, clock: FakeClock, trigger: Trigger) -> None:
+    """Fire ``trigger`` through the public method that means it."""
+    if trigger is Trigger.REGISTERED:
+        r.registered(VIEW)
+    elif trigger is Trigger.FLEET_SETTLING:
+        r.fleet_settling()
+    elif trigger is Trigger.LEDGER_LOST:
+        r.ledger_lost()
+    elif trigger is Trigger.RESYNC_SENT:
+        r.resync_sent()
+    elif trigger is Trigger.RESYNC_FAILED:
+        r.resync_failed()
+    elif trigger is Trigger.RESYNC_HELD:
+        r.resync_answered(known=False, settling=0.0, held=1, view=NEWER)
+    else:
+        assert trigger is Trigger.RESYNC_BACK
+        # Answered twice an interval apart: the second one returns.
+        if r.mode is Mode.RESYNCING:
+            r.resync_answered(known=True, settling=0.0, held=1, view=NEWER)
+            if r.mode is Mode.OK:
+                return
+            r.resync_sent()
+        clock.advance(INTERVAL)
+        r.resync_answered(known=True, settling=0.0, held=1, view=NEWER)
+
+
+# A path from STARTING to every mode, through legal moves only.
+_PATHS: dict[Mode, list[Trigger]] = {
+    Mode.STARTING: [],
+    Mode.OK: [Trigger.REGISTERED],
+    Mode.DEGRADED: [Trigger.REGISTERED, Trigger.LEDGER_LOST],
+    Mode.RESYNCING: [Trigger.REGISTERED, Trigger.LEDGER_LOST, Trigger.RESYNC_SENT],
+    Mode.SETTLING: [Trigger.FLEET_SETTLING],
+}
+
+
+def _in(mode: Mode) -> tuple[Replica, FakeClock]:
+    r, clock = _replica()
+    for t in _PATHS[mode]:
+        _drive(r, clock, t)
+    assert r.mode is mode
+    return r, clock
+
+
+def test_the_table_covers_every_mode_and_only_local_modes_keep_a_local_core() -> None:
+    assert {m for m, _ in TRANSITIONS} == set(Mode)
+    assert {Mode.DEGRADED, Mode.RESYNCING, Mode.SETTLING} == LOCAL
+    # Every mode can be left, and OK can be reached again from every local mode.
+    for m in LOCAL:
+        seen, todo = {m}, [m]
+        while todo:
+            cur = todo.pop()
+            for (frm, _), to in TRANSITIONS.items():
+                if frm is cur and to not in seen:
+                    seen.add(to)
+                    todo.append(to)
+        assert Mode.OK in seen
+
+
+@pytest.mark.parametrize(("mode", "trigger"), sorted(TRANSITIONS, key=str))
+def test_every_legal_move_lands_where_the_table_says(mode: Mode, trigger: Trigger) -> None:
+    r, clock = _in(mode)
+    if trigger is Trigger.RESYNC_BACK:
+        # The first answer only starts the interval; one a whole interval later returns.
+        r.resync_answered(known=True, settling=0.0, held=1, view=NEWER)
+        clock.advance(INTERVAL)
+        r.resync_sent()
+        assert r.mode is Mode.RESYNCING
+        r.resync_answered(known=True, settling=0.0, held=1, view=NEWER)
+    else:
+        _drive(r, clock, trigger)
+    assert r.mode is TRANSITIONS[mode, trigger]
+    assert r.local is (r.mode in LOCAL)
+
+
+@pytest.mark.parametrize(("mode", "trigger"),
+                         [(m, t) for m, t in itertools.product(Mode, Trigger)
+                          if (m, t) not in TRANSITIONS])
+def test_every_illegal_move_is_refused_and_changes_nothing(mode: Mode,
+                                                          trigger: Trigger) -> None:
+    with pytest.raises(IllegalTransition):
+        next_mode(mode, trigger)
+    r, clock = _in(mode)
+    if trigger in (Trigger.RESYNC_HELD, Trigger.RESYNC_BACK):
+        with pytest.raises(IllegalTransition):
+            r.resync_answered(known=True, settling=0.0, held=1, view=NEWER)
+    else:
+        with pytest.raises(IllegalTransition):
+            _drive(r, clock, trigger)
+    assert r.mode is mode
+
+
+def test_losing_the_ledger_builds_the_local_core_once() -> None:
+    r, _ = _in(Mode.OK)
+    assert r.ledger_lost()  # OK → DEGRADED: the driver builds the local core
+    assert not r.ledger_lost()  # already away
+    r.resync_sent()
+    assert not r.ledger_lost() and r.mode is Mode.RESYNCING  # the resync's answer decides
+    r2, _ = _in(Mode.STARTING)
+    assert r2.ledger_lost() and r2.view == View()  # never reached: no view, no share
+    assert r2.degraded_limit(8) == 0
+
+
+def test_degraded_keeps_the_last_view_and_a_resync_admits_nothing_locally() -> None:
+    r, _ = _in(Mode.DEGRADED)
+    assert r.degraded_limit(8) == 4 and r.local_limit(8) == 4
+    assert r.degraded_limit(2) == 1  # our own capacity, if smaller: min(2, 8) over 2
+    r.resync_sent()
+    assert r.local_limit(8) == 0 and r.degraded_limit(8) == 4
+    r.resync_failed()
+    assert r.mode is Mode.DEGRADED and r.local_limit(8) == 4
+
+
+def test_a_return_needs_a_whole_interval_of_answers_a_known_registration_and_a_settled_fleet(
+) -> None:
+    r, clock = _in(Mode.RESYNCING)
+    assert r.resync_answered(known=True, settling=0.0, held=3, view=NEWER) is Mode.SETTLING
+    assert r.recycle == 3 and r.local_limit(8) == 3 and r.view == VIEW  # recycle-only
+    clock.advance(0.5 * INTERVAL)
+    r.resync_sent()
+    assert r.local_limit(8) == 0
+    assert r.resync_answered(known=True, settling=0.0, held=2, view=NEWER) is Mode.SETTLING
+    assert r.recycle == 2
+    clock.advance(0.5 * INTERVAL)
+    r.resync_sent()
+    # A whole interval since the first answer, but the fleet still settles, or we are unknown.
+    assert r.resync_answered(known=True, settling=0.3, held=2, view=NEWER) is Mode.SETTLING
+    r.resync_sent()
+    assert r.resync_answered(known=False, settling=0.0, held=2, view=NEWER) is Mode.SETTLING
+    r.resync_sent()
+    assert r.resync_answered(known=True, settling=0.0, held=2, view=NEWER) is Mode.OK
+    assert r.recycle is None and r.view == NEWER and r.degraded_limit(8) == 2
+
+
+def test_a_failed_resync_restarts_the_interval_and_drops_the_recycle_cap() -> None:
+    r, clock = _in(Mode.RESYNCING)
+    r.resync_answered(known=True, settling=0.0, held=1, view=NEWER)
+    clock.advance(INTERVAL)
+    r.resync_sent()
+    r.resync_failed()  # the outage rule again
+    assert r.mode is Mode.DEGRADED and r.recycle is None and r.local_limit(8) == 4
+    r.resync_sent()
+    # The first answer after the failure counts from now, not from the earlier one.
+    assert r.resync_answered(known=True, settling=0.0, held=1, view=NEWER) is Mode.SETTLING
+    clock.advance(INTERVAL)
+    r.resync_sent()
+    assert r.resync_answered(known=True, settling=0.0, held=1, view=NEWER) is Mode.OK
+
+
+def test_starting_while_the_fleet_settles_reuses_nothing_and_keeps_no_view() -> None:
+    r, clock = _in(Mode.SETTLING)
+    assert r.recycle == 0 and r.view == View() and r.local_limit(8) == 0
+    assert not r.ledger_lost() and r.mode is Mode.SETTLING
+    r.resync_sent()
+    r.resync_failed()
+    assert r.degraded_limit(8) == 0  # no view: no share in an outage
+    r.resync_sent()
+    r.resync_answered(known=True, settling=0.0, held=0, view=VIEW)
+    clock.advance(INTERVAL)
+    r.resync_sent()
+    assert r.resync_answered(known=True, settling=0.0, held=0, view=VIEW) is Mode.OK
+    assert r.degraded_limit(8) == 4
+
+
+def test_a_view_taken_just_after_the_switch_is_kept() -> None:
+    # A heartbeat answered after another call degraded the replica: its view is newer.
+    r, _ = _in(Mode.DEGRADED)
+    r.seen(NEWER)
+    assert r.view == NEWER and r.mode is Mode.DEGRADED
