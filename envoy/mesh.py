@@ -20,13 +20,19 @@ accesslog.go; recipes in k8s/istio/ and k8s/envoy-gateway/):
 - node: an Istio-shaped node id (``router~<ip>~<pod>.<ns>~<ns>.svc.cluster.local``).
 
     python envoy/render.py ... | python envoy/mesh.py [--node-id ID] > envoy-mesh.yaml
+
+:func:`istio_gateway` goes further for the Istio recipe: the HTTP filters and routes an
+Istio ingress gateway gets from istiod (its filter order, its route names, no filter of
+this project's), with the recipe's EnvoyFilter patches then applied as istiod applies
+them, so the recipe's own filter order can be run through a real Envoy.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -65,6 +71,108 @@ def meshify(text: str, *, node_id: str = ISTIO_NODE_ID) -> str:
                     del cfg[key]
     rendered: str = yaml.safe_dump(boot, sort_keys=False)
     return rendered
+
+
+# What istiod puts in an ingress gateway's HCM, in this order (istio/istio
+# pilot/pkg/networking/core/listener_builder.go): metadata exchange, the CUSTOM
+# AuthorizationPolicy's shadow RBAC and ext_authz, jwt_authn (RequestAuthentication), the
+# ALLOW/DENY RBAC, stats, fault, CORS, the router last. Istio's own filters (metadata
+# exchange, stats) are not in upstream Envoy and hold no admission state: left out.
+JWT_AUTHN = "envoy.filters.http.jwt_authn"
+EXT_AUTHZ = "envoy.filters.http.ext_authz"
+ROUTER = "envoy.filters.http.router"
+# istio/istio pilot/pkg/security/authn/policy_applier.go: the verified payload's key.
+ISTIO_JWT_PAYLOAD_KEY = "payload"
+# The cluster istiod generates for the recipe's ServiceEntry, and the bootstrap's name.
+ISTIO_SIDECAR_CLUSTER = "outbound|9001||priority-gate.local"
+
+
+def istio_gateway(text: str, envoy_filters: Iterable[Mapping[str, Any]], *,
+                  route_names: Mapping[str, str], custom_ext_authz: bool = False,
+                  vhost_name: str = "llm.example.com:80") -> str:
+    """``text`` (a rendered bootstrap, rendered with a JWT secret) as an Istio ingress
+    gateway runs it: istiod's filters and routes, then ``envoy_filters`` (EnvoyFilter
+    resources) applied in istiod's order (by ``priority``, then as given).
+
+    ``route_names``: a route's path prefix -> its name, as a VirtualService's
+    ``http[].name`` names the route istiod builds (``HTTP_ROUTE`` patches match on it).
+    ``custom_ext_authz``: add the ext_authz a CUSTOM AuthorizationPolicy makes istiod
+    generate, where istiod puts it (before jwt_authn).
+
+    Only the patch operations the recipes use are modelled; any other one raises, so a
+    recipe cannot silently rely on something this does not check.
+    """
+    boot: dict[str, Any] = yaml.safe_load(meshify(text))
+    (hcm,) = _hcms(boot)
+    by_name = {f["name"]: f for f in hcm["http_filters"]}
+    jwt = by_name[JWT_AUTHN]
+    for provider in jwt["typed_config"]["providers"].values():
+        provider["payload_in_metadata"] = ISTIO_JWT_PAYLOAD_KEY
+    ext = "type.googleapis.com/envoy.extensions.filters.http"
+    filters = [jwt,
+               {"name": "envoy.filters.http.fault",
+                "typed_config": {"@type": f"{ext}.fault.v3.HTTPFault"}},
+               {"name": "envoy.filters.http.cors",
+                "typed_config": {"@type": f"{ext}.cors.v3.Cors"}},
+               by_name[ROUTER]]
+    if custom_ext_authz:
+        filters.insert(0, by_name[EXT_AUTHZ])  # as meshify left it: Istio's settings only
+    hcm["http_filters"] = filters
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        vhost["name"] = vhost_name
+        for route in vhost["routes"]:
+            route.pop("typed_per_filter_config", None)  # istiod sets none of this project's
+            route["name"] = route_names[route["match"]["prefix"]]
+    patches = [(int(f.get("spec", {}).get("priority", 0)), i, cp)
+               for i, f in enumerate(envoy_filters) for cp in f["spec"]["configPatches"]]
+    for _, _, cp in sorted(patches, key=lambda t: t[:2]):
+        _apply(hcm, cp)
+    out: str = yaml.safe_dump(boot, sort_keys=False).replace(ISTIO_SIDECAR_CLUSTER, "sidecar")
+    return out
+
+
+def _apply(hcm: dict[str, Any], cp: Mapping[str, Any]) -> None:
+    """One EnvoyFilter config patch on the gateway's one HCM, as istiod applies it."""
+    apply_to, op = cp["applyTo"], cp["patch"]["operation"]
+    value = copy.deepcopy(cp["patch"]["value"])
+    match = cp.get("match", {})
+    if apply_to == "HTTP_FILTER":
+        sub = match["listener"]["filterChain"]["filter"].get("subFilter", {}).get("name")
+        names = [f["name"] for f in hcm["http_filters"]]
+        if op == "INSERT_FIRST":
+            hcm["http_filters"].insert(0, value)
+        elif op in ("INSERT_BEFORE", "INSERT_AFTER") and sub in names:
+            at = names.index(sub) + (op == "INSERT_AFTER")
+            hcm["http_filters"].insert(at, value)
+        elif op not in ("INSERT_BEFORE", "INSERT_AFTER"):
+            raise ValueError(f"HTTP_FILTER {op} is not modelled")
+        # istiod skips an INSERT_BEFORE/AFTER whose subFilter is absent: so does this
+    elif apply_to == "NETWORK_FILTER" and op == "MERGE":
+        _merge(hcm, value["typed_config"])
+    elif apply_to == "HTTP_ROUTE" and op == "MERGE":
+        want = match["routeConfiguration"]["vhost"].get("route", {}).get("name")
+        for vhost in hcm["route_config"]["virtual_hosts"]:
+            for route in vhost["routes"]:
+                if want is None or route.get("name") == want:
+                    _merge(route, value)
+    else:
+        raise ValueError(f"{apply_to} {op} is not modelled")
+
+
+def _merge(into: dict[str, Any], value: Mapping[str, Any]) -> None:
+    """Proto merge: messages field by field, repeated fields appended, map entries
+    (typed_per_filter_config) and scalars replaced."""
+    for key, v in value.items():
+        if key == "@type":
+            continue
+        if key == "typed_per_filter_config":
+            into.setdefault(key, {}).update(copy.deepcopy(v))
+        elif isinstance(v, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], v)
+        elif isinstance(v, list) and isinstance(into.get(key), list):
+            into[key].extend(copy.deepcopy(v))
+        else:
+            into[key] = copy.deepcopy(v)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,6 +46,7 @@ EDGE_LOG_FLUSH_SECS: float = 0.25
 # ext_authz's per-route context extension. Names as the sidecar accepts them.
 _POOL_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
 _POOL_PREFIX_RE = re.compile(r"^/[A-Za-z0-9._~/-]*/$")
+_ROUTES = "              routes:\n"
 _DEFAULT_ROUTE = '              - match: {prefix: "/"}\n'
 _WORKERS_CLUSTER = "  - name: workers\n"
 _POOL_ROUTE = """\
@@ -243,7 +244,10 @@ def _add_pools(text: str, pools: Sequence[tuple[str, str, list[tuple[str, int]]]
     names = [p[0] for p in pools]
     if len(set(names)) != len(names) or "default" in names:
         raise ValueError(f"pool names must be unique and not 'default', got {names}")
-    if text.count(_DEFAULT_ROUTE) != 1 or text.count(_WORKERS_CLUSTER) != 1:
+    # The route table's catch-all, not jwt_authn's rule of the same text further down.
+    routes_at = text.find(_ROUTES)
+    if (routes_at < 0 or _DEFAULT_ROUTE not in text[routes_at:]
+            or text.count(_WORKERS_CLUSTER) != 1):
         raise ValueError("template: the default route or the workers cluster moved")
     # The workers cluster (last in the template) is the pattern of each pool's cluster.
     block = [line for line in text[text.index(_WORKERS_CLUSTER):].splitlines()
@@ -267,7 +271,8 @@ def _add_pools(text: str, pools: Sequence[tuple[str, str, list[tuple[str, int]]]
             lines.append("        - endpoint: {address: {socket_address: "
                          f"{{address: {ip}, port_value: {port}}}}}}}")
         endpoints[f"pool{i}_endpoints"] = "\n".join(lines)
-    text = text.replace(_DEFAULT_ROUTE, "".join(routes) + _DEFAULT_ROUTE)
+    at = text.index(_DEFAULT_ROUTE, routes_at)
+    text = text[:at] + "".join(routes) + text[at:]
     return text.rstrip("\n") + "\n" + "\n".join(clusters) + "\n", endpoints
 
 

@@ -36,6 +36,8 @@ CRD_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     "RequestAuthentication": ("security.istio.io/v1", ("spec.jwtRules",)),
     "Telemetry": ("telemetry.istio.io/v1", ("spec.accessLogging",)),
     "EnvoyFilter": ("networking.istio.io/v1alpha3", ("spec.configPatches",)),
+    "VirtualService": ("networking.istio.io/v1", ("spec.hosts", "spec.http")),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", ("spec.parentRefs", "spec.rules")),
     "Backend": ("gateway.envoyproxy.io/v1alpha1", ("spec.endpoints",)),
     "EnvoyProxy": ("gateway.envoyproxy.io/v1alpha1", ("spec.telemetry.accessLog",)),
     "SecurityPolicy": ("gateway.envoyproxy.io/v1alpha1", ("spec.targetRefs", "spec.extAuth.grpc")),

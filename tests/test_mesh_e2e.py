@@ -21,7 +21,7 @@ import yaml
 from devtools.httpclient import HTTP_ERRORS, Exchange, chat_body, request
 from devtools.httpclient import get as http_get
 from devtools.proc import die_with_parent
-from devtools.stack import Stack, envoy_binary, free_port, load_renderer
+from devtools.stack import Stack, StackConfig, envoy_binary, free_port, load_renderer
 from sidecar.authz import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from tests.conftest import StackFactory, preempt_held_bulk, settle, until
 from tests.test_e2e import PREEMPT, SECRET, inflight_is, token
@@ -289,3 +289,123 @@ async def bulk_streams_via(port: int, n: int) -> list[Exchange]:
         await ex.read_head()
         out.append(ex)
     return out
+
+
+# --------------------------------------------------------------- the Istio recipe's order
+
+ISTIO = Path(__file__).resolve().parent.parent / "k8s" / "istio"
+# The pools add-on's routes, as k8s/istio/pools/virtualservice.yaml names them, on the paths
+# the stack's renderer gives its pools (/NAME/); "/" is the default pool's route.
+ISTIO_POOLS = {"chat-70b": (1, 2), "small-8b": (1, 2)}
+TENANTS = """
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0}
+tenant_policies:
+  acme: {max_class: interactive}
+"""
+
+
+def istio_envoy_filters(*, recipe_ext_authz: bool = True) -> list[dict[str, object]]:
+    """The recipe's EnvoyFilters (k8s/istio and its pools/ add-on), as applied."""
+    docs: list[dict[str, object]] = []
+    for directory in (ISTIO, ISTIO / "pools"):
+        kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        for name in kustomization["resources"]:
+            for doc in yaml.safe_load_all((directory / name).read_text()):
+                if doc["kind"] == "EnvoyFilter" and (
+                        recipe_ext_authz or doc["metadata"]["name"] not in (
+                            "priority-gate-ext-authz", "priority-gate-pools")):
+                    docs.append(doc)
+    return docs
+
+
+class IstioStack(Stack):
+    """A stack whose Envoy runs the config an Istio ingress gateway gets with the recipe
+    (envoy/mesh.py istio_gateway): istiod's filters and routes, the recipe's EnvoyFilters.
+    ``custom``: the recipe as it was, Check by a CUSTOM AuthorizationPolicy (istiod's
+    ext_authz, before jwt_authn) and none of the recipe's own ext_authz patches."""
+
+    custom = False
+
+    def write_envoy_config(self) -> None:
+        super().write_envoy_config()
+        routes = {f"/{name}/": name for name in self.pool_fleets} | {"/": "priority-gate"}
+        self.envoy_config.write_text(load_renderer("mesh").istio_gateway(
+            self.envoy_config.read_text(), istio_envoy_filters(recipe_ext_authz=not self.custom),
+            route_names=routes, custom_ext_authz=self.custom))
+
+
+def _admitted(m: dict[str, float], **labels: str) -> float:
+    """Sum of smg_sidecar_tenant_admitted_total / smg_scheduler_admit_total series whose
+    labels include ``labels`` (other labels, such as pool, summed over)."""
+    name = labels.pop("metric")
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in m.items() if k.startswith(name + "{") and all(w in k for w in want))
+
+
+async def _istio_stack(tmp_path: Path, tenant_source: str, *, custom: bool) -> IstioStack:
+    stack = IstioStack(StackConfig(
+        priority_yaml=TENANTS, jwt_secret=SECRET, pools=ISTIO_POOLS,
+        sidecar_args=["--tenant-source", tenant_source]), workdir=tmp_path)
+    stack.custom = custom
+    try:
+        await stack.start()
+    except BaseException:
+        await stack.stop()
+        raise
+    return stack
+
+
+@pytest.mark.parametrize("tenant_source", ["header:x-smg-tenant", "jwt:payload.tenant"])
+async def test_istio_recipe_checks_after_jwt_authn_with_each_routes_pool(
+        tmp_path: Path, tenant_source: str) -> None:
+    """Under the recipe's filter order the tenant from the verified token reaches Check
+    (the header outputClaimToHeaders writes, or istiod's jwt payload metadata), a client's
+    own tenant header does not, and each pool route's Check names its pool."""
+    stack = await _istio_stack(tmp_path, tenant_source, custom=False)
+    try:
+        (listener,) = yaml.safe_load(stack.envoy_config.read_text())[
+            "static_resources"]["listeners"]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        assert [f["name"].rsplit(".", 1)[-1] for f in hcm["http_filters"]] == [
+            "header_mutation", "jwt_authn", "fault", "cors", "ext_authz", "ext_proc", "router"]
+        acme = {"x-smg-priority": "interactive", "authorization": f"Bearer {token('acme')}"}
+        spoofed = {"x-smg-priority": "interactive", "x-smg-tenant": "acme"}
+        for path, headers in (("/chat-70b/v1/chat/completions", acme),
+                              ("/small-8b/v1/chat/completions", spoofed),
+                              ("/v1/chat/completions", acme)):
+            r = await request(stack.listen_port, path, headers=headers)
+            assert r.status == 200, (path, r.status)
+        m = await settle(stack)
+        tenants = "smg_sidecar_tenant_admitted_total"
+        assert _admitted(m, metric=tenants, tenant="acme", **{"class": "interactive"}) == 2
+        # the spoofed header was stripped: anonymous, capped at the default class
+        assert _admitted(m, metric=tenants, tenant="anonymous", **{"class": "default"}) == 1
+        admits = "smg_scheduler_admit_total"
+        for pool, cls in (("chat-70b", "interactive"), ("small-8b", "default"),
+                          ("default", "interactive")):
+            assert _admitted(m, metric=admits, pool=pool, outcome="admitted",
+                             **{"class": cls}) == 1, pool
+        for pool, fleet in stack.pool_fleets.items():
+            assert sum(len(w.records) for w in fleet.workers) == 1, pool
+    finally:
+        await stack.stop()
+
+
+async def test_istio_custom_authorization_policy_checks_before_jwt_authn(
+        tmp_path: Path) -> None:
+    """Why the recipe inserts its own ext_authz: where istiod puts a CUSTOM policy's filter,
+    a valid token's tenant is not there yet at Check, so it is admitted as anonymous."""
+    stack = await _istio_stack(tmp_path, "header:x-smg-tenant", custom=True)
+    try:
+        r = await request(stack.listen_port, headers={
+            "x-smg-priority": "interactive", "authorization": f"Bearer {token('acme')}"})
+        assert r.status == 200
+        m = await settle(stack)
+        tenants = "smg_sidecar_tenant_admitted_total"
+        assert _admitted(m, metric=tenants, tenant="anonymous", **{"class": "default"}) == 1
+        assert _admitted(m, metric=tenants, tenant="acme") == 0
+    finally:
+        await stack.stop()

@@ -54,7 +54,7 @@ def _authz_timeout() -> str:
 
 def _tenant_header() -> str:
     source = _arg(_sidecar(), "--tenant-source")
-    assert source.startswith("header:")  # jwt: cannot work under Istio's CUSTOM ext_authz
+    assert source.startswith("header:")  # the recipes copy the claim to this header
     return source.removeprefix("header:")
 
 
@@ -107,31 +107,143 @@ def _patch_values(filt: dict[str, Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------ Istio
 
 
-def test_istio_ext_authz_provider_matches_the_sidecar() -> None:
-    authz = _istio_providers()["priority-gate"]["envoyExtAuthzGrpc"]
-    assert authz["port"] == _grpc_port()
-    assert authz["timeout"] == _authz_timeout()
-    assert _secs(authz["timeout"]) > parse_priority_config(_priority_text()).max_queue_timeout()
-    assert authz["failOpen"] is False
-    assert authz["statusOnError"] == "503"
+def _istio_ext_authz() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the filter patch, the default pool's route patch) of the recipe's ext_authz."""
+    filt = _one(ISTIO, "EnvoyFilter", "priority-gate-ext-authz")
+    by_kind = {cp["applyTo"]: cp for cp in filt["spec"]["configPatches"]}
+    assert sorted(by_kind) == ["HTTP_FILTER", "HTTP_ROUTE"]
+    return by_kind["HTTP_FILTER"], by_kind["HTTP_ROUTE"]
+
+
+def _template_ext_authz() -> dict[str, Any]:
+    (listener,) = _envoy_bootstrap()["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (f,) = [f for f in hcm["http_filters"] if f["name"] == EXT_AUTHZ_NS]
+    cfg: dict[str, Any] = f["typed_config"]
+    return cfg
+
+
+def _per_route_ext_authz(cp: dict[str, Any]) -> dict[str, Any]:
+    """A route patch's ext_authz settings, unwrapped from the FilterConfig that enables it."""
+    assert cp["patch"]["operation"] == "MERGE"
+    cfg = cp["patch"]["value"]["typed_per_filter_config"][EXT_AUTHZ_NS]
+    assert cfg["@type"].endswith("envoy.config.route.v3.FilterConfig")
+    assert not cfg.get("disabled", False)
+    inner: dict[str, Any] = cfg["config"]
+    assert inner["@type"].endswith("ExtAuthzPerRoute")
+    return inner
+
+
+def test_istio_ext_authz_runs_after_jwt_authn_with_the_bootstraps_settings() -> None:
+    """Check is the recipe's own filter, put before the router (after jwt_authn, which
+    istiod puts right after a CUSTOM policy's ext_authz), with the bootstrap's settings."""
+    filter_patch, _ = _istio_ext_authz()
+    assert filter_patch["patch"]["operation"] == "INSERT_BEFORE"
+    assert filter_patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == (
+        "envoy.filters.http.router")
+    value = filter_patch["patch"]["value"]
+    assert value["name"] == EXT_AUTHZ_NS
+    assert value["disabled"] is True  # on only where a route patch enables it
+    cfg = value["typed_config"]
+    assert cfg["grpc_service"]["envoy_grpc"]["cluster_name"] == (
+        f"outbound|{_grpc_port()}||priority-gate.local")
+    assert cfg["grpc_service"]["timeout"] == _authz_timeout()
+    assert _secs(cfg["grpc_service"]["timeout"]) > parse_priority_config(
+        _priority_text()).max_queue_timeout()
+    want = _template_ext_authz()
+    assert {k: v for k, v in cfg.items() if k != "grpc_service"} == {
+        k: v for k, v in want.items() if k != "grpc_service"}
+    # applied before ext_proc's patch: both go right before the router, so ext_authz first
+    ext_proc = _one(ISTIO, "EnvoyFilter", "priority-gate-ext-proc")
+    assert (_one(ISTIO, "EnvoyFilter", "priority-gate-ext-authz")["spec"]["priority"]
+            < ext_proc["spec"]["priority"])
     entry = _one(ISTIO, "ServiceEntry")
-    assert authz["service"] in entry["spec"]["hosts"]
     assert [e["address"] for e in entry["spec"]["endpoints"]] == ["127.0.0.1"]
     ports = [(p["number"], p["protocol"]) for p in entry["spec"]["ports"]]
     assert ports == [(_grpc_port(), "GRPC")]
 
 
-def test_istio_policy_and_telemetry_name_the_providers() -> None:
+def test_istio_has_no_custom_policy_and_telemetry_names_the_als_provider() -> None:
+    """A CUSTOM AuthorizationPolicy would add istiod's ext_authz before jwt_authn: a second
+    Check, without the tenant."""
     providers = _istio_providers()
-    policy = _one(ISTIO, "AuthorizationPolicy")
-    assert policy["spec"]["action"] == "CUSTOM"
-    assert "envoyExtAuthzGrpc" in providers[policy["spec"]["provider"]["name"]]
-    assert policy["spec"]["rules"], "Check must be limited to the inference paths"
+    assert not any("envoyExtAuthzGrpc" in p for p in providers.values())
+    for path in sorted(ISTIO.rglob("*.yaml")):
+        if not path.name.endswith(".values.yaml") and path.name != "kustomization.yaml":
+            assert all(d["kind"] != "AuthorizationPolicy" for d in _docs(path)), path.name
     (logging,) = _one(ISTIO, "Telemetry")["spec"]["accessLogging"]
     (als_ref,) = logging["providers"]
     als = providers[als_ref["name"]]["envoyHttpAls"]
     assert als["port"] == _grpc_port()
-    assert als["service"] == providers["priority-gate"]["envoyExtAuthzGrpc"]["service"]
+    assert als["service"] in _one(ISTIO, "ServiceEntry")["spec"]["hosts"]
+
+
+def test_istio_default_route_enables_check_without_a_pool() -> None:
+    _, route_patch = _istio_ext_authz()
+    assert route_patch["match"]["routeConfiguration"]["vhost"]["route"]["name"] == (
+        "priority-gate")
+    assert _per_route_ext_authz(route_patch) == {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3."
+                 "ExtAuthzPerRoute", "check_settings": {}}
+
+
+def _overlay_pools() -> list[str]:
+    """The pools k8s/overlays/pools gives the sidecar (--worker-urls POOL=URL)."""
+    from sidecar.config import split_worker_urls
+    text = (K8S / "overlays" / "pools" / "kustomization.yaml").read_text(encoding="utf-8")
+    urls = [line.split("value: ", 1)[1] for line in text.splitlines()
+            if line.strip().startswith("value: ") and "=http" in line]
+    return sorted(split_worker_urls(urls)[1])
+
+
+def test_istio_pools_each_route_names_its_pool() -> None:
+    """Every VirtualService route of the pools add-on has Check enabled by exactly one
+    patch; the pool routes name the sidecar's pools (k8s/overlays/pools), the catch-all
+    is the default pool's route of the base recipe."""
+    pools = ISTIO / "pools"
+    vs = _one(pools, "VirtualService")
+    names = [r["name"] for r in vs["spec"]["http"]]
+    patches = {cp["match"]["routeConfiguration"]["vhost"]["route"]["name"]: cp
+               for cp in _one(pools, "EnvoyFilter")["spec"]["configPatches"]}
+    assert all(cp["applyTo"] == "HTTP_ROUTE" for cp in patches.values())
+    _, default_patch = _istio_ext_authz()
+    patches["priority-gate"] = default_patch
+    assert sorted(names) == sorted(patches)
+    named = {name: _per_route_ext_authz(cp)["check_settings"].get(
+        "context_extensions", {}).get("smg-pool") for name, cp in patches.items()}
+    assert sorted(p for p in named.values() if p is not None) == _overlay_pools()
+    assert named["priority-gate"] is None
+    # the catch-all goes last (Envoy takes the first match)
+    assert vs["spec"]["http"][-1]["name"] == "priority-gate"
+    for route in vs["spec"]["http"][:-1]:
+        (match,) = route["match"]
+        assert match["uri"]["prefix"] == f"/{named[route['name']]}/"
+
+
+def test_istio_recipe_passes_envoy_validate_on_an_istio_shaped_gateway(
+        tmp_path: Path) -> None:
+    """The recipe's EnvoyFilters applied (envoy/mesh.py istio_gateway) to the filters and
+    routes istiod generates for the gateway: Envoy accepts the result."""
+    envoy = _envoy_bin()
+    if envoy is None:
+        pytest.skip("no Envoy binary (set ENVOY_BIN or run `make envoy`)")
+    from devtools.stack import load_renderer
+    from tests.test_mesh_e2e import istio_envoy_filters
+
+    pools = _overlay_pools()
+    text = load_renderer().render(
+        listen_port=10000, admin_port=9901, sidecar_host="127.0.0.1", sidecar_port=9001,
+        workers=[("127.0.0.1", 8000)], authz_timeout_secs=310, flush_interval_secs=5,
+        jwt_hs256_secret="s", pools=[(p, f"/{p}/", [("127.0.0.1", 8001)]) for p in pools])
+    routes = {f"/{p}/": p for p in pools} | {"/": "priority-gate"}
+    shaped = load_renderer("mesh").istio_gateway(text, istio_envoy_filters(),
+                                                 route_names=routes)
+    cfg = tmp_path / "envoy.yaml"
+    cfg.write_text(shaped, encoding="utf-8")
+    out = subprocess.run([str(envoy), "--mode", "validate", "-c", str(cfg),
+                          "--disable-hot-restart", "--log-level", "warn"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_istio_tenant_header_is_verified_and_client_copies_removed() -> None:
@@ -177,9 +289,10 @@ def test_istio_ext_proc_filter_passes_envoy_validate(tmp_path: Path) -> None:
 
 
 def test_istio_ext_proc_is_ordered_by_the_router_alone() -> None:
-    """istiod puts the router last and the CUSTOM ext_authz before it; INSERT_BEFORE the
-    router is what places ext_proc after ext_authz. filterClass is accepted by the CRD but
-    read by no istiod code, so none of the recipe's EnvoyFilters may rely on it."""
+    """istiod puts the router last; INSERT_BEFORE the router, applied after ext_authz's
+    (a higher priority), is what places ext_proc after ext_authz. filterClass is accepted
+    by the CRD but read by no istiod code, so none of the recipe's EnvoyFilters may rely
+    on it."""
     filt = _one(ISTIO, "EnvoyFilter", "priority-gate-ext-proc")
     (cp,) = filt["spec"]["configPatches"]
     assert cp["applyTo"] == "HTTP_FILTER"
@@ -276,10 +389,11 @@ def test_eg_access_log_sink_and_tuning() -> None:
 # ------------------------------------------------------------------------------- CRDs
 
 
-def _crd_schemas(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    """(apiVersion, kind) -> openAPIV3Schema of every served version in DIR's YAML files."""
+def _crd_schemas_in(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> openAPIV3Schema of every served version in DIR's YAML files
+    (not its subfolders')."""
     schemas: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted(directory.rglob("*.yaml")):
+    for path in sorted(directory.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
             if not isinstance(doc, dict) or doc.get("kind") != "CustomResourceDefinition":
                 continue
@@ -307,26 +421,30 @@ def _strict(schema: Any) -> Any:
 
 
 def test_recipes_validate_against_the_crds() -> None:
-    """With MESH_CRDS=DIR (the upstream CRDs' YAML, any layout): every recipe resource
-    validates against its CRD's schema, unknown fields refused."""
+    """With MESH_CRDS=DIR (the upstream CRDs' YAML, a folder per release or any layout):
+    every recipe resource validates against its CRD's schema in each folder that has it,
+    unknown fields refused."""
     crds = os.environ.get("MESH_CRDS")
     if not crds:
         pytest.skip("set MESH_CRDS to a directory of the Istio / Envoy Gateway CRDs")
     jsonschema = pytest.importorskip("jsonschema")
-    schemas = _crd_schemas(Path(crds))
+    # One schema set per folder: two releases of one CRD must not overwrite each other.
+    releases = [_crd_schemas_in(folder) for folder in
+                sorted({p.parent for p in Path(crds).rglob("*.yaml")})]
     checked = 0
     for directory in (ISTIO, EG):
         for path in sorted(directory.rglob("*.yaml")):
             if path.name == "kustomization.yaml" or path.name.endswith(".values.yaml"):
                 continue
             for doc in _docs(path):
-                schema = schemas.get((doc["apiVersion"], doc["kind"]))
-                if schema is None:
-                    continue  # a core kind, or CRDs of the other mesh only
-                body = {k: v for k, v in doc.items()
-                        if k in schema.get("properties", {}) or k == "spec"}
-                errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in
-                          jsonschema.Draft7Validator(_strict(schema)).iter_errors(body)]
-                assert not errors, f"{path.relative_to(K8S)}: {errors}"
-                checked += 1
+                for schemas in releases:
+                    schema = schemas.get((doc["apiVersion"], doc["kind"]))
+                    if schema is None:
+                        continue  # a core kind, or CRDs of the other mesh only
+                    body = {k: v for k, v in doc.items()
+                            if k in schema.get("properties", {}) or k == "spec"}
+                    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in
+                              jsonschema.Draft7Validator(_strict(schema)).iter_errors(body)]
+                    assert not errors, f"{path.relative_to(K8S)}: {errors}"
+                    checked += 1
     assert checked, f"no recipe resource has a CRD in {crds}"
