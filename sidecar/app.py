@@ -80,21 +80,22 @@ async def build_runtime(settings: Settings) -> Runtime:
     If the build fails or is cancelled, what it started is stopped again.
     """
     s = settings
-    if not s.default_max_class_valid:
+    if not s.scheduler.default_max_class_valid:
         log.warning("unknown_default_max_class_using_default",
                     flag="--priority-scheduler-default-max-class")
-    metrics = Metrics(tenant_top_n=s.tenant_metric_top_n, pools=bool(s.pool_workers))
+    metrics = Metrics(tenant_top_n=s.scheduler.tenant_metric_top_n,
+                      pools=bool(s.capacity.pool_workers))
     serving = asyncio.Event()
     admin = AdminServer(metrics.registry, serving.is_set, metrics)
-    hhost, hport = listen.host_port(s.http_listen)
+    hhost, hport = listen.host_port(s.listen.http_listen)
     http_port = await admin.start(hhost, hport)
     # Until the runtime exists, readings only feed metrics; it takes them over.
-    monitor = _monitor(s, s.worker_urls, s.envoy_admin_url, metrics.capacity_read,
-                       DEFAULT_POOL if s.pool_workers else None)
+    monitor = _monitor(s, s.capacity.worker_urls, s.capacity.envoy_admin_url, metrics.capacity_read,
+                       DEFAULT_POOL if s.capacity.pool_workers else None)
     # Named pools probe their own --worker-urls POOL=URL entries (sidecar.pools); the
     # default pool is the monitor above. Their readings reach metrics via the runtime.
     pool_monitors = {name: _monitor(s, urls, None, lambda _r: None, name)
-                     for name, urls in s.pool_workers.items()}
+                     for name, urls in s.capacity.pool_workers.items()}
     fleet: FleetController | None = None
     try:
         # The first capacity reading decides scheduler vs. legacy (the startup check),
@@ -103,18 +104,19 @@ async def build_runtime(settings: Settings) -> Runtime:
             _first_reading(s, monitor),
             *(_first_reading(s, m, name) for name, m in pool_monitors.items()))
         pool_readings = dict(zip(pool_monitors, rest, strict=True))
-        if s.coordination_url is not None:
+        if s.fleet.coordination_url is not None:
             # The password joins the URL in memory only (never argv, never printed).
-            url = s.coordination_url if s.coordination_password is None else with_password(
-                s.coordination_url, s.coordination_password)
-            await server.check_server_at(url, max(0.05, min(1.0, s.replica_ttl_secs / 5)),
+            url = (s.fleet.coordination_url if s.fleet.coordination_password is None else
+                   with_password(s.fleet.coordination_url, s.fleet.coordination_password))
+            await server.check_server_at(url, max(0.05, min(1.0, s.fleet.replica_ttl_secs / 5)),
                                          metrics)
             # Connect and register; an unreachable server starts the replica degraded.
             fleet = await FleetController.connect(
-                url, fleet=s.fleet_id, replica=s.replica_id,
-                ttl=s.replica_ttl_secs, classes=s.priority.classes, capacity=reading.capacity,
-                ack_timeout=s.admission_lease_secs,
-                bucket=s.legacy_limits.bucket(time.monotonic),
+                url, fleet=s.fleet.fleet_id, replica=s.fleet.replica_id,
+                ttl=s.fleet.replica_ttl_secs, classes=s.scheduler.priority.classes,
+                capacity=reading.capacity,
+                ack_timeout=s.liveness.admission_lease_secs,
+                bucket=s.legacy.limits.bucket(time.monotonic),
                 metrics=metrics)
         try:
             return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
@@ -138,16 +140,16 @@ def _monitor(s: Settings, worker_urls: tuple[str, ...], envoy_admin_url: str | N
     return CapacityMonitor(
         worker_urls=worker_urls,
         envoy_admin_url=envoy_admin_url,
-        envoy_cluster=s.envoy_cluster,
-        interval=s.health_interval_secs,
-        timeout=s.health_timeout_secs,
-        fallback=s.fallback_capacity,
-        override=s.worker_capacity_override,
+        envoy_cluster=s.capacity.envoy_cluster,
+        interval=s.capacity.health_interval_secs,
+        timeout=s.capacity.health_timeout_secs,
+        fallback=s.legacy.limits.fallback_capacity,
+        override=s.capacity.worker_capacity_override,
         on_change=on_change,
-        engine=s.worker_engine,
-        default_cap=s.worker_max_running_requests,
-        saturation_guard=s.saturation_guard,
-        credential=s.worker_credential,
+        engine=s.capacity.worker_engine,
+        default_cap=s.capacity.worker_max_running_requests,
+        saturation_guard=s.capacity.saturation_guard,
+        credential=s.capacity.worker_credential,
         pool=pool,
     )
 
@@ -163,36 +165,38 @@ async def _first_reading(s: Settings, monitor: CapacityMonitor,
     reading = await monitor.poll_once()
     if not (monitor.worker_urls or monitor.envoy_admin_url):
         return reading  # nothing to wait for: fallback or override is the answer
-    classes = s.priority.classes_for(pool)
+    classes = s.scheduler.priority.classes_for(pool)
 
     def settled(r: CapacityReading) -> bool:
         # Workers often come up one by one: with the scheduler on, keep waiting
         # while the reservations do not fit yet, since the mode is chosen once.
         return r.source != "fallback" and (
-            not s.scheduler_enabled or reservations_fit(classes, r.capacity))
+            not s.scheduler.scheduler_enabled or reservations_fit(classes, r.capacity))
 
-    deadline = time.monotonic() + s.startup_capacity_wait_secs
+    deadline = time.monotonic() + s.capacity.startup_capacity_wait_secs
     while not settled(reading) and time.monotonic() < deadline:
-        await asyncio.sleep(min(s.health_interval_secs, 0.5))
+        await asyncio.sleep(min(s.capacity.health_interval_secs, 0.5))
         reading = await monitor.poll_once()
-    if reading.source == "fallback" and s.startup_capacity_wait_secs > 0:
-        log.warning("no_healthy_worker_at_startup", waited_secs=s.startup_capacity_wait_secs,
+    if reading.source == "fallback" and s.capacity.startup_capacity_wait_secs > 0:
+        log.warning("no_healthy_worker_at_startup",
+                    waited_secs=s.capacity.startup_capacity_wait_secs,
                     fallback_capacity=reading.capacity,
-                    **({"pool": pool} if s.pool_workers else {}))
+                    **({"pool": pool} if s.capacity.pool_workers else {}))
     return reading
 
 
 def _build_core(s: Settings, reading: CapacityReading,
                 pool: str | None = None) -> AdmissionCore:
-    classes = s.priority.classes if pool is None else s.priority.classes_for(pool)
-    limit = s.legacy_limits.cap
-    if s.scheduler_enabled:
+    priority = s.scheduler.priority
+    classes = priority.classes if pool is None else priority.classes_for(pool)
+    limit = s.legacy.limits.cap
+    if s.scheduler.scheduler_enabled:
         if reservations_fit(classes, reading.capacity):
             return Scheduler(classes, reading.capacity, time.monotonic)
         # The contract's fallback, made impossible to miss: without a cap it admits
         # everything at once, whatever the workers can run.
         desired = desired_reservations(classes, reading.capacity)
-        mode, reason = s.legacy_limits.mode, FALLBACK_REASON
+        mode, reason = s.legacy.limits.mode, FALLBACK_REASON
         log.warning("reservations_exceed_capacity_using_legacy_admission",
                     mode=mode, reason=reason, capacity=reading.capacity,
                     capacity_source=reading.source, reserved_total=sum(desired.values()),
@@ -206,8 +210,8 @@ def _build_core(s: Settings, reading: CapacityReading,
                       capacity=reading.capacity,
                       hint="--max-concurrent-requests is <= 0, so nothing limits "
                            "admission: every request goes to the workers at once")
-    return LegacyAdmission(limit=limit, queue_size=s.queue_size,
-                           queue_timeout_secs=s.queue_timeout_secs, clock=time.monotonic)
+    return LegacyAdmission(limit=limit, queue_size=s.legacy.queue_size,
+                           queue_timeout_secs=s.legacy.queue_timeout_secs, clock=time.monotonic)
 
 
 def _inflight(controller: AdmissionController) -> int:
@@ -262,10 +266,10 @@ class Runtime:
             self._pool_monitors = {DEFAULT_POOL: monitor, **pool_monitors}
             self._pool_readings = {DEFAULT_POOL: reading, **(pool_readings or {})}
             # One request-rate check for all pools.
-            bucket = s.legacy_limits.bucket(time.monotonic)
+            bucket = s.legacy.limits.bucket(time.monotonic)
             controllers = {
                 name: AdmissionController(_build_core(s, r, name),
-                                          lease_secs=s.admission_lease_secs, bucket=bucket,
+                                          lease_secs=s.liveness.admission_lease_secs, bucket=bucket,
                                           metrics=PoolRecorder(metrics, name),
                                           id_factory=id_factory(name))
                 for name, r in self._pool_readings.items()}
@@ -274,20 +278,21 @@ class Runtime:
             self.core = controllers[DEFAULT_POOL].core
         else:
             self.core = _build_core(s, reading)
-            bucket = s.legacy_limits.bucket(time.monotonic)
-            if s.shadow:  # the core built above only says what it would have done
+            bucket = s.legacy.limits.bucket(time.monotonic)
+            if s.scheduler.shadow:  # the core built above only says what it would have done
                 self.core = ShadowCore(self.core, time.monotonic, metrics, bucket=bucket)
                 metrics.shadow_started(self.core.shadow_snapshot)
                 bucket = None
             self.controller = AdmissionController(
                 self.core,
-                lease_secs=s.admission_lease_secs,
+                lease_secs=s.liveness.admission_lease_secs,
                 bucket=bucket,
                 metrics=metrics,
             )
         self.legacy = self.controller.legacy
-        self._classes = s.priority.classes  # the file's; preemption may be suspended below
-        self._config = s.priority
+        # The file's; preemption may be suspended below.
+        self._classes = s.scheduler.priority.classes
+        self._config = s.scheduler.priority
         self._uncancellable = uncancellable_workers(reading)
         if self.pools is not None:
             for name, r in self._pool_readings.items():
@@ -316,29 +321,30 @@ class Runtime:
             # From here on a new capacity reading also resizes admission.
             monitor.on_change = self._on_capacity
         metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,
-                        config_digest=s.priority.digest,
-                        fallback=(s.legacy_limits.mode, FALLBACK_REASON)
-                        if self.legacy and s.scheduler_enabled else None)
+                        config_digest=s.scheduler.priority.digest,
+                        fallback=(s.legacy.limits.mode, FALLBACK_REASON)
+                        if self.legacy and s.scheduler.scheduler_enabled else None)
         # Which Envoy asked for each admission and whether it is still there: slots of
         # requests Envoy still runs are never reclaimed by a timer alone.
         # With the local Envoy's admin known, a loopback owner's restart and a blip of its
         # connection are told apart by that process's start (GET /server_info).
-        admin_url = s.envoy_admin_url
+        admin_url = s.capacity.envoy_admin_url
         self.liveness = EnvoyLiveness(
-            self.controller, grace=s.envoy_owner_grace_secs, metrics=metrics,
+            self.controller, grace=s.liveness.envoy_owner_grace_secs, metrics=metrics,
             start_of=None if admin_url is None else AdminProcessStart(
                 admin_url, lambda: self.monitor.session),
             identifiable=None if admin_url is None else local_owners(admin_url))
         if fleet is not None:
             fleet.liveness_decides = True  # acknowledged only while its Envoy is watched
-        self.authz = AuthzService(self.controller, metrics, s.tenant_source,
-                                  TenantPolicy(s.priority.tenant_policies, s.default_max_class),
+        self.authz = AuthzService(self.controller, metrics, s.scheduler.tenant_source,
+                                  TenantPolicy(s.scheduler.priority.tenant_policies,
+                                               s.scheduler.default_max_class),
                                   self._preemptible_now(),
                                   liveness=self.liveness)
         if isinstance(self.core, ShadowCore):
             self.authz.shadow_verdict = self.core.take_verdict
         self.authz.pools = self.pools
-        self.features = FeatureDetector(metrics, lease_secs=s.admission_lease_secs,
+        self.features = FeatureDetector(metrics, lease_secs=s.liveness.admission_lease_secs,
                                         wall_clock=time.time)
         self.completion = CompletionService(self.controller, metrics, self.features,
                                             self.liveness)
@@ -348,7 +354,8 @@ class Runtime:
         # --edge-shed: RTDS switches for Envoy's edge route, steered by the Checks' outcomes.
         # Legacy admission answers admission_queue_full, which the edge route does not
         # send: the switches then stay 0.
-        self.edge = EdgeShed(metrics, self.authz.rejection_counted) if s.edge_shed else None
+        self.edge = (EdgeShed(metrics, self.authz.rejection_counted) if s.scheduler.edge_shed
+                     else None)
         if self.edge is not None:
             if self.legacy:
                 log.warning("edge_shed_off_in_legacy_admission")
@@ -381,12 +388,13 @@ class Runtime:
                         response_serializer=p)})])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        self.grpc_listen = listen.parse(s.grpc_listen)
-        self.grpc_port = listen.bind(self._grpc, self.grpc_listen, s.grpc_socket_mode)
+        self.grpc_listen = listen.parse(s.listen.grpc_listen)
+        self.grpc_port = listen.bind(self._grpc, self.grpc_listen, s.listen.grpc_socket_mode)
 
         # None: no config file, so nothing to watch.
-        self.watcher = None if s.priority.source is None else ConfigWatcher(
-            s.priority.source, s.priority, interval=s.config_poll_secs,
+        self.watcher = None if s.scheduler.priority.source is None else ConfigWatcher(
+            s.scheduler.priority.source, s.scheduler.priority,
+            interval=s.scheduler.config_poll_secs,
             apply=self._apply_config, on_error=self._reload_failed,
             validate=self._validate_reload)
 
@@ -404,10 +412,10 @@ class Runtime:
             self.fleet.start()
             # A library replaced after start-up is noticed within one --replica-ttl-secs.
             self._tasks.append(asyncio.create_task(server.watch_library(
-                self.fleet.ledger, s.replica_ttl_secs, self.metrics)))
+                self.fleet.ledger, s.fleet.replica_ttl_secs, self.metrics)))
             # So is a second deployment under this fleet id (within two).
             self._tasks.append(asyncio.create_task(server.watch_fleet(
-                self.fleet.ledger, s.replica_ttl_secs, self.metrics)))
+                self.fleet.ledger, s.fleet.replica_ttl_secs, self.metrics)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         if self.edge is not None:
@@ -417,20 +425,22 @@ class Runtime:
             "started",
             grpc=str(self.grpc_listen) if self.grpc_listen.path is not None
             else f"{self.grpc_listen.host}:{self.grpc_port}",
-            http=f"{listen.host_port(s.http_listen)[0]}:{self.http_port}",
+            http=f"{listen.host_port(s.listen.http_listen)[0]}:{self.http_port}",
             mode="legacy" if self.legacy else "scheduler",
             capacity=self.reading.capacity, capacity_source=self.reading.source,
-            config=s.priority.source or "builtin", config_sha256=s.priority.digest,
-            tenant_source=f"{s.tenant_source.kind}:{s.tenant_source.name}".rstrip(":"),
-            lease_secs=s.admission_lease_secs,
+            config=s.scheduler.priority.source or "builtin",
+            config_sha256=s.scheduler.priority.digest,
+            tenant_source=f"{s.scheduler.tenant_source.kind}:"
+                          f"{s.scheduler.tenant_source.name}".rstrip(":"),
+            lease_secs=s.liveness.admission_lease_secs,
             coordination="fleet" if self.fleet is not None else "in-process",
-            shadow=s.shadow,
+            shadow=s.scheduler.shadow,
             **({"pools": {n: r.capacity for n, r in self._pool_readings.items()}}
                if self.pools is not None else {}),
         )
-        if s.envoy_authz_timeout is None and s.scheduler_enabled:
+        if s.liveness.envoy_authz_timeout is None and s.scheduler.scheduler_enabled:
             log.info("envoy_authz_timeout_reminder",
-                     longest_queue_timeout_secs=s.priority.max_queue_timeout(),
+                     longest_queue_timeout_secs=s.scheduler.priority.max_queue_timeout(),
                      hint="Envoy's ext_authz timeout must exceed it; pass "
                           "--envoy-authz-timeout to have start-up check it")
 
@@ -517,7 +527,8 @@ class Runtime:
         if self.legacy:
             log.warning("config_reload_legacy_mode",
                         hint="class knobs apply only to the scheduler; tenant ceilings apply")
-        self.authz.policy = TenantPolicy(cfg.tenant_policies, self.settings.default_max_class)
+        self.authz.policy = TenantPolicy(cfg.tenant_policies,
+                                         self.settings.scheduler.default_max_class)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
 
@@ -528,9 +539,10 @@ class Runtime:
 
     def _validate_reload(self, cfg: PriorityConfig) -> None:
         """The start-up rule holds on reload too: Envoy must outwait every queue."""
-        check_pools(cfg, self.settings.pool_workers)  # the pools are the workers'
+        check_pools(cfg, self.settings.capacity.pool_workers)  # the pools are the workers'
         s = self.settings
-        check_authz_timeout(s.envoy_authz_timeout, cfg, s.scheduler_enabled, file=cfg.source)
+        check_authz_timeout(s.liveness.envoy_authz_timeout, cfg, s.scheduler.scheduler_enabled,
+                            file=cfg.source)
 
     def _reload_failed(self, exc: ConfigError) -> None:
         self.metrics.config_reload_failed()
@@ -604,5 +616,5 @@ async def _serve(settings: Settings) -> int:
 
 
 def run(settings: Settings) -> int:
-    logs.configure(settings.log_format, settings.log_level)
+    logs.configure(settings.logging.log_format, settings.logging.log_level)
     return asyncio.run(_serve(settings))

@@ -19,6 +19,7 @@ not ours to print (a symlink to ``/etc/shadow``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import os
@@ -29,11 +30,11 @@ import typing
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import yaml
 
-from sidecar import listen
+from sidecar import flags, listen
 from sidecar.classes import HIGH_TO_LOW, PriorityClass, parse_default_max_class
 from sidecar.coordination.credentials import (
     PASSWORD_ENV,
@@ -41,6 +42,7 @@ from sidecar.coordination.credentials import (
     redact_url,
     url_has_password,
 )
+from sidecar.flags import Check, FlagGroup, derived, flag
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
 from sidecar.scheduler.reservations import desired_reservations, reservations_fit
@@ -595,193 +597,526 @@ class LegacyLimits:
         return "UNCAPPED (--max-concurrent-requests <= 0): every request admitted at once"
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """Everything the process needs, validated."""
+# --------------------------------------------------------------- flag checks
+# Each returns what the settings hold; the messages are the start-up errors.
 
-    scheduler_enabled: bool
-    default_max_class: PriorityClass
-    default_max_class_valid: bool
-    priority: PriorityConfig
-    tenant_metric_top_n: int
-    max_concurrent_requests: int
-    queue_size: int
-    queue_timeout_secs: float
-    rate_limit_tokens_per_second: float | None
-    prefill_max_inflight_requests_per_worker: int | None
-    grpc_listen: str
-    grpc_socket_mode: int
-    http_listen: str
-    worker_urls: tuple[str, ...]
-    worker_capacity_override: int | None
-    envoy_admin_url: str | None
-    envoy_cluster: str
-    health_interval_secs: float
-    health_timeout_secs: float
-    worker_engine: str
-    worker_max_running_requests: int
-    saturation_guard: bool
-    tenant_source: TenantSource
-    admission_lease_secs: float
-    envoy_authz_timeout: float | None
-    config_poll_secs: float
-    startup_capacity_wait_secs: float
-    log_format: str
-    log_level: str
-    coordination_url: str | None = None
-    # Never in a repr: Settings may be printed or logged whole.
-    coordination_password: str | None = field(default=None, repr=False)
-    fleet_id: str = "default"
-    replica_id: str = ""
-    envoy_owner_grace_secs: float = 2.0
-    replica_ttl_secs: float = 10.0
-    # Header name -> value sent with every worker probe; never in a repr.
-    worker_credential: Mapping[str, str] | None = field(default=None, repr=False)
-    # Envoy answers a flooded bulk queue's overflow itself (sidecar.edge).
-    edge_shed: bool = False
-    # Admit everything, record what admission would have done (sidecar.shadow).
-    shadow: bool = False
-    # Named pools' worker URLs (--worker-urls POOL=URL); empty: no pools. The default
-    # pool's workers stay in worker_urls (bare entries) or come from --envoy-admin-url.
-    pool_workers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+def _at_least(low: int) -> Check:
+    def check(name: str, value: int | None) -> int | None:
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be >= {low}")
+        return value
+    return check
+
+
+def _finite_above_zero(name: str, value: float) -> float:
+    # Finite as well: an infinite interval or timeout cannot be scheduled.
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a finite number > 0")
+    return float(value)
+
+
+def _finite_at_least_zero(name: str, value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be a finite number >= 0")
+    return float(value)
+
+
+def _finite(name: str, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite")
+    return value
+
+
+def _grpc_listen(name: str, value: str) -> str:
+    try:
+        listen.parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    return value
+
+
+def _http_listen(name: str, value: str) -> str:
+    _check_listen(value, name)
+    return value
+
+
+def _socket_mode(name: str, value: str) -> int:
+    try:
+        return listen.parse_mode(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _default_max_class(name: str, value: str) -> PriorityClass:
+    return parse_default_max_class(value)[0]  # unknown: default (logged at start-up)
+
+
+def _priority_config(name: str, value: str | None) -> PriorityConfig:
+    return load_priority_config(value)
+
+
+def _tenant_source(name: str, value: str) -> TenantSource:
+    return TenantSource.parse(value)
+
+
+def _coordination_url(name: str, value: str | None) -> str | None:
+    if value is not None:
+        check_coordination_url(value)
+    return value
+
+
+_FLEET_NAME = re.compile(r"[^\s{}]{1,128}\Z")
+
+
+def _fleet_name(name: str, value: str) -> str:
+    if not _FLEET_NAME.match(value):
+        raise ConfigError(f"{name} must be 1..128 characters without spaces or braces, "
+                          f"got {clip(value)!r}")
+    return value
+
+
+def _replica_id(name: str, value: str | None) -> str:
+    return _fleet_name(name, default_replica_id() if value is None else value)
+
+
+# --------------------------------------------------------------- the flags
+# Every flag is declared here, once, as a field of its settings group (sidecar.flags):
+# the parser, --help's sections, Settings and docs/reference.md's flag tables come
+# from these fields. Fields declared with derived() come from several flags.
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings:
+    TITLE: ClassVar[str] = "scheduler (the --priority-scheduler-* flags are smg's)"
+
+    scheduler_enabled: bool = flag(
+        "--priority-scheduler-enabled", default=False, switch=True,
+        help='master switch; off = legacy concurrency-limit admission',
+        doc=('Master switch. Off: the legacy concurrency-limit admission serves every '
+             'request (classes are still parsed, clamped and counted).'))
+    default_max_class: PriorityClass = flag(  # noqa: RUF009 (flag() is a field spec)
+        "--priority-scheduler-default-max-class", default="default", metavar="CLASS",
+        check=_default_max_class,
+        help='ceiling for tenants not in tenant_policies (unknown value -> default)',
+        doc=('Ceiling for tenants not listed in `tenant_policies`. Trimmed and '
+             'case-insensitive; an unknown value means `default` and logs '
+             '`unknown_default_max_class_using_default` at start-up.'))
+    priority: PriorityConfig = flag(  # noqa: RUF009 (flag() is a field spec)
+        "--priority-scheduler-config", default=None, metavar="FILE", check=_priority_config,
+        help='per-class tuning and tenant policies (YAML); unset = built-in defaults',
+        doc=('The `priority.yaml` below. Unset: built-in class defaults and no tenant '
+             'policies. A path that cannot be read is a start-up error (see [design: Decisions '
+             "where SMG's scheduler is "
+             'silent](design.md#decisions-where-smgs-scheduler-is-silent)).'))
+    tenant_metric_top_n: int = flag(
+        "--priority-scheduler-tenant-metric-top-n", default=32, type=int, metavar="N",
+        check=_at_least(0),
+        help='at most N tenant label values in metrics, the rest as tenant="other"',
+        doc=('At most N distinct `tenant` label values in metrics; every further tenant is '
+             'reported as `tenant="other"`. Must be ≥ 0 (0 = every tenant is `other`).'))
+    tenant_source: TenantSource = flag(  # noqa: RUF009 (flag() is a field spec)
+        "--tenant-source", default="header:x-smg-tenant", metavar="SOURCE", check=_tenant_source,
+        help=('trusted tenant identity: header:NAME (a header Envoy strips from clients '
+              'and sets itself), principal (mTLS peer), or jwt:PAYLOAD_KEY.CLAIM (jwt_authn '
+              'metadata)'),
+        doc=('Where the tenant key comes from: `header:NAME`, `principal` or '
+             '`jwt:PAYLOAD_KEY.CLAIM` ([Where the tenant key comes '
+             'from](#where-the-tenant-key-comes-from)).'))
+    config_poll_secs: float = flag(
+        "--config-poll-secs", default=1.0, type=float, metavar="SECS", check=_finite_above_zero,
+        help=('how often to check --priority-scheduler-config for changes (SIGHUP checks '
+              'at once)'),
+        doc=('How often `--priority-scheduler-config` is checked for changes; a change '
+             'applies once two polls in a row read the same file ([Reloading](#reloading)). '
+             '`SIGHUP` checks at once. Finite, > 0.'))
+    edge_shed: bool = flag(
+        "--edge-shed", default=False, switch=True,
+        help=('serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers the '
+              'overflow of a full bulk queue with the 429 itself, without a Check; off again '
+              'about 2 s after the sidecar goes silent'),
+        doc=('Serve the edge-shed switches (RTDS, '
+             '`envoy.service.runtime.v3.RuntimeDiscoveryService`) on the gRPC port, so that an '
+             'Envoy whose bootstrap has the edge route (`envoy/render.py --edge-shed`) answers '
+             "the overflow of a full `bulk` queue with the contract's 429 itself, without a "
+             'Check ([Edge shedding](#edge-shedding---edge-shed)). A switch is back to off '
+             'within 2.25 s (TTL 2 s + one refresh interval) of the sidecar going silent. No '
+             'effect in legacy admission.'))
+    shadow: bool = flag(
+        "--shadow", default=False, switch=True,
+        help=('shadow mode: admit every request at once (no queue, no 429/503, no '
+              'preemption) and record what admission would have answered, in '
+              "smg_sidecar_shadow_admit_total and the allow's metadata (shadow_outcome, "
+              'shadow_code); docs/operations.md'),
+        doc=('Shadow mode, for rolling the scheduler out: every request is admitted at once '
+             '(no queue, no 429/503, no preemption, not even the overload shed) and the '
+             'admission configured by the other flags and `priority.yaml` is run beside it to '
+             'record what it would have answered: '
+             '`smg_sidecar_shadow_admit_total{class,outcome}`, and `shadow_outcome` / '
+             "`shadow_code` in the allow's metadata ([Allow](#allow)). How the would-be "
+             'decisions are computed and where they differ from enforcement: [design: Decisions '
+             "where SMG's scheduler is "
+             'silent](design.md#decisions-where-smgs-scheduler-is-silent). Refused with '
+             '`--coordination-url`, `--edge-shed` or pools (`--worker-urls POOL=URL`).'))
+    default_max_class_valid: bool = derived()
+    """False: --priority-scheduler-default-max-class named no class (default is used)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LegacySettings:
+    TITLE: ClassVar[str] = "legacy admission (same flags as smg)"
+
+    max_concurrent_requests: int = flag(
+        "--max-concurrent-requests", default=-1, type=int, metavar="N",
+        help=('legacy: concurrency cap (<=0: none). Scheduler on: capacity while no '
+              'healthy worker is known (0..65535 as given; -1 or above 65535 -> 1024); 0 also '
+              'removes the token bucket'),
+        doc=('Scheduler off: the legacy concurrency cap; ≤ 0 means no cap. Scheduler on: '
+             'only the capacity used while no healthy worker is known, read as a 16-bit count: '
+             '0..65535 is used as given (0 = no capacity until a worker is healthy), -1 or '
+             'anything above 65535 means 1024; once a capacity was read from workers, never '
+             'more than that ([Capacity](#capacity)). On both paths, a value ≤ 0 also removes '
+             'the request-rate token bucket.'))
+    queue_size: int = flag(
+        "--queue-size", default=100, type=int, metavar="N", check=_at_least(0),
+        help='legacy queue depth (unused by the scheduler)',
+        doc=('Legacy path: depth of its single FIFO queue (0 = never queue). Unused by the '
+             'scheduler, whose queues are per class. Must be ≥ 0.'))
+    queue_timeout_secs: float = flag(
+        "--queue-timeout-secs", default=60, type=float, metavar="SECS", check=_finite_above_zero,
+        help='legacy queue timeout (unused by the scheduler)',
+        doc=('Legacy path: longest queued wait. Unused by the scheduler. Must be finite and '
+             '> 0.'))
+    rate_limit_tokens_per_second: float | None = flag(
+        "--rate-limit-tokens-per-second", default=None, type=float, metavar="RATE", check=_finite,
+        help=('token bucket refill rate (capacity = --max-concurrent-requests), checked '
+              'before admission'),
+        doc=('If > 0 and `--max-concurrent-requests` > 0: a token bucket (capacity = '
+             '`--max-concurrent-requests`, refill = RATE per second, starts full) checked '
+             'before admission on either path. A request that finds no token is shed with 429 '
+             '`scheduler_queue_full`. Must be finite.'))
+    prefill_max_inflight_requests_per_worker: int | None = flag(
+        "--prefill-max-inflight-requests-per-worker", default=None, type=int, metavar="N",
+        help='PD prefill admission; refused with the scheduler',
+        doc=("SMG's prefill/decode admission. Combining it with "
+             '`--priority-scheduler-enabled` is refused at start-up; otherwise it is accepted '
+             'and has no effect (the sidecar has no prefill admission).'))
 
     @property
-    def legacy_limits(self) -> LegacyLimits:
+    def limits(self) -> LegacyLimits:
         return LegacyLimits(self.max_concurrent_requests, self.rate_limit_tokens_per_second)
 
-    @property
-    def fallback_capacity(self) -> int:
-        return self.legacy_limits.fallback_capacity
+
+@dataclass(frozen=True, slots=True)
+class ListenSettings:
+    TITLE: ClassVar[str] = "listen: the gRPC port for Envoy and the admin HTTP port"
+
+    grpc_listen: str = flag(
+        "--grpc-listen", default="127.0.0.1:9001", metavar="HOST:PORT", check=_grpc_listen,
+        help=('ext_authz Check, access-log completion and ext_proc gRPC server; HOST:PORT '
+              'or unix:///absolute/path (a Unix socket)'),
+        doc=('gRPC server for Envoy: ext_authz `Check`, the access-log service and '
+             'ext_proc, plus the standard gRPC health service. Keep it on loopback, or give '
+             '`unix:///absolute/path` to serve on a Unix socket instead (Envoy: a `pipe` '
+             'address; `envoy/render.py --sidecar unix:///PATH`). See [who can call the gRPC '
+             'port](#who-can-call-the-grpc-port).'))
+    grpc_socket_mode: int = flag(
+        "--grpc-socket-mode", default="0660", metavar="OCTAL", check=_socket_mode,
+        help='permissions of the --grpc-listen Unix socket',
+        doc=('Permissions of the `--grpc-listen` Unix socket, set as it is created (never '
+             "wider for a moment). A stale socket at the path (a killed sidecar's) is replaced; "
+             'any other file there is refused (start-up exits 1). The socket is removed on stop.'))
+    http_listen: str = flag(
+        "--http-listen", default="127.0.0.1:9090", metavar="HOST:PORT", check=_http_listen,
+        help='/metrics, /healthz, /readyz',
+        doc=('Admin HTTP: `/metrics`, `/healthz`, `/readyz`. In Kubernetes use '
+             '`0.0.0.0:9090` so kubelet probes and Prometheus reach it.'))
+
+
+@dataclass(frozen=True, slots=True)
+class CapacitySettings:
+    TITLE: ClassVar[str] = "capacity: the workers and how their capacity is read"
+
+    worker_urls: tuple[str, ...] = flag(
+        "--worker-urls", default=[], metavar="[POOL=]URL", repeat=True, shown_default="none",
+        help=('workers to poll for health and max_running_requests; POOL=URL puts a worker '
+              "in a named pool (capacity and queues of its own, chosen by the route's smg-pool "
+              'context extension)'),
+        doc=('Workers to probe for health and capacity (`http://` or `https://`). An entry '
+             '`POOL=URL` puts the worker in the named pool instead of the default one '
+             '([Pools](design.md#pools-several-models-behind-one-gateway)); `default=URL` is '
+             'the same as a bare URL.'))
+    worker_capacity_override: int | None = flag(
+        "--worker-capacity-override", default=None, type=int, metavar="N", check=_at_least(1),
+        help='fixed capacity; ignores worker health',
+        doc=('Fixed capacity of N slots (≥ 1); worker health is not polled at all. Used '
+             'e.g. to give each of several gateway replicas its share.'))
+    envoy_admin_url: str | None = flag(
+        "--envoy-admin-url", default=None, metavar="URL",
+        help='take the worker set from Envoy admin /clusters (routable hosts only)',
+        doc=("Take the worker set from Envoy's admin API (`/clusters?format=json`): only "
+             'the hosts Envoy would route to (health checks and outlier ejection included), so '
+             'admission and routing agree. Each such host is then probed like a `--worker-urls` '
+             "entry. Second use: that Envoy's process start (`/server_info`, 1 s timeout) tells "
+             "a restart of the pod's own Envoy (loopback, `unix` or this URL's host as peer) "
+             'from a blip of its access-log connection ([Leases and Envoy '
+             'liveness](design.md#leases-and-envoy-liveness)).'))
+    envoy_cluster: str = flag(
+        "--envoy-cluster", default="workers", metavar="NAME",
+        help='Envoy cluster holding the workers (with --envoy-admin-url)',
+        doc='The Envoy cluster holding the workers (with `--envoy-admin-url`).')
+    health_interval_secs: float = flag(
+        "--health-interval-secs", default=1.0, type=float, metavar="SECS", check=_finite_above_zero,
+        help='worker health poll interval',
+        doc='How often capacity is re-read. Finite, > 0.')
+    health_timeout_secs: float = flag(
+        "--health-timeout-secs", default=0.5, type=float, metavar="SECS", check=_finite_above_zero,
+        help='per-probe timeout',
+        doc=("Timeout of each probe. Finite, > 0. An older SGLang's `/health` runs a "
+             'one-token generation (≥ 1 s): raise it above that for such workers.'))
+    worker_engine: str = flag(
+        "--worker-engine", default="auto",
+        choices=("auto", "sglang", "vllm", "tgi", "llamacpp", "generic"),
+        help=("how to read each worker's capacity (every worker); auto recognises the "
+              'engine from what it serves'),
+        doc=("How each worker's capacity is read ([Engines: where each worker's capacity "
+             'comes from](#engines-where-each-workers-capacity-comes-from)); applies to every '
+             "worker, `--envoy-admin-url` hosts included. `auto` recognises each worker's "
+             'engine from what it serves.'))
+    worker_max_running_requests: int = flag(
+        "--worker-max-running-requests", default=64, type=int, metavar="N", check=_at_least(1),
+        help=('capacity of a healthy worker whose engine exposes no cap (vLLM outside dev '
+              'mode: set it to --max-num-seqs)'),
+        doc=('Capacity of a healthy worker whose engine reports no cap (vLLM outside dev '
+             "mode: set it to the workers' `--max-num-seqs`). A worker whose capacity endpoint "
+             'refused the probe or failed, never read, counts for 1 instead ([Engines: where '
+             "each worker's capacity comes "
+             'from](#engines-where-each-workers-capacity-comes-from)). ≥ 1.'))
+    saturation_guard: bool = flag(
+        "--saturation-guard", default=False, switch=True,
+        help=('a worker reporting waiting requests counts for min(cap, running) until its '
+              'queue is empty, so the backlog waits in the class queues'),
+        doc=('A healthy worker that reports waiting requests counts for min(its cap, the '
+             'requests it is running) (llama.cpp, which queues only when every slot is busy: '
+             'running − waiting, at least 1), then grows back to its cap gradually once nothing '
+             "waits, so the backlog waits in the sidecar's class queues (where priority "
+             "applies) rather than in the engine's FIFO queue ([the saturation "
+             'guard](#engines-where-each-workers-capacity-comes-from)). One extra request per '
+             'worker per interval (per loaded model of a llama.cpp router); a refused one (401, '
+             'or 501 without `--metrics`) only every 30 s.'))
+    worker_auth_file: str | None = flag(
+        "--worker-auth-file", default=None, metavar="FILE",
+        help=("file holding the workers' API key, sent with every probe as 'Authorization: "
+              "Bearer KEY' (never put the key itself in argv)"),
+        doc=("The workers' API key (llama-server/vLLM/SGLang `--api-key`): FILE holds it on "
+             'one line (a final line break is dropped; ≤ 8 KiB, ASCII, no control characters). '
+             'Sent with every probe to the workers as `Authorization: Bearer KEY`, never to '
+             "Envoy's admin API; with it, probes follow no redirect. Never give the key in argv "
+             '(every process on the host can read argv); it is never logged, and errors about '
+             'the file never quote it. Unset: probes carry no credential, and an engine that '
+             'answers 401 is counted as '
+             '[refused](#engines-where-each-workers-capacity-comes-from).'))
+    worker_auth_header: str | None = flag(
+        "--worker-auth-header", default=None, metavar="NAME",
+        help=('send the --worker-auth-file content verbatim as this header instead (e.g. '
+              'x-api-key)'),
+        doc=('With `--worker-auth-file`: send the key verbatim as header NAME (e.g. '
+             '`x-api-key`) instead of `Authorization: Bearer KEY`. Without `--worker-auth-file` '
+             'it is a start-up error.'))
+    startup_capacity_wait_secs: float = flag(
+        "--startup-capacity-wait-secs", default=0, type=float, metavar="SECS",
+        check=_finite_at_least_zero,
+        help=('wait up to SECS for a first capacity reading from real workers before '
+              'deciding scheduler vs. legacy admission (/healthz answers meanwhile, /readyz and '
+              'gRPC do not); 0 = decide at once'),
+        doc=('Wait up to SECS for a first capacity reading from real workers before '
+             'choosing scheduler or legacy admission ([The start-up reservation check and the '
+             'legacy fallback](#the-start-up-reservation-check-and-the-legacy-fallback)). '
+             '`/healthz` answers meanwhile; `/readyz` and gRPC do not. 0 = decide at once. '
+             'Finite, ≥ 0.'))
+    pool_workers: Mapping[str, tuple[str, ...]] = derived()
+    """Named pools' worker URLs (--worker-urls POOL=URL); empty: no pools. The default
+    pool's workers stay in worker_urls (bare entries) or come from --envoy-admin-url."""
+    worker_credential: Mapping[str, str] | None = derived(repr=False)
+    """Header name -> value sent with every worker probe; never in a repr."""
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessSettings:
+    TITLE: ClassVar[str] = "liveness: admission leases and Envoy"
+
+    admission_lease_secs: float = flag(
+        "--admission-lease-secs", default=30.0, type=float, metavar="SECS",
+        check=_finite_above_zero,
+        help=('an admission not renewed by an access-log entry within this time is '
+              'reclaimed, unless Envoy acknowledged it while its access-log stream was open '
+              "(then only its end or that Envoy's death frees it)"),
+        doc=('An admission not renewed by an access-log entry within this time is '
+             'reclaimed, unless Envoy acknowledged it while its access-log stream was open: '
+             "then only its end, a preemption or that Envoy's death frees it "
+             '([Leases](design.md#leases-and-envoy-liveness)). With periodic entries keep it '
+             "above 3× Envoy's `access_log_flush_interval` (5 s in the shipped config). Finite, "
+             '> 0.'))
+    envoy_owner_grace_secs: float = flag(
+        "--envoy-owner-grace-secs", default=2.0, type=float, metavar="SECS",
+        check=_finite_above_zero,
+        help=('an Envoy whose access-log streams all closed and stayed closed this long is '
+              'dead: the admissions it asked for are released'),
+        doc=('An Envoy whose access-log streams all closed and stayed closed this long is '
+             'dead: the admissions it asked for are released (`lease_expired`). Envoy killed '
+             '(even SIGKILL) closes its sockets, so its slots are back after about this long; a '
+             'host that vanished without closing them is detected by gRPC keepalive first (10 s '
+             '+ 5 s). Finite, > 0.'))
+    envoy_authz_timeout: float | None = flag(
+        "--envoy-authz-timeout", default=None, type=float, metavar="SECS",
+        help=("Envoy's ext_authz timeout; start-up is refused if it is not longer than "
+              'every class queue_timeout_secs'),
+        doc=("Envoy's ext_authz timeout, for checking. When given (scheduler on), start-up "
+             "is refused unless it exceeds every class's `queue_timeout_secs`, and so is a "
+             'reload that would break that. When not given, the sidecar logs '
+             '`envoy_authz_timeout_reminder` with the longest queue timeout.'))
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSettings:
+    TITLE: ClassVar[str] = "fleet coordination (several gateway replicas, one admission)"
+
+    coordination_url: str | None = flag(
+        "--coordination-url", default=None, metavar="URL", check=_coordination_url,
+        help=("Valkey/Redis server shared by the fleet's replicas: redis://HOST:PORT[/DB], "
+              'rediss://... (TLS) or unix:///path; unset = in-process admission'),
+        doc=("Requires `--priority-scheduler-enabled`. Share one fleet's slots among "
+             'several gateway replicas through a Valkey ≥ 7.2 or Redis ≥ 7 server: '
+             '`redis://HOST:PORT[/DB]`, `rediss://HOST:PORT[/DB]` (TLS) or `unix:///path`; an '
+             'ACL user goes in the URL (`redis://USER@HOST:PORT/0`), its password never '
+             '([operations: Security: who may decide '
+             'admission](operations.md#security-who-may-decide-admission)). Unset: in-process '
+             'admission, as a single replica needs. Any other scheme, a missing host or path, a '
+             'non-numeric database, or a password in the URL (`USER:PASSWORD@`, `?password=`) '
+             'is a start-up error; the error quotes the URL with its userinfo replaced by '
+             '`***`, and no log line prints it.'))
+    coordination_password_file: str | None = flag(
+        "--coordination-password-file", default=None, metavar="FILE",
+        help=("file holding the coordination server's password (for the URL's user, or the "
+              'default user); or set $SMG_SIDECAR_COORDINATION_PASSWORD. Never put it in the '
+              'URL: argv is visible to every process on the host'),
+        doc=("The coordination server's password for the URL's user (or the default user), "
+             "read once at start-up: the file's text without its final line break (a mounted "
+             'Secret). Instead of the file, `$SMG_SIDECAR_COORDINATION_PASSWORD` (ignored '
+             'without `--coordination-url`); both at once, an unreadable, empty or multi-line '
+             'file, or the flag without `--coordination-url` is a start-up error naming the '
+             "flag, never quoting the password. The password joins the client's connection "
+             'settings in memory only: never argv, never a log line or error.'))
+    fleet_id: str = flag(
+        "--fleet-id", default="default", metavar="NAME", check=_fleet_name,
+        help="replicas with the same fleet id and server share one fleet's slots",
+        doc=('Replicas with the same fleet id and server share one fleet (the keys carry a '
+             '`{NAME}` hash tag, one Redis Cluster slot). 1..128 characters, no spaces or '
+             'braces.'))
+    replica_id: str = flag(
+        "--replica-id", default=None, metavar="NAME",
+        check=_replica_id, shown_default="`<hostname>-<pid>`",
+        help="this replica's name in the fleet (default: <hostname>-<pid>)",
+        doc=("This replica's name in the fleet; must be unique within it. 1..128 "
+             'characters, no spaces or braces.'))
+    replica_ttl_secs: float = flag(
+        "--replica-ttl-secs", default=10.0, type=float, metavar="SECS", check=_finite_above_zero,
+        help=('a replica that stops heartbeating this long loses its admissions '
+              'fleet-wide; also how soon a replica degrades to its local share when the server '
+              'is unreachable'),
+        doc=('A replica that stops heartbeating this long loses its admissions and waiters '
+             'fleet-wide; heartbeats go every third of it. Also the bound on how soon a replica '
+             'degrades to its local share when the server is unreachable. Give every replica of '
+             'a fleet the same value. Finite, > 0.'))
+    coordination_password: str | None = derived(repr=False)
+    """Never in a repr: Settings may be printed or logged whole."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingSettings:
+    TITLE: ClassVar[str] = "logging"
+
+    log_format: str = flag(
+        "--log-format", default=None, choices=("json", "console"),
+        shown_default="console on a terminal, json otherwise",
+        help='log format (default: console on a terminal, json otherwise)',
+        doc='Structured log format (stderr).')
+    log_level: str = flag(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"),
+        help='log level',
+        doc=('Log level. At `debug` each admission and each denial is logged; at `info` '
+             'denials are summarised once per 10 s ([Log events](#log-events)).'))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckFlags:
+    """``--check-config``: validate a file and exit; not a setting of a running sidecar."""
+
+    TITLE: ClassVar[str] = "checking a priority.yaml (nothing is started)"
+
+    check_config: str | None = flag(
+        "--check-config", default=None, metavar="FILE", shown_default="—",
+        help='validate FILE as priority.yaml, print the effective class table, exit',
+        doc=('Validate FILE as `priority.yaml` with the same loader, print `FILE: OK '
+             '(sha256 …)` and the effective class table, and exit 0; on an error print the '
+             'one-line error and exit 1. Nothing is started.'))
+    check_capacity: int | None = flag(
+        "--check-capacity", default=None, type=int, metavar="N",
+        help=("with --check-config: also say whether FILE's reservations fit a capacity of "
+              'N slots (priority scheduling) or legacy admission would serve; exit 1 if they do '
+              'not fit'),
+        doc=("With `--check-config`: also print whether FILE's reservations fit a capacity "
+             'of N slots (`capacity N: OK …`: the scheduler would serve) or not (`capacity N: '
+             'NOT OK …`: [legacy '
+             'admission](#the-start-up-reservation-check-and-the-legacy-fallback) would, '
+             'uncapped unless `--max-concurrent-requests` > 0 is given too), and the smallest '
+             'capacity from which they fit; exit 1 when they do not. Without `--check-config` '
+             'it is a start-up error (exit 2).'))
+
+
+SETTINGS_GROUPS: tuple[type[FlagGroup], ...] = (
+    SchedulerSettings, LegacySettings, ListenSettings, CapacitySettings, LivenessSettings,
+    FleetSettings, LoggingSettings)
+FLAG_GROUPS: tuple[type[FlagGroup], ...] = (*SETTINGS_GROUPS, CheckFlags)
+"""Every flag's group, in --help's and the reference's order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the process needs, validated, by group (``settings.capacity.worker_urls``).
+
+    ``settings.worker_urls`` still works (every field name is unique across groups);
+    code under mypy uses the groups.
+    """
+
+    scheduler: SchedulerSettings
+    legacy: LegacySettings
+    listen: ListenSettings
+    capacity: CapacitySettings
+    liveness: LivenessSettings
+    fleet: FleetSettings
+    logging: LoggingSettings
+
+    if not TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any:
+            group = _GROUP_OF.get(name)
+            if group is None:
+                raise AttributeError(name)
+            return getattr(getattr(self, group), name)
+
+
+# Settings' fields are the groups in SETTINGS_GROUPS' order; a field name is in one group.
+_GROUP_OF = {f.name: member.name
+             for member, group in zip(dataclasses.fields(Settings), SETTINGS_GROUPS, strict=True)
+             for f in dataclasses.fields(group)}
+assert len(_GROUP_OF) == sum(len(dataclasses.fields(g)) for g in SETTINGS_GROUPS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="priority-sidecar",
-        description=(
-            "Envoy ext_authz sidecar admitting LLM requests by priority class "
-            "(x-smg-priority: system > interactive > default > bulk)."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    s = p.add_argument_group("priority scheduler (same flags as smg)")
-    s.add_argument("--priority-scheduler-enabled", action="store_true", default=False,
-                   help="master switch; off = legacy concurrency-limit admission")
-    s.add_argument("--priority-scheduler-default-max-class", default="default", metavar="CLASS",
-                   help="ceiling for tenants not in tenant_policies (unknown value -> default)")
-    s.add_argument("--priority-scheduler-config", default=None, metavar="FILE",
-                   help="per-class tuning and tenant policies (YAML); unset = built-in defaults")
-    s.add_argument("--priority-scheduler-tenant-metric-top-n", type=int, default=32, metavar="N",
-                   help="at most N tenant label values in metrics, the rest as tenant=\"other\"")
-    lg = p.add_argument_group("legacy admission (same flags as smg)")
-    lg.add_argument("--max-concurrent-requests", type=int, default=-1, metavar="N",
-                    help="legacy: concurrency cap (<=0: none). Scheduler on: capacity while no "
-                         "healthy worker is known (0..65535 as given; -1 or above 65535 -> "
-                         "1024); 0 also removes the token bucket")
-    lg.add_argument("--queue-size", type=int, default=100, metavar="N",
-                    help="legacy queue depth (unused by the scheduler)")
-    lg.add_argument("--queue-timeout-secs", type=float, default=60, metavar="SECS",
-                    help="legacy queue timeout (unused by the scheduler)")
-    lg.add_argument("--rate-limit-tokens-per-second", type=float, default=None, metavar="RATE",
-                    help="token bucket refill rate (capacity = --max-concurrent-requests), "
-                         "checked before admission")
-    lg.add_argument("--prefill-max-inflight-requests-per-worker", type=int, default=None,
-                    metavar="N", help="PD prefill admission; refused with the scheduler")
-    sc = p.add_argument_group("sidecar")
-    sc.add_argument("--grpc-listen", default="127.0.0.1:9001", metavar="HOST:PORT",
-                    help="ext_authz Check, access-log completion and ext_proc gRPC server; "
-                         "HOST:PORT or unix:///absolute/path (a Unix socket)")
-    sc.add_argument("--grpc-socket-mode", default="0660", metavar="OCTAL",
-                    help="permissions of the --grpc-listen Unix socket")
-    sc.add_argument("--http-listen", default="127.0.0.1:9090", metavar="HOST:PORT",
-                    help="/metrics, /healthz, /readyz")
-    sc.add_argument("--worker-urls", nargs="+", default=[], metavar="[POOL=]URL",
-                    help="workers to poll for health and max_running_requests; POOL=URL "
-                         "puts a worker in a named pool (capacity and queues of its own, "
-                         "chosen by the route's smg-pool context extension)")
-    sc.add_argument("--worker-capacity-override", type=int, default=None, metavar="N",
-                    help="fixed capacity; ignores worker health")
-    sc.add_argument("--envoy-admin-url", default=None, metavar="URL",
-                    help="take the worker set from Envoy admin /clusters (routable hosts only)")
-    sc.add_argument("--envoy-cluster", default="workers", metavar="NAME",
-                    help="Envoy cluster holding the workers (with --envoy-admin-url)")
-    sc.add_argument("--health-interval-secs", type=float, default=1.0, metavar="SECS",
-                    help="worker health poll interval")
-    sc.add_argument("--health-timeout-secs", type=float, default=0.5, metavar="SECS",
-                    help="per-probe timeout")
-    sc.add_argument("--worker-engine", default="auto",
-                    choices=("auto", "sglang", "vllm", "tgi", "llamacpp", "generic"),
-                    help="how to read each worker's capacity (every worker); auto recognises "
-                         "the engine from what it serves")
-    sc.add_argument("--worker-max-running-requests", type=int, default=64, metavar="N",
-                    help="capacity of a healthy worker whose engine exposes no cap (vLLM "
-                         "outside dev mode: set it to --max-num-seqs)")
-    sc.add_argument("--saturation-guard", action="store_true", default=False,
-                    help="a worker reporting waiting requests counts for min(cap, running) "
-                         "until its queue is empty, so the backlog waits in the class queues")
-    sc.add_argument("--worker-auth-file", default=None, metavar="FILE",
-                    help="file holding the workers' API key, sent with every probe as "
-                         "'Authorization: Bearer KEY' (never put the key itself in argv)")
-    sc.add_argument("--worker-auth-header", default=None, metavar="NAME",
-                    help="send the --worker-auth-file content verbatim as this header "
-                         "instead (e.g. x-api-key)")
-    sc.add_argument("--tenant-source", default="header:x-smg-tenant", metavar="SOURCE",
-                    help="trusted tenant identity: header:NAME (a header Envoy strips from "
-                         "clients and sets itself), principal (mTLS peer), or "
-                         "jwt:PAYLOAD_KEY.CLAIM (jwt_authn metadata)")
-    sc.add_argument("--admission-lease-secs", type=float, default=30.0, metavar="SECS",
-                    help="an admission not renewed by an access-log entry within this time is "
-                         "reclaimed, unless Envoy acknowledged it while its access-log "
-                         "stream was open (then only its end or that Envoy's death frees it)")
-    sc.add_argument("--envoy-owner-grace-secs", type=float, default=2.0, metavar="SECS",
-                    help="an Envoy whose access-log streams all closed and stayed closed this "
-                         "long is dead: the admissions it asked for are released")
-    sc.add_argument("--envoy-authz-timeout", type=float, default=None, metavar="SECS",
-                    help="Envoy's ext_authz timeout; start-up is refused if it is not longer "
-                         "than every class queue_timeout_secs")
-    sc.add_argument("--config-poll-secs", type=float, default=1.0, metavar="SECS",
-                    help="how often to check --priority-scheduler-config for changes "
-                         "(SIGHUP checks at once)")
-    sc.add_argument("--edge-shed", action="store_true", default=False,
-                    help="serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers "
-                         "the overflow of a full bulk queue with the 429 itself, without a "
-                         "Check; off again about 2 s after the sidecar goes silent")
-    sc.add_argument("--shadow", action="store_true", default=False,
-                    help="shadow mode: admit every request at once (no queue, no 429/503, no "
-                         "preemption) and record what admission would have answered, in "
-                         "smg_sidecar_shadow_admit_total and the allow's metadata "
-                         "(shadow_outcome, shadow_code); docs/operations.md")
-    sc.add_argument("--startup-capacity-wait-secs", type=float, default=0, metavar="SECS",
-                    help="wait up to SECS for a first capacity reading from real workers "
-                         "before deciding scheduler vs. legacy admission (/healthz answers "
-                         "meanwhile, /readyz and gRPC do not); 0 = decide at once")
-    fl = p.add_argument_group("fleet coordination (several gateway replicas, one admission)")
-    fl.add_argument("--coordination-url", default=None, metavar="URL",
-                    help="Valkey/Redis server shared by the fleet's replicas: "
-                         "redis://HOST:PORT[/DB], rediss://... (TLS) or unix:///path; "
-                         "unset = in-process admission")
-    fl.add_argument("--coordination-password-file", default=None, metavar="FILE",
-                    help="file holding the coordination server's password (for the URL's "
-                         "user, or the default user); or set $" + PASSWORD_ENV + ". Never "
-                         "put it in the URL: argv is visible to every process on the host")
-    fl.add_argument("--fleet-id", default="default", metavar="NAME",
-                    help="replicas with the same fleet id and server share one fleet's slots")
-    fl.add_argument("--replica-id", default=None, metavar="NAME",
-                    help="this replica's name in the fleet (default: <hostname>-<pid>)")
-    fl.add_argument("--replica-ttl-secs", type=float, default=10.0, metavar="SECS",
-                    help="a replica that stops heartbeating this long loses its admissions "
-                         "fleet-wide; also how soon a replica degrades to its local share "
-                         "when the server is unreachable")
-    sc.add_argument("--log-format", choices=("json", "console"), default=None,
-                    help="log format (default: console on a terminal, json otherwise)")
-    sc.add_argument("--log-level", default="info",
-                    choices=("debug", "info", "warning", "error"), help="log level")
-    sc.add_argument("--check-config", default=None, metavar="FILE",
-                    help="validate FILE as priority.yaml, print the effective class table, exit")
-    sc.add_argument("--check-capacity", type=int, default=None, metavar="N",
-                    help="with --check-config: also say whether FILE's reservations fit a "
-                         "capacity of N slots (priority scheduling) or legacy admission "
-                         "would serve; exit 1 if they do not fit")
-    return p
+    return flags.build_parser(
+        FLAG_GROUPS, prog="priority-sidecar",
+        description=("Envoy ext_authz sidecar admitting LLM requests by priority class "
+                     "(x-smg-priority: system > interactive > default > bulk)."))
 
 
 def _check_listen(value: str, flag: str) -> None:
@@ -804,9 +1139,6 @@ def check_authz_timeout(authz_timeout: float | None, cfg: PriorityConfig,
             f"--envoy-authz-timeout {authz_timeout:g}s must exceed the longest class "
             f"queue_timeout_secs ({longest:g}s), or Envoy gives up on queued requests first",
             file=file)
-
-
-_FLEET_NAME = re.compile(r"[^\s{}]{1,128}\Z")
 
 
 def check_coordination_url(url: str) -> None:
@@ -917,126 +1249,56 @@ def worker_credential(path: str | None, header: str | None) -> dict[str, str] | 
 
 
 def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) -> Settings:
-    """Validate parsed flags and load the YAML; raise :class:`ConfigError`."""
+    """Validate parsed flags and load the YAML; raise :class:`ConfigError`.
+
+    Each flag's own check comes from the table; what follows are the rules that
+    involve several flags, and the fields derived from several.
+    """
     if ns.priority_scheduler_enabled and ns.prefill_max_inflight_requests_per_worker is not None:
         raise ConfigError(
             "--priority-scheduler-enabled cannot be combined with "
             "--prefill-max-inflight-requests-per-worker"
         )
-    if ns.priority_scheduler_tenant_metric_top_n < 0:
-        raise ConfigError("--priority-scheduler-tenant-metric-top-n must be >= 0")
-    if ns.queue_size < 0:
-        raise ConfigError("--queue-size must be >= 0")
-    if not (math.isfinite(ns.queue_timeout_secs) and ns.queue_timeout_secs > 0):
-        raise ConfigError("--queue-timeout-secs must be a finite number > 0")
-    rate = ns.rate_limit_tokens_per_second
-    if rate is not None and not math.isfinite(rate):
-        raise ConfigError("--rate-limit-tokens-per-second must be finite")
-    if not (math.isfinite(ns.startup_capacity_wait_secs) and ns.startup_capacity_wait_secs >= 0):
-        raise ConfigError("--startup-capacity-wait-secs must be a finite number >= 0")
-    if ns.worker_capacity_override is not None and ns.worker_capacity_override < 1:
-        raise ConfigError("--worker-capacity-override must be >= 1")
-    if ns.worker_max_running_requests < 1:
-        raise ConfigError("--worker-max-running-requests must be >= 1")
-    for flag, v in (("--health-interval-secs", ns.health_interval_secs),
-                    ("--health-timeout-secs", ns.health_timeout_secs),
-                    ("--admission-lease-secs", ns.admission_lease_secs),
-                    ("--envoy-owner-grace-secs", ns.envoy_owner_grace_secs),
-                    ("--config-poll-secs", ns.config_poll_secs)):
-        if not (math.isfinite(v) and v > 0):
-            raise ConfigError(f"{flag} must be a finite number > 0")
-    try:
-        listen.parse(ns.grpc_listen)
-    except ValueError as exc:
-        raise ConfigError(f"--grpc-listen: {exc}") from None
-    try:
-        grpc_socket_mode = listen.parse_mode(ns.grpc_socket_mode)
-    except ValueError as exc:
-        raise ConfigError(f"--grpc-socket-mode: {exc}") from None
-    _check_listen(ns.http_listen, "--http-listen")
+    listen_ = ListenSettings(**flags.checked_values(ListenSettings, ns))
     default_urls, pool_workers = split_worker_urls(ns.worker_urls)
-    if ns.coordination_url is not None:
-        check_coordination_url(ns.coordination_url)
-        if not ns.priority_scheduler_enabled:
-            # The ledger implements the priority scheduler; the legacy path has no fleet form.
-            raise ConfigError("--coordination-url requires --priority-scheduler-enabled")
+    credential = worker_credential(ns.worker_auth_file, ns.worker_auth_header)
+    capacity = CapacitySettings(**{**flags.checked_values(CapacitySettings, ns),
+                                   "worker_urls": default_urls}, pool_workers=pool_workers,
+                                worker_credential=credential)
+    legacy = LegacySettings(**flags.checked_values(LegacySettings, ns))
+    liveness = LivenessSettings(**flags.checked_values(LivenessSettings, ns))
+    fleet_values = flags.checked_values(FleetSettings, ns)
+    if ns.coordination_url is not None and not ns.priority_scheduler_enabled:
+        # The ledger implements the priority scheduler; the legacy path has no fleet form.
+        raise ConfigError("--coordination-url requires --priority-scheduler-enabled")
     if ns.shadow and ns.coordination_url is not None:
         # The fleet's ledger queues and refuses across replicas: no shadow form of it.
         raise ConfigError("--shadow cannot be combined with --coordination-url")
     if ns.shadow and ns.edge_shed:
         raise ConfigError("--shadow cannot be combined with --edge-shed (Envoy would refuse "
                           "requests itself)")
-    password = coordination_password(ns)
-    replica_id = ns.replica_id if ns.replica_id is not None else default_replica_id()
-    for flag, name in (("--fleet-id", ns.fleet_id), ("--replica-id", replica_id)):
-        if not _FLEET_NAME.match(name):
-            raise ConfigError(f"{flag} must be 1..128 characters without spaces or braces, "
-                              f"got {clip(name)!r}")
-    if not (math.isfinite(ns.replica_ttl_secs) and ns.replica_ttl_secs > 0):
-        raise ConfigError("--replica-ttl-secs must be a finite number > 0")
-    credential = worker_credential(ns.worker_auth_file, ns.worker_auth_header)
-    priority = load_priority_config(ns.priority_scheduler_config)
-    check_pools(priority, pool_workers)
+    fleet = FleetSettings(**fleet_values, coordination_password=coordination_password(ns))
+    _, valid = parse_default_max_class(ns.priority_scheduler_default_max_class)
+    scheduler = SchedulerSettings(**flags.checked_values(SchedulerSettings, ns),
+                                  default_max_class_valid=valid)
+    check_pools(scheduler.priority, pool_workers)
     if pool_workers and ns.coordination_url is not None:
         raise ConfigError("--coordination-url cannot be combined with pools (--worker-urls "
                           "POOL=URL) yet: the fleet ledger has one capacity")
     if pool_workers and ns.shadow:
         # Each pool's core would need its own shadow: not built yet.
         raise ConfigError("--shadow cannot be combined with pools (--worker-urls POOL=URL) yet")
-    if pool_workers and ns.shadow:
-        raise ConfigError("--shadow cannot be combined with pools (--worker-urls POOL=URL) "
-                          "yet: the shadow runs beside one admission core")
     if pool_workers and ns.edge_shed:
         raise ConfigError("--edge-shed cannot be combined with pools (--worker-urls POOL=URL) "
                           "yet: Envoy's edge route sheds for every route alike")
-    authz_timeout = ns.envoy_authz_timeout
-    check_authz_timeout(authz_timeout, priority, ns.priority_scheduler_enabled)
-    default_max, valid = parse_default_max_class(ns.priority_scheduler_default_max_class)
-    log_format = ns.log_format
-    if log_format is None:
+    check_authz_timeout(liveness.envoy_authz_timeout, scheduler.priority,
+                        scheduler.scheduler_enabled)
+    logging_ = LoggingSettings(**flags.checked_values(LoggingSettings, ns))
+    if logging_.log_format is None:
         tty = os.isatty(2) if isatty is None else isatty
-        log_format = "console" if tty else "json"
-    return Settings(
-        scheduler_enabled=ns.priority_scheduler_enabled,
-        default_max_class=default_max,
-        default_max_class_valid=valid,
-        priority=priority,
-        tenant_metric_top_n=ns.priority_scheduler_tenant_metric_top_n,
-        max_concurrent_requests=ns.max_concurrent_requests,
-        queue_size=ns.queue_size,
-        queue_timeout_secs=float(ns.queue_timeout_secs),
-        rate_limit_tokens_per_second=rate,
-        prefill_max_inflight_requests_per_worker=ns.prefill_max_inflight_requests_per_worker,
-        grpc_listen=ns.grpc_listen,
-        grpc_socket_mode=grpc_socket_mode,
-        http_listen=ns.http_listen,
-        worker_urls=default_urls,
-        pool_workers=pool_workers,
-        worker_capacity_override=ns.worker_capacity_override,
-        envoy_admin_url=ns.envoy_admin_url,
-        envoy_cluster=ns.envoy_cluster,
-        health_interval_secs=ns.health_interval_secs,
-        health_timeout_secs=ns.health_timeout_secs,
-        worker_engine=ns.worker_engine,
-        worker_max_running_requests=ns.worker_max_running_requests,
-        saturation_guard=ns.saturation_guard,
-        tenant_source=TenantSource.parse(ns.tenant_source),
-        admission_lease_secs=ns.admission_lease_secs,
-        envoy_owner_grace_secs=ns.envoy_owner_grace_secs,
-        envoy_authz_timeout=authz_timeout,
-        config_poll_secs=ns.config_poll_secs,
-        startup_capacity_wait_secs=float(ns.startup_capacity_wait_secs),
-        log_format=log_format,
-        log_level=ns.log_level,
-        coordination_url=ns.coordination_url,
-        coordination_password=password,
-        edge_shed=ns.edge_shed,
-        shadow=ns.shadow,
-        fleet_id=ns.fleet_id,
-        replica_id=replica_id,
-        replica_ttl_secs=float(ns.replica_ttl_secs),
-        worker_credential=credential,
-    )
+        logging_ = replace(logging_, log_format="console" if tty else "json")
+    return Settings(scheduler=scheduler, legacy=legacy, listen=listen_, capacity=capacity,
+                    liveness=liveness, fleet=fleet, logging=logging_)
 
 
 def split_worker_urls(entries: Sequence[str]

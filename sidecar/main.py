@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from sidecar.app import run  # imported late: --help and config errors stay fast
 
-    logs.configure(settings.log_format, settings.log_level)
+    logs.configure(settings.logging.log_format, settings.logging.log_level)
     before, after = raise_nofile_limit()
     logs.get("sidecar").info("nofile_limit", soft_before=before, soft=after,
                              hard=resource.getrlimit(resource.RLIMIT_NOFILE)[1])

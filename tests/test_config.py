@@ -194,7 +194,7 @@ def test_cli_defaults() -> None:
     assert s.default_max_class is D
     assert s.tenant_metric_top_n == 32
     assert s.max_concurrent_requests == -1
-    assert s.fallback_capacity == 1024
+    assert s.legacy.limits.fallback_capacity == 1024
     assert s.queue_size == 100
     assert s.queue_timeout_secs == 60
     assert s.rate_limit_tokens_per_second is None
@@ -214,7 +214,7 @@ def test_cli_defaults() -> None:
 def test_max_concurrent_requests_is_a_16_bit_fallback_capacity(flag: str, capacity: int) -> None:
     # Scheduler on: the capacity while no worker is healthy, read as a 16-bit count.
     s = parse_settings(["--priority-scheduler-enabled", "--max-concurrent-requests", flag])
-    assert s.fallback_capacity == capacity
+    assert s.legacy.limits.fallback_capacity == capacity
     assert s.max_concurrent_requests == int(flag)  # the legacy path keeps the value as given
 
 
