@@ -688,7 +688,7 @@ def _replica_id(name: str, value: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings:
-    TITLE: ClassVar[str] = "scheduler (the --priority-scheduler-* flags are smg's)"
+    TITLE: ClassVar[str] = "scheduler (the priority-scheduler flags are smg's)"
 
     scheduler_enabled: bool = flag(
         "--priority-scheduler-enabled", default=False, switch=True,

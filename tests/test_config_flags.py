@@ -42,6 +42,25 @@ def test_every_flag_is_in_its_groups_help_section_in_table_order() -> None:
     assert sorted(listed) == sorted(s.name for _, s in ALL_FLAGS)
 
 
+def reference_sections() -> dict[str, list[str]]:
+    """The reference's flag tables: heading -> the flags of its rows, in order."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in (ROOT / "docs" / "reference.md").read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            current = sections.setdefault(line.lstrip("#").strip(), [])
+        elif current is not None and (m := re.match(r"\| `(--[a-z0-9-]+)", line)):
+            current.append(m.group(1))
+    return sections
+
+
+def test_every_flag_is_in_its_groups_reference_table_in_table_order() -> None:
+    sections = reference_sections()
+    for group in FLAG_GROUPS:
+        heading = group.TITLE[0].upper() + group.TITLE[1:]
+        assert sections.get(heading) == [s.name for s in flags.flags_of(group)], heading
+
+
 def test_flag_names_are_unique_and_the_parser_has_nothing_else() -> None:
     names = [spec.name for _, spec in ALL_FLAGS]
     assert len(names) == len(set(names))

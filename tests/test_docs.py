@@ -176,6 +176,14 @@ def test_flag_scan_finds_the_flags() -> None:
             "--grpc-listen", "--tenant-source"} <= flags
 
 
+def test_the_flag_tables_are_written_from_the_flags() -> None:
+    """The reference's flag tables are what the flags' one declaration makes."""
+    from devtools import flagdoc
+
+    assert flagdoc.current(reference()) == flagdoc.tables().strip(), (
+        "docs/reference.md's flag tables are out of date: run python -m devtools.flagdoc")
+
+
 @pytest.mark.parametrize("flag", [name for name, _ in parser_flags()])
 def test_every_flag_has_a_row_in_the_reference(flag: str) -> None:
     assert flag in flag_rows(), f"{flag} has no row in a flag table of docs/reference.md"
