@@ -8,7 +8,9 @@ timeout or tenant header on one side fails here until the recipes follow.
 
 from __future__ import annotations
 
+import copy
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from sidecar.config import parse_priority_config
 from tests.test_k8s import (
     K8S,
     _arg,
+    _build,
     _dig,
     _docs,
     _envoy_bin,
@@ -30,6 +33,7 @@ from tests.test_k8s import (
 
 ISTIO = K8S / "istio"
 EG = K8S / "envoy-gateway"
+EG_POOLS = K8S / "overlays" / "envoy-gateway-pools"
 EXT_AUTHZ_NS = "envoy.filters.http.ext_authz"
 DEFAULT_EG_CIRCUIT_BREAKER = 1024  # EG's maxParallelRequests default (api/v1alpha1/shared_types.go)
 
@@ -386,6 +390,55 @@ def test_eg_access_log_sink_and_tuning() -> None:
     assert patches["buffer_size_bytes"] == 0
 
 
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_eg_pools_each_route_has_a_policy_naming_its_pool(tmp_path: Path) -> None:
+    """k8s/overlays/envoy-gateway-pools: one HTTPRoute and one SecurityPolicy per pool, the
+    policy the base's but for the pool in extAuth.contextExtensions; ext_proc and retries on
+    every route; the sidecar's --worker-urls those of k8s/overlays/pools, accepted by the
+    sidecar with that overlay's priority.yaml."""
+    from sidecar.config import build_parser, settings_from_args
+
+    docs = _build("overlays/envoy-gateway-pools")
+    routes = {d["metadata"]["name"]: d for d in docs if d["kind"] == "HTTPRoute"}
+    base = _one(EG, "SecurityPolicy")
+    pools: dict[str, str] = {}
+    for policy in (d for d in docs if d["kind"] == "SecurityPolicy"):
+        if policy["metadata"]["name"] == base["metadata"]["name"]:
+            assert policy["spec"] == base["spec"]
+            continue
+        spec = copy.deepcopy(policy["spec"])
+        (ext,) = spec["extAuth"].pop("contextExtensions")
+        assert (ext["name"], ext["type"]) == ("smg-pool", "Value")
+        assert spec["extAuth"] == base["spec"]["extAuth"] and spec["jwt"] == base["spec"]["jwt"]
+        (ref,) = spec["targetRefs"]
+        assert ref["kind"] == "HTTPRoute" and ref["name"] in routes
+        pools[ext["value"]] = ref["name"]
+    assert sorted(pools) == _overlay_pools()
+    assert sorted(pools.values()) == sorted(routes)  # one policy per route
+    for pool, name in pools.items():
+        (rule,) = routes[name]["spec"]["rules"]
+        (match,) = rule["matches"]
+        assert match["path"] == {"type": "PathPrefix", "value": f"/{pool}/"}
+    for kind in ("EnvoyExtensionPolicy", "BackendTrafficPolicy"):
+        (policy,) = [d for d in docs if d["kind"] == kind]
+        assert set(routes) <= {r["name"] for r in policy["spec"]["targetRefs"]}, kind
+    (proxy,) = [d for d in docs if d["kind"] == "EnvoyProxy"]
+    (container,) = _dig(proxy, "spec.provider.kubernetes.envoyDeployment.patch.value.spec"
+                               ".template.spec.containers")
+    args = list(container["args"])
+    overlay = (K8S / "overlays" / "pools" / "kustomization.yaml").read_text(encoding="utf-8")
+    urls = args[args.index("--worker-urls") + 1:]
+    assert urls == [u for u in (line.split("value: ", 1)[-1] for line in overlay.splitlines())
+                    if "=http" in u and not u.startswith("#")]
+    (cm,) = [d for d in _build("overlays/pools") if d["metadata"]["name"] ==
+             "priority-gate-config"]
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(cm["data"]["priority.yaml"], encoding="utf-8")
+    args[args.index("--priority-scheduler-config") + 1] = str(cfg)
+    settings = settings_from_args(build_parser().parse_args(args), isatty=False)
+    assert sorted(settings.pool_workers) == sorted(settings.priority.pools) == sorted(pools)
+
+
 # ------------------------------------------------------------------------------- CRDs
 
 
@@ -432,7 +485,7 @@ def test_recipes_validate_against_the_crds() -> None:
     releases = [_crd_schemas_in(folder) for folder in
                 sorted({p.parent for p in Path(crds).rglob("*.yaml")})]
     checked = 0
-    for directory in (ISTIO, EG):
+    for directory in (ISTIO, EG, EG_POOLS):
         for path in sorted(directory.rglob("*.yaml")):
             if path.name == "kustomization.yaml" or path.name.endswith(".values.yaml"):
                 continue
