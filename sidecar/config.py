@@ -648,10 +648,6 @@ def _socket_mode(name: str, value: str) -> int:
         raise ConfigError(f"{name}: {exc}") from None
 
 
-def _default_max_class(name: str, value: str) -> PriorityClass:
-    return parse_default_max_class(value)[0]  # unknown: default (logged at start-up)
-
-
 def _priority_config(name: str, value: str | None) -> PriorityConfig:
     return load_priority_config(value)
 
@@ -692,72 +688,71 @@ class SchedulerSettings:
 
     scheduler_enabled: bool = flag(
         "--priority-scheduler-enabled", default=False, switch=True,
-        help='master switch; off = legacy concurrency-limit admission',
-        doc=('Master switch. Off: the legacy concurrency-limit admission serves every '
-             'request (classes are still parsed, clamped and counted).'))
+        help="master switch; off = legacy concurrency-limit admission",
+        doc=("Master switch. Off: the legacy concurrency-limit admission serves every "
+             "request (classes are still parsed, clamped and counted)."))
     default_max_class: PriorityClass = flag(  # noqa: RUF009 (flag() is a field spec)
         "--priority-scheduler-default-max-class", default="default", metavar="CLASS",
-        check=_default_max_class,
-        help='ceiling for tenants not in tenant_policies (unknown value -> default)',
-        doc=('Ceiling for tenants not listed in `tenant_policies`. Trimmed and '
-             'case-insensitive; an unknown value means `default` and logs '
-             '`unknown_default_max_class_using_default` at start-up.'))
+        help="ceiling for tenants not in tenant_policies (unknown value -> default)",
+        doc=("Ceiling for tenants not listed in `tenant_policies`. Trimmed and "
+             "case-insensitive; an unknown value means `default` and logs "
+             "`unknown_default_max_class_using_default` at start-up."))
     priority: PriorityConfig = flag(  # noqa: RUF009 (flag() is a field spec)
         "--priority-scheduler-config", default=None, metavar="FILE", check=_priority_config,
-        help='per-class tuning and tenant policies (YAML); unset = built-in defaults',
-        doc=('The `priority.yaml` below. Unset: built-in class defaults and no tenant '
-             'policies. A path that cannot be read is a start-up error (see [design: Decisions '
+        help="per-class tuning and tenant policies (YAML); unset = built-in defaults",
+        doc=("The `priority.yaml` below. Unset: built-in class defaults and no tenant "
+             "policies. A path that cannot be read is a start-up error (see [design: Decisions "
              "where SMG's scheduler is "
-             'silent](design.md#decisions-where-smgs-scheduler-is-silent)).'))
+             "silent](design.md#decisions-where-smgs-scheduler-is-silent))."))
     tenant_metric_top_n: int = flag(
         "--priority-scheduler-tenant-metric-top-n", default=32, type=int, metavar="N",
         check=_at_least(0),
         help='at most N tenant label values in metrics, the rest as tenant="other"',
-        doc=('At most N distinct `tenant` label values in metrics; every further tenant is '
+        doc=("At most N distinct `tenant` label values in metrics; every further tenant is "
              'reported as `tenant="other"`. Must be ≥ 0 (0 = every tenant is `other`).'))
     tenant_source: TenantSource = flag(  # noqa: RUF009 (flag() is a field spec)
         "--tenant-source", default="header:x-smg-tenant", metavar="SOURCE", check=_tenant_source,
-        help=('trusted tenant identity: header:NAME (a header Envoy strips from clients '
-              'and sets itself), principal (mTLS peer), or jwt:PAYLOAD_KEY.CLAIM (jwt_authn '
-              'metadata)'),
-        doc=('Where the tenant key comes from: `header:NAME`, `principal` or '
-             '`jwt:PAYLOAD_KEY.CLAIM` ([Where the tenant key comes '
-             'from](#where-the-tenant-key-comes-from)).'))
+        help=("trusted tenant identity: header:NAME (a header Envoy strips from clients "
+              "and sets itself), principal (mTLS peer), or jwt:PAYLOAD_KEY.CLAIM (jwt_authn "
+              "metadata)"),
+        doc=("Where the tenant key comes from: `header:NAME`, `principal` or "
+             "`jwt:PAYLOAD_KEY.CLAIM` ([Where the tenant key comes "
+             "from](#where-the-tenant-key-comes-from))."))
     config_poll_secs: float = flag(
         "--config-poll-secs", default=1.0, type=float, metavar="SECS", check=_finite_above_zero,
-        help=('how often to check --priority-scheduler-config for changes (SIGHUP checks '
-              'at once)'),
-        doc=('How often `--priority-scheduler-config` is checked for changes; a change '
-             'applies once two polls in a row read the same file ([Reloading](#reloading)). '
-             '`SIGHUP` checks at once. Finite, > 0.'))
+        help=("how often to check --priority-scheduler-config for changes (SIGHUP checks "
+              "at once)"),
+        doc=("How often `--priority-scheduler-config` is checked for changes; a change "
+             "applies once two polls in a row read the same file ([Reloading](#reloading)). "
+             "`SIGHUP` checks at once. Finite, > 0."))
     edge_shed: bool = flag(
         "--edge-shed", default=False, switch=True,
-        help=('serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers the '
-              'overflow of a full bulk queue with the 429 itself, without a Check; off again '
-              'about 2 s after the sidecar goes silent'),
-        doc=('Serve the edge-shed switches (RTDS, '
-             '`envoy.service.runtime.v3.RuntimeDiscoveryService`) on the gRPC port, so that an '
-             'Envoy whose bootstrap has the edge route (`envoy/render.py --edge-shed`) answers '
+        help=("serve RTDS switches so Envoy (envoy/render.py --edge-shed) answers the "
+              "overflow of a full bulk queue with the 429 itself, without a Check; off again "
+              "about 2 s after the sidecar goes silent"),
+        doc=("Serve the edge-shed switches (RTDS, "
+             "`envoy.service.runtime.v3.RuntimeDiscoveryService`) on the gRPC port, so that an "
+             "Envoy whose bootstrap has the edge route (`envoy/render.py --edge-shed`) answers "
              "the overflow of a full `bulk` queue with the contract's 429 itself, without a "
-             'Check ([Edge shedding](#edge-shedding---edge-shed)). A switch is back to off '
-             'within 2.25 s (TTL 2 s + one refresh interval) of the sidecar going silent. No '
-             'effect in legacy admission.'))
+             "Check ([Edge shedding](#edge-shedding---edge-shed)). A switch is back to off "
+             "within 2.25 s (TTL 2 s + one refresh interval) of the sidecar going silent. No "
+             "effect in legacy admission."))
     shadow: bool = flag(
         "--shadow", default=False, switch=True,
-        help=('shadow mode: admit every request at once (no queue, no 429/503, no '
-              'preemption) and record what admission would have answered, in '
+        help=("shadow mode: admit every request at once (no queue, no 429/503, no "
+              "preemption) and record what admission would have answered, in "
               "smg_sidecar_shadow_admit_total and the allow's metadata (shadow_outcome, "
-              'shadow_code); docs/operations.md'),
-        doc=('Shadow mode, for rolling the scheduler out: every request is admitted at once '
-             '(no queue, no 429/503, no preemption, not even the overload shed) and the '
-             'admission configured by the other flags and `priority.yaml` is run beside it to '
-             'record what it would have answered: '
-             '`smg_sidecar_shadow_admit_total{class,outcome}`, and `shadow_outcome` / '
+              "shadow_code); docs/operations.md"),
+        doc=("Shadow mode, for rolling the scheduler out: every request is admitted at once "
+             "(no queue, no 429/503, no preemption, not even the overload shed) and the "
+             "admission configured by the other flags and `priority.yaml` is run beside it to "
+             "record what it would have answered: "
+             "`smg_sidecar_shadow_admit_total{class,outcome}`, and `shadow_outcome` / "
              "`shadow_code` in the allow's metadata ([Allow](#allow)). How the would-be "
-             'decisions are computed and where they differ from enforcement: [design: Decisions '
+             "decisions are computed and where they differ from enforcement: [design: Decisions "
              "where SMG's scheduler is "
-             'silent](design.md#decisions-where-smgs-scheduler-is-silent). Refused with '
-             '`--coordination-url`, `--edge-shed` or pools (`--worker-urls POOL=URL`).'))
+             "silent](design.md#decisions-where-smgs-scheduler-is-silent). Refused with "
+             "`--coordination-url`, `--edge-shed` or pools (`--worker-urls POOL=URL`)."))
     default_max_class_valid: bool = derived()
     """False: --priority-scheduler-default-max-class named no class (default is used)."""
 
@@ -768,39 +763,39 @@ class LegacySettings:
 
     max_concurrent_requests: int = flag(
         "--max-concurrent-requests", default=-1, type=int, metavar="N",
-        help=('legacy: concurrency cap (<=0: none). Scheduler on: capacity while no '
-              'healthy worker is known (0..65535 as given; -1 or above 65535 -> 1024); 0 also '
-              'removes the token bucket'),
-        doc=('Scheduler off: the legacy concurrency cap; ≤ 0 means no cap. Scheduler on: '
-             'only the capacity used while no healthy worker is known, read as a 16-bit count: '
-             '0..65535 is used as given (0 = no capacity until a worker is healthy), -1 or '
-             'anything above 65535 means 1024; once a capacity was read from workers, never '
-             'more than that ([Capacity](#capacity)). On both paths, a value ≤ 0 also removes '
-             'the request-rate token bucket.'))
+        help=("legacy: concurrency cap (<=0: none). Scheduler on: capacity while no "
+              "healthy worker is known (0..65535 as given; -1 or above 65535 -> 1024); 0 also "
+              "removes the token bucket"),
+        doc=("Scheduler off: the legacy concurrency cap; ≤ 0 means no cap. Scheduler on: "
+             "only the capacity used while no healthy worker is known, read as a 16-bit count: "
+             "0..65535 is used as given (0 = no capacity until a worker is healthy), -1 or "
+             "anything above 65535 means 1024; once a capacity was read from workers, never "
+             "more than that ([Capacity](#capacity)). On both paths, a value ≤ 0 also removes "
+             "the request-rate token bucket."))
     queue_size: int = flag(
         "--queue-size", default=100, type=int, metavar="N", check=_at_least(0),
-        help='legacy queue depth (unused by the scheduler)',
-        doc=('Legacy path: depth of its single FIFO queue (0 = never queue). Unused by the '
-             'scheduler, whose queues are per class. Must be ≥ 0.'))
+        help="legacy queue depth (unused by the scheduler)",
+        doc=("Legacy path: depth of its single FIFO queue (0 = never queue). Unused by the "
+             "scheduler, whose queues are per class. Must be ≥ 0."))
     queue_timeout_secs: float = flag(
         "--queue-timeout-secs", default=60, type=float, metavar="SECS", check=_finite_above_zero,
-        help='legacy queue timeout (unused by the scheduler)',
-        doc=('Legacy path: longest queued wait. Unused by the scheduler. Must be finite and '
-             '> 0.'))
+        help="legacy queue timeout (unused by the scheduler)",
+        doc=("Legacy path: longest queued wait. Unused by the scheduler. Must be finite and "
+             "> 0."))
     rate_limit_tokens_per_second: float | None = flag(
         "--rate-limit-tokens-per-second", default=None, type=float, metavar="RATE", check=_finite,
-        help=('token bucket refill rate (capacity = --max-concurrent-requests), checked '
-              'before admission'),
-        doc=('If > 0 and `--max-concurrent-requests` > 0: a token bucket (capacity = '
-             '`--max-concurrent-requests`, refill = RATE per second, starts full) checked '
-             'before admission on either path. A request that finds no token is shed with 429 '
-             '`scheduler_queue_full`. Must be finite.'))
+        help=("token bucket refill rate (capacity = --max-concurrent-requests), checked "
+              "before admission"),
+        doc=("If > 0 and `--max-concurrent-requests` > 0: a token bucket (capacity = "
+             "`--max-concurrent-requests`, refill = RATE per second, starts full) checked "
+             "before admission on either path. A request that finds no token is shed with 429 "
+             "`scheduler_queue_full`. Must be finite."))
     prefill_max_inflight_requests_per_worker: int | None = flag(
         "--prefill-max-inflight-requests-per-worker", default=None, type=int, metavar="N",
-        help='PD prefill admission; refused with the scheduler',
+        help="PD prefill admission; refused with the scheduler",
         doc=("SMG's prefill/decode admission. Combining it with "
-             '`--priority-scheduler-enabled` is refused at start-up; otherwise it is accepted '
-             'and has no effect (the sidecar has no prefill admission).'))
+             "`--priority-scheduler-enabled` is refused at start-up; otherwise it is accepted "
+             "and has no effect (the sidecar has no prefill admission)."))
 
     @property
     def limits(self) -> LegacyLimits:
@@ -813,24 +808,24 @@ class ListenSettings:
 
     grpc_listen: str = flag(
         "--grpc-listen", default="127.0.0.1:9001", metavar="HOST:PORT", check=_grpc_listen,
-        help=('ext_authz Check, access-log completion and ext_proc gRPC server; HOST:PORT '
-              'or unix:///absolute/path (a Unix socket)'),
-        doc=('gRPC server for Envoy: ext_authz `Check`, the access-log service and '
-             'ext_proc, plus the standard gRPC health service. Keep it on loopback, or give '
-             '`unix:///absolute/path` to serve on a Unix socket instead (Envoy: a `pipe` '
-             'address; `envoy/render.py --sidecar unix:///PATH`). See [who can call the gRPC '
-             'port](#who-can-call-the-grpc-port).'))
+        help=("ext_authz Check, access-log completion and ext_proc gRPC server; HOST:PORT "
+              "or unix:///absolute/path (a Unix socket)"),
+        doc=("gRPC server for Envoy: ext_authz `Check`, the access-log service and "
+             "ext_proc, plus the standard gRPC health service. Keep it on loopback, or give "
+             "`unix:///absolute/path` to serve on a Unix socket instead (Envoy: a `pipe` "
+             "address; `envoy/render.py --sidecar unix:///PATH`). See [who can call the gRPC "
+             "port](#who-can-call-the-grpc-port)."))
     grpc_socket_mode: int = flag(
         "--grpc-socket-mode", default="0660", metavar="OCTAL", check=_socket_mode,
-        help='permissions of the --grpc-listen Unix socket',
-        doc=('Permissions of the `--grpc-listen` Unix socket, set as it is created (never '
+        help="permissions of the --grpc-listen Unix socket",
+        doc=("Permissions of the `--grpc-listen` Unix socket, set as it is created (never "
              "wider for a moment). A stale socket at the path (a killed sidecar's) is replaced; "
-             'any other file there is refused (start-up exits 1). The socket is removed on stop.'))
+             "any other file there is refused (start-up exits 1). The socket is removed on stop."))
     http_listen: str = flag(
         "--http-listen", default="127.0.0.1:9090", metavar="HOST:PORT", check=_http_listen,
-        help='/metrics, /healthz, /readyz',
-        doc=('Admin HTTP: `/metrics`, `/healthz`, `/readyz`. In Kubernetes use '
-             '`0.0.0.0:9090` so kubelet probes and Prometheus reach it.'))
+        help="/metrics, /healthz, /readyz",
+        doc=("Admin HTTP: `/metrics`, `/healthz`, `/readyz`. In Kubernetes use "
+             "`0.0.0.0:9090` so kubelet probes and Prometheus reach it."))
 
 
 @dataclass(frozen=True, slots=True)
@@ -839,101 +834,101 @@ class CapacitySettings:
 
     worker_urls: tuple[str, ...] = flag(
         "--worker-urls", default=[], metavar="[POOL=]URL", repeat=True, shown_default="none",
-        help=('workers to poll for health and max_running_requests; POOL=URL puts a worker '
+        help=("workers to poll for health and max_running_requests; POOL=URL puts a worker "
               "in a named pool (capacity and queues of its own, chosen by the route's smg-pool "
-              'context extension)'),
-        doc=('Workers to probe for health and capacity (`http://` or `https://`). An entry '
-             '`POOL=URL` puts the worker in the named pool instead of the default one '
-             '([Pools](design.md#pools-several-models-behind-one-gateway)); `default=URL` is '
-             'the same as a bare URL.'))
+              "context extension)"),
+        doc=("Workers to probe for health and capacity (`http://` or `https://`). An entry "
+             "`POOL=URL` puts the worker in the named pool instead of the default one "
+             "([Pools](design.md#pools-several-models-behind-one-gateway)); `default=URL` is "
+             "the same as a bare URL."))
     worker_capacity_override: int | None = flag(
         "--worker-capacity-override", default=None, type=int, metavar="N", check=_at_least(1),
-        help='fixed capacity; ignores worker health',
-        doc=('Fixed capacity of N slots (≥ 1); worker health is not polled at all. Used '
-             'e.g. to give each of several gateway replicas its share.'))
+        help="fixed capacity; ignores worker health",
+        doc=("Fixed capacity of N slots (≥ 1); worker health is not polled at all. Used "
+             "e.g. to give each of several gateway replicas its share."))
     envoy_admin_url: str | None = flag(
         "--envoy-admin-url", default=None, metavar="URL",
-        help='take the worker set from Envoy admin /clusters (routable hosts only)',
+        help="take the worker set from Envoy admin /clusters (routable hosts only)",
         doc=("Take the worker set from Envoy's admin API (`/clusters?format=json`): only "
-             'the hosts Envoy would route to (health checks and outlier ejection included), so '
-             'admission and routing agree. Each such host is then probed like a `--worker-urls` '
+             "the hosts Envoy would route to (health checks and outlier ejection included), so "
+             "admission and routing agree. Each such host is then probed like a `--worker-urls` "
              "entry. Second use: that Envoy's process start (`/server_info`, 1 s timeout) tells "
              "a restart of the pod's own Envoy (loopback, `unix` or this URL's host as peer) "
-             'from a blip of its access-log connection ([Leases and Envoy '
-             'liveness](design.md#leases-and-envoy-liveness)).'))
+             "from a blip of its access-log connection ([Leases and Envoy "
+             "liveness](design.md#leases-and-envoy-liveness))."))
     envoy_cluster: str = flag(
         "--envoy-cluster", default="workers", metavar="NAME",
-        help='Envoy cluster holding the workers (with --envoy-admin-url)',
-        doc='The Envoy cluster holding the workers (with `--envoy-admin-url`).')
+        help="Envoy cluster holding the workers (with --envoy-admin-url)",
+        doc="The Envoy cluster holding the workers (with `--envoy-admin-url`).")
     health_interval_secs: float = flag(
         "--health-interval-secs", default=1.0, type=float, metavar="SECS", check=_finite_above_zero,
-        help='worker health poll interval',
-        doc='How often capacity is re-read. Finite, > 0.')
+        help="worker health poll interval",
+        doc="How often capacity is re-read. Finite, > 0.")
     health_timeout_secs: float = flag(
         "--health-timeout-secs", default=0.5, type=float, metavar="SECS", check=_finite_above_zero,
-        help='per-probe timeout',
+        help="per-probe timeout",
         doc=("Timeout of each probe. Finite, > 0. An older SGLang's `/health` runs a "
-             'one-token generation (≥ 1 s): raise it above that for such workers.'))
+             "one-token generation (≥ 1 s): raise it above that for such workers."))
     worker_engine: str = flag(
         "--worker-engine", default="auto",
         choices=("auto", "sglang", "vllm", "tgi", "llamacpp", "generic"),
         help=("how to read each worker's capacity (every worker); auto recognises the "
-              'engine from what it serves'),
+              "engine from what it serves"),
         doc=("How each worker's capacity is read ([Engines: where each worker's capacity "
-             'comes from](#engines-where-each-workers-capacity-comes-from)); applies to every '
+             "comes from](#engines-where-each-workers-capacity-comes-from)); applies to every "
              "worker, `--envoy-admin-url` hosts included. `auto` recognises each worker's "
-             'engine from what it serves.'))
+             "engine from what it serves."))
     worker_max_running_requests: int = flag(
         "--worker-max-running-requests", default=64, type=int, metavar="N", check=_at_least(1),
-        help=('capacity of a healthy worker whose engine exposes no cap (vLLM outside dev '
-              'mode: set it to --max-num-seqs)'),
-        doc=('Capacity of a healthy worker whose engine reports no cap (vLLM outside dev '
+        help=("capacity of a healthy worker whose engine exposes no cap (vLLM outside dev "
+              "mode: set it to --max-num-seqs)"),
+        doc=("Capacity of a healthy worker whose engine reports no cap (vLLM outside dev "
              "mode: set it to the workers' `--max-num-seqs`). A worker whose capacity endpoint "
-             'refused the probe or failed, never read, counts for 1 instead ([Engines: where '
+             "refused the probe or failed, never read, counts for 1 instead ([Engines: where "
              "each worker's capacity comes "
-             'from](#engines-where-each-workers-capacity-comes-from)). ≥ 1.'))
+             "from](#engines-where-each-workers-capacity-comes-from)). ≥ 1."))
     saturation_guard: bool = flag(
         "--saturation-guard", default=False, switch=True,
-        help=('a worker reporting waiting requests counts for min(cap, running) until its '
-              'queue is empty, so the backlog waits in the class queues'),
-        doc=('A healthy worker that reports waiting requests counts for min(its cap, the '
-             'requests it is running) (llama.cpp, which queues only when every slot is busy: '
-             'running − waiting, at least 1), then grows back to its cap gradually once nothing '
+        help=("a worker reporting waiting requests counts for min(cap, running) until its "
+              "queue is empty, so the backlog waits in the class queues"),
+        doc=("A healthy worker that reports waiting requests counts for min(its cap, the "
+             "requests it is running) (llama.cpp, which queues only when every slot is busy: "
+             "running − waiting, at least 1), then grows back to its cap gradually once nothing "
              "waits, so the backlog waits in the sidecar's class queues (where priority "
              "applies) rather than in the engine's FIFO queue ([the saturation "
-             'guard](#engines-where-each-workers-capacity-comes-from)). One extra request per '
-             'worker per interval (per loaded model of a llama.cpp router); a refused one (401, '
-             'or 501 without `--metrics`) only every 30 s.'))
+             "guard](#engines-where-each-workers-capacity-comes-from)). One extra request per "
+             "worker per interval (per loaded model of a llama.cpp router); a refused one (401, "
+             "or 501 without `--metrics`) only every 30 s."))
     worker_auth_file: str | None = flag(
         "--worker-auth-file", default=None, metavar="FILE",
         help=("file holding the workers' API key, sent with every probe as 'Authorization: "
               "Bearer KEY' (never put the key itself in argv)"),
         doc=("The workers' API key (llama-server/vLLM/SGLang `--api-key`): FILE holds it on "
-             'one line (a final line break is dropped; ≤ 8 KiB, ASCII, no control characters). '
-             'Sent with every probe to the workers as `Authorization: Bearer KEY`, never to '
+             "one line (a final line break is dropped; ≤ 8 KiB, ASCII, no control characters). "
+             "Sent with every probe to the workers as `Authorization: Bearer KEY`, never to "
              "Envoy's admin API; with it, probes follow no redirect. Never give the key in argv "
-             '(every process on the host can read argv); it is never logged, and errors about '
-             'the file never quote it. Unset: probes carry no credential, and an engine that '
-             'answers 401 is counted as '
-             '[refused](#engines-where-each-workers-capacity-comes-from).'))
+             "(every process on the host can read argv); it is never logged, and errors about "
+             "the file never quote it. Unset: probes carry no credential, and an engine that "
+             "answers 401 is counted as "
+             "[refused](#engines-where-each-workers-capacity-comes-from)."))
     worker_auth_header: str | None = flag(
         "--worker-auth-header", default=None, metavar="NAME",
-        help=('send the --worker-auth-file content verbatim as this header instead (e.g. '
-              'x-api-key)'),
-        doc=('With `--worker-auth-file`: send the key verbatim as header NAME (e.g. '
-             '`x-api-key`) instead of `Authorization: Bearer KEY`. Without `--worker-auth-file` '
-             'it is a start-up error.'))
+        help=("send the --worker-auth-file content verbatim as this header instead (e.g. "
+              "x-api-key)"),
+        doc=("With `--worker-auth-file`: send the key verbatim as header NAME (e.g. "
+             "`x-api-key`) instead of `Authorization: Bearer KEY`. Without `--worker-auth-file` "
+             "it is a start-up error."))
     startup_capacity_wait_secs: float = flag(
         "--startup-capacity-wait-secs", default=0, type=float, metavar="SECS",
         check=_finite_at_least_zero,
-        help=('wait up to SECS for a first capacity reading from real workers before '
-              'deciding scheduler vs. legacy admission (/healthz answers meanwhile, /readyz and '
-              'gRPC do not); 0 = decide at once'),
-        doc=('Wait up to SECS for a first capacity reading from real workers before '
-             'choosing scheduler or legacy admission ([The start-up reservation check and the '
-             'legacy fallback](#the-start-up-reservation-check-and-the-legacy-fallback)). '
-             '`/healthz` answers meanwhile; `/readyz` and gRPC do not. 0 = decide at once. '
-             'Finite, ≥ 0.'))
+        help=("wait up to SECS for a first capacity reading from real workers before "
+              "deciding scheduler vs. legacy admission (/healthz answers meanwhile, /readyz and "
+              "gRPC do not); 0 = decide at once"),
+        doc=("Wait up to SECS for a first capacity reading from real workers before "
+             "choosing scheduler or legacy admission ([The start-up reservation check and the "
+             "legacy fallback](#the-start-up-reservation-check-and-the-legacy-fallback)). "
+             "`/healthz` answers meanwhile; `/readyz` and gRPC do not. 0 = decide at once. "
+             "Finite, ≥ 0."))
     pool_workers: Mapping[str, tuple[str, ...]] = derived()
     """Named pools' worker URLs (--worker-urls POOL=URL); empty: no pools. The default
     pool's workers stay in worker_urls (bare entries) or come from --envoy-admin-url."""
@@ -948,33 +943,33 @@ class LivenessSettings:
     admission_lease_secs: float = flag(
         "--admission-lease-secs", default=30.0, type=float, metavar="SECS",
         check=_finite_above_zero,
-        help=('an admission not renewed by an access-log entry within this time is '
-              'reclaimed, unless Envoy acknowledged it while its access-log stream was open '
+        help=("an admission not renewed by an access-log entry within this time is "
+              "reclaimed, unless Envoy acknowledged it while its access-log stream was open "
               "(then only its end or that Envoy's death frees it)"),
-        doc=('An admission not renewed by an access-log entry within this time is '
-             'reclaimed, unless Envoy acknowledged it while its access-log stream was open: '
+        doc=("An admission not renewed by an access-log entry within this time is "
+             "reclaimed, unless Envoy acknowledged it while its access-log stream was open: "
              "then only its end, a preemption or that Envoy's death frees it "
-             '([Leases](design.md#leases-and-envoy-liveness)). With periodic entries keep it '
+             "([Leases](design.md#leases-and-envoy-liveness)). With periodic entries keep it "
              "above 3× Envoy's `access_log_flush_interval` (5 s in the shipped config). Finite, "
-             '> 0.'))
+             "> 0."))
     envoy_owner_grace_secs: float = flag(
         "--envoy-owner-grace-secs", default=2.0, type=float, metavar="SECS",
         check=_finite_above_zero,
-        help=('an Envoy whose access-log streams all closed and stayed closed this long is '
-              'dead: the admissions it asked for are released'),
-        doc=('An Envoy whose access-log streams all closed and stayed closed this long is '
-             'dead: the admissions it asked for are released (`lease_expired`). Envoy killed '
-             '(even SIGKILL) closes its sockets, so its slots are back after about this long; a '
-             'host that vanished without closing them is detected by gRPC keepalive first (10 s '
-             '+ 5 s). Finite, > 0.'))
+        help=("an Envoy whose access-log streams all closed and stayed closed this long is "
+              "dead: the admissions it asked for are released"),
+        doc=("An Envoy whose access-log streams all closed and stayed closed this long is "
+             "dead: the admissions it asked for are released (`lease_expired`). Envoy killed "
+             "(even SIGKILL) closes its sockets, so its slots are back after about this long; a "
+             "host that vanished without closing them is detected by gRPC keepalive first (10 s "
+             "+ 5 s). Finite, > 0."))
     envoy_authz_timeout: float | None = flag(
         "--envoy-authz-timeout", default=None, type=float, metavar="SECS",
         help=("Envoy's ext_authz timeout; start-up is refused if it is not longer than "
-              'every class queue_timeout_secs'),
+              "every class queue_timeout_secs"),
         doc=("Envoy's ext_authz timeout, for checking. When given (scheduler on), start-up "
              "is refused unless it exceeds every class's `queue_timeout_secs`, and so is a "
-             'reload that would break that. When not given, the sidecar logs '
-             '`envoy_authz_timeout_reminder` with the longest queue timeout.'))
+             "reload that would break that. When not given, the sidecar logs "
+             "`envoy_authz_timeout_reminder` with the longest queue timeout."))
 
 
 @dataclass(frozen=True, slots=True)
@@ -984,50 +979,50 @@ class FleetSettings:
     coordination_url: str | None = flag(
         "--coordination-url", default=None, metavar="URL", check=_coordination_url,
         help=("Valkey/Redis server shared by the fleet's replicas: redis://HOST:PORT[/DB], "
-              'rediss://... (TLS) or unix:///path; unset = in-process admission'),
+              "rediss://... (TLS) or unix:///path; unset = in-process admission"),
         doc=("Requires `--priority-scheduler-enabled`. Share one fleet's slots among "
-             'several gateway replicas through a Valkey ≥ 7.2 or Redis ≥ 7 server: '
-             '`redis://HOST:PORT[/DB]`, `rediss://HOST:PORT[/DB]` (TLS) or `unix:///path`; an '
-             'ACL user goes in the URL (`redis://USER@HOST:PORT/0`), its password never '
-             '([operations: Security: who may decide '
-             'admission](operations.md#security-who-may-decide-admission)). Unset: in-process '
-             'admission, as a single replica needs. Any other scheme, a missing host or path, a '
-             'non-numeric database, or a password in the URL (`USER:PASSWORD@`, `?password=`) '
-             'is a start-up error; the error quotes the URL with its userinfo replaced by '
-             '`***`, and no log line prints it.'))
+             "several gateway replicas through a Valkey ≥ 7.2 or Redis ≥ 7 server: "
+             "`redis://HOST:PORT[/DB]`, `rediss://HOST:PORT[/DB]` (TLS) or `unix:///path`; an "
+             "ACL user goes in the URL (`redis://USER@HOST:PORT/0`), its password never "
+             "([operations: Security: who may decide "
+             "admission](operations.md#security-who-may-decide-admission)). Unset: in-process "
+             "admission, as a single replica needs. Any other scheme, a missing host or path, a "
+             "non-numeric database, or a password in the URL (`USER:PASSWORD@`, `?password=`) "
+             "is a start-up error; the error quotes the URL with its userinfo replaced by "
+             "`***`, and no log line prints it."))
     coordination_password_file: str | None = flag(
         "--coordination-password-file", default=None, metavar="FILE",
         help=("file holding the coordination server's password (for the URL's user, or the "
-              'default user); or set $SMG_SIDECAR_COORDINATION_PASSWORD. Never put it in the '
-              'URL: argv is visible to every process on the host'),
+              "default user); or set $" + PASSWORD_ENV + ". Never put it in the "
+              "URL: argv is visible to every process on the host"),
         doc=("The coordination server's password for the URL's user (or the default user), "
              "read once at start-up: the file's text without its final line break (a mounted "
-             'Secret). Instead of the file, `$SMG_SIDECAR_COORDINATION_PASSWORD` (ignored '
-             'without `--coordination-url`); both at once, an unreadable, empty or multi-line '
-             'file, or the flag without `--coordination-url` is a start-up error naming the '
+             f"Secret). Instead of the file, `${PASSWORD_ENV}` (ignored "
+             "without `--coordination-url`); both at once, an unreadable, empty or multi-line "
+             "file, or the flag without `--coordination-url` is a start-up error naming the "
              "flag, never quoting the password. The password joins the client's connection "
-             'settings in memory only: never argv, never a log line or error.'))
+             "settings in memory only: never argv, never a log line or error."))
     fleet_id: str = flag(
         "--fleet-id", default="default", metavar="NAME", check=_fleet_name,
         help="replicas with the same fleet id and server share one fleet's slots",
-        doc=('Replicas with the same fleet id and server share one fleet (the keys carry a '
-             '`{NAME}` hash tag, one Redis Cluster slot). 1..128 characters, no spaces or '
-             'braces.'))
+        doc=("Replicas with the same fleet id and server share one fleet (the keys carry a "
+             "`{NAME}` hash tag, one Redis Cluster slot). 1..128 characters, no spaces or "
+             "braces."))
     replica_id: str = flag(
         "--replica-id", default=None, metavar="NAME",
         check=_replica_id, shown_default="`<hostname>-<pid>`",
         help="this replica's name in the fleet (default: <hostname>-<pid>)",
         doc=("This replica's name in the fleet; must be unique within it. 1..128 "
-             'characters, no spaces or braces.'))
+             "characters, no spaces or braces."))
     replica_ttl_secs: float = flag(
         "--replica-ttl-secs", default=10.0, type=float, metavar="SECS", check=_finite_above_zero,
-        help=('a replica that stops heartbeating this long loses its admissions '
-              'fleet-wide; also how soon a replica degrades to its local share when the server '
-              'is unreachable'),
-        doc=('A replica that stops heartbeating this long loses its admissions and waiters '
-             'fleet-wide; heartbeats go every third of it. Also the bound on how soon a replica '
-             'degrades to its local share when the server is unreachable. Give every replica of '
-             'a fleet the same value. Finite, > 0.'))
+        help=("a replica that stops heartbeating this long loses its admissions "
+              "fleet-wide; also how soon a replica degrades to its local share when the server "
+              "is unreachable"),
+        doc=("A replica that stops heartbeating this long loses its admissions and waiters "
+             "fleet-wide; heartbeats go every third of it. Also the bound on how soon a replica "
+             "degrades to its local share when the server is unreachable. Give every replica of "
+             "a fleet the same value. Finite, > 0."))
     coordination_password: str | None = derived(repr=False)
     """Never in a repr: Settings may be printed or logged whole."""
 
@@ -1039,13 +1034,13 @@ class LoggingSettings:
     log_format: str = flag(
         "--log-format", default=None, choices=("json", "console"),
         shown_default="console on a terminal, json otherwise",
-        help='log format (default: console on a terminal, json otherwise)',
-        doc='Structured log format (stderr).')
+        help="log format (default: console on a terminal, json otherwise)",
+        doc="Structured log format (stderr).")
     log_level: str = flag(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"),
-        help='log level',
-        doc=('Log level. At `debug` each admission and each denial is logged; at `info` '
-             'denials are summarised once per 10 s ([Log events](#log-events)).'))
+        help="log level",
+        doc=("Log level. At `debug` each admission and each denial is logged; at `info` "
+             "denials are summarised once per 10 s ([Log events](#log-events))."))
 
 
 @dataclass(frozen=True, slots=True)
@@ -1056,22 +1051,22 @@ class CheckFlags:
 
     check_config: str | None = flag(
         "--check-config", default=None, metavar="FILE", shown_default="—",
-        help='validate FILE as priority.yaml, print the effective class table, exit',
-        doc=('Validate FILE as `priority.yaml` with the same loader, print `FILE: OK '
-             '(sha256 …)` and the effective class table, and exit 0; on an error print the '
-             'one-line error and exit 1. Nothing is started.'))
+        help="validate FILE as priority.yaml, print the effective class table, exit",
+        doc=("Validate FILE as `priority.yaml` with the same loader, print `FILE: OK "
+             "(sha256 …)` and the effective class table, and exit 0; on an error print the "
+             "one-line error and exit 1. Nothing is started."))
     check_capacity: int | None = flag(
         "--check-capacity", default=None, type=int, metavar="N",
         help=("with --check-config: also say whether FILE's reservations fit a capacity of "
-              'N slots (priority scheduling) or legacy admission would serve; exit 1 if they do '
-              'not fit'),
+              "N slots (priority scheduling) or legacy admission would serve; exit 1 if they do "
+              "not fit"),
         doc=("With `--check-config`: also print whether FILE's reservations fit a capacity "
-             'of N slots (`capacity N: OK …`: the scheduler would serve) or not (`capacity N: '
-             'NOT OK …`: [legacy '
-             'admission](#the-start-up-reservation-check-and-the-legacy-fallback) would, '
-             'uncapped unless `--max-concurrent-requests` > 0 is given too), and the smallest '
-             'capacity from which they fit; exit 1 when they do not. Without `--check-config` '
-             'it is a start-up error (exit 2).'))
+             "of N slots (`capacity N: OK …`: the scheduler would serve) or not (`capacity N: "
+             "NOT OK …`: [legacy "
+             "admission](#the-start-up-reservation-check-and-the-legacy-fallback) would, "
+             "uncapped unless `--max-concurrent-requests` > 0 is given too), and the smallest "
+             "capacity from which they fit; exit 1 when they do not. Without `--check-config` "
+             "it is a start-up error (exit 2)."))
 
 
 SETTINGS_GROUPS: tuple[type[FlagGroup], ...] = (
@@ -1278,8 +1273,10 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
         raise ConfigError("--shadow cannot be combined with --edge-shed (Envoy would refuse "
                           "requests itself)")
     fleet = FleetSettings(**fleet_values, coordination_password=coordination_password(ns))
-    _, valid = parse_default_max_class(ns.priority_scheduler_default_max_class)
-    scheduler = SchedulerSettings(**flags.checked_values(SchedulerSettings, ns),
+    # An unknown class means default (logged at start-up), so this flag never fails.
+    default_max, valid = parse_default_max_class(ns.priority_scheduler_default_max_class)
+    scheduler = SchedulerSettings(**{**flags.checked_values(SchedulerSettings, ns),
+                                     "default_max_class": default_max},
                                   default_max_class_valid=valid)
     check_pools(scheduler.priority, pool_workers)
     if pool_workers and ns.coordination_url is not None:
