@@ -21,7 +21,7 @@ mid-write can still be read half-written: that is what atomic replacement is for
 Reading and parsing run in a worker thread, one at a time, under
 :data:`RELOAD_DEADLINE_SECS`: the event loop keeps admitting meanwhile. The
 parse itself is bounded (size cap, no aliases, depth cap; see
-:mod:`sidecar.config`), so a thread that outlives its deadline still ends; until
+:mod:`sidecar.priority_yaml`), so a thread that outlives its deadline still ends; until
 it does, no second parse starts and the change is picked up by a later poll.
 A parse over its deadline is rejected like an invalid file.
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sidecar import logs
-from sidecar.config import (
+from sidecar.priority_yaml import (
     ConfigError,
     PriorityConfig,
     parse_priority_file,

@@ -3,7 +3,7 @@
 One concept per module:
 
 * :mod:`~sidecar.scheduler.settings` — :class:`ClassSettings`, the per-class
-  knobs the core takes (built by ``sidecar.config``, which the core never imports).
+  knobs the core takes (built by ``sidecar.priority_yaml``, which the core never imports).
 * :mod:`~sidecar.scheduler.lifecycle` — the life of one admission as a
   state/transition table, its records and the events that report each move.
 * :mod:`~sidecar.scheduler.reservations` — how many slots each class holds back.

@@ -3,7 +3,7 @@
 The field names are the YAML keys of ``classes.<class>``, except ``tenant_weights``
 (from ``tenant_policies``).
 
-``sidecar.config`` builds these from ``priority.yaml`` (field-wise over
+``sidecar.priority_yaml`` builds these from ``priority.yaml`` (field-wise over
 :data:`BUILTIN_CLASSES`); the core never imports the configuration module.
 """
 
@@ -36,8 +36,9 @@ class ClassSettings:
     max_queued_per_tenant: int | None = None
     """A tenant's waiters at most; one more is refused with 429 (None: no per-tenant limit)."""
     tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
-    """Each tenant's share under fair queuing (absent: 1). Not a class key: ``sidecar.config``
-    fills it from ``tenant_policies.<tenant>.weight``, the same map in every class."""
+    """Each tenant's share under fair queuing (absent: 1). Not a class key:
+    ``sidecar.priority_yaml`` fills it from ``tenant_policies.<tenant>.weight``, the same
+    map in every class."""
 
     @property
     def tenant_queue_limit(self) -> int | None:
