@@ -39,6 +39,20 @@
 --   P:pre:<c>   ZSET id -> mark sequence: class c's preemption candidates (owner has a stop
 --               channel, no first byte yet), in the order they became candidates
 --   P:q:<c>     ZSET id -> arrival sequence: class c's waiters, FIFO by arrival at the ledger
+--   P:tcfg      HASH class -> "limit mode": the per-tenant queue limit in force ("-": none)
+--               and the kind of class queue (ClassQueues in sidecar/scheduler/queues.py):
+--               "f" one FIFO, "t" per-tenant FIFOs served by arrival (a limit, no fair
+--               queuing), "w<sha1 of the weights>" fair queuing. Apart from P:cfg, whose
+--               format older versions of this library read during a rolling upgrade.
+--   P:wt:<c>    HASH tenant -> weight (fair queuing only; absent: 1)
+--   A class whose mode is not "f" also keeps, as TenantQueue does:
+--   P:flow:<c>  HASH tenant -> its turn's member in P:turn:<c> ("" without fair queuing):
+--               the tenants with a waiter
+--   P:tq:<c>:<t> ZSET id -> arrival sequence: tenant t's waiters (its FIFO)
+--   P:turn:<c>  ZSET "<seq, 16 digits> <tenant>" -> tag (virtual finish time): one turn per
+--               waiting tenant; the smallest tag goes next, ties to the smaller seq (the
+--               turn tagged first), as the core's heap of (tag, seq, tenant)
+--   P:vt        HASH class -> the fair queue's virtual time (absent: 0)
 --   P:w         HASH id -> "replica cls enqueued_at deadline tenant"
 --   P:dl        ZSET id -> deadline (queue timeouts, all classes)
 --   P:own:<r>   SET of replica r's admissions and waiters (reclaimed when r expires)
@@ -59,7 +73,7 @@
 -- Set at the start of every call (run, at the end): the library's state outlives a call.
 local P, now
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
-  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER
+  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT
 
 local function set_prefix(p)
   P = p
@@ -79,9 +93,15 @@ local function set_prefix(p)
   K_GEN = P .. ':gen'
   K_SERVER = P .. ':server'
   K_INC = P .. ':inc'
+  K_TCFG = P .. ':tcfg'
+  K_VT = P .. ':vt'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
+local function k_tq(c, t) return P .. ':tq:' .. c .. ':' .. t end
+local function k_turn(c) return P .. ':turn:' .. c end
+local function k_flow(c) return P .. ':flow:' .. c end
+local function k_wt(c) return P .. ':wt:' .. c end
 local function k_own(r) return P .. ':own:' .. r end
 local function k_ev(r) return P .. ':ev:' .. r end
 
@@ -149,6 +169,7 @@ local function load_cfg()
   if cfg then return cfg end
   cfg = {}
   local raw = redis.call('HMGET', K_CFG, '0', '1', '2', '3')
+  local tenants = redis.call('HMGET', K_TCFG, '0', '1', '2', '3')
   for c = 0, 3 do
     if raw[c + 1] then
       local f = split(raw[c + 1], 6)
@@ -158,6 +179,15 @@ local function load_cfg()
       -- No configuration stored (data loss before any replica re-registered): queue nothing.
       cfg[c] = {queue_size = 0, timeout = 0, starve = 1e308, preempt = false}
     end
+    local mode = 'f'
+    if tenants[c + 1] then
+      local t = split(tenants[c + 1], 2)
+      cfg[c].limit = tonumber(t[1]) -- nil for "-"
+      mode = t[2]
+    end
+    cfg[c].mode = mode
+    cfg[c].tenant = mode ~= 'f' -- per-tenant FIFOs are kept
+    cfg[c].fair = string.sub(mode, 1, 1) == 'w'
   end
   return cfg
 end
@@ -239,14 +269,82 @@ local function drop_adm(a, reason)
   total = total - 1
 end
 
+-- ---------------------------------------------------- fairness between tenants in a class
+-- A port of TenantQueue (sidecar/scheduler/queues.py): self-clocked weighted fair queuing,
+-- the same tags in the same float arithmetic (a turn costs 1 / weight; a tenant that starts
+-- waiting is tagged virtual time + cost; serving moves the virtual time to the tag served
+-- and the tenant's next turn on by its cost; the virtual time restarts from 0 when the
+-- class queue empties). A class in mode "f" keeps none of this (one FIFO: P:q:<c>).
+
+local function vtime(c) return tonumber(redis.call('HGET', K_VT, c)) or 0 end
+
+local function cost(c, tenant)
+  return 1.0 / (tonumber(redis.call('HGET', k_wt(c), tenant)) or 1.0)
+end
+
+-- A turn's member: its sequence, fixed width so equal tags order by it (the turn tagged
+-- first goes first), then the tenant.
+local function turn_member(tenant)
+  return string.format('%016d', redis.call('INCR', K_SEQ)) .. ' ' .. tenant
+end
+
+-- TenantQueue.add, for a waiter already in P:q:<c> with arrival sequence ``seq``.
+local function join(c, cf, id, tenant, seq)
+  redis.call('ZADD', k_tq(c, tenant), seq, id)
+  if redis.call('HEXISTS', k_flow(c), tenant) == 1 then return end
+  local m = ''
+  if cf.fair then
+    -- Joins at the current virtual time: no credit for having been idle.
+    m = turn_member(tenant)
+    redis.call('ZADD', k_turn(c), fmt(vtime(c) + cost(c, tenant)), m)
+  end
+  redis.call('HSET', k_flow(c), tenant, m)
+end
+
+-- TenantQueue._drop: after the waiter left P:q:<c>. Its tenant's next waiter inherits the
+-- turn; a tenant without waiters loses its turn.
+local function leave(c, id, tenant)
+  redis.call('ZREM', k_tq(c, tenant), id)
+  if redis.call('EXISTS', k_tq(c, tenant)) == 0 then
+    local m = redis.call('HGET', k_flow(c), tenant)
+    if m then
+      redis.call('HDEL', k_flow(c), tenant)
+      if m ~= '' then redis.call('ZREM', k_turn(c), m) end
+    end
+  end
+  if redis.call('EXISTS', k_q(c)) == 0 then redis.call('HDEL', K_VT, c) end
+end
+
 local function drop_waiter(w)
   redis.call('HDEL', K_W, w.id)
   redis.call('ZREM', k_q(w.cls), w.id)
   redis.call('ZREM', K_DL, w.id)
   redis.call('SREM', k_own(w.replica), w.id)
+  if load_cfg()[w.cls].tenant then leave(w.cls, w.id, w.tenant) end
 end
 
-local function head(c)
+-- ClassQueues.configure for one class: the kind of queue changed (fair queuing switched, a
+-- per-tenant limit started or stopped acting, or the weights changed): every waiter moves
+-- to a new queue of the new kind in arrival order; none is lost, deadlines are untouched.
+local function rebuild(c, cf)
+  for _, t in ipairs(redis.call('HKEYS', k_flow(c))) do redis.call('DEL', k_tq(c, t)) end
+  redis.call('DEL', k_flow(c), k_turn(c))
+  redis.call('HDEL', K_VT, c)
+  if not cf.tenant then return end
+  local ids = redis.call('ZRANGE', k_q(c), 0, -1, 'WITHSCORES')
+  for i = 1, #ids, 2 do
+    local w = get_waiter(ids[i])
+    if w ~= nil then
+      join(c, cf, w.id, w.tenant, ids[i + 1])
+    else
+      redis.call('ZREM', k_q(c), ids[i]) -- its record was lost (see oldest())
+      redis.call('ZREM', K_DL, ids[i])
+    end
+  end
+end
+
+-- The class's oldest waiter (what starvation ages by; the head of a FIFO class).
+local function oldest(c)
   while true do
     local ids = redis.call('ZRANGE', k_q(c), 0, 0)
     if #ids == 0 then return nil end
@@ -256,6 +354,61 @@ local function head(c)
     -- answers the request at its own queue timeout.
     redis.call('ZREM', k_q(c), ids[1])
     redis.call('ZREM', K_DL, ids[1])
+  end
+end
+
+-- The waiter the class serves next: the oldest, or under fair queuing the oldest of the
+-- tenant whose turn is next (w.turn: that turn's member).
+local function head(c)
+  local cf = load_cfg()[c]
+  if not cf.fair then return oldest(c) end
+  local rebuilt = false
+  while true do
+    local top = redis.call('ZRANGE', k_turn(c), 0, 0)
+    if #top == 0 then
+      -- No turn while waiters remain: the fair queue's keys were lost; rebuilt from the
+      -- class queue (once), as a reload re-sorts it.
+      if rebuilt or redis.call('EXISTS', k_q(c)) == 0 then return nil end
+      rebuild(c, cf)
+      rebuilt = true
+    else
+      local tenant = string.sub(top[1], 18)
+      local ids = redis.call('ZRANGE', k_tq(c, tenant), 0, 0)
+      if #ids == 0 then
+        redis.call('ZREM', k_turn(c), top[1]) -- its waiters were lost
+        redis.call('HDEL', k_flow(c), tenant)
+      else
+        local w = get_waiter(ids[1])
+        if w ~= nil then
+          w.turn = top[1]
+          return w
+        end
+        redis.call('ZREM', k_tq(c, tenant), ids[1])
+        redis.call('ZREM', k_q(c), ids[1])
+        redis.call('ZREM', K_DL, ids[1])
+      end
+    end
+  end
+end
+
+-- TenantQueue.take_head under fair queuing: the head ``w`` leaves and its tenant's turn
+-- moves on (or ends with its last waiter).
+local function take_turn(c, w)
+  local tag = tonumber(redis.call('ZSCORE', k_turn(c), w.turn))
+  redis.call('HSET', K_VT, c, fmt(tag))
+  redis.call('HDEL', K_W, w.id)
+  redis.call('ZREM', k_q(c), w.id)
+  redis.call('ZREM', K_DL, w.id)
+  redis.call('SREM', k_own(w.replica), w.id)
+  redis.call('ZREM', k_tq(c, w.tenant), w.id)
+  redis.call('ZREM', k_turn(c), w.turn)
+  if redis.call('EXISTS', k_tq(c, w.tenant)) == 1 then
+    local m = turn_member(w.tenant)
+    redis.call('ZADD', k_turn(c), fmt(tag + cost(c, w.tenant)), m)
+    redis.call('HSET', k_flow(c), w.tenant, m)
+  else
+    redis.call('HDEL', k_flow(c), w.tenant)
+    if redis.call('EXISTS', k_q(c)) == 0 then redis.call('HDEL', K_VT, c) end
   end
 end
 
@@ -282,9 +435,9 @@ local function preempt(victim, by)
   notify(victim.replica, 'preempt ' .. by .. ' ' .. victim.id)
 end
 
-local function admit_head(c, flags)
-  local w = head(c)
-  drop_waiter(w)
+-- ``w``: the class's head (head(c)).
+local function admit_head(c, flags, w)
+  if w.turn then take_turn(c, w) else drop_waiter(w) end
   admit({id = w.id, replica = w.replica, cls = c, admitted_at = now, first_byte = false,
          tenant = w.tenant})
   notify(w.replica, 'grant ' .. fmt(now - w.enqueued_at) .. ' ' .. flags .. ' ' .. w.id)
@@ -309,9 +462,10 @@ local function admit_starved()
   if total >= cap then return false end
   local cf = load_cfg()
   for c = 0, 2 do
-    local h = head(c)
-    if h ~= nil and now - h.enqueued_at >= cf[c].starve then
-      admit_head(c, 's')
+    -- Aged by the oldest waiter; the head (who the queue serves next) goes.
+    local o = oldest(c)
+    if o ~= nil and now - o.enqueued_at >= cf[c].starve then
+      admit_head(c, 's', head(c))
       return true
     end
   end
@@ -321,9 +475,10 @@ end
 -- Strict priority: available() only shrinks going down the classes.
 local function admit_by_priority()
   for c = 3, 0, -1 do
-    if head(c) ~= nil then
+    local h = head(c)
+    if h ~= nil then
       if available(c) < 1 then return false end
-      admit_head(c, '-')
+      admit_head(c, '-', h)
       return true
     end
   end
@@ -339,7 +494,7 @@ local function preempt_for_queued()
         local victim = pick_victim(c, h.enqueued_at)
         if victim ~= nil then
           preempt(victim, c)
-          admit_head(c, 'p')
+          admit_head(c, 'p', h)
           return true
         end
       end
@@ -511,7 +666,7 @@ local function next_in()
   if #d > 0 then best = tonumber(d[2]) end
   local cf = load_cfg()
   for c = 0, 2 do
-    local h = head(c)
+    local h = oldest(c)
     if h ~= nil then
       local at = h.enqueued_at + cf[c].starve
       if at > now and (best == nil or at < best) then best = at end
@@ -541,6 +696,63 @@ local function fleet_reply(status, r)
 end
 
 -- ---------------------------------------------------------------------- operations
+
+-- A class as ledger.py encode_class writes it: "floor share qsize timeout starve preempt
+-- fair limit", then under fair queuing "<weight> <bytes> <tenant>" per weighted tenant.
+-- -> the first six fields (P:cfg), fair, limit, the weights' text, the weights {tenant, w...}.
+local function parse_class(s)
+  local f, pos = {}, 1
+  for i = 1, 7 do
+    local j = string.find(s, ' ', pos, true)
+    f[i] = string.sub(s, pos, j - 1)
+    pos = j + 1
+  end
+  local j = string.find(s, ' ', pos, true)
+  local limit, rest = string.sub(s, pos, (j or 0) - 1), ''
+  if j then rest = string.sub(s, j + 1) end
+  local weights = {}
+  pos = 1
+  while pos <= #rest do
+    local k = string.find(rest, ' ', pos, true)
+    local n = string.find(rest, ' ', k + 1, true)
+    local len = tonumber(string.sub(rest, k + 1, n - 1))
+    weights[#weights + 1] = string.sub(rest, n + 1, n + len)
+    weights[#weights + 1] = string.sub(rest, pos, k - 1)
+    pos = n + len + 2
+  end
+  return table.concat(f, ' ', 1, 6), f[7] == '1', limit, rest, weights
+end
+
+-- Store the class configuration a[5..8] (heartbeat args); a class whose kind of queue
+-- changed is re-sorted (rebuild()), as Scheduler.update_config does.
+local function store_cfg(a)
+  local before = load_cfg()
+  local plain, tenants = {}, {}
+  for c = 0, 3 do
+    local text, fair, limit, wtext, weights = parse_class(a[5 + c])
+    local mode = 'f'
+    if fair then
+      mode = 'w' .. redis.sha1hex(wtext)
+    elseif limit ~= '-' then
+      mode = 't'
+    end
+    plain[#plain + 1] = c
+    plain[#plain + 1] = text
+    tenants[#tenants + 1] = c
+    tenants[#tenants + 1] = limit .. ' ' .. mode
+    redis.call('DEL', k_wt(c))
+    for i = 1, #weights, 1000 do
+      redis.call('HSET', k_wt(c), unpack(weights, i, math.min(i + 999, #weights)))
+    end
+  end
+  redis.call('HSET', K_CFG, unpack(plain))
+  redis.call('HSET', K_TCFG, unpack(tenants))
+  cfg = nil
+  local after = load_cfg()
+  for c = 0, 3 do
+    if after[c].mode ~= before[c].mode then rebuild(c, after[c]) end
+  end
+end
 
 -- heartbeat replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended settle
 -- Registers or refreshes the replica and its capacity report. The class configuration is
@@ -573,9 +785,8 @@ local function heartbeat(a)
   redis.call('ZADD', K_REPLICAS, fmt(now + tonumber(a[2])), r)
   if r == caller and caller_inc ~= '' then redis.call('HSET', K_INC, r, caller_inc) end
   redis.call('HSET', K_REPORTS, r, a[3])
-  if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 then
-    redis.call('HSET', K_CFG, '0', a[5], '1', a[6], '2', a[7], '3', a[8])
-    cfg = nil
+  if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 or redis.call('EXISTS', K_TCFG) == 0 then
+    store_cfg(a)
   end
   redis.call('HSET', K_DIGESTS, r, a[9])
   redis.call('HSET', K_FLEET, 'keep', a[10])
@@ -723,13 +934,18 @@ ops.arrive = function(a)
       return {'admitted', victim.id, victim.replica}
     end
   end
-  if queued >= cf[c].queue_size then return {'rejected_queue_full'} end
+  if queued >= cf[c].queue_size or (cf[c].limit ~= nil and cf[c].tenant
+      and redis.call('ZCARD', k_tq(c, tenant)) >= cf[c].limit) then
+    return {'rejected_queue_full'}
+  end
   local deadline = now + cf[c].timeout
-  redis.call('ZADD', k_q(c), redis.call('INCR', K_SEQ), id)
+  local seq = redis.call('INCR', K_SEQ)
+  redis.call('ZADD', k_q(c), seq, id)
   redis.call('HSET', K_W, id, r .. ' ' .. c .. ' ' .. fmt(now) .. ' ' .. fmt(deadline) .. ' '
              .. tenant)
   redis.call('ZADD', K_DL, fmt(deadline), id)
   redis.call('SADD', k_own(r), id)
+  if cf[c].tenant then join(c, cf[c], id, tenant, seq) end
   return {'queued', fmt(cf[c].timeout)}
 end
 

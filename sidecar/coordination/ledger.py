@@ -9,7 +9,9 @@ so the fleet admits exactly as one in-process :class:`Scheduler` would.
 :mod:`sidecar.scheduler` (the in-process core). ``ledger.lua`` is a port of it: same
 reservation rule on fleet capacity and fleet in-flight counts, same dispatch order
 (timeouts, starved heads lowest class first, strict priority, queued preemption), same
-victim choice, same float arithmetic on times. Reservations are not ported at all: each
+queue inside a class (one FIFO, or weighted fair queuing between tenants with the same tags
+and tie-breaks, and the per-tenant queue limit), same victim choice, same float arithmetic
+on times and tags. Reservations are not ported at all: each
 replica computes them with :func:`sidecar.scheduler.scaled_reservations` for the capacity
 it reports, and the ledger uses those of the smallest report. The differential property
 test (``tests/test_ledger_differential.py``) drives the core and the ledger with the same
@@ -48,7 +50,8 @@ changes in ``sidecar/scheduler/`` first, then in the script.
 * *Connections.* Many concurrent requests share a bounded
   ``redis.asyncio.BlockingConnectionPool`` (the default pool raises once it runs out);
   the blocking pop for notifications holds one more connection of its own.
-* *Configuration.* The class settings are stored on :meth:`FleetLedger.register` (start,
+* *Configuration.* The class settings (fair queuing, the per-tenant limit and the tenant
+  weights included: :func:`encode_class`) are stored on :meth:`FleetLedger.register` (start,
   reload) with a digest per replica; :meth:`FleetLedger.snapshot` lists the distinct
   digests, so a mismatch between replicas can be reported.
 """
@@ -113,9 +116,24 @@ def _num(x: float) -> str:
 
 
 def encode_class(c: ClassSettings) -> str:
-    return " ".join((str(c.reserved_floor), _num(c.reserved_per_slot), str(c.queue_size),
+    """One class as the ledger stores it: "floor share qsize timeout starve preempt fair
+    limit", then (fair queuing only, where they act) the tenant weights.
+
+    The limit is the one in force (``tenant_queue_limit``, "-" for none), as the core
+    decides by it. Each weight is "<weight> <bytes> <tenant> ": the tenant's length in UTF-8
+    bytes, so a tenant key may hold any character, spaces included. Sorted by tenant, so
+    equal maps encode alike (the ledger re-sorts a fair queue when its weights change, as
+    ``ClassQueues.configure`` does).
+    """
+    limit = c.tenant_queue_limit
+    text = " ".join((str(c.reserved_floor), _num(c.reserved_per_slot), str(c.queue_size),
                      _num(c.queue_timeout_secs), _num(c.starvation_threshold_secs),
-                     "1" if c.can_preempt else "0"))
+                     "1" if c.can_preempt else "0", "1" if c.fair_queuing else "0",
+                     "-" if limit is None else str(limit)))
+    if c.fair_queuing:
+        for tenant, weight in sorted(c.tenant_weights.items()):
+            text += f" {_num(weight)} {len(tenant.encode())} {tenant}"
+    return text
 
 
 def config_digest(classes: Mapping[PriorityClass, ClassSettings]) -> str:
