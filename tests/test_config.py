@@ -481,3 +481,22 @@ def test_host_port_is_parsed_once_for_both_listen_flags(value: str) -> None:
             assert getattr(parse_settings([flag, value]), flag[2:].replace("-", "_")) == value
     if want is not None:
         assert listen.parse(value) == listen.GrpcListen(host=want[0], port=want[1])
+
+
+@pytest.mark.parametrize(("flag", "cap", "fallback", "mode"), [
+    ("-1", None, 1024, "legacy_uncapped"), ("0", None, 0, "legacy_uncapped"),
+    ("8", 8, 8, "legacy"), ("70000", 70000, 1024, "legacy")])
+def test_max_concurrent_requests_means_one_thing_per_use(flag: str, cap: int | None,
+                                                          fallback: int, mode: str) -> None:
+    """The legacy cap, the fallback capacity, the mode's name, the bucket and the
+    --check-capacity wording all come from LegacyLimits."""
+    from sidecar.config import capacity_verdict
+
+    s = parse_settings(["--max-concurrent-requests", flag,
+                        "--rate-limit-tokens-per-second", "5"])
+    limits = s.legacy.limits
+    assert (limits.cap, limits.fallback_capacity, limits.mode) == (cap, fallback, mode)
+    bucket = limits.bucket(lambda: 0.0)
+    assert (bucket.capacity if bucket is not None else None) == cap
+    _, verdict = capacity_verdict(parse_priority_config(""), 1, int(flag))
+    assert (f"capped at --max-concurrent-requests {cap}" if cap else "UNCAPPED") in verdict
