@@ -25,6 +25,9 @@ accesslog.go; recipes in k8s/istio/ and k8s/envoy-gateway/):
 Istio ingress gateway gets from istiod (its filter order, its route names, no filter of
 this project's), with the recipe's EnvoyFilter patches then applied as istiod applies
 them, so the recipe's own filter order can be run through a real Envoy.
+:func:`envoy_gateway` does the same for Envoy Gateway: its per-policy filter names, each
+filter disabled on the HCM and enabled per route, then an ``EnvoyProxy`` bootstrap merge
+and ``EnvoyPatchPolicy`` JSON patches.
 """
 
 from __future__ import annotations
@@ -173,6 +176,91 @@ def _merge(into: dict[str, Any], value: Mapping[str, Any]) -> None:
             into[key].extend(copy.deepcopy(v))
         else:
             into[key] = copy.deepcopy(v)
+
+
+# envoyproxy/gateway internal/xds/translator (extauth.go, extproc.go, utils.go): one filter
+# per policy, named <type>/<kind>/<namespace>/<name>[/...], disabled on the HCM and enabled
+# on each route the policy targets by a per-route config under that name.
+EXT_PROC = "envoy.filters.http.ext_proc"
+EG_EXT_AUTHZ = f"{EXT_AUTHZ}/securitypolicy/default/priority-gate"
+EG_EXT_PROC = f"{EXT_PROC}/envoyextensionpolicy/default/priority-gate/extproc/0"
+EG_LISTENER = "default/llm-gateway/http"  # <namespace>/<gateway>/<listener>, also its routes'
+# EG's default bootstrap has one runtime layer of its own (internal/xds/bootstrap).
+EG_RUNTIME_LAYER = {"name": "global_config", "static_layer": {
+    "re2.max_program_size.error_level": 4294967295, "re2.max_program_size.warn_level": 1000}}
+_TYPES = "type.googleapis.com/envoy"
+
+
+def envoy_gateway(text: str, *, bootstrap_merge: str | None = None,
+                  patch_policies: Iterable[Mapping[str, Any]] = ()) -> str:
+    """``text`` (a rendered bootstrap) as Envoy Gateway runs it: meshify's settings, EG's
+    filter names (ext_proc without the skip matcher, which EG cannot express), both filters
+    disabled on the HCM and enabled on every route, EG's runtime layer; then
+    ``bootstrap_merge`` (``EnvoyProxy.spec.bootstrap`` of type Merge: a proto merge,
+    repeated fields appended) and the ``EnvoyPatchPolicy`` resources' JSON patches.
+
+    Only the JSON patch forms the recipes use are modelled; any other one raises.
+    """
+    boot: dict[str, Any] = yaml.safe_load(meshify(text))
+    (hcm,) = _hcms(boot)
+    filters = []
+    for f in hcm["http_filters"]:
+        if f["name"] == "envoy.filters.http.header_mutation":
+            continue  # this project's; EG generates none
+        if f["name"] == EXT_AUTHZ:
+            f = {"name": EG_EXT_AUTHZ, "disabled": True, "typed_config": f["typed_config"]}
+        elif f["name"] == EXT_PROC:
+            cfg = f["typed_config"]
+            if cfg["@type"].endswith("ExtensionWithMatcher"):
+                cfg = cfg["extension_config"]["typed_config"]
+            f = {"name": EG_EXT_PROC, "disabled": True, "typed_config": cfg}
+        filters.append(f)
+    hcm["http_filters"] = filters
+    names = {f["name"] for f in filters}
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        for route in vhost["routes"]:
+            per_route = route.pop("typed_per_filter_config", {})
+            enable = {EG_EXT_AUTHZ: per_route.get(EXT_AUTHZ, {
+                "@type": f"{_TYPES}.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute",
+                "check_settings": {}}),
+                EG_EXT_PROC: {
+                "@type": f"{_TYPES}.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "overrides": {}}}
+            route["typed_per_filter_config"] = {k: v for k, v in enable.items() if k in names}
+    boot["layered_runtime"] = {"layers": [copy.deepcopy(EG_RUNTIME_LAYER)]}
+    if bootstrap_merge is not None:
+        _merge(boot, yaml.safe_load(bootstrap_merge))
+    for policy in patch_policies:
+        for patch in policy["spec"]["jsonPatches"]:
+            _eg_patch(hcm, patch)
+    out: str = yaml.safe_dump(boot, sort_keys=False)
+    return out
+
+
+def _eg_patch(hcm: dict[str, Any], patch: Mapping[str, Any]) -> None:
+    """One EnvoyPatchPolicy JSON patch, on the listener's HCM or its route table."""
+    op = patch["operation"]
+    if patch["name"] != EG_LISTENER or op["op"] != "add":
+        raise ValueError(f"not modelled: {patch['name']} {op['op']}")
+    value = copy.deepcopy(op["value"])
+    if patch["type"].endswith("RouteConfiguration"):
+        if (op.get("jsonPath"), op.get("path")) != ("$.virtual_hosts[*]", "/routes/0"):
+            raise ValueError(f"not modelled: {op}")
+        for vhost in hcm["route_config"]["virtual_hosts"]:
+            vhost["routes"].insert(0, copy.deepcopy(value))
+        return
+    prefix = "/default_filter_chain/filters/0/typed_config/"
+    if not patch["type"].endswith("Listener") or not op["path"].startswith(prefix) \
+            or "jsonPath" in op or "~" in op["path"]:
+        raise ValueError(f"not modelled: {op}")
+    *parents, last = op["path"][len(prefix):].split("/")
+    node: Any = hcm
+    for token in parents:
+        node = node[int(token)] if isinstance(node, list) else node[token]
+    if isinstance(node, list):
+        node.insert(len(node) if last == "-" else int(last), value)
+    else:
+        node[last] = value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -409,3 +409,77 @@ async def test_istio_custom_authorization_policy_checks_before_jwt_authn(
         assert _admitted(m, metric=tenants, tenant="acme") == 0
     finally:
         await stack.stop()
+
+
+# ------------------------------------------------------- Envoy Gateway: edge shedding
+
+EG_EDGE = Path(__file__).resolve().parent.parent / "k8s" / "overlays" / "envoy-gateway-edge-shed"
+
+
+def eg_edge_pieces(grpc_port: int = 9001) -> tuple[str, list[dict[str, object]]]:
+    """The overlay's EnvoyProxy bootstrap merge (the sidecar on ``grpc_port``) and every
+    EnvoyPatchPolicy it applies (the recipe's access-log tuning and the edge path)."""
+    kustomization = yaml.safe_load((EG_EDGE / "kustomization.yaml").read_text())
+    (ops,) = [yaml.safe_load(p["patch"]) for p in kustomization["patches"]
+              if p["target"]["kind"] == "EnvoyProxy"]
+    (merge,) = [op["value"] for op in ops if op["path"] == "/spec/bootstrap"]
+    assert merge["type"] == "Merge"
+    policies = [d for path in (EG_EDGE.parent.parent / "envoy-gateway" / "envoypatchpolicy.yaml",
+                               EG_EDGE / "envoypatchpolicy-edge-shed.yaml")
+                for d in yaml.safe_load_all(path.read_text())]
+    return merge["value"].replace("port_value: 9001", f"port_value: {grpc_port}"), policies
+
+
+class EgEdgeStack(Stack):
+    """A stack whose Envoy runs what Envoy Gateway generates with the edge-shed overlay
+    (envoy/mesh.py envoy_gateway), its sidecar with --edge-shed."""
+
+    def write_envoy_config(self) -> None:
+        super().write_envoy_config()
+        merge, policies = eg_edge_pieces(self.grpc_port)
+        self.envoy_config.write_text(load_renderer("mesh").envoy_gateway(
+            self.envoy_config.read_text(), bootstrap_merge=merge, patch_policies=policies))
+
+
+async def test_eg_edge_shed_sheds_a_flood_at_envoy_and_counts_it(tmp_path: Path) -> None:
+    """Under EG's filter layout (ext_authz and ext_proc per policy, off on the HCM, on per
+    route) the overlay's edge route needs no override: a flood turns the switch on over the
+    RTDS cluster the bootstrap merge adds, Envoy answers the contract's 429 itself, and the
+    sidecar counts each one from the marked log stream."""
+    from sidecar import edge
+    from sidecar.classes import PriorityClass
+    from tests.test_edge import PRIORITY, Flood, counted, wait_share
+
+    stack = EgEdgeStack(StackConfig(workers=1, max_running_requests=1, service_time=0.5,
+                                    priority_yaml=PRIORITY, sidecar_args=["--edge-shed"]),
+                        workdir=tmp_path)
+    try:
+        await stack.start()
+        # Envoy opens its listener once the RTDS layer's first fetch is done (up to its
+        # initial_fetch_timeout), which can be after the workers cluster is healthy.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                # Admitted through EG's per-policy ext_authz, released by its log entry.
+                r = await request(stack.listen_port, headers={"x-smg-priority": "bulk"})
+                break
+            except HTTP_ERRORS:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        assert r.status == 200
+        await settle(stack)
+        flood = Flood(stack)
+        try:
+            await wait_share(stack, lambda s: s >= 0.5, timeout=15)
+            await until(stack, lambda m: m.get(
+                'smg_sidecar_edge_shed_total{class="bulk"}', 0) > 0, timeout=5)
+        finally:
+            await flood.stop()
+        body = edge.EDGE_REPLIES[PriorityClass.BULK].body.encode()
+        assert any(status == 429 and b == body for status, _, b in flood.responses)
+        rejected, edge_shed = await counted(stack)
+        assert edge_shed > 0 and rejected >= edge_shed
+        await settle(stack, timeout=30)
+    finally:
+        await stack.stop()

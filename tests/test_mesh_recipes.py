@@ -34,6 +34,7 @@ from tests.test_k8s import (
 ISTIO = K8S / "istio"
 EG = K8S / "envoy-gateway"
 EG_POOLS = K8S / "overlays" / "envoy-gateway-pools"
+EG_EDGE = K8S / "overlays" / "envoy-gateway-edge-shed"
 EXT_AUTHZ_NS = "envoy.filters.http.ext_authz"
 DEFAULT_EG_CIRCUIT_BREAKER = 1024  # EG's maxParallelRequests default (api/v1alpha1/shared_types.go)
 
@@ -439,6 +440,98 @@ def test_eg_pools_each_route_has_a_policy_naming_its_pool(tmp_path: Path) -> Non
     assert sorted(settings.pool_workers) == sorted(settings.priority.pools) == sorted(pools)
 
 
+def _rendered_edge() -> dict[str, Any]:
+    from devtools.stack import load_renderer
+    boot: dict[str, Any] = yaml.safe_load(load_renderer().render(
+        listen_port=10000, admin_port=9901, sidecar_host="127.0.0.1",
+        sidecar_port=_grpc_port(), workers=[("127.0.0.1", 8000)], authz_timeout_secs=310,
+        flush_interval_secs=5, edge_shed=True))
+    return boot
+
+
+def test_eg_edge_shed_is_the_bootstraps_edge_path() -> None:
+    """k8s/overlays/envoy-gateway-edge-shed: the route, the counting logger and the runtime
+    layers are the bootstrap's (but for the cluster, the static one the merge adds, and the
+    route's ext_authz override, which EG's per-route-enabled filters do not need), on the
+    listener the recipe's own patch names."""
+    from tests.test_mesh_e2e import eg_edge_pieces
+
+    merge_text, policies = eg_edge_pieces()
+    merge = yaml.safe_load(merge_text)
+    (cluster,) = merge["static_resources"]["clusters"]
+    (lb,) = cluster["load_assignment"]["endpoints"]
+    (ep,) = lb["lb_endpoints"]
+    addr = ep["endpoint"]["address"]["socket_address"]
+    assert (addr["address"], addr["port_value"]) == ("127.0.0.1", _grpc_port())
+    boot = _rendered_edge()
+    layers = copy.deepcopy(merge["layered_runtime"])
+    (rtds,) = layers["layers"][1]["rtds_layer"]["rtds_config"]["api_config_source"][
+        "grpc_services"]
+    assert rtds["envoy_grpc"]["cluster_name"] == cluster["name"]
+    rtds["envoy_grpc"]["cluster_name"] = "sidecar"
+    assert layers == boot["layered_runtime"]
+    (listener,) = boot["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    want_route = copy.deepcopy(hcm["route_config"]["virtual_hosts"][0]["routes"][0])
+    assert want_route["typed_per_filter_config"][EXT_AUTHZ_NS]["disabled"] is True
+    del want_route["typed_per_filter_config"]
+    (want_logger,) = [lg for lg in hcm["access_log"]
+                      if lg["typed_config"]["common_config"]["log_name"] ==
+                      "priority-gate-edge-shed"]
+    base_policy, edge_policy = policies
+    assert edge_policy["spec"]["targetRef"] == base_policy["spec"]["targetRef"]
+    route_patch, logger_patch = edge_policy["spec"]["jsonPatches"]
+    assert {route_patch["name"], logger_patch["name"]} == {
+        p["name"] for p in base_policy["spec"]["jsonPatches"]}
+    assert route_patch["operation"]["value"] == want_route
+    logger = copy.deepcopy(logger_patch["operation"]["value"])
+    grpc = logger["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]
+    assert grpc["cluster_name"] == cluster["name"]
+    grpc["cluster_name"] = "sidecar"
+    assert logger == want_logger
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_eg_edge_shed_overlay_turns_the_sidecar_on(tmp_path: Path) -> None:
+    from sidecar.config import build_parser, settings_from_args
+
+    docs = _build("overlays/envoy-gateway-edge-shed")
+    (proxy,) = [d for d in docs if d["kind"] == "EnvoyProxy"]
+    assert proxy["spec"]["bootstrap"]["type"] == "Merge"
+    (container,) = _dig(proxy, "spec.provider.kubernetes.envoyDeployment.patch.value.spec"
+                               ".template.spec.containers")
+    args = list(container["args"])
+    assert "--edge-shed" in args
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(_priority_text(), encoding="utf-8")
+    args[args.index("--priority-scheduler-config") + 1] = str(cfg)
+    assert settings_from_args(build_parser().parse_args(args), isatty=False).edge_shed
+    assert sorted(d["metadata"]["name"] for d in docs if d["kind"] == "EnvoyPatchPolicy") == [
+        "priority-gate-als-tuning", "priority-gate-edge-shed"]
+
+
+def test_eg_edge_shed_passes_envoy_validate_on_an_eg_shaped_proxy(tmp_path: Path) -> None:
+    """The merge and every EnvoyPatchPolicy applied (envoy/mesh.py envoy_gateway) to the
+    proxy config EG generates: Envoy accepts the result."""
+    envoy = _envoy_bin()
+    if envoy is None:
+        pytest.skip("no Envoy binary (set ENVOY_BIN or run `make envoy`)")
+    from devtools.stack import load_renderer
+    from tests.test_mesh_e2e import eg_edge_pieces
+
+    merge, policies = eg_edge_pieces()
+    text = load_renderer().render(
+        listen_port=10000, admin_port=9901, sidecar_host="127.0.0.1", sidecar_port=9001,
+        workers=[("127.0.0.1", 8000)], authz_timeout_secs=310, flush_interval_secs=5)
+    cfg = tmp_path / "envoy.yaml"
+    cfg.write_text(load_renderer("mesh").envoy_gateway(
+        text, bootstrap_merge=merge, patch_policies=policies), encoding="utf-8")
+    out = subprocess.run([str(envoy), "--mode", "validate", "-c", str(cfg),
+                          "--disable-hot-restart", "--log-level", "warn"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 # ------------------------------------------------------------------------------- CRDs
 
 
@@ -485,7 +578,7 @@ def test_recipes_validate_against_the_crds() -> None:
     releases = [_crd_schemas_in(folder) for folder in
                 sorted({p.parent for p in Path(crds).rglob("*.yaml")})]
     checked = 0
-    for directory in (ISTIO, EG, EG_POOLS):
+    for directory in (ISTIO, EG, EG_POOLS, EG_EDGE):
         for path in sorted(directory.rglob("*.yaml")):
             if path.name == "kustomization.yaml" or path.name.endswith(".values.yaml"):
                 continue
