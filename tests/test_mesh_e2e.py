@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devtools.httpclient import HTTP_ERRORS, Exchange, chat_body, request
+from devtools.httpclient import HTTP_ERRORS, Exchange, Response, chat_body, request
 from devtools.httpclient import get as http_get
 from devtools.proc import die_with_parent
 from devtools.stack import Stack, StackConfig, envoy_binary, free_port, load_renderer
@@ -337,6 +337,20 @@ class IstioStack(Stack):
             route_names=routes, custom_ext_authz=self.custom))
 
 
+async def first_request(stack: Stack, path: str, headers: dict[str, str]) -> Response:
+    """The first request through a stack's Envoy. Its readiness check is the workers
+    cluster's health, and Envoy may open its listener later (after an RTDS layer's first
+    fetch, up to its initial_fetch_timeout): a refused connection is retried, boundedly."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return await request(stack.listen_port, path, headers=headers)
+        except HTTP_ERRORS:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 def _admitted(m: dict[str, float], **labels: str) -> float:
     """Sum of smg_sidecar_tenant_admitted_total / smg_scheduler_admit_total series whose
     labels include ``labels`` (other labels, such as pool, summed over)."""
@@ -376,7 +390,7 @@ async def test_istio_recipe_checks_after_jwt_authn_with_each_routes_pool(
         for path, headers in (("/chat-70b/v1/chat/completions", acme),
                               ("/small-8b/v1/chat/completions", spoofed),
                               ("/v1/chat/completions", acme)):
-            r = await request(stack.listen_port, path, headers=headers)
+            r = await first_request(stack, path, headers)
             assert r.status == 200, (path, r.status)
         m = await settle(stack)
         tenants = "smg_sidecar_tenant_admitted_total"
@@ -400,7 +414,7 @@ async def test_istio_custom_authorization_policy_checks_before_jwt_authn(
     a valid token's tenant is not there yet at Check, so it is admitted as anonymous."""
     stack = await _istio_stack(tmp_path, "header:x-smg-tenant", custom=True)
     try:
-        r = await request(stack.listen_port, headers={
+        r = await first_request(stack, "/v1/chat/completions", {
             "x-smg-priority": "interactive", "authorization": f"Bearer {token('acme')}"})
         assert r.status == 200
         m = await settle(stack)
@@ -455,18 +469,8 @@ async def test_eg_edge_shed_sheds_a_flood_at_envoy_and_counts_it(tmp_path: Path)
                         workdir=tmp_path)
     try:
         await stack.start()
-        # Envoy opens its listener once the RTDS layer's first fetch is done (up to its
-        # initial_fetch_timeout), which can be after the workers cluster is healthy.
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                # Admitted through EG's per-policy ext_authz, released by its log entry.
-                r = await request(stack.listen_port, headers={"x-smg-priority": "bulk"})
-                break
-            except HTTP_ERRORS:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
+        # Admitted through EG's per-policy ext_authz, released by its log entry.
+        r = await first_request(stack, "/v1/chat/completions", {"x-smg-priority": "bulk"})
         assert r.status == 200
         await settle(stack)
         flood = Flood(stack)
