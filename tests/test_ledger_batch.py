@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import Any
 
+import pytest
 import redis.asyncio as redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -271,3 +273,57 @@ async def test_pipelined_calls_are_answered_in_order_and_survive_a_dropped_conne
     finally:
         await led.aclose()
         await own.aclose()
+
+
+@pytest.mark.parametrize("opened", ["before_the_outage", "while_degraded"])
+async def test_a_first_byte_while_degraded_reaches_the_ledger_after_the_return(
+        tmp_path: Path, opened: str) -> None:
+    # A streaming request must not stay a preemption candidate in the ledger: the ledger
+    # would pick it as a victim whose stop channel is gone (it runs on, uncounted, beside
+    # its preemptor). Before the fix: a mark sent before an outage was never followed by
+    # the first byte that came while degraded; and a stop channel opened while degraded was
+    # listed to the ledger as a candidate by the return resync, and its first byte, after
+    # the return, was never sent (its own mark had never left).
+    server = ValkeyServer(tmp_path / "valkey")
+    server.start()
+    c = connect(server)
+    ctl = await FleetController.connect(server.url, fleet="f", replica="b", ttl=2.0,
+                                        classes=PREEMPTING, capacity=1, mark_delay=0.0)
+    ctl.start()
+    try:
+        if opened == "before_the_outage":
+            aid = (await ctl.admit(BULK, "t")).admission.id
+            assert ctl.open_stop_channel(aid) is not None
+            await _eventually(lambda: _zcard(c, "pg:{f}:pre:0", 1), "marked")
+            server.pause()
+            await _eventually(lambda: _true(ctl.state == "degraded"), "degraded")
+        else:
+            server.pause()
+            await _eventually(lambda: _true(ctl.state == "degraded"), "degraded")
+            aid = (await ctl.admit(BULK, "t")).admission.id  # locally, within its share
+            assert ctl.open_stop_channel(aid) is not None
+        if opened == "before_the_outage":
+            assert ctl.mark_first_byte(aid)  # the response starts while degraded
+        server.resume()
+        await _eventually(lambda: _true(ctl.state == "ok"), "back to ok")
+        if opened == "while_degraded":
+            # Listed by the return resync while its stop channel was open; starts now.
+            assert await ctl.confirm_first_byte(aid)
+            ctl.mark_first_byte(aid)
+        await _eventually(lambda: _inflight(c, 1), "counted in the ledger")
+        await _eventually(lambda: _zcard(c, "pg:{f}:pre:0", 0), "no candidate in the ledger")
+        other = FleetLedger(c, "f", "a")
+        await other.register(PREEMPTING, 1)
+        got = await other.arrive("sys", SYSTEM, "t")
+        assert got.status is not ArriveStatus.ADMITTED  # the stream is not a victim
+        assert aid in ctl.held
+        ctl.release(aid)
+    finally:
+        server.resume()
+        await ctl.aclose()
+        await c.aclose()
+        server.stop()
+
+
+async def _true(v: bool) -> bool:
+    return v

@@ -1,5 +1,6 @@
 """The replica's pure core (sidecar.coordination.replica) on a fake clock: every legal move
-of the mode table, every illegal one refused, and what each mode lets the local core hold."""
+of the mode table, every illegal one refused, and what each mode lets the local core hold;
+the stage and acknowledgement tables of one held admission."""
 
 from __future__ import annotations
 
@@ -7,12 +8,20 @@ import itertools
 
 import pytest
 
+from sidecar.classes import PriorityClass
+from sidecar.coordination.ledger import Holding
 from sidecar.coordination.replica import (
+    ACKS,
     LOCAL,
+    STAGES,
     TRANSITIONS,
+    Ack,
+    Held,
+    IllegalStage,
     IllegalTransition,
     Mode,
     Replica,
+    Stage,
     Trigger,
     View,
     next_mode,
@@ -198,3 +207,47 @@ def test_a_view_taken_just_after_the_switch_is_kept() -> None:
     r, _ = _in(Mode.DEGRADED)
     r.seen(NEWER)
     assert r.view == NEWER and r.mode is Mode.DEGRADED
+
+
+# ------------------------------------------------------------------ one held admission
+
+
+def test_every_stage_move_the_table_allows_and_none_other() -> None:
+    for old, new in itertools.product(Stage, Stage):
+        h = Held(PriorityClass.BULK, "t", 1.0, stage=old)
+        if new in STAGES[old]:
+            h.move(new)
+            assert h.stage is new
+        else:
+            with pytest.raises(IllegalStage):
+                h.move(new)
+            assert h.stage is old
+    assert STAGES[Stage.RELEASED] == frozenset()  # final
+    assert all(Stage.RELEASED in STAGES[s] for s in Stage if s is not Stage.RELEASED)
+
+
+def test_the_ledger_is_told_of_a_candidate_only_once_marked() -> None:
+    h = Held(PriorityClass.BULK, "t", 1.0)
+    assert h.holding("x") == Holding("x", PriorityClass.BULK, "t", False, False)
+    h.move(Stage.PREEMPTIBLE)  # its mark still waits: a candidate only locally
+    assert h.preemptible and not h.mark_sent
+    assert not h.holding("x").preemptible
+    h.move(Stage.MARKED)
+    assert h.holding("x").preemptible and h.mark_sent
+    h.move(Stage.STREAMING)
+    assert h.holding("x") == Holding("x", PriorityClass.BULK, "t", True, False)
+    assert not h.preemptible
+
+
+def test_the_ack_timeout_runs_from_admission_restarts_and_stops_once_acknowledged() -> None:
+    h = Held(PriorityClass.BULK, "t", 10.0)
+    assert h.ack is Ack.UNACKNOWLEDGED and h.ack_expired(10.0) and not h.ack_expired(9.9)
+    h.renew(15.0)  # a sign no liveness tracker vouches for: the timeout restarts
+    assert not h.ack_expired(14.0) and h.ack_expired(15.0)
+    h.acknowledge()
+    assert h.acknowledged and not h.ack_expired(1e9)
+    h.renew(20.0)  # acknowledged: nothing to restart
+    assert h.acknowledged
+    h.unacknowledge(30.0)  # its Envoy may be gone: the timeout runs again from now
+    assert not h.acknowledged and not h.ack_expired(29.0) and h.ack_expired(30.0)
+    assert ACKS[Ack.ACKNOWLEDGED] == {Ack.ACKNOWLEDGED, Ack.UNACKNOWLEDGED}

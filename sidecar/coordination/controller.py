@@ -122,7 +122,7 @@ from sidecar.coordination.ledger import (
     FleetStatus,
     Holding,
 )
-from sidecar.coordination.replica import Mode, Replica, View
+from sidecar.coordination.replica import Ack, Held, Mode, Replica, Stage, View
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
@@ -171,31 +171,6 @@ _MOVING: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
 
 class _Moved(Exception):
     """The controller changed mode while a request waited: decide it again in the new mode."""
-
-
-@dataclass(slots=True)
-class Held:
-    """An admission this replica holds (the local mirror)."""
-
-    cls: PriorityClass
-    tenant: str
-    admitted_at: float
-    preemptible: bool = False
-    first_byte: bool = False
-    # Envoy showed it runs this request (ext_proc stream, periodic entry): from then on
-    # the replica's heartbeat alone keeps the slot. Until then an admission whose client
-    # left just as Check answered has no owner that will ever release it.
-    acknowledged: bool = False
-    # The ledger was told it is a candidate (the deferred preemptible mark left): its first
-    # byte must then reach the ledger before the response may start.
-    mark_sent: bool = False
-    # Set when its Envoy may have been replaced (sidecar.liveness): the ack timeout runs
-    # again from here, as if just admitted.
-    unacked_since: float | None = None
-
-    def holding(self, id: str) -> Holding:
-        return Holding(id, self.cls, self.tenant, self.first_byte,
-                       self.preemptible and not self.first_byte)
 
 
 @dataclass(slots=True)
@@ -303,6 +278,7 @@ class FleetController:
         bucket: TokenBucket | None = None,
         metrics: Recorder | None = None,
         max_connections: int = 64,
+        mark_delay: float = MARK_DELAY_SECS,
     ) -> FleetController:
         """Connect and register; an unreachable server means starting degraded, not failing."""
         call_timeout = max(0.05, min(1.0, ttl / 5))
@@ -321,7 +297,7 @@ class FleetController:
         ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl, pipelined=True)
         self = cls(ledger, events_client, classes=classes, capacity=capacity,
                    call_timeout=call_timeout, ack_timeout=ack_timeout, bucket=bucket,
-                   metrics=metrics)
+                   metrics=metrics, mark_delay=mark_delay)
         try:
             status = await self._call(ledger.register(self._classes, capacity))
         except Exception as exc:
@@ -602,6 +578,7 @@ class FleetController:
         if self._local is not None:
             return self._local.release(aid, reason)  # the mirror follows its events
         h = self._held.pop(aid)
+        h.move(Stage.RELEASED)
         self._ended.add(aid, reason)
         self._metrics.on_events([Released(Admission(aid, h.cls, h.tenant, h.admitted_at),
                                           reason)])
@@ -622,7 +599,8 @@ class FleetController:
         if cls is None or not self._ended.adoptable(aid):
             return False
         now = self._clock()
-        h = self._held[aid] = Held(cls, tenant, now, first_byte=True, acknowledged=True)
+        h = self._held[aid] = Held(cls, tenant, now, stage=Stage.STREAMING,
+                                   ack=Ack.ACKNOWLEDGED)
         self._metrics.on_events([Admitted(Admission(aid, cls, tenant, now), 0.0, queued=False,
                                           adopted=True)])
         if self._local is not None:
@@ -640,7 +618,8 @@ class FleetController:
             return None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._stop_signals[aid] = fut
-        h.preemptible = True
+        if h.stage is Stage.ADMITTED:
+            h.move(Stage.PREEMPTIBLE)  # (opened again: it stays where it is)
         self._signed(h)
         if self._local is not None:
             self._chain_stop_signal(self._local, aid)
@@ -663,9 +642,8 @@ class FleetController:
         while self._marks and self._marks[0][0] <= now:
             _, aid = self._marks.popleft()
             h = self._held.get(aid)
-            if (h is not None and h.preemptible and not h.first_byte and not h.mark_sent
-                    and self._local is None):
-                h.mark_sent = True
+            if h is not None and h.stage is Stage.PREEMPTIBLE and not self._core.local:
+                h.move(Stage.MARKED)
                 self._send("preemptible", aid)
         if self._marks:
             self._marks_timer = loop.call_at(self._marks[0][0], self._send_due_marks)
@@ -675,11 +653,12 @@ class FleetController:
         h = self._held.get(aid)
         if h is None or h.first_byte:
             return False
-        h.first_byte = True
+        marked = h.mark_sent
+        h.move(Stage.STREAMING)
         self._signed(h)
         if self._local is not None:
             self._local.mark_first_byte(aid)
-        elif h.mark_sent:
+        elif marked:
             self._send("first_byte", aid)
         # else its preemptible mark never left: the ledger never saw it as a candidate.
         return True
@@ -699,7 +678,7 @@ class FleetController:
         fut = self._first_byte_waits.get(aid)
         if fut is None:
             fut = self._first_byte_waits[aid] = asyncio.get_running_loop().create_future()
-        h.first_byte = True
+        h.move(Stage.STREAMING)
         self._signed(h)
         self._send("first_byte", aid)
         try:
@@ -776,6 +755,7 @@ class FleetController:
             self._local.release(aid, ReleaseReason.PREEMPTED)
         else:
             del self._held[aid]
+            h.move(Stage.RELEASED)
             self._ended.add(aid, ReleaseReason.PREEMPTED)
             adm = Admission(aid, h.cls, h.tenant, h.admitted_at)
             self._metrics.on_events([Preempted(adm, by), Released(adm, ReleaseReason.PREEMPTED)])
@@ -886,6 +866,15 @@ class FleetController:
         local.close()
         for op in late:
             self._send("release", op)
+        for aid, h in self._held.items():
+            if h.stage is Stage.PREEMPTIBLE:
+                # Its stop channel opened while away: a candidate fleet-wide from now on.
+                h.move(Stage.MARKED)
+                self._send("preemptible", aid)
+            elif h.first_byte:
+                # A first byte that came (or was dropped from the outbox) while away never
+                # reached the ledger, which may still hold the admission as a candidate.
+                self._send("first_byte", aid)
         self._metrics.coordination_changed(OK)
         log.info("coordination_ok", fleet_capacity=status.capacity,
                  live_replicas=status.live_replicas, held=len(self._held),
@@ -932,8 +921,9 @@ class FleetController:
         for hd in holdings:
             if hd.id in self._held:
                 continue
-            self._held[hd.id] = Held(hd.cls, hd.tenant, now, first_byte=hd.first_byte,
-                                     unacked_since=now)
+            self._held[hd.id] = Held(
+                hd.cls, hd.tenant, now,
+                stage=Stage.STREAMING if hd.first_byte else Stage.ADMITTED)
             if self._local is not None:
                 self._local.core.adopt(hd.id, hd.cls, hd.tenant)
                 self._local.core.take_events()
@@ -968,10 +958,9 @@ class FleetController:
     def _signed(self, h: Held) -> None:
         """Envoy showed it runs the admission (ext_proc stream, first byte, periodic entry)."""
         if self.liveness_decides:
-            if not h.acknowledged:
-                h.unacked_since = self._clock()  # like a lease renewed
+            h.renew(self._clock())  # like a lease renewed
         else:
-            h.acknowledged = True
+            h.acknowledge()
 
     def holds(self, aid: str) -> bool:
         return aid in self._held
@@ -982,7 +971,7 @@ class FleetController:
         h = self._held.get(aid)
         if h is None:
             return False
-        h.acknowledged = True
+        h.acknowledge()
         return True
 
     def lease_again(self, aid: str) -> bool:
@@ -990,8 +979,7 @@ class FleetController:
         h = self._held.get(aid)
         if h is None:
             return False
-        h.acknowledged = False
-        h.unacked_since = self._clock()
+        h.unacknowledge(self._clock())
         return True
 
     def expire_unacknowledged(self) -> int:
@@ -1003,8 +991,7 @@ class FleetController:
         Anything Envoy acknowledged is kept for as long as the replica lives.
         """
         cutoff = self._clock() - self._ack_timeout
-        stale = [aid for aid, h in self._held.items()
-                 if not h.acknowledged and (h.unacked_since or h.admitted_at) <= cutoff]
+        stale = [aid for aid, h in self._held.items() if h.ack_expired(cutoff)]
         for aid in stale:
             self.release(aid, ReleaseReason.LEASE_EXPIRED)
         return len(stale)
@@ -1199,7 +1186,9 @@ class _LocalRecorder(NullRecorder):
                 a = e.admission
                 o._held[a.id] = Held(a.cls, a.tenant, a.admitted_at)
             elif isinstance(e, Released):
-                o._held.pop(e.admission.id, None)
+                gone = o._held.pop(e.admission.id, None)
+                if gone is not None:
+                    gone.move(Stage.RELEASED)
                 o._ended.add(e.admission.id, e.reason)
             elif isinstance(e, Rejected) and e.outcome is Outcome.CLIENT_CANCELLED:
                 moving = _MOVING.get()

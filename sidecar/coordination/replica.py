@@ -37,6 +37,48 @@ bug in the driver and raises :class:`IllegalTransition`. What a resync answer me
 decided here (:meth:`Replica.resync_answered`): back to OK only once the ledger knew this
 replica, the fleet has settled, and the server has answered for at least one heartbeat
 interval since the outage (see the controller's module docstring for why each is needed).
+
+One held admission
+==================
+
+Each admission this replica holds (:class:`Held`, the local mirror) has two states, each
+from its own table, because the two change independently: its **stage**, what the
+ledger may do to it, and its **acknowledgement**, whether Envoy showed it runs it.
+
+============  =======================================  ====================================
+stage         meaning                                  leaves by → next stage
+============  =======================================  ====================================
+ADMITTED      holds a slot; no stop channel            the stop channel opens →
+                                                       PREEMPTIBLE; first byte (or an
+                                                       adoption) → STREAMING
+PREEMPTIBLE   a stop channel is open; the ledger was   the deferred mark leaves, or the
+              not told (its mark waits out the delay,  replica returns to OK (the mark is
+              or the replica is away from the ledger)  sent then) → MARKED; first byte →
+              so it is a candidate only locally        STREAMING (the ledger never saw it
+                                                       as a candidate: nothing to send)
+MARKED        the ledger may hold it as a candidate:   first byte → STREAMING, which must
+              its first byte must reach the ledger     reach the ledger (and, through
+              before the response may start            ``confirm_first_byte``, be
+                                                       answered) before the response starts
+STREAMING     past its first byte: never a victim      released
+RELEASED      ended (completed, cancelled, preempted,  final (the id is remembered in
+              expired): no longer held                 ``EndedIds``)
+============  =======================================  ====================================
+
+Every stage also leaves for RELEASED; opening the stop channel again keeps PREEMPTIBLE or
+MARKED. A resync or adoption lists an admission as a candidate only when MARKED, so the
+ledger never holds a candidate whose first byte the driver would not send. While the
+replica is away from the ledger a first byte cannot be sent (and one in the outbox or in
+a failed call may be lost), so on the return to OK the driver sends the first byte of
+every STREAMING admission again (idempotent in the ledger): a candidate the ledger still
+has would otherwise be picked as a victim after its response started, and run on
+uncounted beside its preemptor.
+
+An acknowledgement is UNACKNOWLEDGED (the ack timeout runs from ``unacked_since``) until
+Envoy shows it runs the admission (ext_proc stream, first byte, periodic entry; with
+:mod:`sidecar.liveness` wired, only the liveness tracker decides) → ACKNOWLEDGED, kept for
+as long as the replica lives; an Envoy that may have been replaced makes it UNACKNOWLEDGED
+again, its timeout running from then (:data:`ACKS`).
 """
 
 from __future__ import annotations
@@ -45,7 +87,8 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from sidecar.coordination.ledger import degraded_limit
+from sidecar.classes import PriorityClass
+from sidecar.coordination.ledger import Holding, degraded_limit
 
 
 class Mode(enum.StrEnum):
@@ -233,3 +276,131 @@ class Replica:
         """The local core's capacity: the degraded limit, or 0 while a resync is in flight
         (its list is fixed: a local admission then would not be in it)."""
         return 0 if self._mode is Mode.RESYNCING else self.degraded_limit(own_capacity)
+
+
+# ------------------------------------------------------------------ one held admission
+
+
+class Stage(enum.StrEnum):
+    """What the ledger may still do to one held admission (see the module table)."""
+
+    ADMITTED = "admitted"
+    PREEMPTIBLE = "preemptible"
+    MARKED = "marked"
+    STREAMING = "streaming"
+    RELEASED = "released"
+
+
+S = Stage
+STAGES: Mapping[Stage, frozenset[Stage]] = {
+    S.ADMITTED: frozenset({S.PREEMPTIBLE, S.STREAMING, S.RELEASED}),
+    S.PREEMPTIBLE: frozenset({S.PREEMPTIBLE, S.MARKED, S.STREAMING, S.RELEASED}),
+    S.MARKED: frozenset({S.MARKED, S.STREAMING, S.RELEASED}),
+    S.STREAMING: frozenset({S.RELEASED}),
+    S.RELEASED: frozenset(),
+}
+"""Allowed moves of a stage: ``new in STAGES[old]``."""
+del S
+
+
+class Ack(enum.StrEnum):
+    """Whether Envoy showed it runs the admission."""
+
+    UNACKNOWLEDGED = "unacknowledged"
+    ACKNOWLEDGED = "acknowledged"
+
+
+ACKS: Mapping[Ack, frozenset[Ack]] = {
+    # Unacknowledged → unacknowledged: its timeout restarted (a sign from an Envoy that
+    # the liveness tracker does not vouch for).
+    Ack.UNACKNOWLEDGED: frozenset({Ack.UNACKNOWLEDGED, Ack.ACKNOWLEDGED}),
+    # Acknowledged → acknowledged: another sign; → unacknowledged: its Envoy may be gone.
+    Ack.ACKNOWLEDGED: frozenset({Ack.ACKNOWLEDGED, Ack.UNACKNOWLEDGED}),
+}
+"""Allowed moves of an acknowledgement."""
+
+
+class IllegalStage(RuntimeError):
+    """A move of a held admission the tables do not allow: a driver bug."""
+
+
+class Held:
+    """An admission this replica holds (the local mirror): its stage and acknowledgement,
+    each moved only through its table."""
+
+    __slots__ = ("_ack", "_stage", "admitted_at", "cls", "tenant", "unacked_since")
+
+    def __init__(self, cls: PriorityClass, tenant: str, admitted_at: float, *,
+                 stage: Stage = Stage.ADMITTED, ack: Ack = Ack.UNACKNOWLEDGED,
+                 unacked_since: float | None = None) -> None:
+        self.cls = cls
+        self.tenant = tenant
+        self.admitted_at = admitted_at
+        self._stage = stage
+        self._ack = ack
+        # When the ack timeout started: admission, or the last sign that restarted it.
+        self.unacked_since = admitted_at if unacked_since is None else unacked_since
+
+    def __repr__(self) -> str:
+        return (f"Held({self.cls.label}, {self.tenant!r}, {self.admitted_at}, "
+                f"{self._stage.value}, {self._ack.value})")
+
+    @property
+    def stage(self) -> Stage:
+        return self._stage
+
+    @property
+    def ack(self) -> Ack:
+        return self._ack
+
+    @property
+    def first_byte(self) -> bool:
+        return self._stage is Stage.STREAMING
+
+    @property
+    def preemptible(self) -> bool:
+        """A candidate (its stop channel open, before its first byte)."""
+        return self._stage in (Stage.PREEMPTIBLE, Stage.MARKED)
+
+    @property
+    def mark_sent(self) -> bool:
+        """The ledger may hold it as a candidate: its first byte must reach the ledger."""
+        return self._stage is Stage.MARKED
+
+    @property
+    def acknowledged(self) -> bool:
+        return self._ack is Ack.ACKNOWLEDGED
+
+    def move(self, to: Stage) -> None:
+        if to not in STAGES[self._stage]:
+            raise IllegalStage(f"{self._stage.value} → {to.value}")
+        self._stage = to
+
+    def _ack_to(self, to: Ack) -> None:
+        if to not in ACKS[self._ack]:
+            raise IllegalStage(f"{self._ack.value} → {to.value}")
+        self._ack = to
+
+    def acknowledge(self) -> None:
+        """Envoy runs it: kept until its end or the death of its Envoy or this replica."""
+        self._ack_to(Ack.ACKNOWLEDGED)
+
+    def unacknowledge(self, now: float) -> None:
+        """Its Envoy may have been replaced: the ack timeout runs again from ``now``."""
+        self._ack_to(Ack.UNACKNOWLEDGED)
+        self.unacked_since = now
+
+    def renew(self, now: float) -> None:
+        """A sign not vouched for: an unacknowledged admission's timeout restarts."""
+        if self._ack is Ack.UNACKNOWLEDGED:
+            self._ack_to(Ack.UNACKNOWLEDGED)
+            self.unacked_since = now
+
+    def ack_expired(self, cutoff: float) -> bool:
+        """Unacknowledged since ``cutoff`` or earlier."""
+        return self._ack is Ack.UNACKNOWLEDGED and self.unacked_since <= cutoff
+
+    def holding(self, id: str) -> Holding:
+        """As a resync or adoption lists it: a candidate only once MARKED (the stage whose
+        first byte the driver sends to the ledger)."""
+        return Holding(id, self.cls, self.tenant, self.first_byte, self.mark_sent)
