@@ -2,11 +2,12 @@
 
 * the issue's unit scenarios (interleaving, 2:1 weights, the per-tenant limit,
   hot reload on and off, starvation aged by the oldest waiter);
-* a property test: with ``fair_queuing: false`` everywhere the scheduler's
-  decisions and events are identical to the scheduler as it was before
-  (``tests/oracle_scheduler.py``, a frozen copy), on random sequences with
-  reloads; likewise for fair queuing with one tenant, and for a per-tenant limit
-  that never binds;
+* a property test of the live scheduler beside itself: fair queuing with one
+  tenant, or with one request per tenant, and per-tenant FIFOs under a limit that
+  never binds decide exactly as the plain FIFO class (whose rules
+  test_scheduler_properties checks), on random sequences with reloads;
+* a property test of the shares: while two tenants both wait, each is served by
+  its weight within one turn of each (the fair queuing bound), each tenant FIFO;
 * a property test of :class:`TenantQueue` against a brute-force model of the
   same fair queue (a linear scan for the smallest tag, no heap, no lazy deletion).
 """
@@ -35,7 +36,6 @@ from sidecar.scheduler import (
 from sidecar.scheduler.lifecycle import Waiter
 from sidecar.scheduler.queues import FifoQueue, TenantQueue
 from tests.clock import FakeClock
-from tests.oracle_scheduler import OracleScheduler
 from tests.strategies import classes, configs
 from tests.test_scheduler_properties import CheckedScheduler, drain  # also: the suite's profile
 
@@ -231,7 +231,7 @@ def test_oldest_can_differ_from_the_head() -> None:
     assert (head.id, oldest.id) == ("b0", "a1")
 
 
-# ------------------------------------------------- identical to the scheduler before
+# ------------------------------------------- fair queuing off, or idle: exactly the FIFO
 
 
 ops = st.lists(
@@ -271,37 +271,41 @@ def decision_view(d: Any) -> tuple[Any, ...]:
     return view([d])[0]
 
 
-Variant = str  # how the new scheduler is configured while the oracle runs as before
+Variant = str  # how the scheduler under test is configured beside the plain FIFO one
 
 
 def variant_cfg(cfg: dict[PriorityClass, ClassSettings], variant: Variant
                 ) -> dict[PriorityClass, ClassSettings]:
-    if variant == "fifo":
-        return cfg
     if variant == "fair_one_tenant":  # fair queuing with a single tenant is a FIFO
         return {c: replace(v, fair_queuing=True, tenant_weights={"t": 3.0})
                 for c, v in cfg.items()}
-    # a per-tenant limit in force (TenantQueue) that never binds: one request per tenant
+    if variant == "fair_equal_tenants":  # one request per tenant, equal weights: arrival order
+        return {c: replace(v, fair_queuing=True) for c, v in cfg.items()}
+    # per-tenant FIFOs (TenantQueue) under a limit that never binds: one request per tenant
     return {c: replace(v, max_queued_per_tenant=1) for c, v in cfg.items()}
 
 
 # Pinned rather than the suite's profile: run alone, 100 examples missed a LIFO mutant.
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs, capacity=st.integers(0, 12), steps=ops, on_admit=st.booleans(),
-       variant=st.sampled_from(["fifo", "fair_one_tenant", "limit_never_binds"]))
-def test_decisions_are_identical_to_the_scheduler_before_fair_queuing(
+       variant=st.sampled_from(["fair_one_tenant", "fair_equal_tenants", "limit_never_binds"]))
+def test_fair_queuing_that_cannot_reorder_decides_exactly_as_the_fifo(
         cfg: dict[PriorityClass, ClassSettings], capacity: int,
         steps: list[tuple[str, Any]], on_admit: bool, variant: Variant) -> None:
+    """The live scheduler beside itself: a class with fair queuing but one tenant, with one
+    request per tenant at equal weights, or with per-tenant FIFOs under a limit that never
+    binds, decides, emits and times exactly as the plain FIFO class (``fair_queuing:
+    false``, the contract's queue), through reloads that switch the queue kind both ways.
+    The FIFO itself is checked against the contract's rules in test_scheduler_properties."""
     clock = FakeClock()
     new = Scheduler(variant_cfg(cfg, variant), capacity, clock, preemptible_on_admit=on_admit)
-    old = OracleScheduler(cfg, capacity, clock, preemptible_on_admit=on_admit)
+    fifo = Scheduler(cfg, capacity, clock, preemptible_on_admit=on_admit)
     ids = itertools.count()
     live: list[str] = []
 
     def tenant_for(rid: str, tenant: str) -> str:
-        if variant == "fair_one_tenant":
-            return "t"
-        return rid if variant == "limit_never_binds" else tenant
+        return "t" if variant == "fair_one_tenant" else rid
 
     for op, arg in steps:
         if op == "arrive" or op == "adopt":
@@ -310,43 +314,173 @@ def test_decisions_are_identical_to_the_scheduler_before_fair_queuing(
             t = tenant_for(rid, tenant)
             if op == "arrive":
                 assert decision_view(new.arrive(rid, cls, t)) == decision_view(
-                    old.arrive(rid, cls, t))
+                    fifo.arrive(rid, cls, t))
             else:
-                assert new.adopt(rid, cls, t) == old.adopt(rid, cls, t)
+                assert new.adopt(rid, cls, t) == fifo.adopt(rid, cls, t)
         elif op in ("release", "first_byte", "reachable") and live:
             rid = live[arg % len(live)]
             name = {"release": "release", "first_byte": "mark_first_byte",
                     "reachable": "mark_preemptible"}[op]
-            assert getattr(new, name)(rid) == getattr(old, name)(rid)
+            assert getattr(new, name)(rid) == getattr(fifo, name)(rid)
         elif op == "cancel":
-            queued = [w for c in HIGH_TO_LOW for w in old.queued_ids(c)]
+            queued = [w for c in HIGH_TO_LOW for w in fifo.queued_ids(c)]
             if queued:
                 rid = queued[arg % len(queued)]
-                assert new.cancel(rid) == old.cancel(rid)
+                assert new.cancel(rid) == fifo.cancel(rid)
         elif op == "capacity":
             new.set_capacity(arg)
-            old.set_capacity(arg)
+            fifo.set_capacity(arg)
         elif op == "advance":
             clock.advance(arg)
             new.tick()
-            old.tick()
+            fifo.tick()
         elif op == "reload":
             new.update_config(variant_cfg(arg, variant))
-            old.update_config(arg)
-        got, want = new.take_events(), old.take_events()
+            fifo.update_config(arg)
+        got, want = new.take_events(), fifo.take_events()
         assert view(got) == view(want)
-        live = [a.id for a in old.admissions()]
+        live = [a.id for a in fifo.admissions()]
         assert [a.id for a in new.admissions()] == live
-        assert new.next_deadline() == old.next_deadline()
+        assert new.next_deadline() == fifo.next_deadline()
         for c in HIGH_TO_LOW:
-            assert new.queued_ids(c) == old.queued_ids(c)
-        ns, os_ = new.snapshot(), old.snapshot()
-        assert (ns.capacity, ns.inflight) == (os_.capacity, os_.inflight)
+            assert new.queued_ids(c) == fifo.queued_ids(c)
+        ns, fs = new.snapshot(), fifo.snapshot()
+        assert (ns.capacity, ns.inflight) == (fs.capacity, fs.inflight)
         for c in HIGH_TO_LOW:
-            a, b = ns.classes[c], os_.classes[c]
+            a, b = ns.classes[c], fs.classes[c]
             assert (a.inflight, a.queue_depth, a.queue_limit, a.reserved) == (
                 b.inflight, b.queue_depth, b.queue_limit, b.reserved)
+            assert a.tenant_depths == b.tenant_depths
             assert sum(a.tenant_depths.values()) == a.queue_depth
+
+
+# ------------------------------------------- shares by weight: the fairness bound, live
+
+
+share_weights = st.dictionaries(st.sampled_from("ABCD"),
+                                st.sampled_from([0.25, 0.5, 1.0, 1.5, 3.0, 10.0]), min_size=2)
+# Two classes (priority and starvation between them), so that tenants pile up in each.
+share_classes = st.sampled_from([PriorityClass.BULK, PriorityClass.INTERACTIVE])
+share_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("arrive"), st.tuples(share_classes, st.sampled_from("ABCD"))),
+        st.tuples(st.just("burst"), st.tuples(share_classes, st.sampled_from("ABCD"))),
+        st.tuples(st.just("release"), st.integers(0, 1000)),
+        st.tuples(st.just("release"), st.integers(0, 1000)),
+        st.tuples(st.just("cancel"), st.integers(0, 1000)),
+        st.tuples(st.just("reachable"), st.integers(0, 1000)),
+        st.tuples(st.just("capacity"), st.integers(0, 4)),
+        st.tuples(st.just("advance"), st.sampled_from([0.5, 3.0])),
+        st.tuples(st.just("reload"), share_weights),
+    ),
+    min_size=40,
+    max_size=150,
+)
+
+
+@settings(max_examples=1000, deadline=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(weights=share_weights, capacity=st.integers(1, 3), steps=share_ops,
+       starve=st.sampled_from([2.0, 1e6]), preempt=st.booleans())
+def test_shares_follow_the_weights_within_one_turn(
+        weights: dict[str, float], capacity: int, steps: list[tuple[str, Any]],
+        starve: float, preempt: bool) -> None:
+    """Self-clocked fair queuing's bound (Golestani 1994), on the live scheduler: over any
+    stretch of a class's dispatch in which tenants i and j both wait throughout, the
+    requests served to each, n_i and n_j, satisfy |n_i / w_i − n_j / w_j| ≤ 1/w_i + 1/w_j —
+    a tenant's share is its weight's, give or take one turn each. Whatever admits a
+    class's head (priority, starvation, preemption, capacity changes, cancels and timeouts
+    of other waiters) and reloads that change the weights (a new stretch starts: the queue
+    is re-sorted). Each tenant's own requests are served in arrival order."""
+    clock = FakeClock()
+
+    def config(w: dict[str, float]) -> dict[PriorityClass, ClassSettings]:
+        return {c: ClassSettings(reserved_floor=0, reserved_per_slot=0.0, queue_size=40,
+                                 queue_timeout_secs=20.0, starvation_threshold_secs=starve,
+                                 can_preempt=preempt, fair_queuing=True, tenant_weights=w)
+                for c in PriorityClass}
+
+    s = Scheduler(config(weights), capacity, clock)
+    ids = itertools.count()
+    queued: dict[PriorityClass, dict[str, list[str]]] = {c: {} for c in PriorityClass}
+    served: dict[PriorityClass, dict[str, int]] = {c: {} for c in PriorityClass}
+    # Per class and waiting tenant: the served counts when its current stretch began.
+    since: dict[PriorityClass, dict[str, tuple[int, dict[str, int]]]] = {
+        c: {} for c in PriorityClass}
+    stamp = itertools.count()
+    live: list[str] = []
+
+    def weight(t: str) -> float:
+        return weights.get(t, 1.0)
+
+    def begin(c: PriorityClass, t: str) -> None:
+        since[c][t] = (next(stamp), dict(served[c]))
+
+    def check(c: PriorityClass) -> None:
+        waiting = sorted(since[c])
+        for i, a in enumerate(waiting):
+            for b in waiting[i + 1:]:
+                # the stretch both waited: from the later of their starts
+                _, base = max(since[c][a], since[c][b], key=lambda x: x[0])
+                na = served[c].get(a, 0) - base.get(a, 0)
+                nb = served[c].get(b, 0) - base.get(b, 0)
+                bound = 1 / weight(a) + 1 / weight(b)
+                assert abs(na / weight(a) - nb / weight(b)) <= bound + 1e-9, (c, a, na, b, nb)
+
+    def absorb(events: list[Any]) -> None:
+        for e in events:
+            if isinstance(e, Admitted) and e.queued:
+                a = e.admission
+                fifo = queued[a.cls][a.tenant]
+                assert fifo[0] == a.id, "a tenant's own requests out of order"
+                fifo.pop(0)
+                served[a.cls][a.tenant] = served[a.cls].get(a.tenant, 0) + 1
+                check(a.cls)  # the serve that empties a tenant's FIFO still counts
+                if not fifo:
+                    del queued[a.cls][a.tenant], since[a.cls][a.tenant]
+            elif isinstance(e, Rejected) and e.id in queued[e.cls].get(e.tenant, ()):
+                fifo = queued[e.cls][e.tenant]
+                fifo.remove(e.id)
+                if not fifo:
+                    del queued[e.cls][e.tenant], since[e.cls][e.tenant]
+            if isinstance(e, Admitted):
+                live.append(e.admission.id)
+            elif isinstance(e, Released):
+                live.remove(e.admission.id)
+
+    for op, arg in steps:
+        if op in ("arrive", "burst"):
+            cls, tenant = arg
+            for _ in range(5 if op == "burst" else 1):
+                rid = f"r{next(ids)}"
+                if isinstance(s.arrive(rid, cls, tenant), Queued):
+                    if tenant not in queued[cls]:
+                        queued[cls][tenant] = []
+                        begin(cls, tenant)
+                    queued[cls][tenant].append(rid)
+                absorb(s.take_events())
+            continue
+        if op == "release" and live:
+            s.release(live[arg % len(live)])
+        elif op == "cancel":
+            waiting = [r for c in PriorityClass for f in queued[c].values() for r in f]
+            if waiting:
+                s.cancel(sorted(waiting)[arg % len(waiting)])
+        elif op == "reachable" and live:
+            s.mark_preemptible(live[arg % len(live)])
+        elif op == "capacity":
+            s.set_capacity(arg)
+        elif op == "advance":
+            clock.advance(arg)
+            s.tick()
+        elif op == "reload":
+            absorb(s.take_events())
+            weights = arg
+            s.update_config(config(weights))
+            for c in PriorityClass:
+                for t in since[c]:
+                    begin(c, t)
+        absorb(s.take_events())
 
 
 # ------------------------------------------------ the fair queue against a brute-force model
