@@ -513,8 +513,8 @@ async def test_a_server_restart_that_loses_the_data_is_an_outage_and_a_return(
             print("DEBUG", await own_client.hgetall(f"pg:{{{FLEET}}}:adm"),
                   await own_client.hgetall(f"pg:{{{FLEET}}}:w"),
                   await own_client.lrange(f"pg:{{{FLEET}}}:ev:a", 0, -1),
-                  dict(a.fleet._waiting), a.fleet.state, dict(b.fleet.held),
-                  list(b.fleet._outbox), await own_client.hgetall(f"pg:{{{FLEET}}}:ended"))
+                  a.fleet.waiting, a.fleet.mode, dict(b.fleet.held), b.fleet.mode,
+                  await own_client.hgetall(f"pg:{{{FLEET}}}:ended"))
             raise
         await a.end(held_a, got)
         await eventually(lambda: _zero(own_client), what="ledger empty")
@@ -792,9 +792,9 @@ async def test_requests_right_behind_the_first_call_after_a_loss_stay_within_cap
         assert a.fleet.state == "ok"
         assert not await registered(own_client, "a")()
         if first_call == "reload":
-            a.fleet.update_config(a.fleet._classes)
+            a.fleet.update_config(a.fleet.classes)
         else:
-            a.fleet._heartbeat_wake.set()
+            a.fleet.heartbeat_now()
             for _ in range(3):
                 await asyncio.sleep(0)
         await asyncio.sleep(0)

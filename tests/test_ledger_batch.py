@@ -148,13 +148,12 @@ class Undelivered(NullRecorder):
 async def _controller(server: ValkeyServer, metrics: NullRecorder, *, mark_delay: float,
                       events: bool) -> FleetController:
     ctl = await FleetController.connect(server.url, fleet="f", replica="b", ttl=10.0,
-                                        classes=PREEMPTING, capacity=1, metrics=metrics)
-    ctl._mark_delay = mark_delay
-    # The outbox always; the notification reader only where the test wants it (without
-    # it, a preemption decided in the ledger waits unread, as in the race).
-    ctl._tasks.append(asyncio.create_task(ctl._outbox_loop()))
-    if events:
-        ctl._tasks.append(asyncio.create_task(ctl._event_loop()))
+                                        classes=PREEMPTING, capacity=1, metrics=metrics,
+                                        mark_delay=mark_delay)
+    # No heartbeat (its calls would be counted); the notification reader only where the
+    # test wants it (without it, a preemption decided in the ledger waits unread, as in
+    # the race).
+    ctl.start(heartbeat=False, notifications=events)
     return ctl
 
 
@@ -217,8 +216,7 @@ async def test_a_victim_preempted_before_its_first_byte_mark_arrived_does_not_st
         # The owner has not read the notification yet; its response is about to start.
         assert not await ctl.confirm_first_byte(aid)
         assert not watch.done()  # the caller stops it (503) instead of continuing
-        for e in await ctl.ledger.take_events():  # now the notification comes
-            ctl._on_event(e)
+        ctl.notified(await ctl.ledger.take_events())  # now the notification comes
         assert aid not in ctl.held
         assert metrics.undelivered == 0  # delivered: the 503 went out on the reply
         ctl.release(aid)  # Envoy's access-log entry for the 503: released once only

@@ -104,7 +104,7 @@ import contextlib
 import contextvars
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -324,11 +324,22 @@ class FleetController:
                          fleet_capacity=status.capacity, live_replicas=status.live_replicas)
         return self
 
-    def start(self) -> None:
-        """Start the heartbeat, notification, timer and outbox loops."""
-        for loop in (self._heartbeat_loop, self._event_loop, self._tick_loop,
-                     self._outbox_loop):
+    def start(self, *, heartbeat: bool = True, notifications: bool = True) -> None:
+        """Start the outbox loop and, unless told not to, the heartbeat and timer loops
+        (``heartbeat=False``: a test that counts what one request costs the ledger) and
+        the notification reader (``notifications=False``: a test that reads them itself
+        and hands them to :meth:`notified`, to order them against a reply)."""
+        loops: list[Callable[[], Coroutine[Any, Any, None]]] = [self._outbox_loop]
+        if heartbeat:
+            loops += [self._heartbeat_loop, self._tick_loop]
+        if notifications:
+            loops.append(self._event_loop)
+        for loop in loops:
             self._tasks.append(asyncio.create_task(loop()))
+
+    def heartbeat_now(self) -> None:
+        """Run the next heartbeat now rather than at the end of its interval."""
+        self._heartbeat_wake.set()
 
     async def aclose(self) -> None:
         for t in [*self._tasks, *self._background]:
@@ -364,6 +375,11 @@ class FleetController:
     def core(self) -> Replica:
         """The pure state machine behind this controller (read it; the driver moves it)."""
         return self._core
+
+    @property
+    def classes(self) -> Mapping[PriorityClass, ClassSettings]:
+        """The class settings in force (the last :meth:`update_config`)."""
+        return self._classes
 
     @property
     def held(self) -> Mapping[str, Held]:
@@ -720,6 +736,11 @@ class FleetController:
 
     # ------------------------------------------------------------------ notifications
 
+    def notified(self, events: Iterable[Event]) -> None:
+        """Notifications from the ledger (grants, expiries, preemptions), in order."""
+        for e in events:
+            self._on_event(e)
+
     def _on_event(self, e: Event) -> None:
         if e.kind == "grant":
             if e.id in self._held:
@@ -1035,8 +1056,7 @@ class FleetController:
                 log.debug("coordination_events_unreachable", error=_describe(exc))
                 await asyncio.sleep(self._interval / 4)
                 continue
-            for e in events:
-                self._on_event(e)
+            self.notified(events)
 
     def _schedule_tick(self, delay: float) -> None:
         at = self._clock() + max(0.0, delay) + 0.001
