@@ -9,22 +9,42 @@ import itertools
 import pytest
 
 from sidecar.classes import PriorityClass
-from sidecar.coordination.ledger import Holding
+from sidecar.coordination.ledger import Event as Notification
+from sidecar.coordination.ledger import FleetStatus, Holding
 from sidecar.coordination.replica import (
     ACKS,
     LOCAL,
     STAGES,
     TRANSITIONS,
     Ack,
+    Count,
+    Expire,
+    Fault,
+    Grant,
     Held,
     IllegalStage,
     IllegalTransition,
+    LocalAdopt,
+    LocalCarry,
+    LocalRelease,
     Mode,
     Replica,
+    Send,
     Stage,
+    Stop,
     Trigger,
     View,
     next_mode,
+)
+from sidecar.scheduler.lifecycle import (
+    Admission,
+    Admitted,
+    Outcome,
+    Preempted,
+    Rejected,
+    Released,
+    ReleaseReason,
+    ReleaseResult,
 )
 from tests.clock import FakeClock
 
@@ -251,3 +271,171 @@ def test_the_ack_timeout_runs_from_admission_restarts_and_stops_once_acknowledge
     h.unacknowledge(30.0)  # its Envoy may be gone: the timeout runs again from now
     assert not h.acknowledged and not h.ack_expired(29.0) and h.ack_expired(30.0)
     assert ACKS[Ack.ACKNOWLEDGED] == {Ack.ACKNOWLEDGED, Ack.UNACKNOWLEDGED}
+
+
+# ------------------------------------------------------------------ holdings: events → effects
+
+BULK, SYSTEM = PriorityClass.BULK, PriorityClass.SYSTEM
+
+
+def _ok() -> tuple[Replica, FakeClock]:
+    return _in(Mode.OK)
+
+
+def test_a_grant_answers_its_waiter_once_and_a_stray_grant_gives_the_slot_back() -> None:
+    r, clock = _ok()
+    r.waiter_arrived("w", BULK, "t")
+    clock.advance(2.0)
+    fx = r.notified(Notification("grant", "w", waited=1.5, starvation=True))
+    count, grant = fx
+    assert isinstance(count, Count) and isinstance(grant, Grant)
+    (ev,) = count.events
+    assert isinstance(ev, Admitted) and ev is grant.admitted
+    assert ev.queued and ev.starvation and ev.waited == 1.5
+    assert ev.admission.admitted_at == clock.now and "w" in r.held
+    # Read twice (a list restored with an older copy): already held, nothing to do.
+    assert r.notified(Notification("grant", "w")) == []
+    # A grant nobody waits for any more (left, answered, moved locally): released.
+    assert r.notified(Notification("grant", "gone")) == [
+        Send("release", ("gone", ReleaseReason.CANCELLED))]
+
+
+def test_a_grant_while_away_from_the_ledger_is_given_back() -> None:
+    r, _ = _ok()
+    r.waiter_arrived("w", BULK, "t")
+    r.ledger_lost()
+    assert r.notified(Notification("grant", "w")) == [
+        Send("release", ("w", ReleaseReason.CANCELLED))]
+    assert "w" not in r.held
+
+
+def test_an_expiry_answers_its_waiter_once() -> None:
+    r, _ = _ok()
+    r.waiter_arrived("w", BULK, "t")
+    count, expire = r.notified(Notification("expired", "w", waited=3.0))
+    assert isinstance(count, Count) and expire == Expire("w", 3.0)
+    (ev,) = count.events
+    assert isinstance(ev, Rejected) and ev.outcome is Outcome.REJECTED_QUEUE_TIMEOUT
+    assert r.notified(Notification("expired", "w", waited=3.0)) == []
+    r.waiter_arrived("x", BULK, "t")
+    r.waiter_gone("x")  # its requester left first
+    assert r.notified(Notification("expired", "x")) == []
+
+
+def test_a_preemption_ends_the_admission_and_stops_it() -> None:
+    r, _ = _ok()
+    r.admitted("a", BULK, "t", waited=0.0, queued=False)
+    r.held["a"].move(Stage.PREEMPTIBLE)
+    r.held["a"].move(Stage.MARKED)
+    count, stop = r.notified(Notification("preempt", "a", by_class=SYSTEM))
+    assert isinstance(count, Count) and stop == Stop("a", undelivered=True)
+    pre, rel = count.events
+    assert isinstance(pre, Preempted) and pre.by_class is SYSTEM
+    assert isinstance(rel, Released) and rel.reason is ReleaseReason.PREEMPTED
+    assert "a" not in r.held and "a" in r.ended
+    assert r.notified(Notification("preempt", "a")) == []  # ended once
+    # A release after it (Envoy's final entry for the 503) is a duplicate.
+    assert r.release("a", ReleaseReason.COMPLETED) == (ReleaseResult.ALREADY_RELEASED, [])
+
+
+def test_a_preemption_the_first_byte_reply_already_delivered_is_not_undelivered() -> None:
+    r, _ = _ok()
+    r.admitted("a", BULK, "t", waited=0.0, queued=False)
+    h = r.held["a"]
+    for st in (Stage.PREEMPTIBLE, Stage.MARKED, Stage.CONFIRMING, Stage.STOPPED):
+        h.move(st)
+    assert h.first_byte  # listed so: never a candidate again
+    *_, stop = r.preempted("a", SYSTEM)
+    assert stop == Stop("a", undelivered=False)
+
+
+def test_while_away_the_local_core_decides_and_the_mirror_follows_its_events() -> None:
+    r, clock = _ok()
+    r.admitted("a", BULK, "t", waited=0.0, queued=False)
+    r.ledger_lost()
+    assert r.release("a", ReleaseReason.COMPLETED) == (
+        ReleaseResult.RELEASED, [LocalRelease("a", ReleaseReason.COMPLETED)])
+    assert "a" in r.held  # until the local core's Released event
+    r.local_released("a", ReleaseReason.COMPLETED)
+    assert "a" not in r.held and r.held == {}
+    assert r.preempted("a", SYSTEM) == []
+    # An arrive that the ledger answered after the switch: carried into the local core.
+    _, fx = r.admitted("late", BULK, "t", waited=0.0, queued=False)
+    assert fx[0] == LocalCarry("late", BULK, "t", clock.now, streaming=False)
+    r.local_admitted(Admission("loc", BULK, "t", clock.now))
+    assert set(r.held) == {"late", "loc"}
+    assert r.preempted("late", SYSTEM) == [LocalRelease("late", ReleaseReason.PREEMPTED),
+                                           Stop("late", undelivered=True)]
+
+
+def test_a_release_in_ok_is_counted_and_sent_once() -> None:
+    r, _ = _ok()
+    r.admitted("a", BULK, "t", waited=0.0, queued=False)
+    result, (count, send) = r.release("a", ReleaseReason.COMPLETED)
+    assert result is ReleaseResult.RELEASED
+    assert isinstance(count, Count) and send == Send("release", ("a", ReleaseReason.COMPLETED))
+    assert r.release("a", ReleaseReason.COMPLETED) == (ReleaseResult.ALREADY_RELEASED, [])
+    assert r.release("b", ReleaseReason.COMPLETED) == (ReleaseResult.UNKNOWN, [])
+
+
+def test_adoption_only_of_what_did_not_end_here_and_into_the_right_place() -> None:
+    r, _ = _ok()
+    fx = r.adopted("s", BULK, "t")
+    assert fx is not None and fx[-1] == Send("adopt", Holding("s", BULK, "t", True, False))
+    assert r.held["s"].first_byte and r.held["s"].acknowledged
+    r.release("s", ReleaseReason.COMPLETED)
+    assert r.adopted("s", BULK, "t") is None  # completed here: never back
+    r.admitted("e", BULK, "t", waited=0.0, queued=False)
+    r.release("e", ReleaseReason.LEASE_EXPIRED)
+    r.ledger_lost()
+    fx = r.adopted("e", BULK, "t")  # expired only: the one way back
+    assert fx is not None and fx[-1] == LocalAdopt("e", BULK, "t")
+
+
+def test_a_takeover_holds_the_predecessors_admissions_unacknowledged() -> None:
+    r, clock = _ok()
+    r.admitted("mine", BULK, "t", waited=0.0, queued=False)
+    fx = r.taken_over([Holding("mine", BULK, "t"), Holding("p", BULK, "t", True),
+                       Holding("q", SYSTEM, "u")])
+    assert fx[-1] == Fault("taken_over")
+    assert sum(isinstance(f, Count) for f in fx) == 2
+    assert r.held["p"].stage is Stage.STREAMING and r.held["q"].stage is Stage.ADMITTED
+    assert not r.held["p"].acknowledged and r.held["p"].ack_expired(clock.now)
+
+
+def test_an_id_the_ledger_ended_is_stopped_if_it_can_be_else_counted_again() -> None:
+    r, _ = _ok()
+    for aid in ("stoppable", "running"):
+        r.admitted(aid, BULK, "t", waited=0.0, queued=False)
+    fx = r.ended_but_held(["stoppable", "running", "unknown"],
+                          can_stop=lambda aid: aid == "stoppable")
+    assert fx[0] == Fault("ended_but_running_stopped", "stoppable")
+    assert fx[-1] == Send("adopt", Holding("running", BULK, "t"))
+    assert "stoppable" not in r.held and "running" in r.held
+
+
+def test_the_return_marks_what_opened_while_away_and_resends_every_first_byte() -> None:
+    r, clock = _ok()
+    for aid in ("adm", "pre", "marked", "streaming"):
+        r.admitted(aid, BULK, "t", waited=0.0, queued=False)
+    r.held["marked"].move(Stage.PREEMPTIBLE)
+    r.held["marked"].move(Stage.MARKED)
+    r.held["streaming"].move(Stage.STREAMING)
+    r.ledger_lost()
+    r.held["pre"].move(Stage.PREEMPTIBLE)  # opened while away
+    r.resync_sent()
+    listed = [h.holding(aid) for aid, h in r.held.items()]
+    assert not next(h for h in listed if h.id == "pre").preemptible  # not told yet
+    r.local_released("adm", ReleaseReason.COMPLETED)  # ended while the resync flew
+    status = FleetStatus(True, 8, 1, 3, refused=("marked",))
+    now, late = r.recovery_refused(status, listed)
+    assert now == [LocalRelease("marked", ReleaseReason.PREEMPTED),
+                   Stop("marked", undelivered=False)]
+    assert late == [Send("release", ("adm", ReleaseReason.COMPLETED))]
+    r.local_released("marked", ReleaseReason.PREEMPTED)
+    r.resync_answered(known=True, settling=0.0, held=len(r.held), view=VIEW)
+    clock.advance(INTERVAL)
+    r.resync_sent()
+    assert r.resync_answered(known=True, settling=0.0, held=2, view=VIEW) is Mode.OK
+    assert r.returned() == [Send("preemptible", "pre"), Send("first_byte", "streaming")]
+    assert r.held["pre"].stage is Stage.MARKED

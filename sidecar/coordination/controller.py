@@ -88,9 +88,13 @@ during an outage) has no view: it queues by the class rules until the server ans
 
 The mode (starting, ok, degraded, resyncing, settling) is one value in the pure
 :class:`~sidecar.coordination.replica.Replica`, moved only through its transition table
-(the table, and what a resync's answer means, are documented there); this class owns
-the connections, loops and futures, and the local core that exists exactly while the
-mode is a local one.
+(the table, and what a resync's answer means, are documented there). The core also holds
+the admissions (each with a stage and an acknowledgement from their own tables) and
+decides what a notification, a release, an adoption or a resync's answer means, as
+effects (:data:`~sidecar.coordination.replica.Effect`: ledger ops to send, waiters to
+answer, stops to deliver, metric verbs). This class owns the connections, loops and
+futures, and the local core that exists exactly while the mode is a local one, and does
+what the effects say (``_apply``).
 
 Carried-over admissions stay as they are in the local core: one before its first byte
 whose stop channel (ext_proc stream) is open remains a preemption candidate, so a class
@@ -122,16 +126,29 @@ from sidecar.coordination.ledger import (
     FleetStatus,
     Holding,
 )
-from sidecar.coordination.replica import Ack, Held, Mode, Replica, Stage, View
+from sidecar.coordination.replica import (
+    Count,
+    Effect,
+    Expire,
+    Fault,
+    Grant,
+    Held,
+    LocalCarry,
+    LocalRelease,
+    Mode,
+    Replica,
+    Send,
+    Stage,
+    Stop,
+    View,
+)
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
-    Admission,
     Admitted,
     ClassSettings,
     ClassSnapshot,
     Outcome,
-    Preempted,
     Rejected,
     Released,
     ReleaseReason,
@@ -143,7 +160,6 @@ from sidecar.scheduler import (
 from sidecar.scheduler import (
     Event as CoreEvent,
 )
-from sidecar.scheduler.lifecycle import EndedIds
 
 log = logs.get("sidecar.coordination")
 
@@ -234,8 +250,6 @@ class FleetController:
         # The mode (ok, degraded, resyncing, settling) and the last view of the fleet, as
         # one pure state machine (sidecar.coordination.replica).
         self._core = Replica(interval=self._interval, clock=clock)
-        self._held: dict[str, Held] = {}
-        self._ended = EndedIds()
         self._waiting: dict[str, _Waiter] = {}
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
         # The local core: exists exactly while the mode is a local one (Replica.local).
@@ -248,8 +262,6 @@ class FleetController:
         self._marks_timer: asyncio.TimerHandle | None = None
         # First-byte marks whose reply a response is waiting for (confirm_first_byte).
         self._first_byte_waits: dict[str, asyncio.Future[bool]] = {}
-        # Stopped on a first-byte mark's reply, before the preempt notification was read.
-        self._stopped_by_reply: set[str] = set()
         self._outbox_wake = asyncio.Event()
         self._heartbeat_wake = asyncio.Event()
         self._tick_wake = asyncio.Event()
@@ -383,7 +395,7 @@ class FleetController:
 
     @property
     def held(self) -> Mapping[str, Held]:
-        return self._held
+        return self._core.held
 
     @property
     def fleet_capacity(self) -> int:
@@ -411,7 +423,7 @@ class FleetController:
     @property
     def lease_count(self) -> int:
         """Admissions this replica holds (the adoption bound counts them)."""
-        return len(self._held)
+        return len(self._core.held)
 
     @property
     def waiting(self) -> int:
@@ -424,7 +436,7 @@ class FleetController:
         capacity = self._core.view.capacity or self._capacity
         reserved = scaled_reservations(self._classes, capacity)
         inflight = dict.fromkeys(HIGH_TO_LOW, 0)
-        for h in self._held.values():
+        for h in self._core.held.values():
             inflight[h.cls] += 1
         depth = dict.fromkeys(HIGH_TO_LOW, 0)
         for w in self._waiting.values():
@@ -475,6 +487,7 @@ class FleetController:
         fut: asyncio.Future[Admitted] = asyncio.get_running_loop().create_future()
         # Registered before the call: the grant may be read before the reply is.
         self._waiting[aid] = _Waiter(fut, cls, tenant)
+        self._core.waiter_arrived(aid, cls, tenant)
         changed = self._changed
         try:
             try:
@@ -488,7 +501,7 @@ class FleetController:
             status = arrival.status
             if status is ArriveStatus.ADMITTED:
                 if arrival.victim is not None and arrival.victim_owner == self.ledger.replica:
-                    self._on_preempt(arrival.victim, cls)
+                    self._apply(self._core.preempted(arrival.victim, cls))
                 return self._admitted_now(aid, cls, tenant, waited=0.0, queued=False,
                                           preempted=arrival.victim is not None)
             if status is ArriveStatus.REJECTED_QUEUE_FULL:
@@ -513,7 +526,7 @@ class FleetController:
             # Degraded while queued in the ledger: queue again locally.
             raise _Moved
         except asyncio.CancelledError:
-            if aid in self._held:
+            if aid in self._core.held:
                 self.release(aid, ReleaseReason.CANCELLED)
             else:
                 self._metrics.on_events([Rejected(aid, cls, tenant, Outcome.CLIENT_CANCELLED,
@@ -522,6 +535,7 @@ class FleetController:
             raise
         finally:
             self._waiting.pop(aid, None)
+            self._core.waiter_gone(aid)
 
     async def _forget(self, aid: str) -> None:
         """Take back a ledger arrival whose requester is gone (cancelled, or moved locally)."""
@@ -537,16 +551,9 @@ class FleetController:
     def _admitted_now(self, aid: str, cls: PriorityClass, tenant: str, *, waited: float,
                       queued: bool, starvation: bool = False,
                       preempted: bool = False) -> Admitted:
-        now = self._clock()
-        self._held[aid] = Held(cls, tenant, now)
-        if self._local is not None:
-            # Granted by a call that returned after the switch: the local core counts it
-            # (before its first byte: it may still get a stop channel and be a victim).
-            core = self._local.core
-            assert isinstance(core, Scheduler)  # _degrade builds it
-            core.carry(aid, cls, tenant, now, streaming=False)
-        event = Admitted(Admission(aid, cls, tenant, now), waited, queued, starvation, preempted)
-        self._metrics.on_events([event])
+        event, effects = self._core.admitted(aid, cls, tenant, waited=waited, queued=queued,
+                                             starvation=starvation, preempted=preempted)
+        self._apply(effects)
         return event
 
     async def _admit_local(self, local: AdmissionController, cls: PriorityClass,
@@ -584,22 +591,13 @@ class FleetController:
     def release(self, aid: str,
                 reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
         """End an admission; a second or unknown release is counted and ignored."""
-        if aid not in self._held:
-            result = (ReleaseResult.ALREADY_RELEASED if aid in self._ended
-                      else ReleaseResult.UNKNOWN)
+        result, effects = self._core.release(aid, reason)
+        if result is not ReleaseResult.RELEASED:
             self._metrics.completion_unmatched(result.value)
             return result
         self._stop_signals.pop(aid, None)
-        self._stopped_by_reply.discard(aid)
-        if self._local is not None:
-            return self._local.release(aid, reason)  # the mirror follows its events
-        h = self._held.pop(aid)
-        h.move(Stage.RELEASED)
-        self._ended.add(aid, reason)
-        self._metrics.on_events([Released(Admission(aid, h.cls, h.tenant, h.admitted_at),
-                                          reason)])
-        self._send("release", (aid, reason))
-        return ReleaseResult.RELEASED
+        self._apply(effects)  # (while local, the mirror follows the local core's events)
+        return result
 
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
                        tenant: str = "") -> bool:
@@ -608,28 +606,22 @@ class FleetController:
         An id this replica does not hold but the entry names the class of (this process
         restarted while the stream ran) is adopted: counted here and added to the ledger.
         """
-        held = self._held.get(aid)
+        held = self._core.held.get(aid)
         if held is not None:
             self._signed(held)
             return True
-        if cls is None or not self._ended.adoptable(aid):
+        if cls is None:
             return False
-        now = self._clock()
-        h = self._held[aid] = Held(cls, tenant, now, stage=Stage.STREAMING,
-                                   ack=Ack.ACKNOWLEDGED)
-        self._metrics.on_events([Admitted(Admission(aid, cls, tenant, now), 0.0, queued=False,
-                                          adopted=True)])
-        if self._local is not None:
-            self._local.core.adopt(aid, cls, tenant)
-            self._local.core.take_events()  # counted above
-        else:
-            self._send("adopt", h.holding(aid))
+        effects = self._core.adopted(aid, cls, tenant)
+        if effects is None:
+            return False
+        self._apply(effects)
         log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
         return True
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
         """ADMITTED → PREEMPTIBLE (see :meth:`AdmissionController.open_stop_channel`)."""
-        h = self._held.get(aid)
+        h = self._core.held.get(aid)
         if h is None or h.first_byte:
             return None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -657,7 +649,7 @@ class FleetController:
         now = loop.time()
         while self._marks and self._marks[0][0] <= now:
             _, aid = self._marks.popleft()
-            h = self._held.get(aid)
+            h = self._core.held.get(aid)
             if h is not None and h.stage is Stage.PREEMPTIBLE and not self._core.local:
                 h.move(Stage.MARKED)
                 self._send("preemptible", aid)
@@ -666,7 +658,7 @@ class FleetController:
 
     def mark_first_byte(self, aid: str) -> bool:
         self._stop_signals.pop(aid, None)
-        h = self._held.get(aid)
+        h = self._core.held.get(aid)
         if h is None or h.first_byte:
             return False
         marked = h.mark_sent
@@ -688,13 +680,13 @@ class FleetController:
         Waits for the ledger only when its preemptible mark was sent (the request waited
         longer than the mark delay); otherwise, and while degraded, it answers at once.
         """
-        h = self._held.get(aid)
+        h = self._core.held.get(aid)
         if h is None or h.first_byte or not h.mark_sent or self._local is not None:
             return True
         fut = self._first_byte_waits.get(aid)
         if fut is None:
             fut = self._first_byte_waits[aid] = asyncio.get_running_loop().create_future()
-        h.move(Stage.STREAMING)
+        h.move(Stage.CONFIRMING)
         self._signed(h)
         self._send("first_byte", aid)
         try:
@@ -707,8 +699,8 @@ class FleetController:
         ok = fut.result() if fut.done() else True
         if ok:
             self._stop_signals.pop(aid, None)
-        else:
-            self._stopped_by_reply.add(aid)
+        if h.stage is Stage.CONFIRMING:  # (not ended meanwhile by a notification)
+            h.move(Stage.STREAMING if ok else Stage.STOPPED)
         return ok
 
     def close_stop_channel(self, aid: str) -> None:
@@ -742,52 +734,51 @@ class FleetController:
             self._on_event(e)
 
     def _on_event(self, e: Event) -> None:
-        if e.kind == "grant":
-            if e.id in self._held:
-                # Already admitted here: a notification read twice (the list came back
-                # with an older copy of the ledger). Releasing it would free a running slot.
-                return
-            w = self._waiting.get(e.id)
-            if w is None or w.fut.done() or self._local is not None:
-                # (Degraded: the waiter is being re-queued locally; resync drops the grant.)
-                # Its requester left or moved locally: give the slot back.
-                self._send("release", (e.id, ReleaseReason.CANCELLED))
-                return
-            w.fut.set_result(self._admitted_now(e.id, w.cls, w.tenant, waited=e.waited,
-                                                queued=True, starvation=e.starvation,
-                                                preempted=e.preempted))
-        elif e.kind == "expired":
-            w = self._waiting.get(e.id)
-            if w is not None and not w.fut.done():
-                self._metrics.on_events([Rejected(e.id, w.cls, w.tenant,
-                                                  Outcome.REJECTED_QUEUE_TIMEOUT, e.waited)])
-                w.fut.set_exception(Denied(Outcome.REJECTED_QUEUE_TIMEOUT, legacy=False,
-                                           waited=e.waited))
-        elif e.kind == "preempt":
-            self._on_preempt(e.id, e.by_class or PriorityClass.SYSTEM)
+        self._apply(self._core.notified(e))
 
-    def _on_preempt(self, aid: str, by: PriorityClass) -> None:
-        """The ledger gave this admission's slot to a higher class: stop it."""
-        h = self._held.get(aid)
-        if h is None:
-            return
-        if self._local is not None:
-            # A notification from before the outage: honour it locally too.
-            self._local.release(aid, ReleaseReason.PREEMPTED)
-        else:
-            del self._held[aid]
-            h.move(Stage.RELEASED)
-            self._ended.add(aid, ReleaseReason.PREEMPTED)
-            adm = Admission(aid, h.cls, h.tenant, h.admitted_at)
-            self._metrics.on_events([Preempted(adm, by), Released(adm, ReleaseReason.PREEMPTED)])
-        delivered = aid in self._stopped_by_reply  # the caller of confirm_first_byte stopped it
-        self._stopped_by_reply.discard(aid)
-        if not self._signal_preempted(aid) and not delivered:
+    def _stop(self, aid: str, *, undelivered: bool) -> None:
+        """Deliver a preemption to its request through its stop channel."""
+        if not self._signal_preempted(aid) and undelivered:
             # Its response started without the ledger's word (confirm_first_byte gave up:
             # the server was away): it has no stop channel any more and runs on, uncounted.
             log.warning("preemption_delivery_failed", admission_id=aid,
                         error="response already started")
             self._metrics.preemption_undelivered()
+
+    def _apply(self, effects: Iterable[Effect]) -> None:
+        """Do what the core decided, in its order."""
+        for fx in effects:
+            if isinstance(fx, Send):
+                self._send(fx.op, fx.arg)
+            elif isinstance(fx, Count):
+                self._metrics.on_events(list(fx.events))
+            elif isinstance(fx, Stop):
+                self._stop(fx.id, undelivered=fx.undelivered)
+            elif isinstance(fx, Grant):
+                w = self._waiting.get(fx.id)
+                if w is not None and not w.fut.done():
+                    w.fut.set_result(fx.admitted)
+            elif isinstance(fx, Expire):
+                w = self._waiting.get(fx.id)
+                if w is not None and not w.fut.done():
+                    w.fut.set_exception(Denied(Outcome.REJECTED_QUEUE_TIMEOUT, legacy=False,
+                                               waited=fx.waited))
+            elif isinstance(fx, Fault):
+                self._metrics.coordination_fault(fx.kind)
+                if fx.kind == "ended_but_running_stopped":
+                    log.warning("coordination_ended_but_running", admission_id=fx.id,
+                                action="stopped")
+            elif self._local is not None:
+                if isinstance(fx, LocalRelease):
+                    self._local.release(fx.id, fx.reason)  # the mirror follows its events
+                elif isinstance(fx, LocalCarry):
+                    core = self._local.core
+                    assert isinstance(core, Scheduler)  # _go_local builds it
+                    core.carry(fx.id, fx.cls, fx.tenant, fx.admitted_at,
+                               streaming=fx.streaming)
+                else:
+                    self._local.core.adopt(fx.id, fx.cls, fx.tenant)
+                    self._local.core.take_events()  # counted by the core's own Count
 
     def _signal_preempted(self, aid: str) -> bool:
         fut = self._stop_signals.pop(aid, None)
@@ -809,7 +800,7 @@ class FleetController:
         self._outbox.clear()  # the resync on return covers what it held
         limit = self.degraded_limit
         core = Scheduler(self._classes, limit, self._clock)
-        for aid, h in self._held.items():
+        for aid, h in self._core.held.items():
             # Carried over as they stand (they count, even past the limit).
             core.carry(aid, h.cls, h.tenant, h.admitted_at, streaming=h.first_byte)
         local = self._local = AdmissionController(
@@ -817,15 +808,15 @@ class FleetController:
             id_factory=self._new_id)
         # Carried-over admissions whose stop channel is open (ext_proc stream, no first
         # byte yet) stay preemption candidates locally, in the order they were admitted.
-        for aid in sorted((a for a in self._stop_signals if a in self._held),
-                          key=lambda a: self._held[a].admitted_at):
+        for aid in sorted((a for a in self._stop_signals if a in self._core.held),
+                          key=lambda a: self._core.held[a].admitted_at):
             self._chain_stop_signal(local, aid)
         self._metrics.coordination_changed(DEGRADED)
         if announce:
             view = self._core.view
             log.warning("coordination_degraded", error=_describe(exc), share=limit,
                         fleet_capacity=view.capacity, live_replicas=view.live_replicas,
-                        fleet_inflight=view.inflight, held=len(self._held),
+                        fleet_inflight=view.inflight, held=len(self._core.held),
                         queued_in_ledger=len(self._waiting))
         self._wake_movers()
         self._heartbeat_wake.set()
@@ -848,7 +839,7 @@ class FleetController:
         # also for a capacity change meanwhile).
         self._core.resync_sent()
         local.set_capacity(self._local_limit())
-        listed = [h.holding(aid) for aid, h in self._held.items()]
+        listed = [h.holding(aid) for aid, h in self._core.held.items()]
         try:
             self._outbox.clear()
             # Arrivals whose reply may still be on its way: an admission stays in the
@@ -862,18 +853,11 @@ class FleetController:
             self._core.resync_failed()
             local.set_capacity(self._local_limit())
             raise
-        for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
-            if aid in self._held:
-                local.release(aid, ReleaseReason.PREEMPTED)
-                self._signal_preempted(aid)
-        # Ended here while the resync was in flight (its final entry came meanwhile): the
-        # ledger now holds it from the list, and nothing else would ever release it there.
-        refused = set(status.refused)
-        late = [(hd.id, ReleaseReason.COMPLETED) for hd in listed
-                if hd.id not in self._held and hd.id not in refused]
+        now_effects, late = self._core.recovery_refused(status, listed)
+        self._apply(now_effects)
         self._metrics.fleet_seen(status.by_class, status.live_replicas)
         mode = self._core.resync_answered(known=status.known, settling=status.settling,
-                                          held=len(self._held), view=_view(status))
+                                          held=len(self._core.held), view=_view(status))
         if mode is Mode.SETTLING:
             # The view stays the one from before the outage: after a data loss the ledger
             # knows only the replicas that have re-registered so far (the fleet settles
@@ -885,20 +869,11 @@ class FleetController:
         self._seen(status)
         self._local = None
         local.close()
-        for op in late:
-            self._send("release", op)
-        for aid, h in self._held.items():
-            if h.stage is Stage.PREEMPTIBLE:
-                # Its stop channel opened while away: a candidate fleet-wide from now on.
-                h.move(Stage.MARKED)
-                self._send("preemptible", aid)
-            elif h.first_byte:
-                # A first byte that came (or was dropped from the outbox) while away never
-                # reached the ledger, which may still hold the admission as a candidate.
-                self._send("first_byte", aid)
+        self._apply(late)
+        self._apply(self._core.returned())  # what the ledger missed while we were away
         self._metrics.coordination_changed(OK)
         log.info("coordination_ok", fleet_capacity=status.capacity,
-                 live_replicas=status.live_replicas, held=len(self._held),
+                 live_replicas=status.live_replicas, held=len(self._core.held),
                  requeued=local.waiting)
         self._wake_movers()  # local waiters arrive at the ledger now
         if self._config_dirty:
@@ -907,52 +882,27 @@ class FleetController:
         self._outbox_wake.set()
 
     def _ended_but_held(self, refused: Iterable[str]) -> None:
-        """Ids a resync listed as held here that the ledger had ended (preempted there, its
-        notification lost). Never left running uncounted: one that can still be stopped
-        (its stop channel is open, before its first byte) is stopped as preempted (its
-        slot is gone); one that cannot runs on, so it is counted in the ledger again
-        (adopt: counted and logged by _adopt)."""
-        for aid in refused:
-            h = self._held.get(aid)
-            if h is None:
-                continue
-            stop = self._stop_signals.get(aid)
-            if stop is not None and not stop.done():
-                self._metrics.coordination_fault("ended_but_running_stopped")
-                log.warning("coordination_ended_but_running", admission_id=aid,
-                            action="stopped")
-                self._on_preempt(aid, PriorityClass.SYSTEM)
-            else:
-                self._send("adopt", h.holding(aid))
+        """Ids a resync listed as held here that the ledger had ended (Replica.ended_but_held)."""
+        self._apply(self._core.ended_but_held(refused, self._can_stop))
+
+    def _can_stop(self, aid: str) -> bool:
+        stop = self._stop_signals.get(aid)
+        return stop is not None and not stop.done()
 
     def _on_loss(self, cause: str, seen: int) -> None:
         """A call found that the ledger lost writes (ledger.lua lose(), reconcile())."""
         self._metrics.coordination_fault(cause)
         log.warning("coordination_data_loss", cause=cause, generation_seen=seen,
-                    generation=self.ledger.generation, held=len(self._held))
+                    generation=self.ledger.generation, held=len(self._core.held))
         if cause in _DATA_LOSS:  # else repaired exactly from the records: nothing lost
             self._degrade(RuntimeError(f"ledger data loss: {cause}"))
 
     def _on_takeover(self, holdings: list[Holding]) -> None:
-        """This process took over its predecessor's admissions (same replica id): they are
-        still running in Envoy. Held unacknowledged until Envoy shows them (a periodic entry
-        or their final one), so one that ended while no process ran still ends (ack timeout)."""
-        now = self._clock()
-        taken = 0
-        for hd in holdings:
-            if hd.id in self._held:
-                continue
-            self._held[hd.id] = Held(
-                hd.cls, hd.tenant, now,
-                stage=Stage.STREAMING if hd.first_byte else Stage.ADMITTED)
-            if self._local is not None:
-                self._local.core.adopt(hd.id, hd.cls, hd.tenant)
-                self._local.core.take_events()
-            self._metrics.on_events([Admitted(Admission(hd.id, hd.cls, hd.tenant, now), 0.0,
-                                              queued=False, adopted=True)])
-            taken += 1
-        self._metrics.coordination_fault("taken_over")
-        log.warning("coordination_took_over", replica=self.ledger.replica, admissions=taken,
+        """This process took over its predecessor's admissions (same replica id)."""
+        before = len(self._core.held)
+        self._apply(self._core.taken_over(holdings))
+        log.warning("coordination_took_over", replica=self.ledger.replica,
+                    admissions=len(self._core.held) - before,
                     hint="a previous process with this replica id held them")
 
     def _hold_until_settled(self, status: FleetStatus) -> None:
@@ -984,12 +934,12 @@ class FleetController:
             h.acknowledge()
 
     def holds(self, aid: str) -> bool:
-        return aid in self._held
+        return aid in self._core.held
 
     def hold_without_lease(self, aid: str) -> bool:
         """Its Envoy ran it (sidecar.liveness): kept until its end, a preemption, or the
         death of that Envoy (released by the liveness tracker) or of this replica."""
-        h = self._held.get(aid)
+        h = self._core.held.get(aid)
         if h is None:
             return False
         h.acknowledge()
@@ -997,7 +947,7 @@ class FleetController:
 
     def lease_again(self, aid: str) -> bool:
         """Its Envoy may have been replaced: unacknowledged again, ack timeout from now."""
-        h = self._held.get(aid)
+        h = self._core.held.get(aid)
         if h is None:
             return False
         h.unacknowledge(self._clock())
@@ -1012,7 +962,7 @@ class FleetController:
         Anything Envoy acknowledged is kept for as long as the replica lives.
         """
         cutoff = self._clock() - self._ack_timeout
-        stale = [aid for aid, h in self._held.items() if h.ack_expired(cutoff)]
+        stale = [aid for aid, h in self._core.held.items() if h.ack_expired(cutoff)]
         for aid in stale:
             self.release(aid, ReleaseReason.LEASE_EXPIRED)
         return len(stale)
@@ -1027,7 +977,7 @@ class FleetController:
                     # call left in the ledger for us (e.g. an arrive that timed out here but
                     # ran when a paused server resumed).
                     status = await self._call(self.ledger.resync(
-                        [h.holding(aid) for aid, h in self._held.items()], self._capacity,
+                        [h.holding(aid) for aid, h in self._core.held.items()], self._capacity,
                         min_age=self._orphan_age, waiting=list(self._waiting),
                         settle=self._settle))
                     self._ended_but_held(status.refused)
@@ -1203,13 +1153,9 @@ class _LocalRecorder(NullRecorder):
             if isinstance(e, Admitted):
                 if e.adopted:
                     continue
-                a = e.admission
-                o._held[a.id] = Held(a.cls, a.tenant, a.admitted_at)
+                o._core.local_admitted(e.admission)
             elif isinstance(e, Released):
-                gone = o._held.pop(e.admission.id, None)
-                if gone is not None:
-                    gone.move(Stage.RELEASED)
-                o._ended.add(e.admission.id, e.reason)
+                o._core.local_released(e.admission.id, e.reason)
             elif isinstance(e, Rejected) and e.outcome is Outcome.CLIENT_CANCELLED:
                 moving = _MOVING.get()
                 if moving is not None and moving[0]:

@@ -2,9 +2,13 @@
 
 No I/O, no asyncio, no wall clock: the driver
 (:class:`~sidecar.coordination.controller.FleetController`) owns the connections, loops
-and futures, tells this core what happened (a trigger, with what the ledger answered)
-and does what the new mode asks. Time comes from an injected clock, so every move can
-be tested exactly (``tests/test_replica.py``).
+and futures, tells this core what happened (a trigger with what the ledger answered, a
+notification, a service's call) and does what the core answers: a new mode, and a list
+of effects (:data:`Effect`: ``Send`` a ledger op through the ordered outbox, ``Grant`` or
+``Expire`` a waiter, ``Stop`` a preempted request, ``Count``/``Fault`` metric verbs, and
+``LocalRelease``/``LocalCarry``/``LocalAdopt`` for the local core while a local mode
+lasts), to be done in order. Time comes from an injected clock, so every move can be
+tested exactly (``tests/test_replica.py``).
 
 The mode
 ========
@@ -56,10 +60,17 @@ PREEMPTIBLE   a stop channel is open; the ledger was   the deferred mark leaves,
               or the replica is away from the ledger)  sent then) → MARKED; first byte →
               so it is a candidate only locally        STREAMING (the ledger never saw it
                                                        as a candidate: nothing to send)
-MARKED        the ledger may hold it as a candidate:   first byte → STREAMING, which must
-              its first byte must reach the ledger     reach the ledger (and, through
-              before the response may start            ``confirm_first_byte``, be
-                                                       answered) before the response starts
+MARKED        the ledger may hold it as a candidate:   its first byte is sent: → CONFIRMING
+              its first byte must reach the ledger     when the response waits for the
+              before the response may start            answer (``confirm_first_byte``),
+                                                       else → STREAMING
+CONFIRMING    first byte sent, the response waits      answered 1 (or no answer: away from
+              for the ledger's answer                  the ledger) → STREAMING; answered 0
+                                                       (the ledger preempted it first) →
+                                                       STOPPED
+STOPPED       the ledger preempted it before its       its preempt notification → RELEASED
+              first byte arrived: its caller answers   (delivered: the 503 went out)
+              503 instead of starting the response
 STREAMING     past its first byte: never a victim      released
 RELEASED      ended (completed, cancelled, preempted,  final (the id is remembered in
               expired): no longer held                 ``EndedIds``)
@@ -84,11 +95,24 @@ again, its timeout running from then (:data:`ACKS`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from sidecar.classes import PriorityClass
-from sidecar.coordination.ledger import Holding, degraded_limit
+from sidecar.coordination.ledger import Event as Notification
+from sidecar.coordination.ledger import FleetStatus, Holding, degraded_limit
+from sidecar.scheduler.lifecycle import (
+    Admission,
+    Admitted,
+    EndedIds,
+    Outcome,
+    Preempted,
+    Rejected,
+    Released,
+    ReleaseReason,
+    ReleaseResult,
+)
+from sidecar.scheduler.lifecycle import Event as LifecycleEvent
 
 
 class Mode(enum.StrEnum):
@@ -166,6 +190,227 @@ class View:
 NO_VIEW = View()
 
 
+# ------------------------------------------------------------------ one held admission
+
+
+class Stage(enum.StrEnum):
+    """What the ledger may still do to one held admission (see the module table)."""
+
+    ADMITTED = "admitted"
+    PREEMPTIBLE = "preemptible"
+    MARKED = "marked"
+    CONFIRMING = "confirming"
+    STOPPED = "stopped"
+    STREAMING = "streaming"
+    RELEASED = "released"
+
+
+S = Stage
+STAGES: Mapping[Stage, frozenset[Stage]] = {
+    S.ADMITTED: frozenset({S.PREEMPTIBLE, S.STREAMING, S.RELEASED}),
+    S.PREEMPTIBLE: frozenset({S.PREEMPTIBLE, S.MARKED, S.STREAMING, S.RELEASED}),
+    S.MARKED: frozenset({S.MARKED, S.CONFIRMING, S.STREAMING, S.RELEASED}),
+    S.CONFIRMING: frozenset({S.STREAMING, S.STOPPED, S.RELEASED}),
+    S.STOPPED: frozenset({S.RELEASED}),
+    S.STREAMING: frozenset({S.RELEASED}),
+    S.RELEASED: frozenset(),
+}
+"""Allowed moves of a stage: ``new in STAGES[old]``."""
+del S
+
+
+class Ack(enum.StrEnum):
+    """Whether Envoy showed it runs the admission."""
+
+    UNACKNOWLEDGED = "unacknowledged"
+    ACKNOWLEDGED = "acknowledged"
+
+
+ACKS: Mapping[Ack, frozenset[Ack]] = {
+    # Unacknowledged → unacknowledged: its timeout restarted (a sign from an Envoy that
+    # the liveness tracker does not vouch for).
+    Ack.UNACKNOWLEDGED: frozenset({Ack.UNACKNOWLEDGED, Ack.ACKNOWLEDGED}),
+    # Acknowledged → acknowledged: another sign; → unacknowledged: its Envoy may be gone.
+    Ack.ACKNOWLEDGED: frozenset({Ack.ACKNOWLEDGED, Ack.UNACKNOWLEDGED}),
+}
+"""Allowed moves of an acknowledgement."""
+
+
+_PAST_FIRST_BYTE = frozenset({Stage.CONFIRMING, Stage.STOPPED, Stage.STREAMING})
+
+
+class IllegalStage(RuntimeError):
+    """A move of a held admission the tables do not allow: a driver bug."""
+
+
+class Held:
+    """An admission this replica holds (the local mirror): its stage and acknowledgement,
+    each moved only through its table."""
+
+    __slots__ = ("_ack", "_stage", "admitted_at", "cls", "tenant", "unacked_since")
+
+    def __init__(self, cls: PriorityClass, tenant: str, admitted_at: float, *,
+                 stage: Stage = Stage.ADMITTED, ack: Ack = Ack.UNACKNOWLEDGED,
+                 unacked_since: float | None = None) -> None:
+        self.cls = cls
+        self.tenant = tenant
+        self.admitted_at = admitted_at
+        self._stage = stage
+        self._ack = ack
+        # When the ack timeout started: admission, or the last sign that restarted it.
+        self.unacked_since = admitted_at if unacked_since is None else unacked_since
+
+    def __repr__(self) -> str:
+        return (f"Held({self.cls.label}, {self.tenant!r}, {self.admitted_at}, "
+                f"{self._stage.value}, {self._ack.value})")
+
+    @property
+    def stage(self) -> Stage:
+        return self._stage
+
+    @property
+    def ack(self) -> Ack:
+        return self._ack
+
+    @property
+    def first_byte(self) -> bool:
+        """Its first byte was seen (the response started, is about to, or was refused)."""
+        return self._stage in _PAST_FIRST_BYTE
+
+    @property
+    def preemptible(self) -> bool:
+        """A candidate (its stop channel open, before its first byte)."""
+        return self._stage in (Stage.PREEMPTIBLE, Stage.MARKED)
+
+    @property
+    def mark_sent(self) -> bool:
+        """The ledger may hold it as a candidate: its first byte must reach the ledger."""
+        return self._stage is Stage.MARKED
+
+    @property
+    def acknowledged(self) -> bool:
+        return self._ack is Ack.ACKNOWLEDGED
+
+    def move(self, to: Stage) -> None:
+        if to not in STAGES[self._stage]:
+            raise IllegalStage(f"{self._stage.value} → {to.value}")
+        self._stage = to
+
+    def _ack_to(self, to: Ack) -> None:
+        if to not in ACKS[self._ack]:
+            raise IllegalStage(f"{self._ack.value} → {to.value}")
+        self._ack = to
+
+    def acknowledge(self) -> None:
+        """Envoy runs it: kept until its end or the death of its Envoy or this replica."""
+        self._ack_to(Ack.ACKNOWLEDGED)
+
+    def unacknowledge(self, now: float) -> None:
+        """Its Envoy may have been replaced: the ack timeout runs again from ``now``."""
+        self._ack_to(Ack.UNACKNOWLEDGED)
+        self.unacked_since = now
+
+    def renew(self, now: float) -> None:
+        """A sign not vouched for: an unacknowledged admission's timeout restarts."""
+        if self._ack is Ack.UNACKNOWLEDGED:
+            self._ack_to(Ack.UNACKNOWLEDGED)
+            self.unacked_since = now
+
+    def ack_expired(self, cutoff: float) -> bool:
+        """Unacknowledged since ``cutoff`` or earlier."""
+        return self._ack is Ack.UNACKNOWLEDGED and self.unacked_since <= cutoff
+
+    def holding(self, id: str) -> Holding:
+        """As a resync or adoption lists it: a candidate only once MARKED (the stage whose
+        first byte the driver sends to the ledger)."""
+        return Holding(id, self.cls, self.tenant, self.first_byte, self.mark_sent)
+
+
+# ------------------------------------------------------------------ effects
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Queue one ledger op on the driver's ordered outbox: ``release`` (id, reason),
+    ``preemptible`` id, ``first_byte`` id, ``adopt`` Holding, ``register`` None."""
+
+    op: str
+    arg: object
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """Metric verb: this core's own lifecycle moves (``Recorder.on_events``). A held
+    admission follows the scheduler's lifecycle, so its moves are reported with the same
+    event types, at the point this core makes them."""
+
+    events: tuple[LifecycleEvent, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Metric verb ``coordination_fault`` (and a warning): ``kind`` happened."""
+
+    kind: str
+    id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Answer waiter ``id``: admitted."""
+
+    id: str
+    admitted: Admitted
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    """Answer waiter ``id``: its queue timeout passed in the ledger (503)."""
+
+    id: str
+    waited: float
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Deliver ``id``'s stop signal (it was preempted). ``undelivered``: count and log it
+    if no stop channel is open any more (its response started without the ledger's word)."""
+
+    id: str
+    undelivered: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRelease:
+    """The local core releases ``id`` (its Released event then moves the mirror)."""
+
+    id: str
+    reason: ReleaseReason
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCarry:
+    """The local core counts an admission the ledger made (as it stands)."""
+
+    id: str
+    cls: PriorityClass
+    tenant: str
+    admitted_at: float
+    streaming: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LocalAdopt:
+    """The local core counts a running stream (already counted here: no event)."""
+
+    id: str
+    cls: PriorityClass
+    tenant: str
+
+
+Effect = Send | Count | Fault | Grant | Expire | Stop | LocalRelease | LocalCarry | LocalAdopt
+
+
 class Replica:
     """The mode of one replica and the data each mode carries.
 
@@ -181,6 +426,11 @@ class Replica:
         self._back_at: float | None = None
         self._recycle: int | None = None
         self._view = NO_VIEW
+        # What this replica holds (the local mirror; moved here, and by the local core's
+        # events while a local mode lasts), what it ended, and its waiters in the ledger.
+        self.held: dict[str, Held] = {}
+        self.ended = EndedIds()
+        self._waiters: dict[str, tuple[PriorityClass, str]] = {}
 
     @property
     def mode(self) -> Mode:
@@ -277,130 +527,181 @@ class Replica:
         (its list is fixed: a local admission then would not be in it)."""
         return 0 if self._mode is Mode.RESYNCING else self.degraded_limit(own_capacity)
 
+    # ------------------------------------------------------------------ holdings
 
-# ------------------------------------------------------------------ one held admission
+    def waiter_arrived(self, aid: str, cls: PriorityClass, tenant: str) -> None:
+        """An arrival this replica is about to send (registered before the call: the grant
+        may be read before the reply)."""
+        self._waiters[aid] = (cls, tenant)
 
+    def waiter_gone(self, aid: str) -> None:
+        """Its requester has its answer, left, or moved to the local queue."""
+        self._waiters.pop(aid, None)
 
-class Stage(enum.StrEnum):
-    """What the ledger may still do to one held admission (see the module table)."""
+    def admitted(self, aid: str, cls: PriorityClass, tenant: str, *, waited: float,
+                  queued: bool, starvation: bool = False,
+                  preempted: bool = False) -> tuple[Admitted, list[Effect]]:
+        """The ledger admitted ``aid`` (an arrive reply, or a grant)."""
+        now = self._clock()
+        self.held[aid] = Held(cls, tenant, now)
+        self._waiters.pop(aid, None)
+        event = Admitted(Admission(aid, cls, tenant, now), waited, queued, starvation, preempted)
+        effects: list[Effect] = []
+        if self.local:
+            # Admitted by a call that returned after the switch: the local core counts it
+            # (before its first byte: it may still get a stop channel and be a victim).
+            effects.append(LocalCarry(aid, cls, tenant, now, streaming=False))
+        effects.append(Count((event,)))
+        return event, effects
 
-    ADMITTED = "admitted"
-    PREEMPTIBLE = "preemptible"
-    MARKED = "marked"
-    STREAMING = "streaming"
-    RELEASED = "released"
+    def notified(self, e: Notification) -> list[Effect]:
+        """One notification from the ledger: a grant, an expiry or a preemption."""
+        if e.kind == "grant":
+            if e.id in self.held:
+                # Already admitted here: a notification read twice (the list came back with an
+                # older copy of the ledger). Releasing it would free a running slot.
+                return []
+            w = self._waiters.get(e.id)
+            if w is None or self.local:
+                # Its requester left, has its answer, or is being re-queued locally (the
+                # resync drops the grant): give the slot back.
+                return [Send("release", (e.id, ReleaseReason.CANCELLED))]
+            event, effects = self.admitted(e.id, w[0], w[1], waited=e.waited, queued=True,
+                                           starvation=e.starvation, preempted=e.preempted)
+            return [*effects, Grant(e.id, event)]
+        if e.kind == "expired":
+            w = self._waiters.pop(e.id, None)
+            if w is None:
+                return []
+            return [Count((Rejected(e.id, w[0], w[1], Outcome.REJECTED_QUEUE_TIMEOUT,
+                                    e.waited),)), Expire(e.id, e.waited)]
+        return self.preempted(e.id, e.by_class or PriorityClass.SYSTEM)
 
+    def preempted(self, aid: str, by: PriorityClass) -> list[Effect]:
+        """The ledger gave ``aid``'s slot to a higher class: stop it (this replica owns it)."""
+        h = self.held.get(aid)
+        if h is None:
+            return []
+        # Its caller already answered 503 on the first-byte mark's reply: delivered.
+        by_reply = h.stage is Stage.STOPPED
+        effects: list[Effect]
+        if self.local:
+            # A notification from before the outage: honour it locally too.
+            effects = [LocalRelease(aid, ReleaseReason.PREEMPTED)]
+        else:
+            del self.held[aid]
+            h.move(Stage.RELEASED)
+            self.ended.add(aid, ReleaseReason.PREEMPTED)
+            adm = Admission(aid, h.cls, h.tenant, h.admitted_at)
+            effects = [Count((Preempted(adm, by), Released(adm, ReleaseReason.PREEMPTED)))]
+        return [*effects, Stop(aid, undelivered=not by_reply)]
 
-S = Stage
-STAGES: Mapping[Stage, frozenset[Stage]] = {
-    S.ADMITTED: frozenset({S.PREEMPTIBLE, S.STREAMING, S.RELEASED}),
-    S.PREEMPTIBLE: frozenset({S.PREEMPTIBLE, S.MARKED, S.STREAMING, S.RELEASED}),
-    S.MARKED: frozenset({S.MARKED, S.STREAMING, S.RELEASED}),
-    S.STREAMING: frozenset({S.RELEASED}),
-    S.RELEASED: frozenset(),
-}
-"""Allowed moves of a stage: ``new in STAGES[old]``."""
-del S
+    def release(self, aid: str,
+                 reason: ReleaseReason) -> tuple[ReleaseResult, list[Effect]]:
+        """The service ends ``aid`` (its final access-log entry, a cancel, an expiry)."""
+        h = self.held.get(aid)
+        if h is None:
+            return (ReleaseResult.ALREADY_RELEASED if aid in self.ended
+                    else ReleaseResult.UNKNOWN), []
+        if self.local:
+            return ReleaseResult.RELEASED, [LocalRelease(aid, reason)]
+        del self.held[aid]
+        h.move(Stage.RELEASED)
+        self.ended.add(aid, reason)
+        return ReleaseResult.RELEASED, [
+            Count((Released(Admission(aid, h.cls, h.tenant, h.admitted_at), reason),)),
+            Send("release", (aid, reason))]
 
+    def adopted(self, aid: str, cls: PriorityClass, tenant: str) -> list[Effect] | None:
+        """A periodic entry for a stream this replica does not hold (this process restarted
+        while it ran): held as streaming and acknowledged, counted, and added to the ledger.
+        None: not adoptable (it ended here for a reason other than an expiry)."""
+        if not self.ended.adoptable(aid):
+            return None
+        now = self._clock()
+        h = self.held[aid] = Held(cls, tenant, now, stage=Stage.STREAMING, ack=Ack.ACKNOWLEDGED)
+        effects: list[Effect] = [Count((Admitted(Admission(aid, cls, tenant, now), 0.0,
+                                                 queued=False, adopted=True),))]
+        effects.append(LocalAdopt(aid, cls, tenant) if self.local
+                       else Send("adopt", h.holding(aid)))
+        return effects
 
-class Ack(enum.StrEnum):
-    """Whether Envoy showed it runs the admission."""
+    def taken_over(self, holdings: list[Holding]) -> list[Effect]:
+        """This process took over its predecessor's admissions (same replica id): they still
+        run in Envoy. Held unacknowledged until Envoy shows them (a periodic entry or their
+        final one), so one that ended while no process ran still ends (ack timeout)."""
+        now = self._clock()
+        effects: list[Effect] = []
+        for hd in holdings:
+            if hd.id in self.held:
+                continue
+            self.held[hd.id] = Held(hd.cls, hd.tenant, now,
+                                    stage=Stage.STREAMING if hd.first_byte else Stage.ADMITTED)
+            if self.local:
+                effects.append(LocalAdopt(hd.id, hd.cls, hd.tenant))
+            effects.append(Count((Admitted(Admission(hd.id, hd.cls, hd.tenant, now), 0.0,
+                                           queued=False, adopted=True),)))
+        effects.append(Fault("taken_over"))
+        return effects
 
-    UNACKNOWLEDGED = "unacknowledged"
-    ACKNOWLEDGED = "acknowledged"
+    def ended_but_held(self, refused: Iterable[str],
+                        can_stop: Callable[[str], bool]) -> list[Effect]:
+        """Ids a resync listed as held here that the ledger had ended (preempted there, its
+        notification lost). Never left running uncounted: one that can still be stopped
+        (``can_stop``: its stop channel is open, before its first byte) is stopped as
+        preempted (its slot is gone); one that cannot runs on, so it is counted in the ledger
+        again (adopt: the ledger reports it, and the driver counts and logs that)."""
+        effects: list[Effect] = []
+        for aid in refused:
+            h = self.held.get(aid)
+            if h is None:
+                continue
+            if can_stop(aid):
+                effects.append(Fault("ended_but_running_stopped", aid))
+                effects += self.preempted(aid, PriorityClass.SYSTEM)
+            else:
+                effects.append(Send("adopt", h.holding(aid)))
+        return effects
 
+    def returned(self) -> list[Effect]:
+        """Back to OK: what the ledger missed while this replica was away."""
+        effects: list[Effect] = []
+        for aid, h in self.held.items():
+            if h.stage is Stage.PREEMPTIBLE:
+                # Its stop channel opened while away: a candidate fleet-wide from now on.
+                h.move(Stage.MARKED)
+                effects.append(Send("preemptible", aid))
+            elif h.first_byte:
+                # A first byte that came (or was dropped from the outbox) while away never
+                # reached the ledger, which may still hold the admission as a candidate.
+                effects.append(Send("first_byte", aid))
+        return effects
 
-ACKS: Mapping[Ack, frozenset[Ack]] = {
-    # Unacknowledged → unacknowledged: its timeout restarted (a sign from an Envoy that
-    # the liveness tracker does not vouch for).
-    Ack.UNACKNOWLEDGED: frozenset({Ack.UNACKNOWLEDGED, Ack.ACKNOWLEDGED}),
-    # Acknowledged → acknowledged: another sign; → unacknowledged: its Envoy may be gone.
-    Ack.ACKNOWLEDGED: frozenset({Ack.ACKNOWLEDGED, Ack.UNACKNOWLEDGED}),
-}
-"""Allowed moves of an acknowledgement."""
+    def local_admitted(self, a: Admission) -> None:
+        """The local core admitted ``a`` (a local mode): the mirror follows."""
+        self.held[a.id] = Held(a.cls, a.tenant, a.admitted_at)
 
+    def local_released(self, aid: str, reason: ReleaseReason) -> None:
+        """The local core released ``aid``: the mirror follows."""
+        gone = self.held.pop(aid, None)
+        if gone is not None:
+            gone.move(Stage.RELEASED)
+        self.ended.add(aid, reason)
 
-class IllegalStage(RuntimeError):
-    """A move of a held admission the tables do not allow: a driver bug."""
-
-
-class Held:
-    """An admission this replica holds (the local mirror): its stage and acknowledgement,
-    each moved only through its table."""
-
-    __slots__ = ("_ack", "_stage", "admitted_at", "cls", "tenant", "unacked_since")
-
-    def __init__(self, cls: PriorityClass, tenant: str, admitted_at: float, *,
-                 stage: Stage = Stage.ADMITTED, ack: Ack = Ack.UNACKNOWLEDGED,
-                 unacked_since: float | None = None) -> None:
-        self.cls = cls
-        self.tenant = tenant
-        self.admitted_at = admitted_at
-        self._stage = stage
-        self._ack = ack
-        # When the ack timeout started: admission, or the last sign that restarted it.
-        self.unacked_since = admitted_at if unacked_since is None else unacked_since
-
-    def __repr__(self) -> str:
-        return (f"Held({self.cls.label}, {self.tenant!r}, {self.admitted_at}, "
-                f"{self._stage.value}, {self._ack.value})")
-
-    @property
-    def stage(self) -> Stage:
-        return self._stage
-
-    @property
-    def ack(self) -> Ack:
-        return self._ack
-
-    @property
-    def first_byte(self) -> bool:
-        return self._stage is Stage.STREAMING
-
-    @property
-    def preemptible(self) -> bool:
-        """A candidate (its stop channel open, before its first byte)."""
-        return self._stage in (Stage.PREEMPTIBLE, Stage.MARKED)
-
-    @property
-    def mark_sent(self) -> bool:
-        """The ledger may hold it as a candidate: its first byte must reach the ledger."""
-        return self._stage is Stage.MARKED
-
-    @property
-    def acknowledged(self) -> bool:
-        return self._ack is Ack.ACKNOWLEDGED
-
-    def move(self, to: Stage) -> None:
-        if to not in STAGES[self._stage]:
-            raise IllegalStage(f"{self._stage.value} → {to.value}")
-        self._stage = to
-
-    def _ack_to(self, to: Ack) -> None:
-        if to not in ACKS[self._ack]:
-            raise IllegalStage(f"{self._ack.value} → {to.value}")
-        self._ack = to
-
-    def acknowledge(self) -> None:
-        """Envoy runs it: kept until its end or the death of its Envoy or this replica."""
-        self._ack_to(Ack.ACKNOWLEDGED)
-
-    def unacknowledge(self, now: float) -> None:
-        """Its Envoy may have been replaced: the ack timeout runs again from ``now``."""
-        self._ack_to(Ack.UNACKNOWLEDGED)
-        self.unacked_since = now
-
-    def renew(self, now: float) -> None:
-        """A sign not vouched for: an unacknowledged admission's timeout restarts."""
-        if self._ack is Ack.UNACKNOWLEDGED:
-            self._ack_to(Ack.UNACKNOWLEDGED)
-            self.unacked_since = now
-
-    def ack_expired(self, cutoff: float) -> bool:
-        """Unacknowledged since ``cutoff`` or earlier."""
-        return self._ack is Ack.UNACKNOWLEDGED and self.unacked_since <= cutoff
-
-    def holding(self, id: str) -> Holding:
-        """As a resync or adoption lists it: a candidate only once MARKED (the stage whose
-        first byte the driver sends to the ledger)."""
-        return Holding(id, self.cls, self.tenant, self.first_byte, self.mark_sent)
+    def recovery_refused(self, status: FleetStatus,
+                         listed: list[Holding]) -> tuple[list[Effect], list[Effect]]:
+        """A recovery resync's answer, before the mode moves (``listed``: what it listed as
+        held). Returns the effects now (what the ledger ended meanwhile is released and
+        stopped locally) and the late releases to send on the return to OK (ended here
+        while the resync was in flight: the ledger now holds them from the list, and
+        nothing else would ever release them there)."""
+        now: list[Effect] = []
+        for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
+            if aid in self.held:
+                now += [LocalRelease(aid, ReleaseReason.PREEMPTED),
+                        Stop(aid, undelivered=False)]
+        refused = set(status.refused)
+        late: list[Effect] = [Send("release", (hd.id, ReleaseReason.COMPLETED))
+                              for hd in listed
+                              if hd.id not in self.held and hd.id not in refused]
+        return now, late
