@@ -122,3 +122,15 @@ async def test_the_class_config_older_libraries_read_keeps_its_format(
     fields = str(await client.hget("pg:{f}:cfg", str(int(PriorityClass.SYSTEM)))).split(" ")
     assert len(fields) == 6 and fields[5] == "1"
     assert await client.hgetall("pg:{f}:wt:0") == {"H": "2.0", "L": "0.5"}
+
+
+async def test_a_lost_tenant_fifo_is_rebuilt_at_the_next_heartbeat(client: redis.Redis) -> None:
+    a = FleetLedger(client, "f", "a", ttl=1e9)
+    await a.register(FAIR, 1)
+    assert (await a.arrive("blocker", B, "x")).status is ArriveStatus.ADMITTED
+    for rid, tenant in ARRIVALS:
+        assert (await a.arrive(rid, B, tenant)).status is ArriveStatus.QUEUED
+    await client.delete("pg:{f}:tq:0:H")  # H's waiters would be stranded until timeout
+    await a.heartbeat()
+    got = await serve(a, [], "blocker")
+    assert got == core_with(ARRIVALS)  # re-sorted by arrival: nobody had been served

@@ -754,6 +754,25 @@ local function store_cfg(a)
   end
 end
 
+-- Each class's per-tenant FIFOs and turns against its queue, the truth, as reconcile()
+-- checks the counters: a lost key (a tenant's FIFO, the flows, the turns) would strand
+-- its waiters until their timeouts; the class is re-sorted by arrival instead.
+-- O(waiting tenants), once per heartbeat.
+local function check_tenants()
+  local cf = load_cfg()
+  for c = 0, 3 do
+    if cf[c].tenant then
+      local flows = redis.call('HKEYS', k_flow(c))
+      local n = 0
+      for _, t in ipairs(flows) do n = n + redis.call('ZCARD', k_tq(c, t)) end
+      if n ~= redis.call('ZCARD', k_q(c))
+          or (cf[c].fair and redis.call('ZCARD', k_turn(c)) ~= #flows) then
+        rebuild(c, cf[c])
+      end
+    end
+  end
+end
+
 -- heartbeat replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended settle
 -- Registers or refreshes the replica and its capacity report. The class configuration is
 -- written when force is 1 (start, reload) or when none is stored (after data loss).
@@ -788,6 +807,7 @@ local function heartbeat(a)
   if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 or redis.call('EXISTS', K_TCFG) == 0 then
     store_cfg(a)
   end
+  check_tenants()
   redis.call('HSET', K_DIGESTS, r, a[9])
   redis.call('HSET', K_FLEET, 'keep', a[10])
   recompute_fleet()
