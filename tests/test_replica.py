@@ -439,3 +439,13 @@ def test_the_return_marks_what_opened_while_away_and_resends_every_first_byte() 
     assert r.resync_answered(known=True, settling=0.0, held=2, view=VIEW) is Mode.OK
     assert r.returned() == [Send("preemptible", "pre"), Send("first_byte", "streaming")]
     assert r.held["pre"].stage is Stage.MARKED
+
+
+def test_only_what_envoy_never_showed_is_unacknowledged_past_the_cutoff() -> None:
+    r, clock = _ok()
+    for aid in ("old", "acked", "new"):
+        r.admitted(aid, BULK, "t", waited=0.0, queued=False)
+        if aid == "old":
+            clock.advance(30.0)
+    r.held["acked"].acknowledge()
+    assert r.unacknowledged(clock.now - 30.0) == ["old"]

@@ -17,74 +17,19 @@ the stop channel), but decides through :class:`~sidecar.coordination.ledger.Flee
   never starts. The ledger releases each id once fleet-wide; duplicates change nothing.
 * A ``preempt`` notification for one of this replica's admissions is delivered through its
   ext_proc stream exactly like a local preemption: the victim's owner delivers it.
-* No per-request leases: the replica's heartbeat covers its admissions (issue point 7),
-  so a long stream without periodic access-log entries keeps its slot while the replica
-  lives. A replica that dies loses them after ``--replica-ttl-secs``; an Envoy that dies
-  while the replica lives loses them after ``--envoy-owner-grace-secs``
-  (:mod:`sidecar.liveness` calls ``release``).
+* No per-request leases: the replica's heartbeat covers its admissions, so a long stream
+  without periodic access-log entries keeps its slot while the replica lives. A replica
+  that dies loses them after ``--replica-ttl-secs``; an Envoy that dies while the replica
+  lives loses them after ``--envoy-owner-grace-secs`` (:mod:`sidecar.liveness` calls
+  ``release``).
 
-**Degraded mode** (issue point 6). A ledger call that fails or takes longer than
-``call_timeout`` switches the replica to a local :class:`~sidecar.scheduler.Scheduler`
-seeded with what the replica holds (they count: nothing new is admitted while they reach
-the limit), whose capacity is the *degraded limit*
-
-    L_i = max(0, min(floor(C / N), h_i + floor((C − H) / N)))
-
-from the replica's last view of the ledger: C the fleet capacity (or our own, if smaller),
-N the live replicas, H the fleet's admissions in flight and h_i ours, all four from ONE
-atomic script run (every heartbeat and resync answers them). Requests beyond it follow
-the class rules locally (queue, time out, 429); requests that were waiting in the ledger
-are re-queued locally (and back) keeping their first queue deadline.
-
-*Why Σ ≤ C.* While degraded a replica holds at most max(h_i, L_i): what it held, draining,
-or at most L_i once below it. For views taken from one state (H = Σ h_i ≤ C):
-Σ_i max(h_i, L_i) ≤ Σ_i (h_i + max(0, floor((C − H)/N))) ≤ H + (C − H) = C, since L_i ≤
-h_i + floor((C − H)/N). Each replica's new local admissions come out of its N-th of the
-slots free in that state; a replica that held more than floor(C/N) (legal: no stranded
-capacity) drains to its share and is not joined by the others' full shares. If H > C (a
-capacity shrink) nobody admits anything new and Σ ≤ H drains.
-
-*The remaining window.* Each replica's view is from its own last heartbeat, at most one
-heartbeat interval (ttl/3) plus one call timeout before the outage. Two bounds hold for
-the in flight the fleet can reach after an outage at t*, whatever the views' ages:
-Σ ≤ C + Σ_i max(0, h_i(t*) − floor(C/N)) (what was held beyond the shares: proved, since
-L_i ≤ floor(C/N) gives Σ_i max(h_i, L_i) ≤ N·floor(C/N) + Σ_i max(0, h_i − floor(C/N))),
-and Σ ≤ C + the admissions the ledger made after the oldest of the views (an admission
-raises the reachable total by at most one and a release never does; with view refreshes
-in between this one is checked over random interleavings by ``tests/test_degraded.py``,
-not proved). So the excess needs admissions in the last heartbeat interval before the
-outage that pushed a replica past its share, and it lasts only until those drain. Closing
-it entirely would mean holding back a replica's admissions past its share until every
-other replica has heard of them (one heartbeat each time: stranded capacity, against issue
-point 4), so it is bounded, not closed.
-
-*Partition* (only this replica loses the server; the others still use the ledger). Until
-its registration lapses (0.9 ttl after its last heartbeat) the ledger still counts what
-it held (its releases no longer arrive), so reusing those slots is safe and only its new
-headroom L_i − h_i is uncounted: excess ≤ L_i − h_i. Once the registration lapses the
-ledger releases its admissions and the others may fill them while this replica still runs
-up to L_i: excess ≤ L_i ≤ floor(C/N), for as long as the partition lasts. Admitting
-nothing new once the registration may have lapsed would drain it instead, but a replica
-cannot tell a partition from an outage of the server itself, so the whole fleet would
-stop admitting ~0.6 ttl into every server outage; the share is kept, and this bound is
-documented (docs/reference.md, "Failure modes").
-
-The heartbeat keeps trying; each success is a ``resync`` that makes the ledger's view of
-this replica exactly what it holds (adds back local admissions, drops what ended
-meanwhile), during which local admission pauses. After it, while the replica still
-waits to return to ``ok``, it only reuses slots freed from then on (the ledger counts
-what it holds again, and replicas already back admit against that). The replica returns
-to ``ok`` once a resync finds its registration still known, at least one heartbeat
-interval has passed since the server answered again, and the fleet has settled: the first
-resync the ledger answers for a replica it does not know (data loss, or every registration
-lapsed) starts a settling window on the server's clock, ``2 × interval + call_timeout``,
-longer than any live replica's gap between two heartbeat attempts, so every replica alive
-has re-registered its holdings before anyone admits against them (one interval from each
-replica's own first answer is not enough: a replica whose previous attempt was still
-timing out when the server came back re-registers up to a call timeout later than that).
-Waiters queued locally then re-arrive at the ledger. A replica that starts while the fleet
-settles admits nothing until it has. A replica that has never reached the server (start-up
-during an outage) has no view: it queues by the class rules until the server answers.
+**Degraded mode.** A ledger call that fails or takes longer than ``call_timeout``
+switches the replica to a local :class:`~sidecar.scheduler.Scheduler` seeded with what the
+replica holds, whose capacity is the degraded limit; the heartbeat keeps trying, and each
+answer is a resync that makes the ledger's view of this replica exactly what it holds.
+When it may admit locally, how much, and when it returns to ``ok`` are decided by the
+pure core, and argued there (:mod:`sidecar.coordination.replica`: the limit and why
+Σ ≤ C, the remaining window, partitions, settling after a loss).
 
 The mode (starting, ok, degraded, resyncing, settling) is one value in the pure
 :class:`~sidecar.coordination.replica.Replica`, moved only through its transition table
@@ -413,7 +358,7 @@ class FleetController:
 
     @property
     def degraded_limit(self) -> int:
-        """What this replica may hold on its own while degraded (module docstring)."""
+        """What this replica may hold on its own while degraded (sidecar.coordination.replica)."""
         return self._core.degraded_limit(self._capacity)
 
     def _local_limit(self) -> int:
@@ -832,7 +777,7 @@ class FleetController:
         changed.set_result(None)
 
     async def _try_recover(self) -> None:
-        """Degraded: resync with the ledger; back to ok once it is safe (module docstring)."""
+        """Degraded: resync with the ledger; back to ok once it is safe (see Replica)."""
         local = self._local
         assert local is not None
         # No local admission while the ledger's view is being written (_local_limit is 0,
@@ -962,7 +907,7 @@ class FleetController:
         Anything Envoy acknowledged is kept for as long as the replica lives.
         """
         cutoff = self._clock() - self._ack_timeout
-        stale = [aid for aid, h in self._core.held.items() if h.ack_expired(cutoff)]
+        stale = self._core.unacknowledged(cutoff)
         for aid in stale:
             self.release(aid, ReleaseReason.LEASE_EXPIRED)
         return len(stale)

@@ -190,7 +190,7 @@ class FleetStatus:
     def degraded_limit(self, own_capacity: int | None = None) -> int:
         """Slots this replica may hold on its own if the server stops answering now.
 
-        See :func:`degraded_limit` (the proof is in the controller's module docstring).
+        See :func:`degraded_limit` (the proof is in :mod:`sidecar.coordination.replica`).
         """
         cap = self.capacity if own_capacity is None else min(self.capacity, own_capacity)
         return degraded_limit(cap, self.live_replicas, self.inflight, self.held)

@@ -40,7 +40,73 @@ late reply of a call made while OK lands there). Every other (mode, trigger) pai
 bug in the driver and raises :class:`IllegalTransition`. What a resync answer means is
 decided here (:meth:`Replica.resync_answered`): back to OK only once the ledger knew this
 replica, the fleet has settled, and the server has answered for at least one heartbeat
-interval since the outage (see the controller's module docstring for why each is needed).
+interval since the outage (see below for why each is needed).
+
+Away from the ledger: the limits, and why they hold
+===================================================
+
+A ledger call that fails or takes longer than ``call_timeout`` switches the replica to
+a local :class:`~sidecar.scheduler.Scheduler` seeded with what the replica holds (they
+count: nothing new is admitted while they reach the limit), whose capacity is the
+*degraded limit*
+
+    L_i = max(0, min(floor(C / N), h_i + floor((C − H) / N)))
+
+from the replica's last view of the ledger: C the fleet capacity (or our own, if smaller),
+N the live replicas, H the fleet's admissions in flight and h_i ours, all four from ONE
+atomic script run (every heartbeat and resync answers them). Requests beyond it follow
+the class rules locally (queue, time out, 429); requests that were waiting in the ledger
+are re-queued locally (and back) keeping their first queue deadline.
+
+*Why Σ ≤ C.* While degraded a replica holds at most max(h_i, L_i): what it held, draining,
+or at most L_i once below it. For views taken from one state (H = Σ h_i ≤ C):
+Σ_i max(h_i, L_i) ≤ Σ_i (h_i + max(0, floor((C − H)/N))) ≤ H + (C − H) = C, since L_i ≤
+h_i + floor((C − H)/N). Each replica's new local admissions come out of its N-th of the
+slots free in that state; a replica that held more than floor(C/N) (legal: no stranded
+capacity) drains to its share and is not joined by the others' full shares. If H > C (a
+capacity shrink) nobody admits anything new and Σ ≤ H drains.
+
+*The remaining window.* Each replica's view is from its own last heartbeat, at most one
+heartbeat interval (ttl/3) plus one call timeout before the outage. Two bounds hold for
+the in flight the fleet can reach after an outage at t*, whatever the views' ages:
+Σ ≤ C + Σ_i max(0, h_i(t*) − floor(C/N)) (what was held beyond the shares: proved, since
+L_i ≤ floor(C/N) gives Σ_i max(h_i, L_i) ≤ N·floor(C/N) + Σ_i max(0, h_i − floor(C/N))),
+and Σ ≤ C + the admissions the ledger made after the oldest of the views (an admission
+raises the reachable total by at most one and a release never does; with view refreshes
+in between this one is checked over random interleavings by ``tests/test_degraded.py``,
+not proved). So the excess needs admissions in the last heartbeat interval before the
+outage that pushed a replica past its share, and it lasts only until those drain. Closing
+it entirely would mean holding back a replica's admissions past its share until every
+other replica has heard of them (one heartbeat each time: stranded capacity), so it is
+bounded, not closed.
+
+*Partition* (only this replica loses the server; the others still use the ledger). Until
+its registration lapses (0.9 ttl after its last heartbeat) the ledger still counts what
+it held (its releases no longer arrive), so reusing those slots is safe and only its new
+headroom L_i − h_i is uncounted: excess ≤ L_i − h_i. Once the registration lapses the
+ledger releases its admissions and the others may fill them while this replica still runs
+up to L_i: excess ≤ L_i ≤ floor(C/N), for as long as the partition lasts. Admitting
+nothing new once the registration may have lapsed would drain it instead, but a replica
+cannot tell a partition from an outage of the server itself, so the whole fleet would
+stop admitting ~0.6 ttl into every server outage; the share is kept, and this bound is
+documented (docs/reference.md, "Failure modes").
+
+The heartbeat keeps trying; each success is a ``resync`` that makes the ledger's view of
+this replica exactly what it holds (adds back local admissions, drops what ended
+meanwhile), during which local admission pauses. After it, while the replica still
+waits to return to ``ok``, it only reuses slots freed from then on (the ledger counts
+what it holds again, and replicas already back admit against that). The replica returns
+to ``ok`` once a resync finds its registration still known, at least one heartbeat
+interval has passed since the server answered again, and the fleet has settled: the first
+resync the ledger answers for a replica it does not know (data loss, or every registration
+lapsed) starts a settling window on the server's clock, ``2 × interval + call_timeout``,
+longer than any live replica's gap between two heartbeat attempts, so every replica alive
+has re-registered its holdings before anyone admits against them (one interval from each
+replica's own first answer is not enough: a replica whose previous attempt was still
+timing out when the server came back re-registers up to a call timeout later than that).
+Waiters queued locally then re-arrive at the ledger. A replica that starts while the fleet
+settles admits nothing until it has. A replica that has never reached the server (start-up
+during an outage) has no view: it queues by the class rules until the server answers.
 
 One held admission
 ==================
@@ -514,7 +580,7 @@ class Replica:
 
     def degraded_limit(self, own_capacity: int) -> int:
         """What this replica may hold on its own while away from the ledger
-        (L_i of the controller's module docstring), capped by ``recycle`` in SETTLING."""
+        (L_i of the module docstring), capped by ``recycle`` in SETTLING."""
         v = self._view
         limit = degraded_limit(min(v.capacity, own_capacity), v.live_replicas, v.inflight,
                                v.held)
@@ -662,6 +728,12 @@ class Replica:
             else:
                 effects.append(Send("adopt", h.holding(aid)))
         return effects
+
+    def unacknowledged(self, cutoff: float) -> list[str]:
+        """Admissions Envoy has not shown it runs since ``cutoff`` or earlier: to release
+        (lease_expired). The one case a replica's heartbeat cannot cover: the client left
+        just as Check answered, so no access-log entry or ext_proc stream will ever name it."""
+        return [aid for aid, h in self.held.items() if h.ack_expired(cutoff)]
 
     def returned(self) -> list[Effect]:
         """Back to OK: what the ledger missed while this replica was away."""
