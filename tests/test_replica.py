@@ -20,6 +20,7 @@ from sidecar.coordination.replica import (
     Count,
     Expire,
     Fault,
+    GoLocal,
     Grant,
     Held,
     IllegalStage,
@@ -29,6 +30,7 @@ from sidecar.coordination.replica import (
     LocalRelease,
     Mode,
     Replica,
+    Seen,
     Send,
     Stage,
     Stop,
@@ -449,3 +451,38 @@ def test_only_what_envoy_never_showed_is_unacknowledged_past_the_cutoff() -> Non
             clock.advance(30.0)
     r.held["acked"].acknowledge()
     assert r.unacknowledged(clock.now - 30.0) == ["old"]
+
+
+def test_a_heartbeat_is_a_steady_resync_while_ok_and_a_recovery_while_away() -> None:
+    r, _ = _ok()
+    r.admitted("a", BULK, "t", waited=0.0, queued=False)
+    call = r.heartbeat()
+    assert not call.recovery and call.holdings == (Holding("a", BULK, "t"),)
+    assert r.mode is Mode.OK
+    status = FleetStatus(True, 8, 2, 6, held=1, by_class={BULK: 6})
+    assert r.heartbeat_answered(status, can_stop=lambda _: False) == [Seen({BULK: 6}, 2)]
+    assert r.view == View(8, 2, 6, 1)
+    # Unknown: an outage and a return.
+    fx = r.heartbeat_answered(FleetStatus(False, 8, 2, 6), can_stop=lambda _: False)
+    assert fx == [GoLocal("RuntimeError: registration lost")] and r.mode is Mode.DEGRADED
+    assert r.view == View(8, 2, 6, 1)  # the view from before
+    assert r.lost("again") == []  # already away
+    call = r.heartbeat()
+    assert call.recovery and r.mode is Mode.RESYNCING
+
+
+def test_a_deferred_mark_leaves_only_for_a_candidate_before_its_first_byte_while_ok() -> None:
+    r, _ = _ok()
+    for aid in ("pre", "streaming", "plain"):
+        r.admitted(aid, BULK, "t", waited=0.0, queued=False)
+    r.held["pre"].move(Stage.PREEMPTIBLE)
+    r.held["streaming"].move(Stage.PREEMPTIBLE)
+    r.held["streaming"].move(Stage.STREAMING)
+    assert r.mark_due("pre") == [Send("preemptible", "pre")]
+    assert r.mark_due("pre") == []  # sent once
+    assert r.mark_due("streaming") == [] and r.mark_due("plain") == []
+    assert r.mark_due("gone") == []
+    r.admitted("away", BULK, "t", waited=0.0, queued=False)
+    r.held["away"].move(Stage.PREEMPTIBLE)
+    r.ledger_lost()
+    assert r.mark_due("away") == []  # the return marks it

@@ -76,12 +76,14 @@ from sidecar.coordination.replica import (
     Effect,
     Expire,
     Fault,
+    GoLocal,
     Grant,
     Held,
     LocalCarry,
     LocalRelease,
     Mode,
     Replica,
+    Seen,
     Send,
     Stage,
     Stop,
@@ -269,7 +271,7 @@ class FleetController:
                 # from a ledger that lacks them: with no view the share is 0).
                 self._metrics.fleet_seen(status.by_class, status.live_replicas)
                 self._core.fleet_settling()
-                self._go_local(RuntimeError("fleet settling"), announce=False)
+                self._go_local("RuntimeError: fleet settling", announce=False)
                 self._hold_until_settled(status)
                 log.info("coordination_settling", fleet=fleet, replica=replica,
                          settling_secs=round(status.settling, 3))
@@ -594,10 +596,7 @@ class FleetController:
         now = loop.time()
         while self._marks and self._marks[0][0] <= now:
             _, aid = self._marks.popleft()
-            h = self._core.held.get(aid)
-            if h is not None and h.stage is Stage.PREEMPTIBLE and not self._core.local:
-                h.move(Stage.MARKED)
-                self._send("preemptible", aid)
+            self._apply(self._core.mark_due(aid))
         if self._marks:
             self._marks_timer = loop.call_at(self._marks[0][0], self._send_due_marks)
 
@@ -708,6 +707,10 @@ class FleetController:
                 if w is not None and not w.fut.done():
                     w.fut.set_exception(Denied(Outcome.REJECTED_QUEUE_TIMEOUT, legacy=False,
                                                waited=fx.waited))
+            elif isinstance(fx, GoLocal):
+                self._go_local(fx.error, announce=fx.announce)
+            elif isinstance(fx, Seen):
+                self._metrics.fleet_seen(fx.by_class, fx.live_replicas)
             elif isinstance(fx, Fault):
                 self._metrics.coordination_fault(fx.kind)
                 if fx.kind == "ended_but_running_stopped":
@@ -736,10 +739,9 @@ class FleetController:
 
     def _degrade(self, exc: BaseException, *, announce: bool = True) -> None:
         """Server unreachable or slow: admit locally within the degraded share."""
-        if self._core.ledger_lost():
-            self._go_local(exc, announce=announce)
+        self._apply(self._core.lost(_describe(exc), announce=announce))
 
-    def _go_local(self, exc: BaseException, *, announce: bool) -> None:
+    def _go_local(self, error: str, *, announce: bool) -> None:
         """The mode just became a local one: build the local core from what is held."""
         assert self._local is None and self._core.local
         self._outbox.clear()  # the resync on return covers what it held
@@ -759,7 +761,7 @@ class FleetController:
         self._metrics.coordination_changed(DEGRADED)
         if announce:
             view = self._core.view
-            log.warning("coordination_degraded", error=_describe(exc), share=limit,
+            log.warning("coordination_degraded", error=error, share=limit,
                         fleet_capacity=view.capacity, live_replicas=view.live_replicas,
                         fleet_inflight=view.inflight, held=len(self._core.held),
                         queued_in_ledger=len(self._waiting))
@@ -776,15 +778,13 @@ class FleetController:
         changed, self._changed = self._changed, asyncio.get_running_loop().create_future()
         changed.set_result(None)
 
-    async def _try_recover(self) -> None:
+    async def _try_recover(self, listed: list[Holding]) -> None:
         """Degraded: resync with the ledger; back to ok once it is safe (see Replica)."""
         local = self._local
         assert local is not None
-        # No local admission while the ledger's view is being written (_local_limit is 0,
-        # also for a capacity change meanwhile).
-        self._core.resync_sent()
+        # No local admission while the ledger's view is being written (the core is
+        # RESYNCING: _local_limit is 0, also for a capacity change meanwhile).
         local.set_capacity(self._local_limit())
-        listed = [h.holding(aid) for aid, h in self._core.held.items()]
         try:
             self._outbox.clear()
             # Arrivals whose reply may still be on its way: an admission stays in the
@@ -826,11 +826,8 @@ class FleetController:
             self._send("register", None)
         self._outbox_wake.set()
 
-    def _ended_but_held(self, refused: Iterable[str]) -> None:
-        """Ids a resync listed as held here that the ledger had ended (Replica.ended_but_held)."""
-        self._apply(self._core.ended_but_held(refused, self._can_stop))
-
     def _can_stop(self, aid: str) -> bool:
+        """Its stop channel is open (Replica.ended_but_held stops it rather than re-adding)."""
         stop = self._stop_signals.get(aid)
         return stop is not None and not stop.done()
 
@@ -917,22 +914,17 @@ class FleetController:
             self._heartbeat_wake.clear()
             self.expire_unacknowledged()
             try:
-                if not self._core.local:
+                call = self._core.heartbeat()
+                if not call.recovery:
                     # A resync rather than a bare heartbeat: it also drops what a late-run
                     # call left in the ledger for us (e.g. an arrive that timed out here but
                     # ran when a paused server resumed).
                     status = await self._call(self.ledger.resync(
-                        [h.holding(aid) for aid, h in self._core.held.items()], self._capacity,
-                        min_age=self._orphan_age, waiting=list(self._waiting),
-                        settle=self._settle))
-                    self._ended_but_held(status.refused)
-                    if not status.known:
-                        # Lapsed, or the server lost its data: an outage and a return.
-                        self._degrade(RuntimeError("registration lost"))
-                        continue
-                    self._seen(status)
+                        list(call.holdings), self._capacity, min_age=self._orphan_age,
+                        waiting=list(self._waiting), settle=self._settle))
+                    self._apply(self._core.heartbeat_answered(status, self._can_stop))
                 else:
-                    await self._try_recover()
+                    await self._try_recover(list(call.holdings))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

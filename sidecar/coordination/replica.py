@@ -474,7 +474,37 @@ class LocalAdopt:
     tenant: str
 
 
-Effect = Send | Count | Fault | Grant | Expire | Stop | LocalRelease | LocalCarry | LocalAdopt
+@dataclass(frozen=True, slots=True)
+class GoLocal:
+    """The mode just became a local one: build the local core from what is held (its
+    limit is :meth:`Replica.local_limit`), drop the outbox (the return's resync covers
+    it), move waiting requests to it, and log ``error`` if ``announce``."""
+
+    error: str
+    announce: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """Metric verb ``fleet_seen``: a consistent view's per-class counts."""
+
+    by_class: Mapping[PriorityClass, int]
+    live_replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """The call a heartbeat makes: a resync listing ``holdings``. ``recovery``: the one
+    that may return this replica to OK (the mode is RESYNCING from here until its answer
+    or failure); else the steady-state one, which also drops what a late-run call left
+    in the ledger for this replica."""
+
+    holdings: tuple[Holding, ...]
+    recovery: bool
+
+
+Effect = (Send | Count | Fault | Grant | Expire | Stop | LocalRelease | LocalCarry
+          | LocalAdopt | GoLocal | Seen)
 
 
 class Replica:
@@ -728,6 +758,40 @@ class Replica:
             else:
                 effects.append(Send("adopt", h.holding(aid)))
         return effects
+
+    def lost(self, error: str, *, announce: bool = True) -> list[Effect]:
+        """A ledger call failed or timed out, found this replica unknown, or found that the
+        ledger lost writes: the local core decides from now on (nothing if it already
+        does)."""
+        return [GoLocal(error, announce)] if self.ledger_lost() else []
+
+    def heartbeat(self) -> Resync:
+        """A heartbeat is due: the call to make (a recovery one moves the mode)."""
+        holdings = tuple(h.holding(aid) for aid, h in self.held.items())
+        if self.local:
+            self.resync_sent()
+            return Resync(holdings, recovery=True)
+        return Resync(holdings, recovery=False)
+
+    def heartbeat_answered(self, status: FleetStatus,
+                           can_stop: Callable[[str], bool]) -> list[Effect]:
+        """A steady-state resync's answer: what the ledger had ended is stopped or counted
+        again; an unknown registration (it lapsed, or the server lost its data) is an
+        outage and a return; else a new view."""
+        effects = self.ended_but_held(status.refused, can_stop)
+        if not status.known:
+            return effects + self.lost("RuntimeError: registration lost")
+        self.seen(View(status.capacity, status.live_replicas, status.inflight, status.held))
+        return [*effects, Seen(status.by_class, status.live_replicas)]
+
+    def mark_due(self, aid: str) -> list[Effect]:
+        """``aid``'s deferred preemptible mark is due: sent only for a request still
+        before its first byte, with no mark sent yet, while the ledger decides."""
+        h = self.held.get(aid)
+        if h is None or h.stage is not Stage.PREEMPTIBLE or self.local:
+            return []
+        h.move(Stage.MARKED)
+        return [Send("preemptible", aid)]
 
     def unacknowledged(self, cutoff: float) -> list[str]:
         """Admissions Envoy has not shown it runs since ``cutoff`` or earlier: to release
