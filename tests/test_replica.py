@@ -23,13 +23,16 @@ from sidecar.coordination.replica import (
     GoLocal,
     Grant,
     Held,
+    HoldLocal,
     IllegalStage,
     IllegalTransition,
     LocalAdopt,
     LocalCarry,
     LocalRelease,
     Mode,
+    Registered,
     Replica,
+    Return,
     Seen,
     Send,
     Stage,
@@ -425,22 +428,43 @@ def test_the_return_marks_what_opened_while_away_and_resends_every_first_byte() 
     r.held["streaming"].move(Stage.STREAMING)
     r.ledger_lost()
     r.held["pre"].move(Stage.PREEMPTIBLE)  # opened while away
-    r.resync_sent()
-    listed = [h.holding(aid) for aid, h in r.held.items()]
+    call = r.heartbeat()
+    assert call.recovery and r.mode is Mode.RESYNCING
+    listed = list(call.holdings)
     assert not next(h for h in listed if h.id == "pre").preemptible  # not told yet
-    r.local_released("adm", ReleaseReason.COMPLETED)  # ended while the resync flew
-    status = FleetStatus(True, 8, 1, 3, refused=("marked",))
-    now, late = r.recovery_refused(status, listed)
-    assert now == [LocalRelease("marked", ReleaseReason.PREEMPTED),
-                   Stop("marked", undelivered=False)]
-    assert late == [Send("release", ("adm", ReleaseReason.COMPLETED))]
-    r.local_released("marked", ReleaseReason.PREEMPTED)
-    r.resync_answered(known=True, settling=0.0, held=len(r.held), view=VIEW)
+    # The first answer: "marked" was preempted in the ledger meanwhile.
+    fx = r.recovery_answered(FleetStatus(True, 8, 1, 3, refused=("marked",)), listed)
+    assert fx[:2] == [LocalRelease("marked", ReleaseReason.PREEMPTED),
+                      Stop("marked", undelivered=False)]
+    assert fx[-1] == HoldLocal(None) and r.mode is Mode.SETTLING
+    assert r.recycle == 3 and "marked" not in r.held  # recycle counted without it
+    r.local_released("marked", ReleaseReason.PREEMPTED)  # the local core's event follows
+    r.local_released("adm", ReleaseReason.COMPLETED)  # ends while the next resync flies
     clock.advance(INTERVAL)
-    r.resync_sent()
-    assert r.resync_answered(known=True, settling=0.0, held=2, view=VIEW) is Mode.OK
-    assert r.returned() == [Send("preemptible", "pre"), Send("first_byte", "streaming")]
+    listed = list(r.heartbeat().holdings)
+    status = FleetStatus(True, 8, 1, 3, by_class={BULK: 3})
+    fx = r.recovery_answered(status, [*listed, Holding("adm", BULK, "t")])
+    assert r.mode is Mode.OK
+    i = fx.index(Return())
+    assert fx[:i] == [Seen({BULK: 3}, 1), Seen({BULK: 3}, 1)]
+    assert fx[i + 1:] == [Send("release", ("adm", ReleaseReason.COMPLETED)),
+                          Send("preemptible", "pre"), Send("first_byte", "streaming")]
     assert r.held["pre"].stage is Stage.MARKED
+
+
+def test_start_up_registers_or_settles_with_no_view() -> None:
+    r, _ = _replica()
+    status = FleetStatus(True, 8, 2, 1, by_class={BULK: 1})
+    assert r.started(status) == [Seen({BULK: 1}, 2), Registered()]
+    assert r.mode is Mode.OK and r.view == View(8, 2, 1, 0)
+    r, _ = _replica()
+    fx = r.started(FleetStatus(True, 8, 2, 1, settling=0.1))
+    assert fx[1:] == [GoLocal("RuntimeError: fleet settling", announce=False),
+                      HoldLocal(0.1)]
+    assert r.mode is Mode.SETTLING and r.view == View() and r.local_limit(8) == 0
+    r, _ = _replica()
+    assert r.started(FleetStatus(True, 8, 2, 1, settling=5.0))[-1] == HoldLocal(None)
+
 
 
 def test_only_what_envoy_never_showed_is_unacknowledged_past_the_cutoff() -> None:

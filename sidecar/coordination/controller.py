@@ -79,15 +79,17 @@ from sidecar.coordination.replica import (
     GoLocal,
     Grant,
     Held,
+    HoldLocal,
     LocalCarry,
     LocalRelease,
     Mode,
+    Registered,
     Replica,
+    Return,
     Seen,
     Send,
     Stage,
     Stop,
-    View,
 )
 from sidecar.metrics import NullRecorder, Recorder
 from sidecar.ratelimit import TokenBucket
@@ -264,21 +266,11 @@ class FleetController:
                         hint="starting degraded: no share until the server answers")
             self._degrade(exc, announce=False)
         else:
-            if status.settling > 0:
-                # The fleet is re-registering after a loss: replicas that held slots may
-                # not be in the ledger yet. Admit nothing until it has settled, and keep
-                # no view from now (an outage meanwhile must not give a share computed
-                # from a ledger that lacks them: with no view the share is 0).
-                self._metrics.fleet_seen(status.by_class, status.live_replicas)
-                self._core.fleet_settling()
-                self._go_local("RuntimeError: fleet settling", announce=False)
-                self._hold_until_settled(status)
+            self._apply(self._core.started(status))
+            if self._core.mode is Mode.SETTLING:
                 log.info("coordination_settling", fleet=fleet, replica=replica,
                          settling_secs=round(status.settling, 3))
             else:
-                self._core.registered(_view(status))
-                self._seen(status)
-                self._metrics.coordination_changed(OK)
                 log.info("coordination_registered", fleet=fleet, replica=replica,
                          fleet_capacity=status.capacity, live_replicas=status.live_replicas)
         return self
@@ -711,6 +703,12 @@ class FleetController:
                 self._go_local(fx.error, announce=fx.announce)
             elif isinstance(fx, Seen):
                 self._metrics.fleet_seen(fx.by_class, fx.live_replicas)
+            elif isinstance(fx, HoldLocal):
+                self._hold_local(fx.wake_in)
+            elif isinstance(fx, Return):
+                self._return()
+            elif isinstance(fx, Registered):
+                self._metrics.coordination_changed(OK)
             elif isinstance(fx, Fault):
                 self._metrics.coordination_fault(fx.kind)
                 if fx.kind == "ended_but_running_stopped":
@@ -798,27 +796,18 @@ class FleetController:
             self._core.resync_failed()
             local.set_capacity(self._local_limit())
             raise
-        now_effects, late = self._core.recovery_refused(status, listed)
-        self._apply(now_effects)
-        self._metrics.fleet_seen(status.by_class, status.live_replicas)
-        mode = self._core.resync_answered(known=status.known, settling=status.settling,
-                                          held=len(self._core.held), view=_view(status))
-        if mode is Mode.SETTLING:
-            # The view stays the one from before the outage: after a data loss the ledger
-            # knows only the replicas that have re-registered so far (the fleet settles
-            # until every replica alive has). What this replica holds is in the ledger
-            # again, but replicas that are back to ok admit against it without seeing
-            # local admissions: only slots freed from now on are reused.
-            self._hold_until_settled(status)
-            return
-        self._seen(status)
+        self._apply(self._core.recovery_answered(status, listed))
+
+    def _return(self) -> None:
+        """Back to ok (Replica.recovery_answered): the ledger decides again."""
+        local = self._local
+        assert local is not None and self._core.mode is Mode.OK
         self._local = None
         local.close()
-        self._apply(late)
-        self._apply(self._core.returned())  # what the ledger missed while we were away
         self._metrics.coordination_changed(OK)
-        log.info("coordination_ok", fleet_capacity=status.capacity,
-                 live_replicas=status.live_replicas, held=len(self._core.held),
+        view = self._core.view
+        log.info("coordination_ok", fleet_capacity=view.capacity,
+                 live_replicas=view.live_replicas, held=len(self._core.held),
                  requeued=local.waiting)
         self._wake_movers()  # local waiters arrive at the ledger now
         if self._config_dirty:
@@ -847,19 +836,13 @@ class FleetController:
                     admissions=len(self._core.held) - before,
                     hint="a previous process with this replica id held them")
 
-    def _hold_until_settled(self, status: FleetStatus) -> None:
+    def _hold_local(self, wake_in: float | None) -> None:
         """Settling, the server answering: reuse only the core's ``recycle`` slots locally,
         and ask again as soon as the fleet has settled rather than a whole interval later."""
         if self._local is not None:
             self._local.set_capacity(self._local_limit())
-        if 0 < status.settling < self._interval:
-            asyncio.get_running_loop().call_later(status.settling + 0.001,
-                                                  self._heartbeat_wake.set)
-
-    def _seen(self, status: FleetStatus) -> None:
-        """A consistent view while ok: what the degraded limit is computed from."""
-        self._core.seen(_view(status))
-        self._metrics.fleet_seen(status.by_class, status.live_replicas)
+        if wake_in is not None:
+            asyncio.get_running_loop().call_later(wake_in + 0.001, self._heartbeat_wake.set)
 
     # ------------------------------------------------------------------ loops
 
@@ -1106,10 +1089,6 @@ class _LocalRecorder(NullRecorder):
 
     def completion_unmatched(self, reason: str) -> None:
         self._o._metrics.completion_unmatched(reason)
-
-
-def _view(status: FleetStatus) -> View:
-    return View(status.capacity, status.live_replicas, status.inflight, status.held)
 
 
 def _describe(exc: BaseException) -> str:

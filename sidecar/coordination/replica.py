@@ -503,8 +503,28 @@ class Resync:
     recovery: bool
 
 
+@dataclass(frozen=True, slots=True)
+class HoldLocal:
+    """SETTLING: set the local core to :meth:`Replica.local_limit` (reuse only the slots
+    freed from now on); ask the ledger again in ``wake_in`` seconds if given (the fleet
+    settles sooner than a heartbeat interval)."""
+
+    wake_in: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Return:
+    """Back to OK: close the local core (its waiters arrive at the ledger), count and log
+    the change, re-register a class config changed meanwhile, and flush the outbox."""
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """Start-up: registered in a settled fleet; count and log it."""
+
+
 Effect = (Send | Count | Fault | Grant | Expire | Stop | LocalRelease | LocalCarry
-          | LocalAdopt | GoLocal | Seen)
+          | LocalAdopt | GoLocal | Seen | HoldLocal | Return | Registered)
 
 
 class Replica:
@@ -759,6 +779,56 @@ class Replica:
                 effects.append(Send("adopt", h.holding(aid)))
         return effects
 
+    def started(self, status: FleetStatus) -> list[Effect]:
+        """Start-up: the first register's answer. While the fleet re-registers after a loss
+        (``settling``), replicas that held slots may not be in the ledger yet: admit
+        nothing until it has settled, and keep no view from it (an outage meanwhile must
+        not give a share computed from a ledger that lacks them: no view, no share)."""
+        seen = Seen(status.by_class, status.live_replicas)
+        if status.settling > 0:
+            self.fleet_settling()
+            return [seen, GoLocal("RuntimeError: fleet settling", announce=False),
+                    HoldLocal(self._wake_in(status.settling))]
+        self.registered(_view(status))
+        return [seen, Registered()]
+
+    def _wake_in(self, settling: float) -> float | None:
+        return settling if 0 < settling < self._interval else None
+
+    def recovery_answered(self, status: FleetStatus, listed: list[Holding]) -> list[Effect]:
+        """The recovery resync's answer (``listed``: what it listed as held). What the
+        ledger ended meanwhile is released and stopped locally; then back to OK, or
+        SETTLING (see :meth:`resync_answered`). On the return, the admissions that ended
+        here while the resync was in flight are released in the ledger (it now holds them
+        from the list, and nothing else would), and what it missed is sent
+        (:meth:`returned`)."""
+        effects: list[Effect] = []
+        refused = set(status.refused)
+        for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
+            h = self.held.pop(aid, None)
+            if h is not None:
+                # The local core's Released event follows (the local limit is 0 while
+                # RESYNCING, so it admits nothing in its place before the count below).
+                h.move(Stage.RELEASED)
+                self.ended.add(aid, ReleaseReason.PREEMPTED)
+                effects += [LocalRelease(aid, ReleaseReason.PREEMPTED),
+                            Stop(aid, undelivered=False)]
+        late: list[Effect] = [Send("release", (hd.id, ReleaseReason.COMPLETED))
+                              for hd in listed
+                              if hd.id not in self.held and hd.id not in refused]
+        seen = Seen(status.by_class, status.live_replicas)
+        effects.append(seen)
+        mode = self.resync_answered(known=status.known, settling=status.settling,
+                                    held=len(self.held), view=_view(status))
+        if mode is Mode.SETTLING:
+            # The view stays the one from before the outage: after a data loss the ledger
+            # knows only the replicas that have re-registered so far (the fleet settles
+            # until every replica alive has). What this replica holds is in the ledger
+            # again, but replicas that are back to ok admit against it without seeing
+            # local admissions: only slots freed from now on are reused.
+            return [*effects, HoldLocal(self._wake_in(status.settling))]
+        return [*effects, seen, Return(), *late, *self.returned()]
+
     def lost(self, error: str, *, announce: bool = True) -> list[Effect]:
         """A ledger call failed or timed out, found this replica unknown, or found that the
         ledger lost writes: the local core decides from now on (nothing if it already
@@ -781,7 +851,7 @@ class Replica:
         effects = self.ended_but_held(status.refused, can_stop)
         if not status.known:
             return effects + self.lost("RuntimeError: registration lost")
-        self.seen(View(status.capacity, status.live_replicas, status.inflight, status.held))
+        self.seen(_view(status))
         return [*effects, Seen(status.by_class, status.live_replicas)]
 
     def mark_due(self, aid: str) -> list[Effect]:
@@ -824,20 +894,6 @@ class Replica:
             gone.move(Stage.RELEASED)
         self.ended.add(aid, reason)
 
-    def recovery_refused(self, status: FleetStatus,
-                         listed: list[Holding]) -> tuple[list[Effect], list[Effect]]:
-        """A recovery resync's answer, before the mode moves (``listed``: what it listed as
-        held). Returns the effects now (what the ledger ended meanwhile is released and
-        stopped locally) and the late releases to send on the return to OK (ended here
-        while the resync was in flight: the ledger now holds them from the list, and
-        nothing else would ever release them there)."""
-        now: list[Effect] = []
-        for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
-            if aid in self.held:
-                now += [LocalRelease(aid, ReleaseReason.PREEMPTED),
-                        Stop(aid, undelivered=False)]
-        refused = set(status.refused)
-        late: list[Effect] = [Send("release", (hd.id, ReleaseReason.COMPLETED))
-                              for hd in listed
-                              if hd.id not in self.held and hd.id not in refused]
-        return now, late
+
+def _view(status: FleetStatus) -> View:
+    return View(status.capacity, status.live_replicas, status.inflight, status.held)
