@@ -9,14 +9,15 @@ import itertools
 import pytest
 
 from sidecar.classes import PriorityClass
+from sidecar.coordination.ledger import Arrival, ArriveStatus, FleetStatus, Holding
 from sidecar.coordination.ledger import Event as Notification
-from sidecar.coordination.ledger import FleetStatus, Holding
 from sidecar.coordination.replica import (
     ACKS,
     LOCAL,
     STAGES,
     TRANSITIONS,
     Ack,
+    Arrived,
     Count,
     Expire,
     Fault,
@@ -28,6 +29,7 @@ from sidecar.coordination.replica import (
     IllegalTransition,
     LocalAdopt,
     LocalCarry,
+    LocalFirstByte,
     LocalRelease,
     Mode,
     Registered,
@@ -510,3 +512,83 @@ def test_a_deferred_mark_leaves_only_for_a_candidate_before_its_first_byte_while
     r.held["away"].move(Stage.PREEMPTIBLE)
     r.ledger_lost()
     assert r.mark_due("away") == []  # the return marks it
+
+
+def test_what_an_arrive_reply_means() -> None:
+    r = Replica(interval=INTERVAL, clock=FakeClock(), replica="me")
+    r.registered(VIEW)
+    r.admitted("mine", BULK, "t", waited=0.0, queued=False)
+    r.waiter_arrived("a", SYSTEM, "t")
+    verdict, adm, fx = r.arrive_answered(
+        "a", SYSTEM, "t", Arrival(ArriveStatus.ADMITTED, victim="mine", victim_owner="me"))
+    assert verdict is Arrived.ADMITTED and adm is not None and adm.preempted
+    assert Stop("mine", undelivered=True) in fx and "mine" not in r.held and "a" in r.held
+    verdict, adm, fx = r.arrive_answered(
+        "b", SYSTEM, "t", Arrival(ArriveStatus.ADMITTED, victim="x", victim_owner="other"))
+    assert verdict is Arrived.ADMITTED and not any(isinstance(f, Stop) for f in fx)
+    verdict, adm, fx = r.arrive_answered("c", BULK, "t",
+                                         Arrival(ArriveStatus.REJECTED_QUEUE_FULL))
+    assert verdict is Arrived.REJECTED and adm is None
+    (count,) = fx
+    assert isinstance(count, Count)
+    assert r.arrive_answered("d", BULK, "t", Arrival(ArriveStatus.QUEUED, timeout=1.0)) == (
+        Arrived.QUEUED, None, [])
+    verdict, _, fx = r.arrive_answered("e", BULK, "t", Arrival(ArriveStatus.UNREGISTERED))
+    assert verdict is Arrived.MOVED and fx == [GoLocal("RuntimeError: arrive answered "
+                                                       "unregistered")]
+
+
+def test_a_data_loss_degrades_a_repaired_key_is_only_counted() -> None:
+    r, _ = _ok()
+    assert r.data_loss("counters_lost") == [Fault("counters_lost")] and r.mode is Mode.OK
+    assert r.data_loss("stale_copy") == [
+        Fault("stale_copy"), GoLocal("RuntimeError: ledger data loss: stale_copy")]
+    assert r.mode is Mode.DEGRADED
+
+
+def test_the_first_byte_reaches_the_ledger_only_when_it_may_hold_a_candidate() -> None:
+    r, _ = _ok()
+    for aid in ("plain", "pre", "marked", "confirm", "refused"):
+        r.admitted(aid, BULK, "t", waited=0.0, queued=False)
+    assert r.stop_opened("pre") and r.held["pre"].acknowledged
+    for aid in ("marked", "confirm", "refused"):
+        r.stop_opened(aid)
+        r.mark_due(aid)
+    assert r.first_byte("plain") == [] and r.first_byte("pre") == []
+    assert r.first_byte("marked") == [Send("first_byte", "marked")]
+    assert r.first_byte("marked") is None and not r.stop_opened("marked")
+    assert r.confirming("plain") is None  # past its first byte already
+    assert r.confirming("confirm") == [Send("first_byte", "confirm")]
+    assert r.held["confirm"].stage is Stage.CONFIRMING
+    r.confirmed("confirm", True)
+    assert r.held["confirm"].stage is Stage.STREAMING
+    r.confirming("refused")
+    r.confirmed("refused", False)
+    assert r.held["refused"].stage is Stage.STOPPED
+    r.ledger_lost()
+    r.admitted("away", BULK, "t", waited=0.0, queued=False)
+    assert r.first_byte("away") == [LocalFirstByte("away")]
+
+
+def test_with_a_liveness_tracker_a_sign_only_restarts_the_ack_timeout() -> None:
+    r, clock = _ok()
+    r.liveness_decides = True
+    r.admitted("a", BULK, "t", waited=0.0, queued=False)
+    clock.advance(10.0)
+    r.stop_opened("a")
+    assert not r.held["a"].acknowledged and r.held["a"].unacked_since == clock.now
+
+
+def test_a_timeout_or_a_client_leaving_is_counted_for_the_waiter() -> None:
+    r, _ = _ok()
+    r.waiter_arrived("w", BULK, "t")
+    (count,) = r.timed_out("w", BULK, "t", 2.0)
+    assert isinstance(count, Count)
+    (ev,) = count.events
+    assert isinstance(ev, Rejected) and ev.outcome is Outcome.REJECTED_QUEUE_TIMEOUT
+    assert r.notified(Notification("grant", "w")) == [
+        Send("release", ("w", ReleaseReason.CANCELLED))]
+    (count,) = r.client_left("x", BULK, "t", 1.0)
+    assert isinstance(count, Count)
+    (ev,) = count.events
+    assert isinstance(ev, Rejected) and ev.outcome is Outcome.CLIENT_CANCELLED

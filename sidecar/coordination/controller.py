@@ -64,7 +64,6 @@ from sidecar.admission import AdmissionController, Denied, new_admission_id
 from sidecar.capacity import CapacityReading
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.coordination.ledger import (
-    ArriveStatus,
     CancelResult,
     Event,
     FleetLedger,
@@ -72,6 +71,7 @@ from sidecar.coordination.ledger import (
     Holding,
 )
 from sidecar.coordination.replica import (
+    Arrived,
     Count,
     Effect,
     Expire,
@@ -81,6 +81,7 @@ from sidecar.coordination.replica import (
     Held,
     HoldLocal,
     LocalCarry,
+    LocalFirstByte,
     LocalRelease,
     Mode,
     Registered,
@@ -88,7 +89,6 @@ from sidecar.coordination.replica import (
     Return,
     Seen,
     Send,
-    Stage,
     Stop,
 )
 from sidecar.metrics import NullRecorder, Recorder
@@ -125,9 +125,6 @@ _EVENT_BLOCK_SECS = 1.0
 # that ends) sooner needs neither mark, so the common short request costs the ledger only
 # arrive + release. A queued preemptor waits at most this long for the candidate.
 MARK_DELAY_SECS = 0.005
-# What lose() reports in ledger.lua: writes lost, so the fleet re-registers and settles.
-# The other causes (counters_lost, owners_lost) were repaired from the admission records.
-_DATA_LOSS = frozenset({"server_changed", "stale_copy", "admissions_lost"})
 # Set in the task of a local admit that is being moved back to the ledger: its
 # cancellation is not a client's, so it is not counted as client_cancelled.
 _MOVING: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
@@ -178,12 +175,6 @@ class FleetController:
         self._capacity = capacity
         self._call_timeout = call_timeout
         self._ack_timeout = ack_timeout
-        # Set when an EnvoyLiveness is wired to this controller (sidecar.app): then only it
-        # drops an admission's ack timeout (hold_without_lease: acknowledged while its Envoy
-        # is watched and alive), as the in-process lease; a sign from an Envoy never
-        # watched only restarts the timeout, so an Envoy that dies before its first
-        # access-log stream cannot leave slots held until this replica dies.
-        self.liveness_decides = False
         self._interval = ledger.ttl / 3
         # After a loss the fleet settles this long from the first replica's resync (ledger
         # ops.resync): longer than any live replica's gap between two heartbeat attempts
@@ -198,7 +189,7 @@ class FleetController:
         self._new_id = id_factory
         # The mode (ok, degraded, resyncing, settling) and the last view of the fleet, as
         # one pure state machine (sidecar.coordination.replica).
-        self._core = Replica(interval=self._interval, clock=clock)
+        self._core = Replica(interval=self._interval, clock=clock, replica=ledger.replica)
         self._waiting: dict[str, _Waiter] = {}
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
         # The local core: exists exactly while the mode is a local one (Replica.local).
@@ -313,6 +304,19 @@ class FleetController:
     # ------------------------------------------------------------------ state
 
     @property
+    def liveness_decides(self) -> bool:
+        """Set when an EnvoyLiveness is wired to this controller (sidecar.app): then only it
+        drops an admission's ack timeout (hold_without_lease: acknowledged while its Envoy
+        is watched and alive), as the in-process lease; a sign from an Envoy never watched
+        only restarts the timeout, so an Envoy that dies before its first access-log
+        stream cannot leave slots held until this replica dies."""
+        return self._core.liveness_decides
+
+    @liveness_decides.setter
+    def liveness_decides(self, value: bool) -> None:
+        self._core.liveness_decides = value
+
+    @property
     def state(self) -> str:
         """``ok`` or ``degraded`` (any mode in which the local core decides)."""
         return DEGRADED if self._core.local else OK
@@ -413,8 +417,7 @@ class FleetController:
 
     def _timed_out(self, aid: str, cls: PriorityClass, tenant: str, arrived: float) -> Denied:
         waited = self._clock() - arrived
-        self._metrics.on_events([Rejected(aid, cls, tenant, Outcome.REJECTED_QUEUE_TIMEOUT,
-                                          waited)])
+        self._apply(self._core.timed_out(aid, cls, tenant, waited))
         return Denied(Outcome.REJECTED_QUEUE_TIMEOUT, legacy=False, waited=waited)
 
     def _remaining(self, deadline: float | None) -> float | None:
@@ -437,20 +440,13 @@ class FleetController:
                 self._degrade(exc)
                 self._background_task(self._forget(aid))
                 raise _Moved from None
-            status = arrival.status
-            if status is ArriveStatus.ADMITTED:
-                if arrival.victim is not None and arrival.victim_owner == self.ledger.replica:
-                    self._apply(self._core.preempted(arrival.victim, cls))
-                return self._admitted_now(aid, cls, tenant, waited=0.0, queued=False,
-                                          preempted=arrival.victim is not None)
-            if status is ArriveStatus.REJECTED_QUEUE_FULL:
-                self._metrics.on_events([Rejected(aid, cls, tenant,
-                                                  Outcome.REJECTED_QUEUE_FULL, 0.0)])
+            verdict, admitted, effects = self._core.arrive_answered(aid, cls, tenant, arrival)
+            self._apply(effects)
+            if admitted is not None:
+                return admitted
+            if verdict is Arrived.REJECTED:
                 raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=False)
-            if status is not ArriveStatus.QUEUED:
-                # unregistered (our registration lapsed, or the server lost its data):
-                # decide locally until the heartbeat has re-registered what we hold.
-                self._degrade(RuntimeError(f"arrive answered {status.value}"))
+            if verdict is Arrived.MOVED:
                 raise _Moved
             self._schedule_tick(min(arrival.timeout or 0.0, self._reap_every,
                                     self._classes[cls].starvation_threshold_secs))
@@ -468,8 +464,7 @@ class FleetController:
             if aid in self._core.held:
                 self.release(aid, ReleaseReason.CANCELLED)
             else:
-                self._metrics.on_events([Rejected(aid, cls, tenant, Outcome.CLIENT_CANCELLED,
-                                                  self._clock() - arrived)])
+                self._apply(self._core.client_left(aid, cls, tenant, self._clock() - arrived))
                 self._background_task(self._forget(aid))
             raise
         finally:
@@ -547,7 +542,7 @@ class FleetController:
         """
         held = self._core.held.get(aid)
         if held is not None:
-            self._signed(held)
+            self._core.signed(held)
             return True
         if cls is None:
             return False
@@ -560,14 +555,10 @@ class FleetController:
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
         """ADMITTED → PREEMPTIBLE (see :meth:`AdmissionController.open_stop_channel`)."""
-        h = self._core.held.get(aid)
-        if h is None or h.first_byte:
+        if not self._core.stop_opened(aid):
             return None
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._stop_signals[aid] = fut
-        if h.stage is Stage.ADMITTED:
-            h.move(Stage.PREEMPTIBLE)  # (opened again: it stays where it is)
-        self._signed(h)
         if self._local is not None:
             self._chain_stop_signal(self._local, aid)
         else:
@@ -594,17 +585,10 @@ class FleetController:
 
     def mark_first_byte(self, aid: str) -> bool:
         self._stop_signals.pop(aid, None)
-        h = self._core.held.get(aid)
-        if h is None or h.first_byte:
+        effects = self._core.first_byte(aid)
+        if effects is None:
             return False
-        marked = h.mark_sent
-        h.move(Stage.STREAMING)
-        self._signed(h)
-        if self._local is not None:
-            self._local.mark_first_byte(aid)
-        elif marked:
-            self._send("first_byte", aid)
-        # else its preemptible mark never left: the ledger never saw it as a candidate.
+        self._apply(effects)
         return True
 
     async def confirm_first_byte(self, aid: str) -> bool:
@@ -616,15 +600,13 @@ class FleetController:
         Waits for the ledger only when its preemptible mark was sent (the request waited
         longer than the mark delay); otherwise, and while degraded, it answers at once.
         """
-        h = self._core.held.get(aid)
-        if h is None or h.first_byte or not h.mark_sent or self._local is not None:
+        effects = self._core.confirming(aid)
+        if effects is None:
             return True
         fut = self._first_byte_waits.get(aid)
         if fut is None:
             fut = self._first_byte_waits[aid] = asyncio.get_running_loop().create_future()
-        h.move(Stage.CONFIRMING)
-        self._signed(h)
-        self._send("first_byte", aid)
+        self._apply(effects)
         try:
             # A switch to degraded mode drops the outbox: stop waiting then too.
             await asyncio.wait((fut, self._changed), timeout=2 * self._call_timeout,
@@ -635,8 +617,7 @@ class FleetController:
         ok = fut.result() if fut.done() else True
         if ok:
             self._stop_signals.pop(aid, None)
-        if h.stage is Stage.CONFIRMING:  # (not ended meanwhile by a notification)
-            h.move(Stage.STREAMING if ok else Stage.STOPPED)
+        self._core.confirmed(aid, ok)
         return ok
 
     def close_stop_channel(self, aid: str) -> None:
@@ -722,6 +703,8 @@ class FleetController:
                     assert isinstance(core, Scheduler)  # _go_local builds it
                     core.carry(fx.id, fx.cls, fx.tenant, fx.admitted_at,
                                streaming=fx.streaming)
+                elif isinstance(fx, LocalFirstByte):
+                    self._local.mark_first_byte(fx.id)
                 else:
                     self._local.core.adopt(fx.id, fx.cls, fx.tenant)
                     self._local.core.take_events()  # counted by the core's own Count
@@ -822,11 +805,9 @@ class FleetController:
 
     def _on_loss(self, cause: str, seen: int) -> None:
         """A call found that the ledger lost writes (ledger.lua lose(), reconcile())."""
-        self._metrics.coordination_fault(cause)
         log.warning("coordination_data_loss", cause=cause, generation_seen=seen,
                     generation=self.ledger.generation, held=len(self._core.held))
-        if cause in _DATA_LOSS:  # else repaired exactly from the records: nothing lost
-            self._degrade(RuntimeError(f"ledger data loss: {cause}"))
+        self._apply(self._core.data_loss(cause))
 
     def _on_takeover(self, holdings: list[Holding]) -> None:
         """This process took over its predecessor's admissions (same replica id)."""
@@ -851,12 +832,6 @@ class FleetController:
         async with asyncio.timeout(self._call_timeout):
             return await call
 
-    def _signed(self, h: Held) -> None:
-        """Envoy showed it runs the admission (ext_proc stream, first byte, periodic entry)."""
-        if self.liveness_decides:
-            h.renew(self._clock())  # like a lease renewed
-        else:
-            h.acknowledge()
 
     def holds(self, aid: str) -> bool:
         return aid in self._core.held

@@ -165,8 +165,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from sidecar.classes import PriorityClass
+from sidecar.coordination.ledger import (
+    Arrival,
+    ArriveStatus,
+    FleetStatus,
+    Holding,
+    degraded_limit,
+)
 from sidecar.coordination.ledger import Event as Notification
-from sidecar.coordination.ledger import FleetStatus, Holding, degraded_limit
 from sidecar.scheduler.lifecycle import (
     Admission,
     Admitted,
@@ -523,8 +529,29 @@ class Registered:
     """Start-up: registered in a settled fleet; count and log it."""
 
 
+@dataclass(frozen=True, slots=True)
+class LocalFirstByte:
+    """The local core marks ``id`` past its first byte (no longer a victim there)."""
+
+    id: str
+
+
 Effect = (Send | Count | Fault | Grant | Expire | Stop | LocalRelease | LocalCarry
-          | LocalAdopt | GoLocal | Seen | HoldLocal | Return | Registered)
+          | LocalAdopt | LocalFirstByte | GoLocal | Seen | HoldLocal | Return | Registered)
+
+
+class Arrived(enum.Enum):
+    """What an arrive's reply means for its request."""
+
+    ADMITTED = "admitted"
+    REJECTED = "rejected_queue_full"  # 429
+    QUEUED = "queued"  # wait for a grant or an expiry
+    MOVED = "moved"  # the ledger no longer decides for us: decide it locally
+
+
+# What the ledger reports as lost writes (ledger.lua lose()): the fleet re-registers and
+# settles. The other causes (counters_lost, owners_lost) were repaired from the records.
+DATA_LOSS = frozenset({"server_changed", "stale_copy", "admissions_lost"})
 
 
 class Replica:
@@ -535,8 +562,14 @@ class Replica:
     when the resync was answered, so only slots freed from then on are reused).
     """
 
-    def __init__(self, *, interval: float, clock: Callable[[], float]) -> None:
+    def __init__(self, *, interval: float, clock: Callable[[], float],
+                 replica: str = "") -> None:
         self._interval = interval
+        self._replica = replica
+        # Set when a liveness tracker is wired (sidecar.liveness): then only it
+        # acknowledges an admission; a sign from an Envoy it does not vouch for only
+        # restarts the ack timeout (see FleetController.liveness_decides).
+        self.liveness_decides = False
         self._clock = clock
         self._mode = Mode.STARTING
         self._back_at: float | None = None
@@ -828,6 +861,101 @@ class Replica:
             # local admissions: only slots freed from now on are reused.
             return [*effects, HoldLocal(self._wake_in(status.settling))]
         return [*effects, seen, Return(), *late, *self.returned()]
+
+    def arrive_answered(self, aid: str, cls: PriorityClass, tenant: str,
+                        arrival: Arrival) -> tuple[Arrived, Admitted | None, list[Effect]]:
+        """An arrive's reply: admitted (by preempting one of ours, maybe), 429, queued, or
+        ``unregistered`` (our registration lapsed, or the server lost its data: decide
+        locally until the heartbeat has re-registered what we hold)."""
+        status = arrival.status
+        if status is ArriveStatus.ADMITTED:
+            effects: list[Effect] = []
+            if arrival.victim is not None and arrival.victim_owner == self._replica:
+                effects += self.preempted(arrival.victim, cls)
+            event, more = self.admitted(aid, cls, tenant, waited=0.0, queued=False,
+                                        preempted=arrival.victim is not None)
+            return Arrived.ADMITTED, event, effects + more
+        if status is ArriveStatus.REJECTED_QUEUE_FULL:
+            self._waiters.pop(aid, None)
+            return Arrived.REJECTED, None, [
+                Count((Rejected(aid, cls, tenant, Outcome.REJECTED_QUEUE_FULL, 0.0),))]
+        if status is ArriveStatus.QUEUED:
+            return Arrived.QUEUED, None, []
+        return Arrived.MOVED, None, self.lost(f"RuntimeError: arrive answered {status.value}")
+
+    def timed_out(self, aid: str, cls: PriorityClass, tenant: str,
+                  waited: float) -> list[Effect]:
+        """A request's own queue deadline passed here (a waiter the ledger lost, or one
+        queued locally): 503."""
+        self._waiters.pop(aid, None)
+        return [Count((Rejected(aid, cls, tenant, Outcome.REJECTED_QUEUE_TIMEOUT, waited),))]
+
+    def client_left(self, aid: str, cls: PriorityClass, tenant: str,
+                    waited: float) -> list[Effect]:
+        """A waiting request's client left (its Check was cancelled) before it was
+        admitted here (the driver releases one that was)."""
+        self._waiters.pop(aid, None)
+        return [Count((Rejected(aid, cls, tenant, Outcome.CLIENT_CANCELLED, waited),))]
+
+    def data_loss(self, cause: str) -> list[Effect]:
+        """A call found that the ledger lost writes (or repaired a key from its records:
+        counted only). Lost writes are an outage and a return: resync and settle."""
+        effects: list[Effect] = [Fault(cause)]
+        if cause in DATA_LOSS:
+            effects += self.lost(f"RuntimeError: ledger data loss: {cause}")
+        return effects
+
+    def signed(self, h: Held) -> None:
+        """Envoy showed it runs the admission (ext_proc stream, first byte, periodic
+        entry): acknowledged, or, when a liveness tracker decides, its timeout restarted."""
+        if self.liveness_decides:
+            h.renew(self._clock())  # like a lease renewed
+        else:
+            h.acknowledge()
+
+    def stop_opened(self, aid: str) -> bool:
+        """Its ext_proc stream opened (a channel to stop it): ADMITTED → PREEMPTIBLE. False:
+        not held, or past its first byte (nothing to stop)."""
+        h = self.held.get(aid)
+        if h is None or h.first_byte:
+            return False
+        if h.stage is Stage.ADMITTED:
+            h.move(Stage.PREEMPTIBLE)  # (opened again: it stays where it is)
+        self.signed(h)
+        return True
+
+    def first_byte(self, aid: str) -> list[Effect] | None:
+        """Its response started (or its stop channel closed): never a victim from here.
+        None: not held, or already past it. The ledger hears of it only if it may hold
+        it as a candidate (MARKED); a PREEMPTIBLE one's mark never left."""
+        h = self.held.get(aid)
+        if h is None or h.first_byte:
+            return None
+        marked = h.mark_sent
+        h.move(Stage.STREAMING)
+        self.signed(h)
+        if self.local:
+            return [LocalFirstByte(aid)]
+        return [Send("first_byte", aid)] if marked else []
+
+    def confirming(self, aid: str) -> list[Effect] | None:
+        """The response is about to start: if the ledger may hold it as a candidate (its
+        mark left) and decides now, its first byte is sent and the response waits for the
+        answer (CONFIRMING). None: nothing to wait for."""
+        h = self.held.get(aid)
+        if h is None or h.first_byte or not h.mark_sent or self.local:
+            return None
+        h.move(Stage.CONFIRMING)
+        self.signed(h)
+        return [Send("first_byte", aid)]
+
+    def confirmed(self, aid: str, ok: bool) -> None:
+        """The first-byte mark's answer (no answer counts as ok: away from the ledger, the
+        local share counts it): STREAMING, or STOPPED (preempted first: its caller
+        answers 503, its notification follows)."""
+        h = self.held.get(aid)
+        if h is not None and h.stage is Stage.CONFIRMING:
+            h.move(Stage.STREAMING if ok else Stage.STOPPED)
 
     def lost(self, error: str, *, announce: bool = True) -> list[Effect]:
         """A ledger call failed or timed out, found this replica unknown, or found that the
