@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 ENVOY := $(ENVOY_VENV)/bin/envoy
 PYTEST_ARGS ?=
 
-.PHONY: install envoy llama-server test test-llama lint typecheck pytest run front bench fuzz clean
+.PHONY: install envoy llama-server test test-llama lint typecheck pytest run front bench fuzz sim-long clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -56,6 +56,11 @@ test-llama: install envoy llama-server
 fuzz: install
 	FUZZ_EXAMPLES=10000 HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py \
 		tests/test_scheduler_properties.py
+
+# The long fleet simulation under faults: SIM_SEEDS seeds of SIM_STEPS steps each (no time cap).
+sim-long: install
+	SIM_SEEDS=$${SIM_SEEDS:-20} SIM_STEPS=$${SIM_STEPS:-200000} $(PY) -m pytest -q -s \
+		tests/test_fleet_sim.py -k promises
 
 run: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.demo
