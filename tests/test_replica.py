@@ -17,6 +17,7 @@ from sidecar.coordination.replica import (
     STAGES,
     TRANSITIONS,
     Ack,
+    Answered,
     Arrived,
     Count,
     Expire,
@@ -592,3 +593,21 @@ def test_a_timeout_or_a_client_leaving_is_counted_for_the_waiter() -> None:
     assert isinstance(count, Count)
     (ev,) = count.events
     assert isinstance(ev, Rejected) and ev.outcome is Outcome.CLIENT_CANCELLED
+
+
+def test_a_first_byte_answer_and_what_no_answer_or_an_unknown_replica_means() -> None:
+    r, _ = _ok()
+    assert r.first_bytes_answered(["a", "b"], [1, "0"]) == [Answered("a", True),
+                                                           Answered("b", False)]
+    assert r.first_bytes_answered(["a"], None) == [Answered("a", True)]  # call failed
+    assert r.mode is Mode.OK
+    # An adoption or reload in the same flush found this replica unknown: the responses go.
+    assert r.first_bytes_answered(["a"], None, registration_lost=True) == [
+        Answered("a", True), GoLocal("RuntimeError: registration lost")]
+    assert r.mode is Mode.DEGRADED
+
+
+def test_an_adoption_the_ledger_had_ended_is_counted_again_and_reported() -> None:
+    r, _ = _ok()
+    status = FleetStatus(True, 8, 1, 1, refused=("s",))
+    assert r.adopt_answered(status) == [Fault("ended_but_running_readded", "s")]

@@ -71,6 +71,7 @@ from sidecar.coordination.ledger import (
     Holding,
 )
 from sidecar.coordination.replica import (
+    Answered,
     Arrived,
     Count,
     Effect,
@@ -690,11 +691,19 @@ class FleetController:
                 self._return()
             elif isinstance(fx, Registered):
                 self._metrics.coordination_changed(OK)
+            elif isinstance(fx, Answered):
+                fut = self._first_byte_waits.get(fx.id)
+                if fut is not None and not fut.done():
+                    fut.set_result(fx.ok)
             elif isinstance(fx, Fault):
                 self._metrics.coordination_fault(fx.kind)
                 if fx.kind == "ended_but_running_stopped":
                     log.warning("coordination_ended_but_running", admission_id=fx.id,
                                 action="stopped")
+                elif fx.kind == "ended_but_running_readded":
+                    log.warning("coordination_ended_but_running", admission_id=fx.id,
+                                action="readded", hint="the ledger had ended an admission "
+                                "Envoy reports running: counted again")
             elif self._local is not None:
                 if isinstance(fx, LocalRelease):
                     self._local.release(fx.id, fx.reason)  # the mirror follows its events
@@ -988,42 +997,23 @@ class FleetController:
         try:
             replies = await asyncio.gather(*calls)
         except BaseException:
-            self._answer_first_byte(first_byte, None)
+            self._apply(self._core.first_bytes_answered(first_byte, None))
             raise
-        if any(isinstance(r, FleetStatus) and not r.known for r in replies):
-            # An adoption or a reload was the first call to find this replica unknown
-            # (data loss, or its registration lapsed): it registered it, without the rest
-            # of its holdings. An outage and a return, as for the heartbeat. The first-byte
-            # marks of this batch met a ledger without those admissions: after a data loss
-            # their 0 means nothing, so the responses go (the local share counts them).
-            # Trade-off: after a mere lapse a 0 may have been a real preemption, whose
-            # response then runs beside its preemptor until it ends (a lapse, a reload or
-            # adoption and a first byte in one batch); a false 503 after every data loss
-            # would be the common case instead.
-            self._answer_first_byte(first_byte, None)
-            self._degrade(RuntimeError("registration lost"))
-        elif ops:
-            self._answer_first_byte(first_byte, replies[-1][len(ops) - len(first_byte):])
+        # An adoption or a reload may be the first call to find this replica unknown (data
+        # loss, or its registration lapsed): it registered it, without the rest of its
+        # holdings, and this batch's first-byte marks met a ledger without them.
+        lost = any(isinstance(r, FleetStatus) and not r.known for r in replies)
+        if lost or ops:
+            marks = replies[-1][len(ops) - len(first_byte):] if ops and not lost else None
+            self._apply(self._core.first_bytes_answered(first_byte, marks,
+                                                        registration_lost=lost))
 
     async def _adopt(self, h: Holding) -> FleetStatus:
         """Add a running stream Envoy reported to the ledger, even one the ledger had ended
         (its slot is in use); such an id is counted and logged, never left uncounted."""
         status = await self.ledger.adopt([h], self._capacity, settle=self._settle)
-        for aid in status.refused:
-            self._metrics.coordination_fault("ended_but_running_readded")
-            log.warning("coordination_ended_but_running", admission_id=aid,
-                        action="readded", hint="the ledger had ended an admission Envoy "
-                        "reports running: counted again")
+        self._apply(self._core.adopt_answered(status))
         return status
-
-    def _answer_first_byte(self, ids: list[str], replies: list[Any] | None) -> None:
-        """A first-byte mark's reply: 1, still admitted (now never a victim); 0, the ledger
-        had already ended it (preempted: its notification is on the way). No reply (the
-        call failed; degraded from here): let the response go, the local share counts it."""
-        for i, aid in enumerate(ids):
-            fut = self._first_byte_waits.get(aid)
-            if fut is not None and not fut.done():
-                fut.set_result(replies is None or int(replies[i]) > 0)
 
     def _background_task(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

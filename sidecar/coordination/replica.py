@@ -161,7 +161,7 @@ again, its timeout running from then (:data:`ACKS`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sidecar.classes import PriorityClass
@@ -536,8 +536,18 @@ class LocalFirstByte:
     id: str
 
 
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The response waiting on ``id``'s first-byte mark (``confirm_first_byte``) may
+    start (``ok``), or must not: the ledger preempted it first (its caller answers 503)."""
+
+    id: str
+    ok: bool
+
+
 Effect = (Send | Count | Fault | Grant | Expire | Stop | LocalRelease | LocalCarry
-          | LocalAdopt | LocalFirstByte | GoLocal | Seen | HoldLocal | Return | Registered)
+          | LocalAdopt | LocalFirstByte | GoLocal | Seen | HoldLocal | Return | Registered
+          | Answered)
 
 
 class Arrived(enum.Enum):
@@ -956,6 +966,30 @@ class Replica:
         h = self.held.get(aid)
         if h is not None and h.stage is Stage.CONFIRMING:
             h.move(Stage.STREAMING if ok else Stage.STOPPED)
+
+    def first_bytes_answered(self, ids: list[str], replies: Sequence[object] | None, *,
+                             registration_lost: bool = False) -> list[Effect]:
+        """The answer to a flush's first-byte marks (``ids``, in order): 1, still admitted
+        (never a victim from now); 0, the ledger had already ended it (preempted: its
+        notification is on the way). No answer (the call failed: the replica degrades),
+        or one from a ledger that did not know this replica (an adoption or a reload in
+        the same flush found it unknown: data loss, or a lapse): the responses go, the
+        local share counts them. Trade-off: after a mere lapse a 0 may have been a real
+        preemption, whose response then runs beside its preemptor until it ends (a lapse,
+        a reload or adoption and a first byte in one flush); a false 503 after every data
+        loss would be the common case instead."""
+        if replies is None or registration_lost:
+            effects: list[Effect] = [Answered(aid, True) for aid in ids]
+            if registration_lost:
+                # An outage and a return, as for the heartbeat.
+                effects += self.lost("RuntimeError: registration lost")
+            return effects
+        return [Answered(aid, int(str(r)) > 0) for aid, r in zip(ids, replies, strict=True)]
+
+    def adopt_answered(self, status: FleetStatus) -> list[Effect]:
+        """An adoption's answer: ids the ledger had ended were counted again all the same
+        (their streams run): each is a fault, never left uncounted."""
+        return [Fault("ended_but_running_readded", aid) for aid in status.refused]
 
     def lost(self, error: str, *, announce: bool = True) -> list[Effect]:
         """A ledger call failed or timed out, found this replica unknown, or found that the
