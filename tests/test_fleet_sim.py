@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,6 @@ import pytest
 import redis.asyncio as redis
 
 from devtools.valkey import ValkeyServer
-from sidecar.admission import Denied
 from sidecar.coordination.controller import FleetController
 from sidecar.coordination.replica import IllegalTransition
 from sidecar.scheduler import ReleaseResult
@@ -100,24 +100,10 @@ async def test_an_outage_right_after_the_fleet_grew_stays_within_the_stated_boun
     # r0 registers alone (N = 1 in its view), r1 and r2 join; the server hangs before r0's
     # next heartbeat. No admission was made after any view (a = 0) and nobody holds
     # anything (b = 0): the reference's bound is C. Each replica then admits its share.
-    sim = Sim(SimConfig(seed=0, steps=0, faults=()), tmp_path)
-    await sim.start()
-    try:
-        sim.server.pause()
-        admitted = 0
-        for s in sim.slots:
-            assert s.ctrl is not None
-            for _ in range(sim.cfg.capacity):
-                try:
-                    await asyncio.wait_for(s.ctrl.admit(DEF, "t0"), 0.05 + 2 * sim.cfg.call_timeout)
-                except (Denied, TimeoutError):
-                    break
-                admitted += 1
-        print(f"admitted {admitted} of capacity {sim.cfg.capacity} during the outage")
-        assert admitted <= sim.cfg.capacity
-    finally:
-        sim.server.resume()
-        await sim.aclose()
+    admitted = await _in_child("outage_after_growth", tmp_path)
+    capacity = SimConfig(seed=0, steps=0).capacity
+    print(f"admitted {admitted} of capacity {capacity} during the outage")
+    assert admitted <= capacity
 
 
 async def _replica(url: str, name: str, ttl: float,
@@ -134,7 +120,7 @@ async def _eventually(cond: Callable[[], bool], timeout: float, what: str) -> No
         await asyncio.sleep(0.02)
 
 
-@pytest.mark.xfail(strict=True, raises=IllegalTransition, reason=(
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "finding: connect's register is the first call after a restart from an older copy: "
     "the loss degrades the replica's core, then status.settling > 0 asks the core for "
     "fleet_settling, illegal in mode degraded: the sidecar fails to start"))
@@ -154,7 +140,12 @@ async def test_a_replica_starting_as_the_ledger_finds_an_older_copy_starts_degra
         await c.save()
         await c.aclose()
         server.restart()
-        b = await _replica(server.url, "b", ttl=10.0)
+        try:
+            b = await _replica(server.url, "b", ttl=10.0)
+        except IllegalTransition as exc:
+            # Reported without the core's frames (pytest's rendering of them trips a
+            # CPython 3.11 AST recursion check after the previous test).
+            raise AssertionError(f"connect raised {exc!r}") from None
         assert b.state == "degraded"  # settling: nothing admitted until the fleet has
     finally:
         for ctrl in (a, b):
@@ -197,3 +188,35 @@ async def test_an_admission_released_after_a_takeover_is_not_taken_over_again(
             if ctrl is not None:
                 await ctrl.aclose()
         server.stop()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "finding: after the lapse the partitioned replica still runs what it held (draining), "
+    "not only its limit L: the fleet reaches C + max(h, L), 10 of 6 here, while the "
+    "reference states C + floor(C / N) = 8"))
+async def test_a_partitioned_replica_holding_past_its_share_stays_within_the_partition_bound(
+        tmp_path: Path) -> None:
+    # Reference §9, partition: the fleet may exceed capacity by L − h, then, once the
+    # partitioned replica's registration lapsed and its slots were given away, by up to
+    # L ≤ floor(C ÷ N). Here r0 legally holds 4 of 6 (its share is 2) when it is cut off;
+    # its 4 streams run on while r1 takes the slots the ledger freed.
+    running = await _in_child("partition_past_share", tmp_path)
+    capacity = SimConfig(seed=0, steps=0).capacity
+    bound = capacity + capacity // 3
+    print(f"partition: {running} running of {capacity}, stated bound {bound}")
+    assert running <= bound
+
+
+async def _in_child(scenario: str, tmp_path: Path) -> int:
+    """Run a scenario of tests/fleet_sim.py in a child interpreter (why: its __main__)."""
+    out = tmp_path / "child.out"
+    with out.open("wb") as f:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.fleet_sim", scenario, str(tmp_path),
+            cwd=Path(__file__).resolve().parent.parent, stdout=f,
+            stderr=asyncio.subprocess.STDOUT)
+        rc = await asyncio.wait_for(proc.wait(), 120)
+    lines = out.read_text().strip().splitlines()
+    results = [int(line.split()[1]) for line in lines if line.startswith("RESULT ")]
+    assert rc == 0 and results, "\n".join(lines[-20:])
+    return results[-1]
