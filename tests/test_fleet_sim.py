@@ -85,7 +85,7 @@ async def test_the_checker_catches_a_fleet_past_capacity(tmp_path: Path) -> None
 
 async def test_the_checker_catches_a_waiter_past_its_queue_timeout(tmp_path: Path) -> None:
     sim = Sim(SimConfig(seed=2, steps=0, faults=()), tmp_path)
-    sim._answered(sim.now() - 1.0, 0.7, "r0", "admitted")  # within 0.7 + one call timeout
+    sim._answered(sim.now() - 0.85, 0.7, "r0", "admitted")  # within 0.7 + one call timeout
     assert sim.failure is None
     sim._answered(sim.now() - 1.2, 0.7, "r0", "admitted")
     assert sim.failure is not None and "past its queue timeout 0.7 s" in str(sim.failure)
