@@ -781,10 +781,9 @@ async def test_requests_right_behind_the_first_call_after_a_loss_stay_within_cap
         for _ in range(3):
             await ok(a.check())
         own_server.restart()
-        pipe = a.fleet.ledger._pipe
-        assert pipe is not None
-        await eventually(lambda: pipe._conn is None, timeout=5, what="A saw EOF")
-        await pipe.call("PING")  # reconnects, registers nothing
+        ledger = a.fleet.ledger
+        await eventually(lambda: ledger.connected is False, timeout=5, what="A saw EOF")
+        await ledger.ping()  # reconnects, registers nothing
         for _ in range(3):
             with contextlib.suppress(redis.ConnectionError):
                 await a.fleet.ledger.load_library()

@@ -567,6 +567,20 @@ class FleetLedger:
         if self._pipe is not None:
             await self._pipe.aclose()
 
+    @property
+    def connected(self) -> bool | None:
+        """The pipelined connection is open; False once it saw EOF (or before its first
+        call); None without one (calls use the client's pool)."""
+        return None if self._pipe is None else self._pipe._conn is not None
+
+    async def ping(self) -> None:
+        """A PING on the connection calls use: reconnects a pipelined connection that saw
+        EOF, and runs no ledger code (registers nothing)."""
+        if self._pipe is not None:
+            await self._pipe.call("PING")
+        else:
+            await self._client.ping()
+
     async def load_library(self) -> None:
         """Load the ledger's function library if the server has none under its name.
 
