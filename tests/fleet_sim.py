@@ -336,6 +336,7 @@ class Sim:
         self.full_trace: list[str] = []  # for the ids a failure names
         self.step = 0
         self.peak = 0
+        self.peak_note = ""
         self.stats: Counter[str] = Counter()
         self.server_fault: str | None = None
         self.copy: tuple[float, dict[bytes, bytes]] | None = None  # (taken at, keys)
@@ -451,6 +452,11 @@ class Sim:
         ctrl.start()
         s.ctrl = ctrl
         self.say(f"{s.name} process up ({ctrl.state})")
+        if any(w.kind in SERVER_FAULTS for w in self.windows):
+            # Reference §9, server restarts empty, "not covered": a replica whose first
+            # contact falls between the server's return and the first re-registration
+            # admits against a ledger that may lack the others' admissions (up to C).
+            self.heal(self.open_window("first_contact_in_return", self.cfg.capacity))
 
     async def _stop_process(self, s: Slot) -> None:
         """The process ends: nothing more reaches the server from it."""
@@ -521,7 +527,10 @@ class Sim:
         r = self.rng.random()
         if self.now() >= self._next_periodic:
             self.periodic_entries()
-        if self.cfg.faults and r < self.cfg.fault_rate:
+        # No fault in the first ttl: every view has seen the whole fleet by then (a fault
+        # before that is finding F1's case, which would dominate the early windows).
+        warm = self.now() - self.t0 > self.cfg.ttl
+        if self.cfg.faults and warm and r < self.cfg.fault_rate:
             await self.fault()
         elif r < 0.30:
             self.arrive()
@@ -939,7 +948,11 @@ class Sim:
 
     def check(self) -> None:
         n = len(self.running)
-        self.peak = max(self.peak, n)
+        if n > self.peak:
+            self.peak = n
+            self.peak_note = (f"{n} at {self.now() - self.t0:.3f}s, allowed {self.allowed()}: "
+                              f"{[(w.kind, w.allowance) for w in self.windows]}, "
+                              f"{len(self.preempting)} preempting")
         self._close_windows(n)
         beyond = sum(w.beyond for w in self.windows)
         if self.allowed() < n <= self.allowed() + beyond:
