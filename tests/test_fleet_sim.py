@@ -128,10 +128,6 @@ async def _eventually(cond: Callable[[], bool], timeout: float, what: str) -> No
         await asyncio.sleep(0.02)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "finding: connect's register is the first call after a restart from an older copy: "
-    "the loss degrades the replica's core, then status.settling > 0 asks the core for "
-    "fleet_settling, illegal in mode degraded: the sidecar fails to start"))
 async def test_a_replica_starting_as_the_ledger_finds_an_older_copy_starts_degraded(
         tmp_path: Path) -> None:
     # Found by the simulation (seed 171): a replica killed and started again just as the
@@ -162,10 +158,6 @@ async def test_a_replica_starting_as_the_ledger_finds_an_older_copy_starts_degra
         server.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding: a restored older copy still shows the predecessor's incarnation holding X; "
-    "the current process, which took X over and released it since, takes it over again "
-    "and holds it (unacknowledged, counted) until the ack timeout"))
 async def test_an_admission_released_after_a_takeover_is_not_taken_over_again(
         tmp_path: Path) -> None:
     # Found by the simulation (seeds 151, 122): replica restart with the same id, then a

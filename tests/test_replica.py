@@ -611,3 +611,31 @@ def test_an_adoption_the_ledger_had_ended_is_counted_again_and_reported() -> Non
     r, _ = _ok()
     status = FleetStatus(True, 8, 1, 1, refused=("s",))
     assert r.adopt_answered(status) == [Fault("ended_but_running_readded", "s")]
+
+
+def test_a_start_up_register_that_itself_found_a_loss_settles_already_local() -> None:
+    # The ledger reports the loss while the register's reply is read: lost() first.
+    r, _ = _replica()
+    assert r.lost("RuntimeError: ledger data loss: stale_copy", announce=False) == [
+        GoLocal("RuntimeError: ledger data loss: stale_copy", announce=False)]
+    fx = r.started(FleetStatus(True, 8, 2, 1, settling=0.1))
+    assert fx[1:] == [HoldLocal(0.1)]  # no second GoLocal: the local core exists
+    assert r.mode is Mode.SETTLING and r.local_limit(8) == 0
+    r, _ = _replica()
+    r.lost("x")
+    assert r.started(FleetStatus(True, 8, 2, 1)) == [Seen({}, 2)]
+    assert r.mode is Mode.DEGRADED and r.view == View()  # no view from that ledger
+
+
+def test_what_this_process_ended_is_not_taken_over_again() -> None:
+    # A restored older copy still shows the predecessor holding an admission this process
+    # took over and released since: not held again (the next resync drops it there).
+    r, _ = _ok()
+    r.taken_over([Holding("x", BULK, "t", True)])
+    r.release("x", ReleaseReason.COMPLETED)
+    assert r.taken_over([Holding("x", BULK, "t", True)]) == [Fault("taken_over")]
+    assert "x" not in r.held
+    r.admitted("e", BULK, "t", waited=0.0, queued=False)
+    r.release("e", ReleaseReason.LEASE_EXPIRED)  # expired only: may still run
+    r.taken_over([Holding("e", BULK, "t", True)])
+    assert "e" in r.held

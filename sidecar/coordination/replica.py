@@ -19,8 +19,10 @@ mode        who admits                           leaves by: trigger → next mod
 STARTING    nobody yet (connect's ``register``)  ``registered`` → OK; ``fleet_settling`` (the
                                                  fleet re-registers after a loss) → SETTLING
                                                  with no slot to reuse; ``ledger_lost`` (the
-                                                 server did not answer) → DEGRADED with no
-                                                 view, so no share.
+                                                 server did not answer, or the register
+                                                 found a loss) → DEGRADED with no view, so
+                                                 no share; then ``fleet_settling`` (that
+                                                 same register's answer) → SETTLING.
 OK          the ledger                           ``ledger_lost`` (a call failed or timed out,
                                                  found this replica unknown, or found that
                                                  the ledger lost writes) → DEGRADED.
@@ -214,6 +216,9 @@ TRANSITIONS: Mapping[tuple[Mode, Trigger], Mode] = {
     (M.STARTING, T.REGISTERED): M.OK,
     (M.STARTING, T.FLEET_SETTLING): M.SETTLING,
     (M.STARTING, T.LEDGER_LOST): M.DEGRADED,
+    # The start-up register itself found a loss (its reply is read after the loss is
+    # reported): already local, it settles like any other starting replica.
+    (M.DEGRADED, T.FLEET_SETTLING): M.SETTLING,
     (M.OK, T.LEDGER_LOST): M.DEGRADED,
     (M.DEGRADED, T.LEDGER_LOST): M.DEGRADED,
     (M.RESYNCING, T.LEDGER_LOST): M.RESYNCING,
@@ -792,7 +797,10 @@ class Replica:
         now = self._clock()
         effects: list[Effect] = []
         for hd in holdings:
-            if hd.id in self.held:
+            if hd.id in self.held or not self.ended.adoptable(hd.id):
+                # Held already, or ended here (this process took it over before and it
+                # ended since: a restored older copy still shows the predecessor holding
+                # it). Not held, it is dropped from the ledger by the next resync.
                 continue
             self.held[hd.id] = Held(hd.cls, hd.tenant, now,
                                     stage=Stage.STREAMING if hd.first_byte else Stage.ADMITTED)
@@ -828,10 +836,16 @@ class Replica:
         nothing until it has settled, and keep no view from it (an outage meanwhile must
         not give a share computed from a ledger that lacks them: no view, no share)."""
         seen = Seen(status.by_class, status.live_replicas)
+        was_local = self.local  # the register itself found a loss (lost() ran meanwhile)
         if status.settling > 0:
             self.fleet_settling()
-            return [seen, GoLocal("RuntimeError: fleet settling", announce=False),
-                    HoldLocal(self._wake_in(status.settling))]
+            going = [] if was_local else [GoLocal("RuntimeError: fleet settling",
+                                                  announce=False)]
+            return [seen, *going, HoldLocal(self._wake_in(status.settling))]
+        if was_local:
+            # A loss with no settling window: stay degraded with no view; the heartbeat's
+            # resync returns the replica as after any outage.
+            return [seen]
         self.registered(_view(status))
         return [seen, Registered()]
 
