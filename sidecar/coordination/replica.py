@@ -85,9 +85,12 @@ bounded, not closed.
 *Partition* (only this replica loses the server; the others still use the ledger). Until
 its registration lapses (0.9 ttl after its last heartbeat) the ledger still counts what
 it held (its releases no longer arrive), so reusing those slots is safe and only its new
-headroom L_i − h_i is uncounted: excess ≤ L_i − h_i. Once the registration lapses the
+headroom is uncounted: excess ≤ max(0, L_i − h_i). Once the registration lapses the
 ledger releases its admissions and the others may fill them while this replica still runs
-up to L_i: excess ≤ L_i ≤ floor(C/N), for as long as the partition lasts. Admitting
+what it holds: at most max(h_i, L_i) (what it held, draining, or at most L_i once below
+it), so excess ≤ max(h_i, L_i), which is ≤ floor(C/N) unless it held past its share when
+it was cut off (found by the fleet simulation: 10 of 6 with h_i = 4, floor(C/N) = 2,
+until those drain), for as long as the partition lasts. Admitting
 nothing new once the registration may have lapsed would drain it instead, but a replica
 cannot tell a partition from an outage of the server itself, so the whole fleet would
 stop admitting ~0.6 ttl into every server outage; the share is kept, and this bound is
