@@ -337,6 +337,7 @@ class Sim:
         self.step = 0
         self.peak = 0
         self.peak_note = ""
+        self._known_seen: set[tuple[str, str]] = set()
         self.stats: Counter[str] = Counter()
         self.server_fault: str | None = None
         self.copy: tuple[float, dict[bytes, bytes]] | None = None  # (taken at, keys)
@@ -383,6 +384,9 @@ class Sim:
         if os.environ.get("SIM_STRICT") == "1":
             self.fail(f"[{finding}] {what}")
             return
+        if (finding, what) in self._known_seen:
+            return  # the same case seen again at a later step
+        self._known_seen.add((finding, what))
         if self.stats[f"known_{finding}"] == 0:
             print(f"fleet simulation seed {self.cfg.seed}: known finding {finding}: {what}")
         self.stats[f"known_{finding}"] += 1
