@@ -71,8 +71,7 @@ ALL_FAULTS = SERVER_FAULTS + REPLICA_FAULTS
 
 # Violations already found and reported, each with a strict-xfail regression test in
 # tests/test_fleet_sim.py: the run counts them (stats known_*) and goes on.
-KNOWN_FINDINGS = ("readopted_after_release", "connect_raises_while_settling",
-                  "partition_past_share")
+KNOWN_FINDINGS: tuple[str, ...] = ()  # none open: the ones found so far are fixed
 
 
 class SimViolation(AssertionError):
@@ -213,16 +212,12 @@ class CountingRecorder(NullRecorder):
         self.admitted: Counter[str] = Counter()
         self.released: Counter[str] = Counter()
         self.preempted: Counter[str] = Counter()
-        # Ids this process released and later took over or adopted again (finding).
-        self.readopted: set[str] = set()
         self.faults: Counter[str] = Counter()
         self.states: list[str] = []
 
     def on_events(self, events: Iterable[Any]) -> None:
         for e in events:
             if isinstance(e, Admitted):
-                if e.adopted and e.admission.id in self.released:
-                    self.readopted.add(e.admission.id)
                 self.admitted[e.admission.id] += 1
                 self.note(f"metrics: admitted {e.admission.id}"
                           f"{' (adopted)' if e.adopted else ''}")
@@ -263,9 +258,6 @@ class Window:
     allowance: int
     opened: float
     healed: float | None = None
-    # A partitioned replica's holdings beyond its share when cut off: they run on past
-    # the lapse, beyond the reference's floor(C ÷ N) (finding, strict-xfail test).
-    beyond: int = 0
 
 
 @dataclass
@@ -444,13 +436,6 @@ class Sim:
             raise SimViolation(f"{s.name}: FleetController.connect took over {limit} s") \
                 from None
         except Exception as exc:
-            if "fleet_settling is not allowed" in str(exc):
-                # The pod crash-loops: its container is started again a moment later.
-                self.known("connect_raises_while_settling",
-                           f"{s.name}: connect raised {type(exc).__name__}: {exc}")
-                await asyncio.sleep(self.cfg.ttl / 3)
-                await self._start_process(s)
-                return
             raise SimViolation(f"{s.name}: FleetController.connect raised "
                                f"{type(exc).__name__}: {exc}") from exc
         ctrl.start()
@@ -906,11 +891,11 @@ class Sim:
                 self.heal(w)
             elif kind in ("partition", "slow_replies", "drop_connections"):
                 # Only this replica loses the server: reference §9, partition: capacity
-                # plus floor(C ÷ N) for as long as it lasts.
+                # plus max(h, L) for as long as it lasts (L ≤ floor(C ÷ N); what it held
+                # past that drains after the ledger gave it away).
                 live = getattr(s.ctrl, "live_replicas", 0) or self.cfg.replicas
                 share = self.cfg.capacity // max(1, live)
-                w = self.open_window(kind, share)
-                w.beyond = max(0, self.held_by(s.name) - share)
+                w = self.open_window(kind, max(self.held_by(s.name), share))
                 if kind == "partition":
                     s.proxy.blackhole()
                     await asyncio.sleep(self.rng.uniform(0.1, 3 * ttl))
@@ -958,12 +943,7 @@ class Sim:
                               f"{[(w.kind, w.allowance) for w in self.windows]}, "
                               f"{len(self.preempting)} preempting")
         self._close_windows(n)
-        beyond = sum(w.beyond for w in self.windows)
-        if self.allowed() < n <= self.allowed() + beyond:
-            self.known("partition_past_share",
-                       f"{n} running > {self.allowed()} allowed, within what the cut-off "
-                       f"replica held past its share ({beyond})")
-        elif n > self.allowed():
+        if n > self.allowed():
             self.fail(f"{n} running > {self.allowed()} allowed (capacity "
                       f"{self.cfg.capacity}, open windows "
                       f"{[(w.kind, w.allowance) for w in self.windows]}, pending "
@@ -979,13 +959,10 @@ class Sim:
                           f"queue timeout {qt} s")
         for s in self.slots:
             for aid, c in s.recorder.admitted.items():
-                if c > 1 and aid in s.recorder.readopted:
-                    self.known("readopted_after_release",
-                               f"{s.name} released {aid}, then took it over again")
-                elif c > 1:
+                if c > 1:
                     self.fail(f"{s.name}'s metrics counted {aid} admitted {c} times")
             for aid, c in s.recorder.released.items():
-                if c > 1 and aid not in s.recorder.readopted:
+                if c > 1:
                     self.fail(f"{s.name}'s metrics counted {aid} released {c} times")
 
     def _close_windows(self, n: int) -> None:
@@ -1139,11 +1116,29 @@ SCENARIOS = {"outage_after_growth": outage_after_growth,
              "partition_past_share": partition_past_share}
 
 if __name__ == "__main__":
-    # The scenarios whose replicas are cut off while admitting run in a child process (their
-    # tests start it): an interpreter that ran one trips CPython 3.11's AST recursion check
-    # when pytest renders a traceback afterwards. Prints RESULT and the scenario's number.
+    # The tests run the simulation and the scenarios whose replicas are cut off in a child
+    # interpreter: one that ran them trips CPython 3.11's AST recursion check when pytest
+    # later renders a traceback (an INTERNALERROR instead of the violation's message).
+    #   python -m tests.fleet_sim run DIR SEED STEPS BUDGET|none all|none
+    #   python -m tests.fleet_sim SCENARIO DIR
+    # Prints one RESULT line (JSON), or VIOLATION and the message (exit 1).
+    import json
     import sys
     import tempfile
 
-    scenario = SCENARIOS[sys.argv[1]]
-    print(f"RESULT {asyncio.run(scenario(Path(tempfile.mkdtemp(dir=sys.argv[2]))))}", flush=True)
+    workdir = Path(tempfile.mkdtemp(dir=sys.argv[2]))
+    if sys.argv[1] == "run":
+        cfg = SimConfig(seed=int(sys.argv[3]), steps=int(sys.argv[4]),
+                        time_budget=None if sys.argv[5] == "none" else float(sys.argv[5]),
+                        faults=ALL_FAULTS if sys.argv[6] == "all" else ())
+        try:
+            done = asyncio.run(simulate(cfg, workdir))
+        except SimViolation as exc:
+            print("VIOLATION " + json.dumps(str(exc)), flush=True)
+            sys.exit(1)
+        print("RESULT " + json.dumps({"stats": dict(done.stats), "peak": done.peak,
+                                      "peak_note": done.peak_note,
+                                      "windows": len(done.windows)}), flush=True)
+    else:
+        print("RESULT " + json.dumps(asyncio.run(SCENARIOS[sys.argv[1]](workdir))),
+              flush=True)
