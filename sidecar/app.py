@@ -96,7 +96,7 @@ async def build_runtime(settings: Settings) -> Runtime:
     # default pool is the monitor above. Their readings reach metrics via the runtime.
     pool_monitors = {name: _monitor(s, urls, None, lambda _r: None, name)
                      for name, urls in s.capacity.pool_workers.items()}
-    fleet: FleetController | None = None
+    fleets: dict[str, FleetController] = {}
     try:
         # The first capacity reading decides scheduler vs. legacy (the startup check),
         # per pool when there are pools.
@@ -111,22 +111,40 @@ async def build_runtime(settings: Settings) -> Runtime:
             await server.check_server_at(url, max(0.05, min(1.0, s.fleet.replica_ttl_secs / 5)),
                                          metrics)
             # Connect and register; an unreachable server starts the replica degraded.
-            fleet = await FleetController.connect(
+            # With pools, one controller per pool, each over its pool's own ledger in the
+            # fleet (its capacity its own workers'; docs/design.md, "Pools in a fleet").
+            bucket = s.legacy.limits.bucket(time.monotonic)  # one rate check for all pools
+            readings = {DEFAULT_POOL: reading, **pool_readings}
+            names = list(readings) if pool_readings else [DEFAULT_POOL]
+            connected = await asyncio.gather(*(FleetController.connect(
                 url, fleet=s.fleet.fleet_id, replica=s.fleet.replica_id,
-                ttl=s.fleet.replica_ttl_secs, classes=s.scheduler.priority.classes,
-                capacity=reading.capacity,
+                ttl=s.fleet.replica_ttl_secs,
+                classes=s.scheduler.priority.classes_for(name),
+                capacity=readings[name].capacity,
                 ack_timeout=s.liveness.admission_lease_secs,
-                bucket=s.legacy.limits.bucket(time.monotonic),
-                metrics=metrics)
+                bucket=bucket,
+                metrics=PoolRecorder(metrics, name) if pool_readings else metrics,
+                pool=None if name == DEFAULT_POOL else name,
+                id_factory=id_factory(name)) for name in names), return_exceptions=True)
+            fleets = {n: c for n, c in zip(names, connected, strict=True)
+                      if isinstance(c, FleetController)}
+            failed = [c for c in connected if isinstance(c, BaseException)]
+            if failed:
+                raise failed[0]
         try:
             return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
-                           serving=serving, monitor=monitor, reading=reading, fleet=fleet,
-                           pool_monitors=pool_monitors, pool_readings=pool_readings)
+                           serving=serving, monitor=monitor, reading=reading,
+                           fleet=fleets.get(DEFAULT_POOL),
+                           pool_monitors=pool_monitors, pool_readings=pool_readings,
+                           pool_fleets=fleets if pool_readings else None)
         except BaseException:
-            if fleet is not None:
-                await fleet.aclose()
+            for f in fleets.values():
+                await f.aclose()
             raise
     except BaseException:
+        for f in fleets.values():
+            with contextlib.suppress(Exception):
+                await f.aclose()
         await monitor.close()
         for m in pool_monitors.values():
             await m.close()
@@ -214,7 +232,7 @@ def _build_core(s: Settings, reading: CapacityReading,
                            queue_timeout_secs=s.legacy.queue_timeout_secs, clock=time.monotonic)
 
 
-def _inflight(controller: AdmissionController) -> int:
+def _inflight(controller: AdmissionService) -> int:
     return controller.snapshot().inflight
 
 
@@ -234,7 +252,8 @@ class Runtime:
                  http_port: int, serving: asyncio.Event, monitor: CapacityMonitor,
                  reading: CapacityReading, fleet: FleetController | None = None,
                  pool_monitors: Mapping[str, CapacityMonitor] | None = None,
-                 pool_readings: Mapping[str, CapacityReading] | None = None) -> None:
+                 pool_readings: Mapping[str, CapacityReading] | None = None,
+                 pool_fleets: Mapping[str, FleetController] | None = None) -> None:
         s = self.settings = settings
         self.metrics = metrics
         self.monitor = monitor
@@ -250,8 +269,15 @@ class Runtime:
         # the reservation check does not apply: the ledger scales reservations to
         # the fleet's capacity.
         self.fleet = fleet
-        if fleet is not None:
-            fleet.ledger.identity = server.capacity_source(reading)
+        # Every fleet controller: one per pool with pools (the default pool's is
+        # self.fleet), else just self.fleet.
+        self.fleets: dict[str, FleetController] = (
+            dict(pool_fleets) if pool_fleets else
+            {DEFAULT_POOL: fleet} if fleet is not None else {})
+        for name, f in self.fleets.items():
+            # Each pool's ledger sees its own workers (the fleet-id collision check).
+            f.ledger.identity = server.capacity_source(
+                reading if name == DEFAULT_POOL else (pool_readings or {})[name])
         self.core: AdmissionCore | None = None
         self.controller: AdmissionService
         # Pools (sidecar.pools): one monitor, core and controller each; the default
@@ -260,22 +286,25 @@ class Runtime:
         self._pool_monitors: dict[str, CapacityMonitor] = {}
         self._pool_readings: dict[str, CapacityReading] = {}
         self._pool_uncancellable: dict[str, tuple[str, ...]] = {}
-        if fleet is not None:
+        if fleet is not None and not pool_monitors:
             self.controller = fleet
         elif pool_monitors:
             self._pool_monitors = {DEFAULT_POOL: monitor, **pool_monitors}
             self._pool_readings = {DEFAULT_POOL: reading, **(pool_readings or {})}
-            # One request-rate check for all pools.
-            bucket = s.legacy.limits.bucket(time.monotonic)
-            controllers = {
-                name: AdmissionController(_build_core(s, r, name),
-                                          lease_secs=s.liveness.admission_lease_secs, bucket=bucket,
-                                          metrics=PoolRecorder(metrics, name),
-                                          id_factory=id_factory(name))
-                for name, r in self._pool_readings.items()}
-            self.pools = PooledAdmission(controllers, metrics)
+            if fleet is not None:  # each pool's ledger decides
+                self.pools = PooledAdmission(self.fleets, metrics)
+            else:
+                # One request-rate check for all pools.
+                bucket = s.legacy.limits.bucket(time.monotonic)
+                controllers = {
+                    name: AdmissionController(_build_core(s, r, name),
+                                              lease_secs=s.liveness.admission_lease_secs,
+                                              bucket=bucket, metrics=PoolRecorder(metrics, name),
+                                              id_factory=id_factory(name))
+                    for name, r in self._pool_readings.items()}
+                self.pools = PooledAdmission(controllers, metrics)
+                self.core = controllers[DEFAULT_POOL].core
             self.controller = self.pools
-            self.core = controllers[DEFAULT_POOL].core
         else:
             self.core = _build_core(s, reading)
             bucket = s.legacy.limits.bucket(time.monotonic)
@@ -300,9 +329,13 @@ class Runtime:
                 if self._pool_uncancellable[name]:
                     self._preemption_suspended(r, name)
                 ctl = self.pools.controllers[name]
-                ctl.update_config(self._pool_classes(name))
-                # The guard of each pool compares its engines with that pool's admissions.
-                self._pool_monitors[name].policy.held = functools.partial(_inflight, ctl)
+                if fleet is None:
+                    ctl.update_config(self._pool_classes(name))
+                    # The guard of each pool compares its engines with that pool's
+                    # admissions (a fleet's ledger holds other replicas' too: not compared).
+                    self._pool_monitors[name].policy.held = functools.partial(_inflight, ctl)
+                elif self._pool_uncancellable[name]:  # it registered the file's table
+                    ctl.update_config(self._pool_classes(name))
                 self._pool_monitors[name].on_change = functools.partial(
                     self._on_pool_capacity, name)
             for name, r in self._pool_readings.items():
@@ -334,8 +367,8 @@ class Runtime:
             start_of=None if admin_url is None else AdminProcessStart(
                 admin_url, lambda: self.monitor.session),
             identifiable=None if admin_url is None else local_owners(admin_url))
-        if fleet is not None:
-            fleet.liveness_decides = True  # acknowledged only while its Envoy is watched
+        for f in self.fleets.values():
+            f.liveness_decides = True  # acknowledged only while its Envoy is watched
         self.authz = AuthzService(self.controller, metrics, s.scheduler.tenant_source,
                                   TenantPolicy(s.scheduler.priority.tenant_policies,
                                                s.scheduler.default_max_class),
@@ -408,14 +441,17 @@ class Runtime:
         for name, m in self._pool_monitors.items():
             if name != DEFAULT_POOL:
                 self._tasks.append(asyncio.create_task(m.run()))
-        if self.fleet is not None:
-            self.fleet.start()
-            # A library replaced after start-up is noticed within one --replica-ttl-secs.
+        for name, f in self.fleets.items():
+            f.start()
+            # A library replaced after start-up is noticed within one --replica-ttl-secs
+            # (each pool's ledger refuses it; the default pool's watch reports it).
             self._tasks.append(asyncio.create_task(server.watch_library(
-                self.fleet.ledger, s.fleet.replica_ttl_secs, self.metrics)))
-            # So is a second deployment under this fleet id (within two).
+                f.ledger, s.fleet.replica_ttl_secs,
+                self.metrics if name == DEFAULT_POOL else None)))
+            # So is a second deployment under this fleet id (within two), per pool.
             self._tasks.append(asyncio.create_task(server.watch_fleet(
-                self.fleet.ledger, s.fleet.replica_ttl_secs, self.metrics)))
+                f.ledger, s.fleet.replica_ttl_secs,
+                self.metrics if self.pools is None else PoolRecorder(self.metrics, name))))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         if self.edge is not None:
@@ -465,6 +501,9 @@ class Runtime:
         assert self.pools is not None
         self._pool_readings[pool] = reading
         self.metrics.pool_capacity_read(pool, reading)
+        f = self.fleets.get(pool)
+        if f is not None:  # published with the next heartbeat (watch_fleet)
+            f.ledger.identity = server.capacity_source(reading)
         uncancellable = uncancellable_workers(reading)
         was = self._pool_uncancellable.get(pool, ())
         self._pool_uncancellable[pool] = uncancellable
@@ -576,8 +615,8 @@ class Runtime:
             if name != DEFAULT_POOL:
                 await m.close()
         self.controller.close()
-        if self.fleet is not None:
-            await self.fleet.aclose()
+        for f in self.fleets.values():
+            await f.aclose()
         log.info("stopped")
 
 

@@ -806,9 +806,6 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
                                      "default_max_class": default_max},
                                   default_max_class_valid=valid)
     check_pools(scheduler.priority, pool_workers)
-    if pool_workers and ns.coordination_url is not None:
-        raise ConfigError("--coordination-url cannot be combined with pools (--worker-urls "
-                          "POOL=URL) yet: the fleet ledger has one capacity")
     if pool_workers and ns.shadow:
         # Each pool's core would need its own shadow: not built yet.
         raise ConfigError("--shadow cannot be combined with pools (--worker-urls POOL=URL) yet")

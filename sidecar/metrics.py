@@ -223,16 +223,19 @@ class Recorder(Protocol):
     def config_reload_failed(self) -> None:
         """A changed config file was refused; the old config stays."""
 
-    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
-        """A heartbeat's answer: fleet-wide in-flight counts and live replicas."""
+    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int,
+                   pool: str | None = None) -> None:
+        """A heartbeat's answer: fleet-wide in-flight counts and live replicas (of
+        ``pool``'s ledger: pools in a fleet, ``Metrics(pools=True)``; the same for the
+        three verbs below)."""
 
     def preemption_suspended(self, suspended: bool) -> None:
         """No class preempts (a counted worker's engine cannot cancel), or they may again."""
 
-    def coordination_changed(self, state: str) -> None:
+    def coordination_changed(self, state: str, pool: str | None = None) -> None:
         """The fleet controller's state is now ``ok`` or ``degraded``."""
 
-    def coordination_fault(self, kind: str) -> None:
+    def coordination_fault(self, kind: str, pool: str | None = None) -> None:
         """The ledger lost writes (``server_changed``, ``stale_copy``, ``admissions_lost``),
         repaired a key from its records (``counters_lost``, ``owners_lost``), this process
         took over its predecessor's admissions (``taken_over``), or an id it
@@ -245,7 +248,7 @@ class Recorder(Protocol):
     def library_checked(self, state: str) -> None:
         """The server's ledger library was compared with this version's code."""
 
-    def fleet_collision(self, kind: str) -> None:
+    def fleet_collision(self, kind: str, pool: str | None = None) -> None:
         """A second class config (``config``) or capacity source (``capacity_source``)
         appeared among the live replicas of this fleet id."""
     def envoy_feature(self, feature: str, state: str) -> None:
@@ -331,16 +334,17 @@ class NullRecorder:
     def config_reload_failed(self) -> None:
         pass
 
-    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
+    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int,
+                   pool: str | None = None) -> None:
         pass
 
     def preemption_suspended(self, suspended: bool) -> None:
         pass
 
-    def coordination_changed(self, state: str) -> None:
+    def coordination_changed(self, state: str, pool: str | None = None) -> None:
         pass
 
-    def coordination_fault(self, kind: str) -> None:
+    def coordination_fault(self, kind: str, pool: str | None = None) -> None:
         pass
 
     def server_checked(self, check: str, result: str) -> None:
@@ -349,7 +353,7 @@ class NullRecorder:
     def library_checked(self, state: str) -> None:
         pass
 
-    def fleet_collision(self, kind: str) -> None:
+    def fleet_collision(self, kind: str, pool: str | None = None) -> None:
         pass
 
     def envoy_feature(self, feature: str, state: str) -> None:
@@ -483,20 +487,21 @@ class Metrics:
                                ["mode", "reason"], registry=r)
         self._fleet_inflight = Gauge("smg_sidecar_fleet_inflight",
                                      "Fleet-wide admissions in flight, as the ledger saw them "
-                                     "at the last heartbeat", ["class"], registry=r)
+                                     "at the last heartbeat", [*pl, "class"], registry=r)
         self._live_replicas = Gauge("smg_sidecar_live_replicas",
                                     "Live replicas of the fleet, this one included (0 without "
-                                    "coordination)", registry=r)
+                                    "coordination)", pl, registry=r)
         self._preemption_suspended = Gauge(
             "smg_sidecar_preemption_suspended",
             "1 while no class preempts because a counted worker's engine cannot cancel a "
             "running request (llama.cpp)", registry=r)
         self._coordination = Gauge("smg_sidecar_coordination_state",
-                                   "Fleet coordination state (1 = current)", ["state"],
+                                   "Fleet coordination state (1 = current)", [*pl, "state"],
                                    registry=r)
         self._coordination_faults = Counter(
             "smg_sidecar_coordination_faults",
-            "Ledger faults this replica found or repaired, by kind", ["kind"], registry=r)
+            "Ledger faults this replica found or repaired, by kind", [*pl, "kind"],
+            registry=r)
         self._server_check = Gauge(
             "smg_sidecar_coordination_server_check",
             "Coordination server settings checked at start-up (1 = current result): "
@@ -512,7 +517,8 @@ class Metrics:
         self._fleet_collision = Counter(
             "smg_sidecar_fleet_collision",
             "A second class config or capacity source seen among the live replicas of this "
-            "fleet id (another deployment with the same --fleet-id?)", ["kind"], registry=r)
+            "fleet id (another deployment with the same --fleet-id?)", [*pl, "kind"],
+            registry=r)
         self._worker_capacity: Mapping[tuple[str, str], int] = {}
         r.register(_WorkerCapacityCollector(lambda: self._worker_capacity))
         self._worker_problems: Mapping[tuple[str, str, str], int] = {}
@@ -560,6 +566,10 @@ class Metrics:
             self._adoption_refused.labels(cls.label)
             if pools:  # at 0 from the start where pools exist (nothing counts without)
                 self._unknown_pool.labels(cls.label)
+        if pools:
+            # Pools in a fleet: the coordination series are per pool's ledger, too
+            # (sidecar.pools). Without coordination it reads 0, as without pools.
+            self._live_replicas.labels("default")
         for admitted in ("true", "false"):
             self._ext_proc_streams.labels(admitted)
         for reason in ("over_cap", "deadline", "exhausted"):
@@ -711,20 +721,27 @@ class Metrics:
     def config_reload_failed(self) -> None:
         self._reload.labels("error").inc()
 
-    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
+    def _pl(self, pool: str | None) -> tuple[str, ...]:
+        """The pool label's value where the series have one (``pools=True``)."""
+        return (pool or "default",) if self._pooled else ()  # sidecar.config.DEFAULT_POOL
+
+    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int,
+                   pool: str | None = None) -> None:
+        pl = self._pl(pool)
         for cls in HIGH_TO_LOW:
-            self._fleet_inflight.labels(cls.label).set(inflight.get(cls, 0))
-        self._live_replicas.set(live_replicas)
+            self._fleet_inflight.labels(*pl, cls.label).set(inflight.get(cls, 0))
+        (self._live_replicas.labels(*pl) if pl else self._live_replicas).set(live_replicas)
 
     def preemption_suspended(self, suspended: bool) -> None:
         self._preemption_suspended.set(1 if suspended else 0)
 
-    def coordination_changed(self, state: str) -> None:
+    def coordination_changed(self, state: str, pool: str | None = None) -> None:
+        pl = self._pl(pool)
         for s in COORDINATION_STATES:
-            self._coordination.labels(s).set(1 if s == state else 0)
+            self._coordination.labels(*pl, s).set(1 if s == state else 0)
 
-    def coordination_fault(self, kind: str) -> None:
-        self._coordination_faults.labels(kind).inc()
+    def coordination_fault(self, kind: str, pool: str | None = None) -> None:
+        self._coordination_faults.labels(*self._pl(pool), kind).inc()
 
     def server_checked(self, check: str, result: str) -> None:
         for r in SERVER_CHECK_RESULTS:
@@ -736,8 +753,8 @@ class Metrics:
         if state == "mismatch":
             self._library_mismatch.inc()
 
-    def fleet_collision(self, kind: str) -> None:
-        self._fleet_collision.labels(kind).inc()
+    def fleet_collision(self, kind: str, pool: str | None = None) -> None:
+        self._fleet_collision.labels(*self._pl(pool), kind).inc()
     def envoy_feature(self, feature: str, state: str) -> None:
         for st in ("unknown", "present", "absent"):
             self._envoy_feature.labels(feature, st).set(1 if st == state else 0)

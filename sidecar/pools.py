@@ -12,6 +12,11 @@ carries only its id, so the id carries the pool: ``<pool>.<32 hex>`` for a named
 pool, the plain 32 hex digits for the default pool (ids look as they do without
 pools). :class:`PooledAdmission` routes each call to the pool the id names; an id
 naming no pool here (a pool removed across a restart) is treated as unknown.
+
+With ``--coordination-url`` each pool's controller is a
+:class:`~sidecar.coordination.controller.FleetController` over that pool's own ledger
+(``pg:{fleet}:pool:<pool>``; the default pool keeps the fleet's ``pg:{fleet}``), and the
+same routing by id holds (docs/design.md, "Pools in a fleet").
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Mapping
 
-from sidecar.admission import AdmissionController, new_admission_id
+from sidecar.admission import AdmissionService, new_admission_id
 from sidecar.classes import PriorityClass
 from sidecar.codec import POOL_KEY
 from sidecar.config import DEFAULT_POOL
@@ -80,7 +85,8 @@ def merge_snapshots(snaps: list[Snapshot]) -> Snapshot:
 
 
 class PoolRecorder(NullRecorder):
-    """What a pool's controller records: its events under its pool's label."""
+    """What a pool's controller records: its events under its pool's label (a fleet
+    controller's coordination series too; docs/reference.md, Metrics)."""
 
     def __init__(self, metrics: Recorder, pool: str) -> None:
         self._metrics = metrics
@@ -95,6 +101,22 @@ class PoolRecorder(NullRecorder):
     def completion_unmatched(self, reason: str) -> None:
         self._metrics.completion_unmatched(reason)
 
+    def preemption_undelivered(self) -> None:
+        self._metrics.preemption_undelivered()
+
+    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int,
+                   pool: str | None = None) -> None:
+        self._metrics.fleet_seen(inflight, live_replicas, self.pool)
+
+    def coordination_changed(self, state: str, pool: str | None = None) -> None:
+        self._metrics.coordination_changed(state, self.pool)
+
+    def coordination_fault(self, kind: str, pool: str | None = None) -> None:
+        self._metrics.coordination_fault(kind, self.pool)
+
+    def fleet_collision(self, kind: str, pool: str | None = None) -> None:
+        self._metrics.fleet_collision(kind, self.pool)
+
 
 class PooledAdmission:
     """An :class:`~sidecar.admission.AdmissionService` over one controller per pool.
@@ -104,17 +126,17 @@ class PooledAdmission:
     routed by the pool the id names.
     """
 
-    def __init__(self, controllers: Mapping[str, AdmissionController],
+    def __init__(self, controllers: Mapping[str, AdmissionService],
                  metrics: Recorder | None = None) -> None:
         if DEFAULT_POOL not in controllers:
             raise ValueError("the default pool is missing")
         self.controllers = dict(controllers)
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
 
-    def get(self, pool: str) -> AdmissionController | None:
+    def get(self, pool: str) -> AdmissionService | None:
         return self.controllers.get(pool)
 
-    def _of(self, aid: str) -> AdmissionController | None:
+    def _of(self, aid: str) -> AdmissionService | None:
         return self.controllers.get(pool_of(aid))
 
     @property
@@ -163,7 +185,9 @@ class PooledAdmission:
         return c is not None and c.mark_first_byte(aid)
 
     async def confirm_first_byte(self, aid: str) -> bool:
-        return True  # in process, as AdmissionController says
+        # In process: True at once; a pool's fleet controller may wait for its ledger.
+        c = self._of(aid)
+        return True if c is None else await c.confirm_first_byte(aid)
 
     def close_stop_channel(self, aid: str) -> None:
         c = self._of(aid)

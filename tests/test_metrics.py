@@ -12,6 +12,7 @@ from sidecar import metrics
 from sidecar.capacity import CapacityReading, WorkerCapacity
 from sidecar.classes import PriorityClass
 from sidecar.metrics import Metrics, NullRecorder, Recorder
+from sidecar.pools import PoolRecorder
 from sidecar.scheduler import (
     BUILTIN_CLASSES,
     LEASE_EXPIRED,
@@ -187,6 +188,28 @@ def test_with_pools_the_scheduler_and_capacity_series_carry_the_pool() -> None:
     assert get("smg_sidecar_unknown_pool_total", **{"class": "system"}) == 0
     assert Metrics(tenant_top_n=4).registry.get_sample_value(
         "smg_sidecar_unknown_pool_total", {"class": "system"}) is None  # no pools: no series
+
+
+def test_with_pools_the_coordination_series_carry_the_pool_of_their_ledger() -> None:
+    m = Metrics(tenant_top_n=4, pools=True)
+
+    def get(name: str, **labels: str) -> float | None:
+        return m.registry.get_sample_value(name, labels)
+
+    assert get("smg_sidecar_live_replicas", pool="default") == 0  # in process: 0, as ever
+    big = PoolRecorder(m, "big")  # what a pool's fleet controller and fleet watch record
+    big.fleet_seen({S: 1, B: 3}, 2)
+    big.coordination_changed("degraded")
+    big.coordination_fault("stale_copy")
+    big.fleet_collision("config")
+    m.coordination_changed("ok")  # no pool named: the default pool's
+    assert get("smg_sidecar_fleet_inflight", pool="big", **{"class": "bulk"}) == 3
+    assert get("smg_sidecar_live_replicas", pool="big") == 2
+    assert get("smg_sidecar_coordination_state", pool="big", state="degraded") == 1
+    assert get("smg_sidecar_coordination_state", pool="default", state="ok") == 1
+    assert get("smg_sidecar_coordination_faults_total", pool="big", kind="stale_copy") == 1
+    assert get("smg_sidecar_fleet_collision_total", pool="big", kind="config") == 1
+    assert get("smg_sidecar_coordination_state", state="ok") is None  # no unlabelled
 
 
 def test_lease_expiry_and_adoption_are_counted_from_core_events() -> None:

@@ -111,10 +111,10 @@ def test_settings_with_and_without_pools() -> None:
     assert plain.pool_workers == {}
 
 
-def test_pools_with_coordination_edge_shed_or_shadow_are_refused_for_now() -> None:
-    with pytest.raises(ConfigError, match="--coordination-url cannot be combined with pools"):
-        _settings("--worker-urls", "big=http://b:1", "--coordination-url",
-                  "redis://127.0.0.1:6379/0")
+def test_pools_with_edge_shed_or_shadow_are_refused_for_now() -> None:
+    # With --coordination-url they work: each pool has its own ledger (test_fleet_pools).
+    assert _settings("--worker-urls", "big=http://b:1", "--coordination-url",
+                     "redis://127.0.0.1:6379/0").pool_workers == {"big": ("http://b:1",)}
     with pytest.raises(ConfigError, match="--edge-shed cannot be combined with pools"):
         _settings("--worker-urls", "big=http://b:1", "--edge-shed")
     with pytest.raises(ConfigError, match="--shadow cannot be combined with pools"):

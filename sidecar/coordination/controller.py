@@ -232,39 +232,47 @@ class FleetController:
         metrics: Recorder | None = None,
         max_connections: int = 64,
         mark_delay: float = MARK_DELAY_SECS,
+        pool: str | None = None,
+        id_factory: Callable[[], str] = new_admission_id,
     ) -> FleetController:
-        """Connect and register; an unreachable server means starting degraded, not failing."""
+        """Connect and register; an unreachable server means starting degraded, not failing.
+
+        ``pool``: a named model pool's own ledger in the fleet (``ledger.prefix``), whose
+        admission ids ``id_factory`` makes (``sidecar.pools``); None: the fleet's own.
+        """
         call_timeout = max(0.05, min(1.0, ttl / 5))
         # Bounded: a burst waits for a connection instead of opening thousands.
-        pool = redis.BlockingConnectionPool.from_url(
+        connections = redis.BlockingConnectionPool.from_url(
             url, decode_responses=True, socket_timeout=call_timeout,
             socket_connect_timeout=call_timeout, max_connections=max_connections,
             timeout=max(call_timeout, ttl / 3))
-        client = redis.Redis(connection_pool=pool)
+        client = redis.Redis(connection_pool=connections)
         # The blocking pop holds its connection for up to _EVENT_BLOCK_SECS.
         events_client = redis.from_url(
             url, decode_responses=True, socket_timeout=_EVENT_BLOCK_SECS + call_timeout,
             socket_connect_timeout=call_timeout)
         # Registered for 0.9 ttl, and reaped within ttl/20 of that by any replica with
         # waiters: a dead replica's slots are back within --replica-ttl-secs.
-        ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl, pipelined=True)
+        ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl, pipelined=True, pool=pool)
         self = cls(ledger, events_client, classes=classes, capacity=capacity,
                    call_timeout=call_timeout, ack_timeout=ack_timeout, bucket=bucket,
-                   metrics=metrics, mark_delay=mark_delay)
+                   metrics=metrics, mark_delay=mark_delay, id_factory=id_factory)
+        where = {} if pool is None else {"pool": pool}
         try:
             status = await self._call(ledger.register(self._classes, capacity))
         except Exception as exc:
-            log.warning("coordination_unreachable_at_startup", error=_describe(exc),
+            log.warning("coordination_unreachable_at_startup", error=_describe(exc), **where,
                         hint="starting degraded: no share until the server answers")
             self._degrade(exc, announce=False)
         else:
             self._apply(self._core.started(status))
             if self._core.mode is Mode.SETTLING:
                 log.info("coordination_settling", fleet=fleet, replica=replica,
-                         settling_secs=round(status.settling, 3))
+                         settling_secs=round(status.settling, 3), **where)
             else:
                 log.info("coordination_registered", fleet=fleet, replica=replica,
-                         fleet_capacity=status.capacity, live_replicas=status.live_replicas)
+                         fleet_capacity=status.capacity, live_replicas=status.live_replicas,
+                         **where)
         return self
 
     def start(self, *, heartbeat: bool = True, notifications: bool = True) -> None:

@@ -104,11 +104,20 @@ DEFAULT_REMEMBER_ENDED_SECS = 600.0
 _NAME = re.compile(r"^[^\s{}]+$")
 
 
-def prefix(fleet: str) -> str:
-    """The key prefix of a fleet: its ``{fleet}`` hash tag puts every key in one slot."""
+def prefix(fleet: str, pool: str | None = None) -> str:
+    """The key prefix of a fleet: its ``{fleet}`` hash tag puts every key in one slot.
+
+    A named model pool's ledger lives under ``pg:{fleet}:pool:<pool>``: apart from the
+    fleet's own (the default pool's) and every other pool's, yet in the fleet's slot and
+    under its ACL key pattern (docs/design.md, "Pools in a fleet").
+    """
     if not _NAME.match(fleet):
         raise ValueError(f"fleet id must be non-empty, without spaces or braces: {fleet!r}")
-    return f"pg:{{{fleet}}}"
+    if pool is None:
+        return f"pg:{{{fleet}}}"
+    if not _NAME.match(pool):
+        raise ValueError(f"pool must be non-empty, without spaces or braces: {pool!r}")
+    return f"pg:{{{fleet}}}:pool:{pool}"
 
 
 def _num(x: float) -> str:
@@ -475,11 +484,13 @@ class FleetLedger:
         remember_ended_secs: float = DEFAULT_REMEMBER_ENDED_SECS,
         clock: Callable[[], float] | None = None,
         pipelined: bool = False,
+        pool: str | None = None,
     ) -> None:
         if not _NAME.match(replica):
             raise ValueError(f"replica id must be non-empty, without spaces or braces: {replica!r}")
         self._client = client
-        self._prefix = prefix(fleet)
+        self._prefix = prefix(fleet, pool)
+        self.pool = pool  # None: the fleet's own namespace (no pools, or the default pool)
         self.replica = replica
         self.ttl = ttl
         self._remember = remember_ended_secs
