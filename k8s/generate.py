@@ -8,8 +8,8 @@ It also writes k8s/overlays/edge-shed/kustomization.yaml: the same bootstrap ren
 the edge-shed path (render.py --edge-shed) as a patch over the base's, and --edge-shed added
 to the sidecar's arguments; and k8s/overlays/pools/kustomization.yaml: the bootstrap rendered
 with a route and a cluster per model pool (render.py --pool), the sidecar's --worker-urls
-POOL=URL entries and priority.yaml's `pools:` section, over overlays/single-replica (pools
-and the fleet ledger cannot be combined yet: the sidecar refuses to start).
+POOL=URL entries and priority.yaml's `pools:` section, over the base (two replicas sharing
+the fleet ledger: each pool has a ledger of its own in the one Valkey).
 
 render.py binds everything to 127.0.0.1 and only knows STATIC clusters. In the pod:
 
@@ -233,12 +233,14 @@ _POOLS_HEADER = """\
 # pool). Each route names its pool to the sidecar in ext_authz's per-route context
 # extension `smg-pool`; each pool admits on its own workers' capacity with its own queues.
 #   kubectl apply -k k8s/overlays/pools
-# Over overlays/single-replica: the sidecar refuses pools together with the fleet ledger
-# (--coordination-url), so the pooled gateway runs one replica admitting in-process.
+# Over the base: two gateway replicas sharing the fleet ledger (--coordination-url); each
+# pool has a ledger of its own in the one Valkey, under the fleet's keys and ACL user
+# (docs/design.md "Pools in a fleet"). For one replica admitting in-process, put these
+# patches over overlays/single-replica instead.
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-- ../single-replica
+- ../../base
 patches:
 - target:
     kind: Deployment

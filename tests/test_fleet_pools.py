@@ -21,6 +21,7 @@ import pytest
 import redis.asyncio as redis
 from envoy.service.auth.v3 import external_auth_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from redis.exceptions import NoPermissionError
 
 from devtools.fleet import Fleet
 from devtools.valkey import ValkeyServer
@@ -28,10 +29,12 @@ from sidecar.app import build_runtime
 from sidecar.classes import PriorityClass
 from sidecar.config import ConfigError, parse_priority_config, parse_settings
 from sidecar.coordination import server
-from sidecar.coordination.ledger import config_digest
+from sidecar.coordination.ledger import LUA, FleetLedger, config_digest
 from sidecar.pools import DEFAULT_POOL, pool_of
+from sidecar.scheduler import BUILTIN_CLASSES
 from tests.grpc_client import admission_id, check_request, headers_of
 from tests.ledger_support import client, valkey_server
+from tests.test_coordination_security import create_runtime_user
 from tests.test_fleet import FLEET, PRIORITY, Replica, deny_code, eventually, ok, request_headers
 
 __all__ = ["client", "valkey_server"]  # fixtures used by name
@@ -330,3 +333,28 @@ def test_pools_in_a_fleet_start_but_shadow_and_edge_shed_still_refuse(extra: lis
         "big": ("http://b:1",)}
     with pytest.raises(ConfigError, match=f"{extra[0]} cannot be combined with"):
         parse_settings(base + extra)
+
+
+async def test_every_pools_ledger_runs_under_the_shipped_runtime_acl_user(
+        valkey_server: ValkeyServer, client: redis.Redis) -> None:
+    # k8s/base/valkey-acl.yaml's runtime user (key pattern ~pg:{priority-gate}*): each
+    # pool's ledger is inside it, another fleet's is not.
+    await create_runtime_user(client, "pools-runtime", "priority-gate", "pw")
+    await client.function_load(LUA, replace=True)  # the admin's job
+    rt = redis.Redis(port=valkey_server.port, username="pools-runtime", password="pw",
+                     decode_responses=True)
+    try:
+        caps = {None: 5, "chat-70b": 3, "small-8b": 2}
+        for pool, cap in caps.items():
+            ledger = FleetLedger(rt, "priority-gate", "r1", pool=pool)
+            status = await ledger.register(BUILTIN_CLASSES, cap)
+            assert status.known is False and status.capacity == cap  # each its own capacity
+        for pool, cap in caps.items():
+            snap = await FleetLedger(rt, "priority-gate", "r1", pool=pool).snapshot()
+            assert snap.capacity == cap and snap.replicas == ("r1",)
+        with pytest.raises(NoPermissionError):
+            await FleetLedger(rt, "other-fleet", "r1", pool="chat-70b").register(
+                BUILTIN_CLASSES, 1)
+    finally:
+        await rt.aclose()
+        await client.acl_deluser("pools-runtime")

@@ -262,7 +262,7 @@ def _built_sidecar(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
                                         "ServiceMonitor"])),
     ("overlays/single-replica", ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy",
                                  "Service"]),
-    ("overlays/pools", ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "Service"]),
+    ("overlays/pools", _BASE_KINDS),  # two replicas on the fleet ledger, a ledger per pool
 ])
 def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -286,7 +286,7 @@ def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
         # the pools the routes name are the sidecar's, each with its own workers and table
         assert set(settings.pool_workers) == set(settings.priority.pools) == set(
             _route_pools(_built_envoy(docs)))
-    if target in ("overlays/single-replica", "overlays/pools"):
+    if target == "overlays/single-replica":
         # one replica, admitting in-process: no server to point at
         assert dep["spec"]["replicas"] == 1
         assert settings.coordination_url is None
