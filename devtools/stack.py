@@ -122,12 +122,13 @@ class Stack:
 
     With ``fleet`` given, the stack shares that (already started) fleet with others and
     neither starts nor stops it (see :class:`Replicas`); otherwise it owns one built from
-    the config. ``engines`` (not started) puts real engines where the fake workers
+    the config. The same for ``pool_fleets`` (the named pools' workers, ``config.pools``). ``engines`` (not started) puts real engines where the fake workers
     would be; the stack starts and stops them.
     """
 
     def __init__(self, config: StackConfig, workdir: Path | None = None,
-                 fleet: Fleet | None = None, engines: Engines | None = None) -> None:
+                 fleet: Fleet | None = None, engines: Engines | None = None,
+                 pool_fleets: dict[str, Fleet] | None = None) -> None:
         self.config = config
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="smg-stack-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -135,9 +136,8 @@ class Stack:
         self.fleet: Fleet | Engines = engines or fleet or Fleet(
             config.workers, base_port=config.worker_base_port,
             max_running_requests=config.max_running_requests, service_time=config.service_time)
-        self.pool_fleets = {
-            name: Fleet(n, max_running_requests=cap, service_time=config.service_time)
-            for name, (n, cap) in config.pools.items()}
+        self.owns_pool_fleets = pool_fleets is None
+        self.pool_fleets = pool_fleets if pool_fleets is not None else pool_fleets_of(config)
         self.sidecar: subprocess.Popen[bytes] | None = None
         self.envoy: subprocess.Popen[bytes] | None = None
         self.listen_port = config.listen_port or free_port()
@@ -159,8 +159,9 @@ class Stack:
     async def start(self) -> None:
         if self.owns_fleet:
             await self.fleet.start()
-        for fleet in self.pool_fleets.values():
-            await fleet.start()
+        if self.owns_pool_fleets:
+            for fleet in self.pool_fleets.values():
+                await fleet.start()
         self.priority_path.write_text(self.config.priority_yaml)
         c = self.config
         # A port free_port() found can be taken before the child binds it (by an
@@ -195,8 +196,9 @@ class Stack:
         self.envoy = self.sidecar = None
         if self.owns_fleet:
             await self.fleet.stop()
-        for fleet in self.pool_fleets.values():
-            await fleet.stop()
+        if self.owns_pool_fleets:
+            for fleet in self.pool_fleets.values():
+                await fleet.stop()
         if self.grpc_socket is not None:
             shutil.rmtree(self.grpc_socket.parent, ignore_errors=True)
 
@@ -333,6 +335,12 @@ class Stack:
         return int(value) if value.isdigit() else 0
 
 
+def pool_fleets_of(config: StackConfig) -> dict[str, Fleet]:
+    """The named pools' fake workers (``config.pools``), not started."""
+    return {name: Fleet(n, max_running_requests=cap, service_time=config.service_time)
+            for name, (n, cap) in config.pools.items()}
+
+
 class Replicas:
     """Several full stacks (an Envoy and a sidecar each) in front of ONE fleet of fake
     workers, their sidecars coordinated through ONE valkey-server.
@@ -349,6 +357,8 @@ class Replicas:
         self.fleet = Fleet(config.workers, base_port=config.worker_base_port,
                            max_running_requests=config.max_running_requests,
                            service_time=config.service_time)
+        # Each named pool's workers too: one set for all replicas, as in a real fleet.
+        self.pool_fleets = pool_fleets_of(config)
         self.server = ValkeyServer(self.workdir / "valkey")
         self.fleet_id = fleet_id
         self.ttl_secs = ttl_secs
@@ -359,11 +369,14 @@ class Replicas:
                     "--coordination-url", self.server.url, "--fleet-id", fleet_id,
                     "--replica-id", replica_id, "--replica-ttl-secs", str(ttl_secs)]
             self.stacks.append(Stack(replace(config, sidecar_args=args),
-                                     self.workdir / replica_id, fleet=self.fleet))
+                                     self.workdir / replica_id, fleet=self.fleet,
+                                     pool_fleets=self.pool_fleets))
 
     async def start(self) -> None:
         self.server.start()
         await self.fleet.start()
+        for fleet in self.pool_fleets.values():
+            await fleet.start()
         try:
             # One at a time: two Envoys and two Pythons starting at once on a small box
             # only make each other's readiness waits longer.
@@ -377,6 +390,8 @@ class Replicas:
         for stack in self.stacks:
             await stack.stop()
         await self.fleet.stop()
+        for fleet in self.pool_fleets.values():
+            await fleet.stop()
         self.server.stop()
 
     async def restart(self, stack: Stack) -> None:
