@@ -122,7 +122,8 @@ class Stack:
 
     With ``fleet`` given, the stack shares that (already started) fleet with others and
     neither starts nor stops it (see :class:`Replicas`); otherwise it owns one built from
-    the config. The same for ``pool_fleets`` (the named pools' workers, ``config.pools``). ``engines`` (not started) puts real engines where the fake workers
+    the config. The same for ``pool_fleets`` (the named pools' workers,
+    ``config.pools``). ``engines`` (not started) puts real engines where the fake workers
     would be; the stack starts and stops them.
     """
 
