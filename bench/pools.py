@@ -12,8 +12,15 @@ round-robin over the pools:
   :class:`~sidecar.admission.AdmissionController` per pool with free slots: pick the
   route's pool, ``await admit()``, ``release(id)``, as Check and the access log do.
   Baseline: one controller called directly.
+* **fleet** (``--fleet``): the controller loop in fleet mode, one
+  :class:`~sidecar.coordination.controller.FleetController` per pool, each over its pool's
+  own ledger in one real valkey-server (devtools.valkey): ``admit()`` is one ``FCALL`` on
+  the pool's ledger, the release goes out through the pool's outbox. Baseline: one fleet
+  controller without pools. Also the ledger round trips per pair (``FleetLedger.calls``):
+  a decision costs one call on one pool's ledger whatever the number of pools.
 
     python -m bench.pools [--seconds 3.0] [--quick]   (best of 3 runs of seconds/3 per point)
+    python -m bench.pools --fleet [--seconds 3.0]
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from sidecar.admission import AdmissionController
+from sidecar.admission import AdmissionController, AdmissionService
 from sidecar.classes import PriorityClass
 from sidecar.config import DEFAULT_POOL
 from sidecar.pools import PooledAdmission, id_factory, pool_of
@@ -107,6 +114,80 @@ def measure_controller(pools: int, seconds: float, routed: bool = True) -> float
     return asyncio.run(_controller_loop(pools, seconds, routed))
 
 
+async def _fleet_loop(pools: int, seconds: float, routed: bool, url: str
+                      ) -> tuple[float, float]:
+    import redis.asyncio as redis
+
+    from sidecar.coordination.controller import FleetController
+
+    flush = redis.from_url(url)
+    await flush.flushall()  # every point on empty ledgers
+    await flush.aclose()
+    names = _names(pools) if routed else [DEFAULT_POOL]
+    ctls = {n: await FleetController.connect(
+        url, fleet="bench", replica="r1", ttl=30.0, classes=CFG, capacity=CAPACITY,
+        pool=None if n == DEFAULT_POOL else n, id_factory=id_factory(n)) for n in names}
+    for c in ctls.values():
+        c.start(heartbeat=False)  # no heartbeat: only what the requests cost is counted
+    pooled = PooledAdmission(ctls)
+    calls0 = sum(c.ledger.calls for c in ctls.values())
+    order = itertools.cycle(names)
+    ops = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(100):
+            n = next(order)
+            ctl: AdmissionService | None = pooled.get(n) if routed else ctls[DEFAULT_POOL]
+            assert ctl is not None
+            a = await ctl.admit(CLASSES[ops % 3], "t")
+            (pooled if routed else ctl).release(a.admission.id)
+            ops += 1
+    rate = ops / (time.perf_counter() - start)
+    for _ in range(1000):  # the last releases leave through the outboxes
+        if all(c.lease_count == 0 and not c._outbox for c in ctls.values()):
+            break
+        await asyncio.sleep(0.001)
+    calls = sum(c.ledger.calls for c in ctls.values()) - calls0
+    for c in ctls.values():
+        await c.aclose()
+    return rate, calls / ops
+
+
+def measure_fleet(pools: int, seconds: float, routed: bool = True,
+                  url: str = "") -> tuple[float, float]:
+    return asyncio.run(_fleet_loop(pools, seconds, routed, url))
+
+
+def fleet_report(seconds: float) -> None:
+    from pathlib import Path
+    from tempfile import mkdtemp
+
+    from devtools.valkey import ValkeyServer
+    from sidecar import logs
+
+    logs.configure("json", "warning")  # not a registration line per pool and point
+    server = ValkeyServer(Path(mkdtemp(prefix="bench-pools-")))
+    server.start()
+    try:
+        print("fleet: admit() + release(id) through the ledger (one real valkey-server on "
+              "loopback), sequential, round-robin over the pools")
+        points = [("no pools (one fleet controller)", 1, False), ("pools=1", 1, True),
+                  ("pools=2", 2, True), ("pools=10", 10, True)]
+        # The points take turns, 5 rounds (the machine's drift hits them all alike);
+        # each point's best round counts.
+        rounds = [[measure_fleet(n, seconds / 5, routed, server.url)
+                   for _, n, routed in points] for _ in range(5)]
+        base = 0.0
+        for i, (title, _, _) in enumerate(points):
+            rate, calls = max(r[i] for r in rounds)
+            base = base or rate
+            print(f"    {title:<33}{1e6 / rate:7.1f} us/pair  cost x{base / rate:.2f}  "
+                  f"ledger calls/pair {calls:.2f}")
+    finally:
+        server.stop()
+
+
 def best(fn: Callable[[int, float, bool], float], pools: int, seconds: float,
          routed: bool = True, runs: int = 3) -> float:
     """The best of ``runs`` (the least disturbed by whatever else the machine runs)."""
@@ -117,9 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--quick", action="store_true", help="0.6 s per point")
+    p.add_argument("--fleet", action="store_true",
+                   help="the fleet-mode point only (starts a valkey-server)")
     args = p.parse_args(argv)
     if args.quick:
         args.seconds = 0.6
+    if args.fleet:
+        fleet_report(args.seconds)
+        return 0
     print("pools: one decision + one release per iteration, round-robin over the pools, "
           "single-threaded")
     for title, fn in (("core (full pools, release dispatches a queue head, arrival queues)",

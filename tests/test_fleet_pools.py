@@ -358,3 +358,9 @@ async def test_every_pools_ledger_runs_under_the_shipped_runtime_acl_user(
     finally:
         await rt.aclose()
         await client.acl_deluser("pools-runtime")
+
+
+def test_the_fleet_pools_benchmark_runs(valkey_server: ValkeyServer) -> None:
+    from bench import pools as bench_pools
+    rate, calls = bench_pools.measure_fleet(2, 0.05, True, valkey_server.url)
+    assert rate > 0 and 1.0 <= calls <= 2.5
