@@ -131,20 +131,14 @@ async def build_runtime(settings: Settings) -> Runtime:
             failed = [c for c in connected if isinstance(c, BaseException)]
             if failed:
                 raise failed[0]
-        try:
-            return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
-                           serving=serving, monitor=monitor, reading=reading,
-                           fleet=fleets.get(DEFAULT_POOL),
-                           pool_monitors=pool_monitors, pool_readings=pool_readings,
-                           pool_fleets=fleets if pool_readings else None)
-        except BaseException:
-            for f in fleets.values():
-                await f.aclose()
-            raise
+        return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
+                       serving=serving, monitor=monitor, reading=reading,
+                       fleet=fleets.get(DEFAULT_POOL),
+                       pool_monitors=pool_monitors, pool_readings=pool_readings,
+                       pool_fleets=fleets if pool_readings else None)
     except BaseException:
-        for f in fleets.values():
-            with contextlib.suppress(Exception):
-                await f.aclose()
+        for f in fleets.values():  # connected, or a Runtime that failed to build
+            await f.aclose()
         await monitor.close()
         for m in pool_monitors.values():
             await m.close()

@@ -234,10 +234,22 @@ async def test_a_system_request_preempts_only_within_its_own_pool(
                         by_class="system") == 1
         assert b.sample("smg_scheduler_preemption_total", pool=DEFAULT_POOL,
                         victim_class="bulk", by_class="system") == 0
+        # The default pool's victims start their responses (first byte, confirmed by their
+        # pool's ledger): no longer candidates, so a system request there now waits.
+        for v in victims[DEFAULT_POOL]:
+            await outgoing[v].put(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
+            assert await asyncio.wait_for(streams[v].read(), 5) is grpc.aio.EOF
+        await eventually(lambda: _marked(client, DEFAULT_POOL, 0),
+                         what="the default pool's candidates gone")
+        late = asyncio.ensure_future(a.check_in(DEFAULT_POOL, "system"))
+        await eventually(lambda: a.app.fleets[DEFAULT_POOL].waiting == 1,
+                         what="system queued in the default pool")
+        await b.end(victims[DEFAULT_POOL][0])
+        late_id = await ok(late, timeout=5)
         for q in outgoing.values():
             await q.put(None)
-        await b.end(*victims[DEFAULT_POOL], big_victim)
-        await a.end(winner)
+        await b.end(*victims[DEFAULT_POOL][1:], big_victim)
+        await a.end(winner, late_id)
         await eventually(lambda: _all_zero(client), what="every pool's ledger empty")
 
 
