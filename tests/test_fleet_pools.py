@@ -35,9 +35,18 @@ from sidecar.scheduler import BUILTIN_CLASSES
 from tests.grpc_client import admission_id, check_request, headers_of
 from tests.ledger_support import client, valkey_server
 from tests.test_coordination_security import create_runtime_user
-from tests.test_fleet import FLEET, PRIORITY, Replica, deny_code, eventually, ok, request_headers
+from tests.test_fleet import (
+    FLEET,
+    PRIORITY,
+    Replica,
+    deny_code,
+    eventually,
+    ok,
+    own_server,
+    request_headers,
+)
 
-__all__ = ["client", "valkey_server"]  # fixtures used by name
+__all__ = ["client", "own_server", "valkey_server"]  # fixtures used by name
 
 BIG = "big"
 CAPACITY = {DEFAULT_POOL: 2, BIG: 1}
@@ -61,8 +70,8 @@ class PoolReplica(Replica):
 
 
 @contextlib.asynccontextmanager
-async def pool_replicas(tmp_path: Path, url: str,
-                        priority: str = PRIORITY) -> AsyncIterator[tuple[PoolReplica,
+async def pool_replicas(tmp_path: Path, url: str, priority: str = PRIORITY,
+                        ttl: float = 10.0) -> AsyncIterator[tuple[PoolReplica,
                                                                          PoolReplica]]:
     # One worker each: the default pool's reports 2 slots, big's 1.
     fleets = {name: Fleet(1, max_running_requests=cap) for name, cap in CAPACITY.items()}
@@ -79,7 +88,7 @@ async def pool_replicas(tmp_path: Path, url: str,
                 "--worker-urls", *fleets[DEFAULT_POOL].urls,
                 *(f"{BIG}={u}" for u in fleets[BIG].urls), "--log-format", "json",
                 "--coordination-url", url, "--fleet-id", FLEET, "--replica-id", name,
-                "--replica-ttl-secs", "10"]))
+                "--replica-ttl-secs", str(ttl)]))
             await app.serve()
             started.append(PoolReplica(app))
         a, b = started
@@ -376,3 +385,38 @@ def test_the_fleet_pools_benchmark_runs(valkey_server: ValkeyServer) -> None:
     from bench import pools as bench_pools
     rate, calls = bench_pools.measure_fleet(2, 0.05, True, valkey_server.url)
     assert rate > 0 and 1.0 <= calls <= 2.5
+
+
+async def test_a_server_outage_gives_each_pool_its_own_degraded_share(
+        tmp_path: Path, own_server: ValkeyServer) -> None:
+    ttl = 2.0
+    async with pool_replicas(tmp_path, own_server.url, ttl=ttl) as (a, _):
+        own_server.pause()
+        calls = {pool: [a.check_in(pool, "bulk") for _ in range(3)] for pool in CAPACITY}
+        for pool in CAPACITY:
+            f = a.app.fleets[pool]
+            await eventually(lambda f=f: f.state == "degraded", timeout=2 * ttl,  # type: ignore[misc]
+                             what=f"{pool} degraded")
+            assert a.sample("smg_sidecar_coordination_state", pool=pool, state="degraded") == 1
+        # floor(capacity / live replicas), each from its own pool's last view: 2 // 2, 1 // 2.
+        assert a.app.fleets[DEFAULT_POOL].share == 1 and a.app.fleets[BIG].share == 0
+        await eventually(lambda: sum(c.done() for c in calls[DEFAULT_POOL]) == 1,
+                         what="one local admission in the default pool")
+        await asyncio.sleep(0.3)  # the chance for any over-admission to show
+        assert sum(c.done() for c in calls[DEFAULT_POOL]) == 1
+        assert not any(c.done() for c in calls[BIG])  # big's share is 0
+        own_server.resume()
+        for pool in CAPACITY:
+            f = a.app.fleets[pool]
+            await eventually(lambda f=f: f.state == "ok", timeout=3 * ttl,  # type: ignore[misc]
+                             what=f"{pool} back to ok")
+        # Back on the ledgers: each pool fills exactly its own capacity.
+        for pool, cap in CAPACITY.items():
+            await eventually(lambda pool=pool, cap=cap: sum(  # type: ignore[misc]
+                c.done() for c in calls[pool]) == cap, timeout=3 * ttl, what=f"{pool} filled")
+        for pool in CAPACITY:
+            done = [c for c in calls[pool] if c.done()]
+            rest = [c for c in calls[pool] if not c.done()]
+            await a.end(*[admission_id(await c) for c in done])
+            for nxt in asyncio.as_completed(rest):  # one slot at a time in big
+                await a.end(await ok(nxt))
