@@ -540,8 +540,9 @@ class FleetSettings:
         "--fleet-id", default="default", metavar="NAME", check=_fleet_name,
         help="replicas with the same fleet id and server share one fleet's slots",
         doc=("Replicas with the same fleet id and server share one fleet (the keys carry a "
-             "`{NAME}` hash tag, one Redis Cluster slot). 1..128 characters, no spaces or "
-             "braces."))
+             "`{NAME}` hash tag, one Redis Cluster slot; with pools each pool has a ledger of "
+             "its own in that slot, [Pools in a fleet](design.md#pools-in-a-fleet)). 1..128 "
+             "characters, no spaces or braces."))
     replica_id: str = flag(
         "--replica-id", default=None, metavar="NAME",
         check=_replica_id, shown_default="`<hostname>-<pid>`",
