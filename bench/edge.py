@@ -1,16 +1,26 @@
-"""Edge shedding (--edge-shed) on and off in one run, under bench.isolation's 10x flood.
+"""Edge shedding (--edge-shed) off and on in one run: the flood part of ``make bench``.
 
-Same fleet, classes and open-loop streams as ``bench.isolation`` (2 workers x 4 slots,
-50 ms service, capacity 160 req/s; a bulk flood, interactive at 25 % of capacity from a
-JWT tenant, a trickle of system). Each round runs a fresh stack with the edge off,
-then one with it on (``--edge-shed`` + ``envoy/render.py --edge-shed``), and reports:
-Checks Envoy made (its ext_authz stats), requests Envoy answered itself
-(``smg_sidecar_edge_shed_total``), the sidecar's and Envoy's CPU while sending,
-admitted throughput as a share of capacity, and the end-to-end latency of the
-interactive and system requests that still go through Check (item: do they wait
-behind bulk in grpc-core's queue?). Ratios are within a round (same box, same minute).
+The fleet and load the issue's flood goals are stated for: 2 fake workers x 4 slots,
+0.5 s service time (capacity 16 req/s), bulk open loop at 10x and 100x capacity
+(anonymous, ``x-smg-priority: bulk``), interactive at 25 % of capacity from a JWT
+tenant (ceiling interactive), system 1 req/s (JWT tenant, ceiling system); the
+classes are ``bench.isolation``'s. ``--service 0.05`` is isolation's stress case (capacity
+160 req/s, where every millisecond of the release -> dispatch loop costs 2 % of a slot).
+Per load, a fresh stack with the edge off, then one with it on (``--edge-shed`` +
+``envoy/render.py --edge-shed``); each first runs system + interactive alone (the
+unloaded baseline of their latency), then adds the flood. Reported: Checks Envoy made
+(its ext_authz stats), requests Envoy answered itself (``smg_sidecar_edge_shed_total``),
+CPU of sidecar, Envoy and the load client while sending, admitted throughput as a share
+of capacity (200s of requests sent in the window, per second, and the slot-seconds the
+workers served within it, from the sidecar's slot trace: ``bench.slots``), each class's
+end-to-end p99 against its unloaded p99, and the goals. Ratios are within a run (same
+box, same minute); the load average is printed with each run.
 
-    python -m bench.edge [--seconds 8] [--multiple 10] [--rounds 2]
+The load client is ``bench.rawload`` (asyncio protocols, no aiohttp): at 1,600 req/s
+aiohttp took 45-70 % of a core of the 2-core box and starved Envoy and the sidecar
+(``--client httpload`` runs it again for comparison).
+
+    python -m bench.edge [--seconds 10] [--multiples 10,100] [--rounds 1] [--service 0.5]
     python -m bench.edge --bounds 5   # the two time bounds, measured 5 times each
 
 ``--bounds``: one slot, a 2-deep bulk queue, 0.5 s requests, 16 closed-loop bulk
@@ -31,28 +41,44 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench._util import out_path, pct
-from bench.isolation import (
-    CAPACITY_RPS,
-    PRIORITY,
-    SECRET,
-    SERVICE,
-    SLOTS,
-    WORKERS,
-    hist_p,
-    streams,
-)
-from bench.isolation import run_load as isolation_load
+from bench import slots
+from bench._util import loadavg, out_path, pct
+from bench.httpload import through_envoy
+from bench.isolation import PRIORITY, SECRET, SLOTS, WORKERS, hist_p, reserved_of
+from bench.isolation import streams as isolation_streams
 from devtools.httpclient import request
 from devtools.stack import Stack, StackConfig, load_renderer
+from sidecar.slottrace import ENV as SLOT_TRACE_ENV
+
+SERVICE = 0.5  # the issue's flood part; --service 0.05 is bench.isolation's stress case
+SYSTEM_RPS = 1.0
+CLASSES = ("system", "interactive", "bulk")
+# The goals with the edge on, at both loads.
+GOAL_ADMITTED = 0.90
+GOAL_P99_RATIO = 1.5
+GOAL_SIDECAR_CPU = 0.30
 
 
-def edge_stack(on: bool) -> Stack:
-    cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=SERVICE,
+def capacity_rps(service: float) -> float:
+    return WORKERS * SLOTS / service
+
+
+def streams(multiple: float, service: float) -> list[dict[str, object]]:
+    """isolation's three streams (same headers) at this fleet's rates."""
+    cap = capacity_rps(service)
+    rates = {"system": SYSTEM_RPS, "interactive": 0.25 * cap,
+             "bulk": max(0.0, multiple * cap - SYSTEM_RPS - 0.25 * cap)}
+    return [dict(s, rate=rates[str(s["name"])]) for s in isolation_streams(1.0)
+            if rates[str(s["name"])] > 0]
+
+
+def edge_stack(on: bool, service: float = SERVICE) -> Stack:
+    cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=service,
                       priority_yaml=PRIORITY, jwt_secret=SECRET, log_level="warning",
                       flush_interval_secs=5.0, health_interval_secs=1.0,
                       sidecar_args=["--edge-shed"] if on else [])
     stack = Stack(cfg)
+    stack.config.extra_env[SLOT_TRACE_ENV] = str(stack.workdir / "slots.trace")
     if on:
         def write() -> None:
             c = stack.config
@@ -72,66 +98,107 @@ async def checks(stack: Stack) -> int:
                 for s in ("ok", "denied", "error")])
 
 
-async def one(on: bool, seconds: float, multiple: float) -> dict[str, Any]:
-    stack = edge_stack(on)
+async def load(stack: Stack, spec: list[dict[str, object]], seconds: float, client: str
+               ) -> dict[str, Any]:
+    return await through_envoy(stack, seconds, spec, timeout=20, warmup=5,
+                               warmup_headers={"x-smg-priority": "system"}, client=client)
+
+
+async def one(on: bool, seconds: float, multiple: float, service: float, client: str
+              ) -> dict[str, Any]:
+    stack = edge_stack(on, service)
     try:
         await stack.start()
-        # Unloaded first (10 req/s per class, 2 s): each class's own baseline latency.
-        b = await isolation_load(stack, [dict(x, rate=10.0) for x in streams(1.0)], 2.0)
-        base = {c: pct([x[2] for x in b["records"] if x[0] == c and x[3] == 200], 0.5)
-                for c in ("system", "interactive", "bulk")}
-        await asyncio.sleep(1.0)
+        # Unloaded: system + interactive alone, at their own rates: each one's baseline.
+        b = await load(stack, streams(0.0, service), min(seconds, 6.0), client)
+        base = {c: pct([x[2] for x in b["records"] if x[0] == c and x[3] == 200], 0.99)
+                for c in ("system", "interactive")}
+        await asyncio.sleep(2 * service + 0.5)
         c0, m0 = await checks(stack), await stack.metrics()
-        r = await isolation_load(stack, streams(multiple), seconds)
+        la0 = loadavg()
+        r = await load(stack, streams(multiple, service), seconds, client)
+        la1 = loadavg()
         await asyncio.sleep(1.0)
         c1, m1 = await checks(stack), await stack.metrics()
+        trace = slots.read_trace(Path(stack.config.extra_env[SLOT_TRACE_ENV]))
+        records = [rec for w in stack.fleet.workers for rec in w.records]
     finally:
         await stack.stop()
+    t0 = r["send_start"]
+    # The first service time fills the slots from empty: not part of the steady state.
+    breakdown = slots.account(trace, records, WORKERS * SLOTS, t0 + service,
+                              t0 + r["send_wall"], reserved=reserved_of(PRIORITY))
     recs = r["records"]
     sent = len(recs) + r["errors"]
     window = [x for x in recs if x[3] == 200 and x[1] < r["send_wall"]]
     out: dict[str, Any] = {
-        "edge": on, "sent": sent, "sent_rps": sent / r["send_wall"],
-        "checks": c1 - c0,
+        "edge": on, "multiple": multiple, "service": service, "sent": sent,
+        "sent_rps": sent / r["send_wall"], "errors": r["errors"],
+        "checks": c1 - c0, "loadavg": f"{la0} -> {la1}",
         "edge_shed": m1.get('smg_sidecar_edge_shed_total{class="bulk"}', 0.0)
         - m0.get('smg_sidecar_edge_shed_total{class="bulk"}', 0.0),
-        "cpu_envoy": r["cpu"][0], "cpu_sidecar": r["cpu"][1],
-        "admitted_share": len(window) / r["send_wall"] / CAPACITY_RPS,
-        "classes": {}}
-    for cls in ("system", "interactive", "bulk"):
+        "cpu_envoy": r["cpu"][0], "cpu_sidecar": r["cpu"][1], "cpu_client": r["client_cpu"],
+        "admitted_share": len(window) / r["send_wall"] / capacity_rps(service),
+        "served_share": breakdown.total("served, done") / breakdown.slot_seconds,
+        "breakdown": breakdown.lines(CLASSES), "classes": {}}
+    for cls in CLASSES:
         rows = [x for x in recs if x[0] == cls]
         ok = [x[2] for x in rows if x[3] == 200]
         out["classes"][cls] = {
             "sent": len(rows), "ok": len(ok), "statuses": dict(Counter(x[3] for x in rows)),
+            "codes": dict(Counter(x[4] for x in rows if x[3] != 200)),
             "p50_ms": pct(ok, 0.5) * 1e3, "p99_ms": pct(ok, 0.99) * 1e3,
-            "unloaded_p50_ms": base[cls] * 1e3,
+            "unloaded_p99_ms": base.get(cls, float("nan")) * 1e3,
             # The scheduler's own queue wait (bucket bound): the rest of the latency above
             # the unloaded one is intake (grpc-core, the event loop) and Envoy.
             "queue_wait_p99_le_ms": hist_p(m0, m1, cls, 0.99) * 1e3}
+    i, s = out["classes"]["interactive"], out["classes"]["system"]
+    out["goals"] = {
+        f"admitted >= {GOAL_ADMITTED:.0%} of capacity (slot-seconds served)":
+            out["served_share"] >= GOAL_ADMITTED,
+        "interactive 0 x 429/503": i["ok"] == i["sent"] > 0,
+        f"interactive p99 <= {GOAL_P99_RATIO}x unloaded p99":
+            i["p99_ms"] <= GOAL_P99_RATIO * i["unloaded_p99_ms"],
+        "system 100 % admitted": s["ok"] == s["sent"] > 0,
+        f"sidecar CPU <= {GOAL_SIDECAR_CPU:.0%}": out["cpu_sidecar"] <= GOAL_SIDECAR_CPU}
     return out
 
 
 def show(res: dict[str, Any]) -> None:
-    print(f"  edge {'on ' if res['edge'] else 'off'}: sent {res['sent_rps']:,.0f} req/s, "
-          f"Checks {res['checks']:,} of {res['sent']:,} requests, Envoy answered "
-          f"{res['edge_shed']:,.0f}; cpu sidecar {res['cpu_sidecar']:.0%} envoy "
-          f"{res['cpu_envoy']:.0%}; admitted {res['admitted_share']:.0%} of capacity")
+    print(f"  edge {'on ' if res['edge'] else 'off'}: sent {res['sent_rps']:,.0f} req/s "
+          f"({res['errors']} client errors), Checks {res['checks']:,} of {res['sent']:,} "
+          f"requests, Envoy answered {res['edge_shed']:,.0f}; cpu sidecar "
+          f"{res['cpu_sidecar']:.0%} envoy {res['cpu_envoy']:.0%} client "
+          f"{res['cpu_client']:.0%}; load average {res['loadavg']}")
+    print(f"    admitted: {res['admitted_share']:.0%} of capacity (200s of requests sent in "
+          f"the window), {res['served_share']:.1%} of slot-seconds served")
     for cls, c in res["classes"].items():
+        ratio = c["p99_ms"] / c["unloaded_p99_ms"] if c["unloaded_p99_ms"] > 0 else float("nan")
         print(f"    {cls:<12} sent {c['sent']:>6} 200 {c['ok']:>6}  p50 {c['p50_ms']:7.1f} ms"
-              f"  p99 {c['p99_ms']:7.1f} ms (unloaded p50 {c['unloaded_p50_ms']:5.1f} ms; "
-              f"scheduler queue wait p99 <= {c['queue_wait_p99_le_ms']:.0f} ms)  {c['statuses']}")
+              f"  p99 {c['p99_ms']:7.1f} ms (unloaded p99 {c['unloaded_p99_ms']:6.1f} ms, "
+              f"x{ratio:.2f}; queue wait p99 <= {c['queue_wait_p99_le_ms']:.0f} ms)  "
+              f"{c['codes'] or ''}")
+    for line in res["breakdown"]:
+        print("  " + line)
+    for text, ok in res["goals"].items():
+        print(f"    {'PASS' if ok else 'FAIL'}  {text}")
 
 
-async def main_async(seconds: float, multiple: float, rounds: int) -> int:
-    print(f"edge: {multiple:g}x capacity ({multiple * CAPACITY_RPS:,.0f} req/s offered), "
-          f"{seconds:g} s per run, {rounds} round(s) of off/on")
+async def main_async(seconds: float, multiples: list[float], rounds: int, service: float,
+                     client: str, edges: tuple[bool, ...] = (False, True)) -> int:
+    cap = capacity_rps(service)
+    print(f"edge: {WORKERS} workers x {SLOTS} slots, {service:g} s service (capacity "
+          f"{cap:g} req/s); bulk at {', '.join(f'{m:g}x' for m in multiples)}, interactive "
+          f"{0.25 * cap:g} req/s, system {SYSTEM_RPS:g} req/s; {seconds:g} s per run, "
+          f"{rounds} round(s) of off/on; client {client}; load average {loadavg()}")
     results = []
     for i in range(rounds):
-        print(f" round {i + 1}")
-        for on in (False, True):
-            res = await one(on, seconds, multiple)
-            show(res)
-            results.append(res)
+        for mult in multiples:
+            print(f" round {i + 1}, {mult:g}x ({mult * cap:,.0f} req/s offered)")
+            for on in edges:
+                res = await one(on, seconds, mult, service, client)
+                show(res)
+                results.append(res)
     out_path("edge.json").write_text(json.dumps(results, indent=1))
     print("  results: bench/out/edge.json")
     return 0
@@ -185,15 +252,21 @@ async def bounds(rounds: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--seconds", type=float, default=8.0)
-    p.add_argument("--multiple", type=float, default=10.0)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--multiples", default="10,100")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--service", type=float, default=SERVICE)
+    p.add_argument("--client", choices=("rawload", "httpload"), default="rawload")
+    p.add_argument("--edge", choices=("both", "off", "on"), default="both")
     p.add_argument("--bounds", type=int, default=0, metavar="N",
                    help="measure the room and fail-safe bounds N times instead")
     args = p.parse_args(argv)
     if args.bounds:
         return asyncio.run(bounds(args.bounds))
-    return asyncio.run(main_async(args.seconds, args.multiple, args.rounds))
+    return asyncio.run(main_async(args.seconds, [float(m) for m in args.multiples.split(",")],
+                                  args.rounds, args.service, f"bench.{args.client}",
+                                  {"both": (False, True), "off": (False,),
+                                              "on": (True,)}[args.edge]))
 
 
 if __name__ == "__main__":

@@ -132,16 +132,17 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 async def through_envoy(stack: Stack, seconds: float, streams: list[dict[str, Any]], *,
                         concurrency: int = 0, timeout: float = 10, margin: float = 60,
-                        **extra: object) -> dict[str, object]:
+                        client: str = "bench.httpload", **extra: object) -> dict[str, object]:
     """Run this client in its own process against ``stack``'s Envoy for ``seconds``: closed
     loop with ``concurrency`` connections, else the open-loop ``streams``; Envoy's and the
-    sidecar's CPU are sampled. ``extra``: more spec keys (warmup, warmup_headers)."""
+    sidecar's CPU are sampled. ``extra``: more spec keys (warmup, warmup_headers).
+    ``client``: the client module (``bench.rawload``: the cheaper open-loop one)."""
     assert stack.envoy is not None and stack.sidecar is not None
     spec: dict[str, object] = {
         "port": stack.listen_port, "seconds": seconds, "concurrency": concurrency,
         "streams": streams, "pids": [stack.envoy.pid, stack.sidecar.pid], "timeout": timeout,
         **extra}
-    return await run_client_async("bench.httpload", spec, timeout=seconds + margin)
+    return await run_client_async(client, spec, timeout=seconds + margin)
 
 
 def main(argv: list[str] | None = None) -> int:

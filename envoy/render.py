@@ -40,6 +40,9 @@ EDGE_REPLY_BODY: str = ('{"error":{"type":"Too Many Requests","code":"scheduler_
                         '"message":"The \'bulk\' priority queue is full; retry later",'
                         '"param":null}}')
 EDGE_LOG_FLUSH_SECS: float = 0.25
+# The edge route reads a request's body before answering (so the connection stays open);
+# a larger body is answered 413 by Envoy's buffer filter instead of the 429.
+EDGE_MAX_BODY_BYTES: int = 8 * 1024 * 1024
 
 # Pools (the sidecar's --worker-urls POOL=URL): a route per pool, matched on a path
 # prefix (rewritten to "/"), to a cluster of its own, naming the pool to the sidecar in
@@ -232,6 +235,7 @@ def render(
         worker_endpoints="\n".join(endpoint_lines),
         edge_reply_body=json.dumps(EDGE_REPLY_BODY),
         edge_log_flush=_duration(EDGE_LOG_FLUSH_SECS),
+        edge_max_body=EDGE_MAX_BODY_BYTES,
         **pool_endpoints,
     )
     yaml.safe_load(rendered)  # fail here, not in Envoy, if a substitution broke the YAML

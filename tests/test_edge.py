@@ -335,6 +335,42 @@ async def test_a_flood_is_answered_by_envoy_with_the_contract_bytes_and_counted(
 
 
 @pytest.mark.e2e
+async def test_the_edge_429_keeps_the_clients_keep_alive_connection(tmp_path: Path) -> None:
+    """Envoy closes an HTTP/1.1 connection after a local reply sent before the request
+    was complete; the edge route reads the body first, so a flood's client keeps its
+    connection (and Envoy accepts no new one per shed request)."""
+    async with edge_stack(tmp_path) as stack:
+        flood = Flood(stack)
+        try:
+            await wait_share(stack, lambda s: s >= 0.9, timeout=15)
+            edge0 = (await counted(stack))[1]
+            reader, writer = await asyncio.open_connection("127.0.0.1", stack.listen_port)
+            body = b'{"model": "demo", "messages": []}'
+            req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-smg-priority: bulk\r\n"
+                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            rejected = 0
+            for _ in range(20):  # at a share of 0.9 or more, most of them are Envoy's
+                writer.write(req)
+                head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)).decode()
+                lines = head.lower().split("\r\n")
+                length = next(int(ln.partition(":")[2]) for ln in lines
+                              if ln.startswith("content-length:"))
+                got = await reader.readexactly(length)
+                assert "connection: close" not in lines, head
+                if lines[0].startswith("http/1.1 429"):
+                    assert got == BULK_FULL.body.encode()
+                    rejected += 1
+            writer.close()
+        finally:
+            await flood.stop()
+        assert rejected >= 10
+        deadline = time.monotonic() + 2 * edge.SHED_LOG_FLUSH_SECS + 2
+        while (await counted(stack))[1] == edge0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.e2e
 async def test_the_class_is_admitted_again_soon_after_its_queue_has_room(
         tmp_path: Path) -> None:
     async with edge_stack(tmp_path) as stack:
@@ -429,7 +465,11 @@ def test_the_istio_edge_recipe_is_the_bootstraps_edge_path() -> None:
     route, logger, override = _istio_pieces()
     boot: dict[str, Any] = _yaml(_render(edge_shed=True))  # type: ignore[assignment]
     hcm = _hcm(boot)
-    assert route == hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    want = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    # The bootstrap's edge route also reads the body first (buffer filter, so the client's
+    # connection stays open); the recipes do not add that filter to the gateway's chain.
+    del want["typed_per_filter_config"]["envoy.filters.http.buffer"]
+    assert route == want
     (want_logger,) = [lg for lg in hcm["access_log"]
                       if lg["typed_config"]["common_config"]["log_name"] == edge.SHED_LOG_NAME]
     grpc = logger["typed_config"]["common_config"]["grpc_service"]
