@@ -126,7 +126,7 @@ async def _fleet_loop(pools: int, seconds: float, routed: bool, url: str
     names = _names(pools) if routed else [DEFAULT_POOL]
     ctls = {n: await FleetController.connect(
         url, fleet="bench", replica="r1", ttl=30.0, classes=CFG, capacity=CAPACITY,
-        pool=None if n == DEFAULT_POOL else n, id_factory=id_factory(n)) for n in names}
+        pool=n if routed else None, id_factory=id_factory(n)) for n in names}
     for c in ctls.values():
         c.start(heartbeat=False)  # no heartbeat: only what the requests cost is counted
     pooled = PooledAdmission(ctls)

@@ -124,7 +124,7 @@ async def build_runtime(settings: Settings) -> Runtime:
                 ack_timeout=s.liveness.admission_lease_secs,
                 bucket=bucket,
                 metrics=PoolRecorder(metrics, name) if pool_readings else metrics,
-                pool=None if name == DEFAULT_POOL else name,
+                pool=name if pool_readings else None,
                 id_factory=id_factory(name)) for name in names), return_exceptions=True)
             fleets = {n: c for n, c in zip(names, connected, strict=True)
                       if isinstance(c, FleetController)}

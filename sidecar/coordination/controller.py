@@ -63,6 +63,7 @@ from sidecar import logs
 from sidecar.admission import AdmissionController, Denied, new_admission_id
 from sidecar.capacity import CapacityReading
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
+from sidecar.config import DEFAULT_POOL
 from sidecar.coordination.ledger import (
     CancelResult,
     Event,
@@ -169,8 +170,11 @@ class FleetController:
         clock: Callable[[], float] = time.monotonic,
         id_factory: Callable[[], str] = new_admission_id,
         mark_delay: float = MARK_DELAY_SECS,
+        pool: str | None = None,
     ) -> None:
         self.ledger = ledger
+        # With model pools, every line this controller logs names its pool.
+        self._log = log if pool is None else log.bind(pool=pool)
         self._events_client = events_client
         self._classes = dict(classes)
         self._capacity = capacity
@@ -237,8 +241,9 @@ class FleetController:
     ) -> FleetController:
         """Connect and register; an unreachable server means starting degraded, not failing.
 
-        ``pool``: a named model pool's own ledger in the fleet (``ledger.prefix``), whose
-        admission ids ``id_factory`` makes (``sidecar.pools``); None: the fleet's own.
+        ``pool``: with model pools, the pool this controller admits for (``sidecar.pools``),
+        whose admission ids ``id_factory`` makes: a named pool's ledger is its own in the
+        fleet (``ledger.prefix``), the default pool's the fleet's own; None: no pools.
         """
         call_timeout = max(0.05, min(1.0, ttl / 5))
         # Bounded: a burst waits for a connection instead of opening thousands.
@@ -253,26 +258,25 @@ class FleetController:
             socket_connect_timeout=call_timeout)
         # Registered for 0.9 ttl, and reaped within ttl/20 of that by any replica with
         # waiters: a dead replica's slots are back within --replica-ttl-secs.
-        ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl, pipelined=True, pool=pool)
+        ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl, pipelined=True,
+                             pool=None if pool == DEFAULT_POOL else pool)
         self = cls(ledger, events_client, classes=classes, capacity=capacity,
                    call_timeout=call_timeout, ack_timeout=ack_timeout, bucket=bucket,
-                   metrics=metrics, mark_delay=mark_delay, id_factory=id_factory)
-        where = {} if pool is None else {"pool": pool}
+                   metrics=metrics, mark_delay=mark_delay, id_factory=id_factory, pool=pool)
         try:
             status = await self._call(ledger.register(self._classes, capacity))
         except Exception as exc:
-            log.warning("coordination_unreachable_at_startup", error=_describe(exc), **where,
+            self._log.warning("coordination_unreachable_at_startup", error=_describe(exc),
                         hint="starting degraded: no share until the server answers")
             self._degrade(exc, announce=False)
         else:
             self._apply(self._core.started(status))
             if self._core.mode is Mode.SETTLING:
-                log.info("coordination_settling", fleet=fleet, replica=replica,
-                         settling_secs=round(status.settling, 3), **where)
+                self._log.info("coordination_settling", fleet=fleet, replica=replica,
+                         settling_secs=round(status.settling, 3))
             else:
-                log.info("coordination_registered", fleet=fleet, replica=replica,
-                         fleet_capacity=status.capacity, live_replicas=status.live_replicas,
-                         **where)
+                self._log.info("coordination_registered", fleet=fleet, replica=replica,
+                         fleet_capacity=status.capacity, live_replicas=status.live_replicas)
         return self
 
     def start(self, *, heartbeat: bool = True, notifications: bool = True) -> None:
@@ -559,7 +563,7 @@ class FleetController:
         if effects is None:
             return False
         self._apply(effects)
-        log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
+        self._log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
         return True
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
@@ -667,7 +671,7 @@ class FleetController:
         if not self._signal_preempted(aid) and undelivered:
             # Its response started without the ledger's word (confirm_first_byte gave up:
             # the server was away): it has no stop channel any more and runs on, uncounted.
-            log.warning("preemption_delivery_failed", admission_id=aid,
+            self._log.warning("preemption_delivery_failed", admission_id=aid,
                         error="response already started")
             self._metrics.preemption_undelivered()
 
@@ -706,10 +710,10 @@ class FleetController:
             elif isinstance(fx, Fault):
                 self._metrics.coordination_fault(fx.kind)
                 if fx.kind == "ended_but_running_stopped":
-                    log.warning("coordination_ended_but_running", admission_id=fx.id,
+                    self._log.warning("coordination_ended_but_running", admission_id=fx.id,
                                 action="stopped")
                 elif fx.kind == "ended_but_running_readded":
-                    log.warning("coordination_ended_but_running", admission_id=fx.id,
+                    self._log.warning("coordination_ended_but_running", admission_id=fx.id,
                                 action="readded", hint="the ledger had ended an admission "
                                 "Envoy reports running: counted again")
             elif self._local is not None:
@@ -759,7 +763,7 @@ class FleetController:
         self._metrics.coordination_changed(DEGRADED)
         if announce:
             view = self._core.view
-            log.warning("coordination_degraded", error=error, share=limit,
+            self._log.warning("coordination_degraded", error=error, share=limit,
                         fleet_capacity=view.capacity, live_replicas=view.live_replicas,
                         fleet_inflight=view.inflight, held=len(self._core.held),
                         queued_in_ledger=len(self._waiting))
@@ -806,7 +810,7 @@ class FleetController:
         local.close()
         self._metrics.coordination_changed(OK)
         view = self._core.view
-        log.info("coordination_ok", fleet_capacity=view.capacity,
+        self._log.info("coordination_ok", fleet_capacity=view.capacity,
                  live_replicas=view.live_replicas, held=len(self._core.held),
                  requeued=local.waiting)
         self._wake_movers()  # local waiters arrive at the ledger now
@@ -822,7 +826,7 @@ class FleetController:
 
     def _on_loss(self, cause: str, seen: int) -> None:
         """A call found that the ledger lost writes (ledger.lua lose(), reconcile())."""
-        log.warning("coordination_data_loss", cause=cause, generation_seen=seen,
+        self._log.warning("coordination_data_loss", cause=cause, generation_seen=seen,
                     generation=self.ledger.generation, held=len(self._core.held))
         self._apply(self._core.data_loss(cause))
 
@@ -830,7 +834,7 @@ class FleetController:
         """This process took over its predecessor's admissions (same replica id)."""
         before = len(self._core.held)
         self._apply(self._core.taken_over(holdings))
-        log.warning("coordination_took_over", replica=self.ledger.replica,
+        self._log.warning("coordination_took_over", replica=self.ledger.replica,
                     admissions=len(self._core.held) - before,
                     hint="a previous process with this replica id held them")
 
@@ -915,7 +919,7 @@ class FleetController:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.debug("coordination_events_unreachable", error=_describe(exc))
+                self._log.debug("coordination_events_unreachable", error=_describe(exc))
                 await asyncio.sleep(self._interval / 4)
                 continue
             self.notified(events)
