@@ -22,17 +22,25 @@ the sidecar's own, :data:`EDGE_REPLIES`) before any Check. Three parts:
   another class by the tenant's ceiling, so they always reach Check.
 * **Control loop** (:class:`ShedController`, every :data:`CONTROL_INTERVAL_SECS`).
   A class is shed only while its queue overflows: the Checks of that class the
-  sidecar answered ``rejected_queue_full`` since the last tick. An interval with
-  arrivals and no such rejection is room, and the switch goes to 0 at that tick,
-  so a request the contract would queue is shed for at most two intervals after
-  room appears (one to see a quiet interval, one to observe it) plus Envoy's
-  reload. While it overflows, the target is the share that lets through what
-  the queue absorbed, plus :data:`MARGIN`: the sidecar keeps seeing a little
-  overflow (which is what keeps the switch on). The share rises to a higher
-  target at once and moves half-way toward a lower one, so it does not flap
-  between 0 and 1 on one interval's noise. Changes smaller than :data:`DEADBAND` are not
-  sent. In a fleet (``--coordination-url``) the rejections are the ledger's, so
-  the switch follows the fleet-wide queue as this replica's traffic meets it.
+  sidecar answered ``rejected_queue_full`` since the last tick. While it
+  overflows, the target is the share that lets through what the queue absorbed,
+  plus :data:`MARGIN`: the sidecar keeps seeing a little overflow (which is what
+  keeps the switch on). The share rises to a higher target at once and moves
+  half-way toward a lower one. An interval with arrivals and no such rejection
+  means the queue took all that got through: the next one lets through
+  :data:`PROBE` times as many (with the margin) of all the class's arrivals,
+  the Checks plus the edge's own sheds counted in that interval, and the switch
+  goes to 0 once that is all of them. So a flood whose queue has a moment of
+  room is not let through whole for an interval (measured before: the share
+  flapped to 0 every 0.5-1.5 s at 100x, each time ~400 Checks at once, ahead of
+  interactive's), while a class whose flood has stopped is let through at once:
+  its few arrivals are all let through, so a request the contract would queue is
+  shed for at most two intervals after room appears (one to see a quiet
+  interval, one to observe it) plus Envoy's reload; with no edge sheds counted
+  (no shed log) a quiet interval turns the switch off as before. Changes smaller
+  than :data:`DEADBAND` are not sent. In a fleet (``--coordination-url``) the
+  rejections are the ledger's, so the switch follows the fleet-wide queue as this
+  replica's traffic meets it.
 * **Counting.** Envoy writes one access-log entry per edge shed on a logger of
   its own (batched, :data:`SHED_LOG_NAME`), marked by gRPC metadata on its
   stream; the sidecar counts them without decoding an entry: each batch adds
@@ -76,6 +84,8 @@ MARGIN = 0.25  # let through this much more than the queue absorbed (keeps the s
 # Toward a higher target the share jumps (a burst is shed from the next tick on); toward a
 # lower one it moves this far per tick, so one quiet-looking interval does not undo it.
 GAIN = 0.5
+# After an interval whose arrivals all found room, let through this many times as many.
+PROBE = 2.0
 MAX_SHARE = 0.99  # a few requests always reach Check: the overflow signal needs them
 DEADBAND = 0.01  # smaller changes are not sent
 # The edge-shed access logger: its stream carries this gRPC metadata (Envoy's
@@ -101,6 +111,7 @@ class _ClassState:
     share: float = 0.0  # what Envoy was last told
     arrived: int = 0  # Checks of the class since the last tick
     overflow: int = 0  # of them, answered rejected_queue_full
+    shed: int = 0  # answered by Envoy's edge route, counted since the last tick
 
 
 @dataclass(slots=True)
@@ -123,6 +134,11 @@ class ShedController:
         if s is not None:
             s.overflow += 1
 
+    def edge_shed(self, cls: PriorityClass, n: int) -> None:
+        s = self._state.get(cls)
+        if s is not None:
+            s.shed += n
+
     def shares(self) -> dict[PriorityClass, float]:
         return {c: s.share for c, s in self._state.items()}
 
@@ -131,7 +147,7 @@ class ShedController:
         changed = False
         for s in self._state.values():
             new = self._next(s)
-            s.arrived = s.overflow = 0
+            s.arrived = s.overflow = s.shed = 0
             if new != s.share:
                 s.share = new
                 changed = True
@@ -140,8 +156,13 @@ class ShedController:
     @staticmethod
     def _next(s: _ClassState) -> float:
         if s.overflow == 0:
-            if s.arrived or s.share < 2 * DEADBAND:
-                return 0.0  # room: whatever the edge sheds now the queue might take
+            if s.arrived:
+                # All that got through found room: let PROBE times as many through, of
+                # all arrivals (Checks + the edge's own sheds); 0 once that is all of them.
+                target = 1.0 - PROBE * s.arrived * (1.0 + MARGIN) / (s.arrived + s.shed)
+                return 0.0 if target < 2 * DEADBAND else round(min(target, s.share), 4)
+            if s.share < 2 * DEADBAND:
+                return 0.0
             # Nothing got through, so nothing is known: shed less until something does.
             return round(s.share * (1.0 - GAIN), 4)
         # Arrivals at the edge, estimated from what got through the share in force.
@@ -259,6 +280,7 @@ class EdgeShed:
             self.server.publish(self.controller.shares(), changed=changed)
 
     def shed_counted(self, cls: PriorityClass, n: int) -> None:
+        self.controller.edge_shed(cls, n)
         self._metrics.edge_shed(cls, n)
         for _ in range(n):
             self._rejections(cls.label, "rejected_queue_full", EDGE_TENANT)

@@ -49,11 +49,13 @@ classes:
 # ---------------------------------------------------------------------- unit
 
 
-def _interval(c: ShedController, arrived: int, overflow: int, cls: PriorityClass = B) -> float:
+def _interval(c: ShedController, arrived: int, overflow: int, cls: PriorityClass = B,
+              shed: int = 0) -> float:
     for _ in range(arrived):
         c.arrived(cls)
     for _ in range(overflow):
         c.overflowed(cls)
+    c.edge_shed(cls, shed)
     c.tick()
     return c.shares()[B]
 
@@ -67,6 +69,23 @@ def test_the_share_rises_while_the_queue_overflows_and_is_zero_once_it_has_room(
     steady = _interval(c, 20, 10)
     assert steady > 0
     assert _interval(c, 5, 0) == 0.0  # one interval whose arrivals all found room: off
+
+
+def test_a_quiet_interval_in_a_flood_lets_through_probe_times_more_not_the_flood() -> None:
+    c = ShedController()
+    for _ in range(3):
+        _interval(c, 100, 97)
+    high = c.shares()[B]
+    assert high == edge.MAX_SHARE
+    # 400 arrived: Envoy shed 396, the 4 Checks all found room. Let 2 x 4 (+ margin) of
+    # the 400 through next, not all of them.
+    quiet = _interval(c, 4, 0, shed=396)
+    assert quiet == pytest.approx(1 - edge.PROBE * 4 * (1 + edge.MARGIN) / 400, abs=1e-4)
+    assert quiet > 0.9
+    # The flood overflows again at that share: back up at once.
+    assert _interval(c, 10, 8, shed=390) > quiet
+    # The flood is over: the few arrivals are all let through at once.
+    assert _interval(c, 2, 0, shed=3) == 0.0
 
 
 def test_the_share_holds_within_the_deadband_and_decays_when_nothing_gets_through() -> None:
