@@ -838,3 +838,18 @@ def test_readme_says_how_to_create_the_credentials() -> None:
     readme = (K8S / "README.md").read_text(encoding="utf-8")
     assert f"kubectl create secret generic {CREDENTIALS_SECRET}" in readme
     assert "rediss://" in readme
+
+
+def test_dashboard_selects_pools_on_the_pooled_series() -> None:
+    """A `pool` variable (All = `.*`, which also matches a sidecar without pools) filters
+    every scheduler and capacity series, the ones that carry `pool` with pools."""
+    dash = json.loads((K8S / "dashboard.json").read_text(encoding="utf-8"))
+    (var,) = [v for v in dash["templating"]["list"] if v["name"] == "pool"]
+    assert var["includeAll"] and var["allValue"] == ".*"
+    assert "pool" in var["definition"]
+    pooled = ("smg_scheduler_admit_total", "smg_scheduler_utilization",
+              "smg_scheduler_queue_depth", "smg_scheduler_inflight", "smg_sidecar_capacity{",
+              "smg_sidecar_reserved_slots", "smg_scheduler_queue_wait_seconds_bucket")
+    for e in _dashboard_exprs():
+        if any(m in e for m in pooled):
+            assert 'pool=~"$pool"' in e, e
