@@ -20,10 +20,12 @@ from bench import (
     coordination,
     core,
     e2e,
+    edge,
     ext_proc_cost,
     fairness,
     isolation,
     ledger,
+    llm,
     pools,
     saturation,
 )
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="",
                    help="comma list: codec,core,pools,check,ext_proc,e2e,isolation,fairness,"
-                        "saturation,ledger,coordination")
+                        "saturation,ledger,coordination,edge,llm")
     args = p.parse_args(argv)
     parts: list[tuple[str, Callable[[list[str]], int]]] = [
         ("codec", codec.main), ("core", core.main), ("pools", pools.main),
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         ("ext_proc", ext_proc_cost.main), ("e2e", e2e.main), ("isolation", isolation.main),
         ("fairness", fairness.main),
         ("saturation", saturation.main), ("ledger", ledger.main),
-        ("coordination", coordination.main)]
+        ("coordination", coordination.main), ("edge", edge.main), ("llm", llm.main)]
     if args.only:
         parts = [x for x in parts if x[0] in args.only.split(",")]
     flags = ["--quick"] if args.quick else []

@@ -258,11 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--service", type=float, default=SERVICE)
     p.add_argument("--client", choices=("rawload", "httpload"), default="rawload")
     p.add_argument("--edge", choices=("both", "off", "on"), default="both")
+    p.add_argument("--quick", action="store_true", help="5 s per run")
     p.add_argument("--bounds", type=int, default=0, metavar="N",
                    help="measure the room and fail-safe bounds N times instead")
     args = p.parse_args(argv)
     if args.bounds:
         return asyncio.run(bounds(args.bounds))
+    if args.quick:
+        args.seconds = 5.0
     return asyncio.run(main_async(args.seconds, [float(m) for m in args.multiples.split(",")],
                                   args.rounds, args.service, f"bench.{args.client}",
                                   {"both": (False, True), "off": (False,),
