@@ -63,13 +63,15 @@ def capacity_rps(service: float) -> float:
     return WORKERS * SLOTS / service
 
 
-def streams(multiple: float, service: float) -> list[dict[str, object]]:
-    """isolation's three streams (same headers) at this fleet's rates."""
+def streams(multiple: float, service: float, poisson: bool = False
+            ) -> list[dict[str, object]]:
+    """isolation's three streams (same headers) at this fleet's rates; ``poisson``:
+    system and interactive arrive at exponential gaps instead of evenly paced."""
     cap = capacity_rps(service)
     rates = {"system": SYSTEM_RPS, "interactive": 0.25 * cap,
              "bulk": max(0.0, multiple * cap - SYSTEM_RPS - 0.25 * cap)}
-    return [dict(s, rate=rates[str(s["name"])]) for s in isolation_streams(1.0)
-            if rates[str(s["name"])] > 0]
+    return [dict(s, rate=rates[str(s["name"])], poisson=poisson and s["name"] != "bulk")
+            for s in isolation_streams(1.0) if rates[str(s["name"])] > 0]
 
 
 def edge_stack(on: bool, service: float = SERVICE) -> Stack:
@@ -104,19 +106,19 @@ async def load(stack: Stack, spec: list[dict[str, object]], seconds: float, clie
                                warmup_headers={"x-smg-priority": "system"}, client=client)
 
 
-async def one(on: bool, seconds: float, multiple: float, service: float, client: str
-              ) -> dict[str, Any]:
+async def one(on: bool, seconds: float, multiple: float, service: float, client: str,
+              poisson: bool = False) -> dict[str, Any]:
     stack = edge_stack(on, service)
     try:
         await stack.start()
         # Unloaded: system + interactive alone, at their own rates: each one's baseline.
-        b = await load(stack, streams(0.0, service), min(seconds, 6.0), client)
+        b = await load(stack, streams(0.0, service, poisson), min(seconds, 6.0), client)
         base = {c: pct([x[2] for x in b["records"] if x[0] == c and x[3] == 200], 0.99)
                 for c in ("system", "interactive")}
         await asyncio.sleep(2 * service + 0.5)
         c0, m0 = await checks(stack), await stack.metrics()
         la0 = loadavg()
-        r = await load(stack, streams(multiple, service), seconds, client)
+        r = await load(stack, streams(multiple, service, poisson), seconds, client)
         la1 = loadavg()
         await asyncio.sleep(1.0)
         c1, m1 = await checks(stack), await stack.metrics()
@@ -190,7 +192,8 @@ def show(res: dict[str, Any]) -> None:
 
 
 async def main_async(seconds: float, multiples: list[float], rounds: int, service: float,
-                     client: str, edges: tuple[bool, ...] = (False, True)) -> int:
+                     client: str, edges: tuple[bool, ...] = (False, True),
+                     poisson: bool = False) -> int:
     cap = capacity_rps(service)
     print(f"edge: {WORKERS} workers x {SLOTS} slots, {service:g} s service (capacity "
           f"{cap:g} req/s); bulk at {', '.join(f'{m:g}x' for m in multiples)}, interactive "
@@ -201,7 +204,7 @@ async def main_async(seconds: float, multiples: list[float], rounds: int, servic
         for mult in multiples:
             print(f" round {i + 1}, {mult:g}x ({mult * cap:,.0f} req/s offered)")
             for on in edges:
-                res = await one(on, seconds, mult, service, client)
+                res = await one(on, seconds, mult, service, client, poisson)
                 show(res)
                 results.append(res)
     out_path("edge.json").write_text(json.dumps(results, indent=1))
@@ -264,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=("rawload", "httpload"), default="rawload")
     p.add_argument("--edge", choices=("both", "off", "on"), default="both")
     p.add_argument("--quick", action="store_true", help="5 s per run")
+    p.add_argument("--poisson", action="store_true",
+                   help="system and interactive at exponential gaps (rawload client)")
     p.add_argument("--bounds", type=int, default=0, metavar="N",
                    help="measure the room and fail-safe bounds N times instead")
     args = p.parse_args(argv)
@@ -274,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(main_async(args.seconds, [float(m) for m in args.multiples.split(",")],
                                   args.rounds, args.service, f"bench.{args.client}",
                                   {"both": (False, True), "off": (False,),
-                                              "on": (True,)}[args.edge]))
+                                              "on": (True,)}[args.edge], args.poisson))
 
 
 if __name__ == "__main__":

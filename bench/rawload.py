@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 from collections import deque
 from typing import Any
@@ -186,8 +187,18 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = client.t0 = time.perf_counter()
     send_start = time.time()
     end = t0 + seconds
+    # A stream with "poisson": exponential gaps (seeded), else evenly paced.
+    rng = random.Random(spec.get("seed", 0))
+    poisson = [bool(s.get("poisson")) for s in streams]
+    next_at = [t0 + rng.expovariate(r) if p and r > 0 else end for p, r in zip(
+        poisson, rates, strict=True)]
     while (now := time.perf_counter()) < end:
         for i, rate in enumerate(rates):
+            if poisson[i]:
+                while next_at[i] <= now:
+                    client.submit(names[i], data[i])
+                    next_at[i] += rng.expovariate(rate)
+                continue
             due = int((now - t0) * rate) - sent[i]
             for _ in range(due):
                 client.submit(names[i], data[i])
