@@ -34,7 +34,7 @@ from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
 from sidecar.metrics import Metrics
-from sidecar.pools import DEFAULT_POOL, PooledAdmission, PoolRecorder, id_factory
+from sidecar.pools import DEFAULT_POOL, PooledAdmission, PoolRecorder, id_factory, pool_of
 from sidecar.reload import ConfigWatcher
 from sidecar.scheduler import (
     AdmissionCore,
@@ -44,7 +44,7 @@ from sidecar.scheduler import (
     desired_reservations,
     reservations_fit,
 )
-from sidecar.shadow import ShadowCore
+from sidecar.shadow import ShadowCore, Verdict
 
 log = logs.get("sidecar")
 
@@ -226,6 +226,11 @@ def _build_core(s: Settings, reading: CapacityReading,
                            queue_timeout_secs=s.legacy.queue_timeout_secs, clock=time.monotonic)
 
 
+def _pool_verdict(shadows: Mapping[str, ShadowCore], aid: str) -> Verdict | None:
+    shadow = shadows.get(pool_of(aid))
+    return None if shadow is None else shadow.take_verdict(aid)
+
+
 def _inflight(controller: AdmissionService) -> int:
     return controller.snapshot().inflight
 
@@ -280,6 +285,8 @@ class Runtime:
         self._pool_monitors: dict[str, CapacityMonitor] = {}
         self._pool_readings: dict[str, CapacityReading] = {}
         self._pool_uncancellable: dict[str, tuple[str, ...]] = {}
+        # --shadow with pools: each pool's shadow (self.core is the default pool's).
+        self._shadows: dict[str, ShadowCore] = {}
         if fleet is not None and not pool_monitors:
             self.controller = fleet
         elif pool_monitors:
@@ -288,14 +295,27 @@ class Runtime:
             if fleet is not None:  # each pool's ledger decides
                 self.pools = PooledAdmission(self.fleets, metrics)
             else:
-                # One request-rate check for all pools.
+                # One request-rate check for all pools (--shadow: taken in the shadows only).
                 bucket = s.legacy.limits.bucket(time.monotonic)
+                cores = {name: _build_core(s, r, name)
+                         for name, r in self._pool_readings.items()}
+                if s.scheduler.shadow:
+                    # Each pool's shadow runs beside that pool's own core and capacity and
+                    # records under the pool's label (docs/design.md, "Shadow mode").
+                    self._shadows = {name: ShadowCore(core, time.monotonic,
+                                                      PoolRecorder(metrics, name), bucket=bucket)
+                                     for name, core in cores.items()}
+                    cores = dict(self._shadows)
+                    shadows = self._shadows
+                    metrics.shadow_started(shadows[DEFAULT_POOL].shadow_snapshot, lambda: {
+                        name: sc.shadow_snapshot() for name, sc in shadows.items()})
+                    bucket = None
                 controllers = {
-                    name: AdmissionController(_build_core(s, r, name),
+                    name: AdmissionController(core,
                                               lease_secs=s.liveness.admission_lease_secs,
                                               bucket=bucket, metrics=PoolRecorder(metrics, name),
                                               id_factory=id_factory(name))
-                    for name, r in self._pool_readings.items()}
+                    for name, core in cores.items()}
                 self.pools = PooledAdmission(controllers, metrics)
                 self.core = controllers[DEFAULT_POOL].core
             self.controller = self.pools
@@ -368,7 +388,9 @@ class Runtime:
                                                s.scheduler.default_max_class),
                                   self._preemptible_now(),
                                   liveness=self.liveness)
-        if isinstance(self.core, ShadowCore):
+        if self._shadows:  # the would-be answer of the pool the admission id names
+            self.authz.shadow_verdict = functools.partial(_pool_verdict, self._shadows)
+        elif isinstance(self.core, ShadowCore):
             self.authz.shadow_verdict = self.core.take_verdict
         self.authz.pools = self.pools
         self.features = FeatureDetector(metrics, lease_secs=s.liveness.admission_lease_secs,

@@ -67,6 +67,10 @@ GRPC_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 MAX_TENANT_LEN = codec.MAX_TENANT_LEN
 # x-request-id is client-set and only logged: logged at most this long.
 MAX_REQUEST_ID_LEN = 128
+# --shadow: the would-be answer to a route naming a pool the sidecar lacks (outcome as in
+# the rejection log line; the code is its 429's).
+_UNKNOWN_POOL_VERDICT = ("unknown_pool", responses.reply(responses.Rejection.UNKNOWN_POOL,
+                                                         PriorityClass.DEFAULT).code)
 
 log = logs.get("sidecar.authz")
 
@@ -179,6 +183,9 @@ class AuthzService:
             if controller is None:  # the route and the pools disagree: counted, 429
                 self.metrics.unknown_pool(c.effective)
                 self._unknown_pool_log.event(pool=pool[:64])
+                if self.shadow_verdict is not None:  # --shadow refuses nothing: the would-be
+                    return (codec.encode_unheld_allow(c.effective.label, tenant)  # 429, held
+                            + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))  # by no pool
                 self._rejections.add(c.effective.label, "unknown_pool", tenant)
                 return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         assert controller is not None

@@ -162,6 +162,23 @@ def build_allow(admission_id: str, effective_class: str, tenant: str,
     return out
 
 
+def encode_unheld_allow(effective_class: str, tenant: str) -> bytes:
+    """OK without an admission: nothing holds a slot, so there is no id for the access
+    log or ext_proc to name (both let such a request pass; ``preemptible: false``, so
+    Envoy opens no stream). --shadow only: a route naming a pool the sidecar lacks."""
+    md = struct_pb2.Struct()
+    md.fields["class"].string_value = effective_class
+    md.fields["tenant"].string_value = tenant
+    md.fields[PREEMPTIBLE_KEY].bool_value = False
+    out: bytes = external_auth_pb2.CheckResponse(
+        status=status_pb2.Status(code=code_pb2.OK),
+        dynamic_metadata=md,
+        ok_response=external_auth_pb2.OkHttpResponse(
+            headers=[_header(EFFECTIVE_CLASS_HEADER, effective_class)]),
+    ).SerializeToString()
+    return out
+
+
 # --shadow (sidecar.shadow): the would-be answer, in the metadata for Envoy's access log
 # (%DYNAMIC_METADATA(envoy.filters.http.ext_authz:shadow_outcome)%) and as a header to
 # the worker. The code is set only for a would-be rejection.

@@ -285,8 +285,11 @@ class SchedulerSettings:
              "`shadow_code` in the allow's metadata ([Allow](#allow)). How the would-be "
              "decisions are computed and where they differ from enforcement: [design: Decisions "
              "where SMG's scheduler is "
-             "silent](design.md#decisions-where-smgs-scheduler-is-silent). Refused with "
-             "`--coordination-url`, `--edge-shed` or pools (`--worker-urls POOL=URL`)."))
+             "silent](design.md#decisions-where-smgs-scheduler-is-silent). With pools "
+             "(`--worker-urls POOL=URL`) each pool's admission has its own shadow on that "
+             "pool's capacity, its decisions under the `pool` label, and a route naming an "
+             "unknown pool is allowed too. Refused with `--coordination-url` or "
+             "`--edge-shed`."))
     default_max_class_valid: bool = derived()
     """False: --priority-scheduler-default-max-class named no class (default is used)."""
 
@@ -807,9 +810,6 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
                                      "default_max_class": default_max},
                                   default_max_class_valid=valid)
     check_pools(scheduler.priority, pool_workers)
-    if pool_workers and ns.shadow:
-        # Each pool's core would need its own shadow: not built yet.
-        raise ConfigError("--shadow cannot be combined with pools (--worker-urls POOL=URL) yet")
     if pool_workers and ns.edge_shed:
         raise ConfigError("--edge-shed cannot be combined with pools (--worker-urls POOL=URL) "
                           "yet: Envoy's edge route sheds for every route alike")

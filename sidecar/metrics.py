@@ -76,9 +76,11 @@ verb                        caller                 metrics
 ``edge_shed``               edge (shed access log) ``smg_scheduler_admit_total``,
                                                    ``smg_sidecar_edge_shed_total``
 ``edge_share``              edge (control loop)    ``smg_sidecar_edge_shed_share``
-``shadow_admit``            shadow (--shadow)      ``smg_sidecar_shadow_admit_total``
+``shadow_admit``            shadow (--shadow)      ``smg_sidecar_shadow_admit_total`` (with
+                                                   pools: a pool's shadow, ``pool`` label)
 ``shadow_started``          app (build, --shadow)  ``smg_sidecar_shadow_inflight``,
-                                                   ``smg_sidecar_shadow_queue_depth``
+                                                   ``smg_sidecar_shadow_queue_depth`` (with
+                                                   pools: per pool, ``pool`` label)
 ==========================  =====================  ================================================
 
 The snapshot gauges, registered by ``started``, are computed when scraped
@@ -268,11 +270,15 @@ class Recorder(Protocol):
         """Envoy answered ``n`` requests of ``cls`` with the queue-full 429 itself (edge
         shedding): counted as the contract counts them, and as edge sheds."""
 
-    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
-        """--shadow: a decision enforcement would have made (nothing was refused)."""
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome,
+                     pool: str | None = None) -> None:
+        """--shadow: a decision enforcement would have made (nothing was refused); with
+        pools, ``pool``'s shadow made it (``Metrics(pools=True)``: series with ``pool``)."""
 
-    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
-        """--shadow: scrape-time gauges of the would-be in-flight and queued requests."""
+    def shadow_started(self, snapshot: Callable[[], Snapshot],
+                       pools: Callable[[], Mapping[str, Snapshot]] | None = None) -> None:
+        """--shadow: scrape-time gauges of the would-be in-flight and queued requests
+        (``pools``: every pool's shadow, with ``Metrics(pools=True)``)."""
 
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         """The share of ``cls``'s requests Envoy is told to answer itself."""
@@ -371,10 +377,12 @@ class NullRecorder:
     def edge_shed(self, cls: PriorityClass, n: int) -> None:
         pass
 
-    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome,
+                     pool: str | None = None) -> None:
         pass
 
-    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
+    def shadow_started(self, snapshot: Callable[[], Snapshot],
+                       pools: Callable[[], Mapping[str, Snapshot]] | None = None) -> None:
         pass
 
     def edge_share(self, cls: PriorityClass, share: float) -> None:
@@ -561,7 +569,7 @@ class Metrics:
             "smg_sidecar_shadow_admit",
             "--shadow: decisions enforcement would have made, by class and outcome (the "
             "requests were all admitted; smg_scheduler_admit_total counts that)",
-            ["class", "outcome"], registry=r)
+            [*pl, "class", "outcome"], registry=r)
         for cls in HIGH_TO_LOW:
             self._adoption_refused.labels(cls.label)
             if pools:  # at 0 from the start where pools exist (nothing counts without)
@@ -777,11 +785,18 @@ class Metrics:
     def edge_share(self, cls: PriorityClass, share: float) -> None:
         self._edge_share.labels(cls.label).set(share)
 
-    def shadow_admit(self, cls: PriorityClass, outcome: Outcome) -> None:
-        self._shadow_admit.labels(cls.label, outcome.value).inc()
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome,
+                     pool: str | None = None) -> None:
+        self._shadow_admit.labels(*self._pl(pool), cls.label, outcome.value).inc()
 
-    def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
-        self.registry.register(_ShadowCollector(snapshot))
+    def shadow_started(self, snapshot: Callable[[], Snapshot],
+                       pools: Callable[[], Mapping[str, Snapshot]] | None = None) -> None:
+        if self._pooled:
+            one = snapshot
+            pools = pools if pools is not None else lambda: {"default": one()}
+            self.registry.register(_ShadowCollector(snapshot, pools))
+        else:
+            self.registry.register(_ShadowCollector(snapshot))
 
 
 class _WorkerCapacityCollector(Collector):
@@ -819,20 +834,25 @@ class _ShadowCollector(Collector):
     """--shadow: the shadow core's state at scrape time (the contract's gauges show the
     real traffic, where nothing queues)."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot],
+                 pools: Callable[[], Mapping[str, Snapshot]] | None = None) -> None:
         self._snapshot = snapshot
+        self._pools = pools  # set: every pool's shadow, with the `pool` label first
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        snap = self._snapshot()
+        pl = ["pool"] if self._pools is not None else []
+        snaps = ([((p,), s) for p, s in self._pools().items()] if self._pools is not None
+                 else [((), self._snapshot())])
         inflight = GaugeMetricFamily("smg_sidecar_shadow_inflight",
                                      "--shadow: requests that would hold a slot now",
-                                     labels=["class"])
+                                     labels=[*pl, "class"])
         depth = GaugeMetricFamily("smg_sidecar_shadow_queue_depth",
                                   "--shadow: requests that would be queued now",
-                                  labels=["class"])
-        for cls in HIGH_TO_LOW:
-            inflight.add_metric([cls.label], snap.classes[cls].inflight)
-            depth.add_metric([cls.label], snap.classes[cls].queue_depth)
+                                  labels=[*pl, "class"])
+        for p, snap in snaps:
+            for cls in HIGH_TO_LOW:
+                inflight.add_metric([*p, cls.label], snap.classes[cls].inflight)
+                depth.add_metric([*p, cls.label], snap.classes[cls].queue_depth)
         yield from (inflight, depth)
 
 

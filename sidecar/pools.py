@@ -34,6 +34,7 @@ from sidecar.scheduler import (
     ClassSettings,
     ClassSnapshot,
     Event,
+    Outcome,
     ReleaseReason,
     ReleaseResult,
     Snapshot,
@@ -86,7 +87,8 @@ def merge_snapshots(snaps: list[Snapshot]) -> Snapshot:
 
 class PoolRecorder(NullRecorder):
     """What a pool's controller records: its events under its pool's label (a fleet
-    controller's coordination series too; docs/reference.md, Metrics)."""
+    controller's coordination series and a pool's shadow's would-be decisions too;
+    docs/reference.md, Metrics)."""
 
     def __init__(self, metrics: Recorder, pool: str) -> None:
         self._metrics = metrics
@@ -97,6 +99,10 @@ class PoolRecorder(NullRecorder):
 
     def rate_limit(self, allowed: bool) -> None:
         self._metrics.rate_limit(allowed)
+
+    def shadow_admit(self, cls: PriorityClass, outcome: Outcome,
+                     pool: str | None = None) -> None:
+        self._metrics.shadow_admit(cls, outcome, self.pool)  # --shadow: this pool's shadow
 
     def completion_unmatched(self, reason: str) -> None:
         self._metrics.completion_unmatched(reason)

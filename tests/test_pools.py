@@ -111,14 +111,17 @@ def test_settings_with_and_without_pools() -> None:
     assert plain.pool_workers == {}
 
 
-def test_pools_with_edge_shed_or_shadow_are_refused_for_now() -> None:
-    # With --coordination-url they work: each pool has its own ledger (test_fleet_pools).
+def test_pools_with_edge_shed_are_refused_for_now() -> None:
+    # With --coordination-url they work: each pool has its own ledger (test_fleet_pools);
+    # with --shadow each pool has its own shadow (test_shadow_pools).
     assert _settings("--worker-urls", "big=http://b:1", "--coordination-url",
                      "redis://127.0.0.1:6379/0").pool_workers == {"big": ("http://b:1",)}
+    assert _settings("--worker-urls", "big=http://b:1", "--shadow").shadow
     with pytest.raises(ConfigError, match="--edge-shed cannot be combined with pools"):
         _settings("--worker-urls", "big=http://b:1", "--edge-shed")
-    with pytest.raises(ConfigError, match="--shadow cannot be combined with pools"):
-        _settings("--worker-urls", "big=http://b:1", "--shadow")
+    with pytest.raises(ConfigError, match="--shadow cannot be combined with --coordination-url"):
+        _settings("--worker-urls", "big=http://b:1", "--shadow", "--coordination-url",
+                  "redis://127.0.0.1:6379/0")
 
 
 # ----------------------------------------------------------------------- ids and codec

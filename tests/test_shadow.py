@@ -301,8 +301,9 @@ def test_shadow_flag_and_its_refusals() -> None:
                         "--coordination-url", "redis://127.0.0.1:1"])
     with pytest.raises(ConfigError, match="--shadow"):
         parse_settings(["--shadow", "--edge-shed"])
-    with pytest.raises(ConfigError, match="--shadow cannot be combined with pools"):
-        parse_settings(["--shadow", "--worker-urls", "http://w0", "big=http://w1"])
+    # With pools each pool has its own shadow (tests/test_shadow_pools.py).
+    s = parse_settings(["--shadow", "--worker-urls", "http://w0", "big=http://w1"])
+    assert s.shadow and s.pool_workers == {"big": ("http://w1",)}
 
 
 # ------------------------------------------------------------------ codec
