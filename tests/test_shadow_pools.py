@@ -273,3 +273,44 @@ async def test_e2e_two_pools_every_request_passes_and_each_pools_shadow_names_it
     m = await until(stack, lambda m: m.get(
         'smg_sidecar_shadow_inflight{class="bulk",pool="big"}') == 0
         and m.get('smg_sidecar_shadow_inflight{class="bulk",pool="default"}') == 0)
+
+
+RELOAD_A = """
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0}
+  bulk: {queue_size: 5}
+pools:
+  big: {classes: {bulk: {queue_size: 3}}}
+"""
+
+
+async def test_reload_and_capacity_reach_each_pools_shadow(tmp_path: Path) -> None:
+    path = tmp_path / "priority.yaml"
+    path.write_text(RELOAD_A)
+    app = await build_runtime(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", str(path),
+        "--worker-urls", "http://127.0.0.1:9", f"{BIG}=http://127.0.0.1:9",
+        "--worker-capacity-override", "4", "--shadow", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
+    await app.serve()
+    try:
+        assert app.pools is not None
+        shadows = {n: c.core for n, c in app.pools.controllers.items()}  # type: ignore[attr-defined]
+        assert all(isinstance(s, ShadowCore) and not s.legacy for s in shadows.values())
+
+        def limits() -> dict[str, int]:
+            return {n: s.shadow_snapshot().classes[PriorityClass.BULK].queue_limit
+                    for n, s in shadows.items()}
+
+        assert limits() == {DEFAULT_POOL: 5, BIG: 3}
+        path.write_text(RELOAD_A.replace("queue_size: 3", "queue_size: 2"))
+        assert await app.reload_now()
+        assert limits() == {DEFAULT_POOL: 5, BIG: 2}  # big's shadow only
+        # A pool's capacity reading resizes that pool's shadow only.
+        app.pools.controllers[BIG].set_capacity(7)
+        assert {n: s.shadow_snapshot().capacity for n, s in shadows.items()} == {
+            DEFAULT_POOL: 4, BIG: 7}
+    finally:
+        await app.stop()
