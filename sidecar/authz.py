@@ -211,6 +211,8 @@ class AuthzService:
                       effective=c.effective.label, outcome=outcome, request_id=request_id)
             self._rejections.add(c.effective.label, outcome, tenant)
             raise
+        if edge is not None and not admitted.queued:
+            edge.admitted_at_once(c.effective)  # the class's queue had room: no shedding
         aid = admitted.admission.id
         # An allow may say `preemptible: false` (Envoy then opens no ext_proc stream) only
         # when the Envoy that asked is known to send periodic access-log entries: without

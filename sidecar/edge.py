@@ -26,19 +26,21 @@ the sidecar's own, :data:`EDGE_REPLIES`) before any Check. Three parts:
   overflows, the target is the share that lets through what the queue absorbed,
   plus :data:`MARGIN`: the sidecar keeps seeing a little overflow (which is what
   keeps the switch on). The share rises to a higher target at once and moves
-  half-way toward a lower one. An interval with arrivals and no such rejection
-  means the queue took all that got through: the next one lets through
-  :data:`PROBE` times as many (with the margin) of all the class's arrivals,
-  the Checks plus the edge's own sheds counted in that interval, and the switch
-  goes to 0 once that is all of them. So a flood whose queue has a moment of
-  room is not let through whole for an interval (measured before: the share
-  flapped to 0 every 0.5-1.5 s at 100x, each time ~400 Checks at once, ahead of
-  interactive's), while a class whose flood has stopped is let through at once:
-  its few arrivals are all let through, so a request the contract would queue is
-  shed for at most two intervals after room appears (one to see a quiet
-  interval, one to observe it) plus Envoy's reload; with no edge sheds counted
-  (no shed log) a quiet interval turns the switch off as before. Changes smaller
-  than :data:`DEADBAND` are not sent. In a fleet (``--coordination-url``) the
+  half-way toward a lower one. An interval in which a Check of the class was
+  admitted without queuing is room (the queue was empty and a slot free): the
+  switch goes to 0 at that tick, so a request the contract would admit at once
+  is shed for at most two intervals after the queue empties (one to see it, one
+  to observe it) plus Envoy's reload. An interval with arrivals, none of them
+  overflowing, all of them queued, means the queue took all that got through
+  but was not empty: the next one lets through :data:`PROBE` times as many
+  (with the margin) of all the class's arrivals, the Checks plus the edge's own
+  sheds counted in that interval, and the switch goes to 0 once that is all of
+  them (or when no edge sheds were counted). So a flood whose queue has a moment
+  of room is not let through whole (measured before: the share fell to 0 every
+  0.5-1.5 s at 100x, each time ~400 Checks at once, ahead of interactive's);
+  a queue that keeps room without emptying sees the let-through grow 2.5x per
+  interval, from the 1 % of :data:`MAX_SHARE` to all in at most 6 intervals.
+  Changes smaller than :data:`DEADBAND` are not sent. In a fleet (``--coordination-url``) the
   rejections are the ledger's, so the switch follows the fleet-wide queue as this
   replica's traffic meets it.
 * **Counting.** Envoy writes one access-log entry per edge shed on a logger of
@@ -112,6 +114,7 @@ class _ClassState:
     arrived: int = 0  # Checks of the class since the last tick
     overflow: int = 0  # of them, answered rejected_queue_full
     shed: int = 0  # answered by Envoy's edge route, counted since the last tick
+    at_once: int = 0  # Checks of the class admitted without queuing since the last tick
 
 
 @dataclass(slots=True)
@@ -134,6 +137,11 @@ class ShedController:
         if s is not None:
             s.overflow += 1
 
+    def admitted_at_once(self, cls: PriorityClass) -> None:
+        s = self._state.get(cls)
+        if s is not None:
+            s.at_once += 1
+
     def edge_shed(self, cls: PriorityClass, n: int) -> None:
         s = self._state.get(cls)
         if s is not None:
@@ -147,7 +155,7 @@ class ShedController:
         changed = False
         for s in self._state.values():
             new = self._next(s)
-            s.arrived = s.overflow = s.shed = 0
+            s.arrived = s.overflow = s.shed = s.at_once = 0
             if new != s.share:
                 s.share = new
                 changed = True
@@ -156,6 +164,8 @@ class ShedController:
     @staticmethod
     def _next(s: _ClassState) -> float:
         if s.overflow == 0:
+            if s.at_once:
+                return 0.0  # the queue was empty with a slot free: room
             if s.arrived:
                 # All that got through found room: let PROBE times as many through, of
                 # all arrivals (Checks + the edge's own sheds); 0 once that is all of them.

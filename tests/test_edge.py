@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import re
 import shutil
@@ -50,11 +51,13 @@ classes:
 
 
 def _interval(c: ShedController, arrived: int, overflow: int, cls: PriorityClass = B,
-              shed: int = 0) -> float:
+              shed: int = 0, at_once: int = 0) -> float:
     for _ in range(arrived):
         c.arrived(cls)
     for _ in range(overflow):
         c.overflowed(cls)
+    for _ in range(at_once):
+        c.admitted_at_once(cls)
     c.edge_shed(cls, shed)
     c.tick()
     return c.shares()[B]
@@ -86,6 +89,28 @@ def test_a_quiet_interval_in_a_flood_lets_through_probe_times_more_not_the_flood
     assert _interval(c, 10, 8, shed=390) > quiet
     # The flood is over: the few arrivals are all let through at once.
     assert _interval(c, 2, 0, shed=3) == 0.0
+
+
+def test_an_admission_without_queuing_is_room_and_a_queue_with_room_opens_in_6_ticks() -> None:
+    c = ShedController()
+    for _ in range(3):
+        _interval(c, 100, 97)
+    # One Check admitted at once (queue empty, slot free): off at this tick, whatever
+    # Envoy shed meanwhile.
+    assert _interval(c, 4, 0, shed=396, at_once=1) == 0.0
+    for _ in range(3):
+        _interval(c, 100, 97)
+    # The queue keeps room but never empties: every arrival is queued, none overflows.
+    # The let-through grows PROBE x (1 + MARGIN) per tick: off within 6 ticks.
+    shares = []
+    for _ in range(8):
+        share = c.shares()[B]
+        through = round(400 * (1 - share))
+        shares.append(_interval(c, through, 0, shed=400 - through))
+        if shares[-1] == 0.0:
+            break
+    assert shares[-1] == 0.0 and len(shares) <= 6, shares
+    assert all(a > b for a, b in itertools.pairwise(shares)), shares
 
 
 def test_the_share_holds_within_the_deadband_and_decays_when_nothing_gets_through() -> None:
