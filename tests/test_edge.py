@@ -485,18 +485,22 @@ ISTIO_EDGE = Path(__file__).resolve().parents[1] / "k8s" / "istio" / "edge-shed"
 ISTIO_SIDECAR_CLUSTER = "outbound|9001||priority-gate.local"
 
 
-def _istio_pieces() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The recipe's route, access logger and bootstrap override."""
+def _istio_pieces() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The recipe's route, access logger, bootstrap override and buffer filter."""
     import yaml
     (ef,) = yaml.safe_load_all((ISTIO_EDGE / "envoyfilter-edge-shed.yaml").read_text())
-    route_patch, hcm_patch = ef["spec"]["configPatches"]
+    route_patch, filter_patch, hcm_patch = ef["spec"]["configPatches"]
     assert route_patch["applyTo"] == "HTTP_ROUTE"
     assert route_patch["patch"]["operation"] == "INSERT_FIRST"
+    assert filter_patch["applyTo"] == "HTTP_FILTER"
+    assert filter_patch["patch"]["operation"] == "INSERT_BEFORE"
+    assert filter_patch["match"]["listener"]["filterChain"]["filter"]["subFilter"][
+        "name"] == "envoy.filters.http.router"
     assert hcm_patch["patch"]["operation"] == "MERGE"
     (logger,) = hcm_patch["patch"]["value"]["typed_config"]["access_log"]
     (cm,) = yaml.safe_load_all((ISTIO_EDGE / "bootstrap-override.yaml").read_text())
     override = json.loads(cm["data"]["custom_bootstrap.json"])
-    return route_patch["patch"]["value"], logger, override
+    return route_patch["patch"]["value"], logger, override, filter_patch["patch"]["value"]
 
 
 def _hcm(boot: dict[str, Any]) -> dict[str, Any]:
@@ -506,14 +510,13 @@ def _hcm(boot: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_istio_edge_recipe_is_the_bootstraps_edge_path() -> None:
-    route, logger, override = _istio_pieces()
+    route, logger, override, buffer = _istio_pieces()
     boot: dict[str, Any] = _yaml(_render(edge_shed=True))  # type: ignore[assignment]
     hcm = _hcm(boot)
-    want = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
-    # The bootstrap's edge route also reads the body first (buffer filter, so the client's
-    # connection stays open); the recipes do not add that filter to the gateway's chain.
-    del want["typed_per_filter_config"]["envoy.filters.http.buffer"]
-    assert route == want
+    assert route == hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    # The edge route reads the body first: the buffer filter, off but on that route.
+    (want_buffer,) = [f for f in hcm["http_filters"] if f["name"] == buffer["name"]]
+    assert buffer == want_buffer
     (want_logger,) = [lg for lg in hcm["access_log"]
                       if lg["typed_config"]["common_config"]["log_name"] == edge.SHED_LOG_NAME]
     grpc = logger["typed_config"]["common_config"]["grpc_service"]
@@ -531,12 +534,15 @@ def test_the_istio_edge_recipe_is_the_bootstraps_edge_path() -> None:
 def test_the_istio_edge_recipe_passes_envoy_validate_on_a_mesh_bootstrap(
         tmp_path: Path) -> None:
     """The pieces put where istiod / istio-agent put them, on the bootstrap as a mesh
-    generates it (envoy/mesh.py): route first, logger appended, override merged."""
-    route, logger, override = _istio_pieces()
+    generates it (envoy/mesh.py): route first, buffer filter before the router, logger
+    appended, override merged."""
+    route, logger, override, buffer = _istio_pieces()
     mesh = load_renderer("mesh")
     boot: dict[str, Any] = _yaml(mesh.meshify(_render(edge_shed=False)))  # type: ignore[assignment]
     hcm = _hcm(boot)
     hcm["route_config"]["virtual_hosts"][0]["routes"].insert(0, route)
+    names = [f["name"] for f in hcm["http_filters"]]
+    hcm["http_filters"].insert(names.index("envoy.filters.http.router"), buffer)
     logger["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"][
         "cluster_name"] = "sidecar"  # istiod's name for the same loopback port
     hcm["access_log"].append(logger)

@@ -451,8 +451,9 @@ def _rendered_edge() -> dict[str, Any]:
 
 def test_eg_edge_shed_is_the_bootstraps_edge_path() -> None:
     """k8s/overlays/envoy-gateway-edge-shed: the route, the counting logger and the runtime
-    layers are the bootstrap's (but for the cluster, the static one the merge adds, and the
-    route's ext_authz override, which EG's per-route-enabled filters do not need), on the
+    layers, and the buffer filter the edge route enables, are the bootstrap's (but for the
+    cluster, the static one the merge adds, and the route's ext_authz override, which EG's
+    per-route-enabled filters do not need), on the
     listener the recipe's own patch names."""
     from tests.test_mesh_e2e import eg_edge_pieces
 
@@ -474,16 +475,20 @@ def test_eg_edge_shed_is_the_bootstraps_edge_path() -> None:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     want_route = copy.deepcopy(hcm["route_config"]["virtual_hosts"][0]["routes"][0])
     assert want_route["typed_per_filter_config"][EXT_AUTHZ_NS]["disabled"] is True
-    del want_route["typed_per_filter_config"]
+    del want_route["typed_per_filter_config"][EXT_AUTHZ_NS]
+    (want_buffer,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.buffer"]
     (want_logger,) = [lg for lg in hcm["access_log"]
                       if lg["typed_config"]["common_config"]["log_name"] ==
                       "priority-gate-edge-shed"]
     base_policy, edge_policy = policies
     assert edge_policy["spec"]["targetRef"] == base_policy["spec"]["targetRef"]
-    route_patch, logger_patch = edge_policy["spec"]["jsonPatches"]
+    route_patch, buffer_patch, logger_patch = edge_policy["spec"]["jsonPatches"]
     assert {route_patch["name"], logger_patch["name"]} == {
         p["name"] for p in base_policy["spec"]["jsonPatches"]}
     assert route_patch["operation"]["value"] == want_route
+    # The edge route reads the body first: the buffer filter, off but on that route.
+    assert buffer_patch["name"] == logger_patch["name"]
+    assert buffer_patch["operation"]["value"] == want_buffer
     logger = copy.deepcopy(logger_patch["operation"]["value"])
     grpc = logger["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]
     assert grpc["cluster_name"] == cluster["name"]
