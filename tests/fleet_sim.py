@@ -516,10 +516,9 @@ class Sim:
         r = self.rng.random()
         if self.now() >= self._next_periodic:
             self.periodic_entries()
-        # No fault in the first ttl: every view has seen the whole fleet by then (a fault
-        # before that is finding F1's case, which would dominate the early windows).
-        warm = self.now() - self.t0 > self.cfg.ttl
-        if self.cfg.faults and warm and r < self.cfg.fault_rate:
+        # Faults from the first step: a fleet that is still starting (views of different N,
+        # replicas the others have not heard of) is a case, not noise.
+        if self.cfg.faults and r < self.cfg.fault_rate:
             await self.fault()
         elif r < 0.30:
             self.arrive()
@@ -740,19 +739,17 @@ class Sim:
                 and any(s.ctrl is not None for s in self.slots))
 
     def outage_allowance(self) -> int:
-        """The bound after a server outage at this instant: each replica holds at most
-        max(h, L) and L ≤ floor(C ÷ N) with N from its own last view, so the fleet reaches
-        at most Σ max(h, floor(C ÷ N)). The reference states it as capacity plus what was
-        held beyond the shares, with one N for all; views of different N (a replica
-        joined or lapsed within the last heartbeat interval) reach further (findings)."""
-        reach = 0
-        for s in self.slots:
-            live = getattr(s.ctrl, "live_replicas", None) if s.ctrl is not None else 0
-            if live is None:
-                live = self.cfg.replicas
-            share = self.cfg.capacity // live if live else 0
-            reach += max(self.held_by(s.name), share)
-        return max(0, reach - self.cfg.capacity)
+        """The reference's bound after a server outage at this instant, beyond capacity:
+        what the replicas hold beyond their shares, Σ max(0, h − s) (the remaining window,
+        (b)). Each replica holds at most max(h, L) with L ≤ s, its share (floor(C ÷ N) from
+        its newest reply, 0 while a replica registered before it may not count it yet), so
+        the bound holds if and only if the shares sum to at most capacity: that is checked
+        here, as a promise of its own (finding F1 was shares of 6 + 3 + 2 of 6)."""
+        shares = {s.name: s.ctrl.share if s.ctrl is not None else 0 for s in self.slots}
+        if sum(shares.values()) > self.cfg.capacity:
+            self.fail(f"the replicas' degraded shares {shares} sum past capacity "
+                      f"{self.cfg.capacity}: an outage now reaches beyond the stated bound")
+        return sum(max(0, self.held_by(n) - v) for n, v in shares.items())
 
     def open_window(self, kind: str, allowance: int) -> Window:
         w = Window(kind, allowance, self.now())
@@ -893,8 +890,7 @@ class Sim:
                 # Only this replica loses the server: reference §9, partition: capacity
                 # plus max(h, L) for as long as it lasts (L ≤ floor(C ÷ N); what it held
                 # past that drains after the ledger gave it away).
-                live = getattr(s.ctrl, "live_replicas", 0) or self.cfg.replicas
-                share = self.cfg.capacity // max(1, live)
+                share = s.ctrl.share if s.ctrl is not None else 0
                 w = self.open_window(kind, max(self.held_by(s.name), share))
                 if kind == "partition":
                     s.proxy.blackhole()
@@ -1081,6 +1077,27 @@ async def outage_after_growth(workdir: Path) -> int:
     return admitted
 
 
+async def shares_after_growth(workdir: Path) -> dict[str, Any]:
+    """Three replicas start one after the other: each one's degraded share as it starts
+    (the first has the fleet to itself; the later ones none until the earlier ones have
+    read a reply that counts them), and the seconds until every share is floor(C ÷ 3)."""
+    sim = Sim(SimConfig(seed=0, steps=0, faults=()), workdir)
+    await sim.start()
+    try:
+        first = [s.ctrl.share if s.ctrl is not None else -1 for s in sim.slots]
+        t0 = sim.now()
+        want = sim.cfg.capacity // sim.cfg.replicas
+        while not all(s.ctrl is not None and s.ctrl.share == want for s in sim.slots):
+            if sim.now() - t0 > 5 * sim.cfg.ttl:
+                break
+            await asyncio.sleep(0.01)
+        return {"first": first, "after": [s.ctrl.share if s.ctrl is not None else -1
+                                          for s in sim.slots],
+                "secs": sim.now() - t0}
+    finally:
+        await sim.aclose()
+
+
 async def partition_past_share(workdir: Path) -> int:
     """r0 legally holds 4 of 6 (its share is 2) when only its path to the server is cut;
     its registration lapses and r1 takes the slots the ledger freed while r0's streams run
@@ -1112,7 +1129,9 @@ async def partition_past_share(workdir: Path) -> int:
         await sim.aclose()
 
 
-SCENARIOS = {"outage_after_growth": outage_after_growth,
+SCENARIOS: dict[str, Callable[[Path], Any]] = {
+             "outage_after_growth": outage_after_growth,
+             "shares_after_growth": shares_after_growth,
              "partition_past_share": partition_past_share}
 
 if __name__ == "__main__":

@@ -639,3 +639,76 @@ def test_what_this_process_ended_is_not_taken_over_again() -> None:
     r.release("e", ReleaseReason.LEASE_EXPIRED)  # expired only: may still run
     r.taken_over([Holding("e", BULK, "t", True)])
     assert "e" in r.held
+
+
+# ------------------------------------------------------------------ the share's N
+
+
+def _started(n: int, unheard: int, capacity: int = 6) -> Replica:
+    """A replica whose start-up register answered ``n`` live, ``unheard`` of them earlier
+    registrations not yet known to count it (what ledger.lua's fleet_reply reports)."""
+    r, _ = _replica()
+    r.live_seen(n)  # the envelope of that same reply
+    r.started(FleetStatus(False, capacity, n, 0, unheard=unheard))
+    return r
+
+
+def test_replicas_started_one_after_the_other_share_at_most_capacity_in_an_outage() -> None:
+    # The fleet simulation's finding: r0 registered alone (N = 1), r1 (N = 2), r2 (N = 3),
+    # and the server hung before r0's next heartbeat: 6 + 3 + 2 = 11 of 6 from each
+    # replica's own N. r1 and r2 registered after r0 read its last reply: no share yet.
+    fleet = [_started(1, 0), _started(2, 1), _started(3, 2)]
+    for r in fleet:
+        r.lost("TimeoutError")
+    assert [r.share(6) for r in fleet] == [6, 0, 0]
+    assert sum(r.degraded_limit(6) for r in fleet) == 6
+    assert [r.heard for r in fleet] == [True, False, False]
+
+
+def test_every_reply_brings_the_live_count_and_the_share_follows_it() -> None:
+    # The earlier replica learns N from any reply (an arrive's included), not only from
+    # its next heartbeat; the newcomers take their shares once a status says every
+    # replica registered before them has read such a reply.
+    fleet = [_started(1, 0), _started(2, 1), _started(3, 2)]
+    fleet[0].live_seen(3)  # r0's next reply, whatever it answered
+    assert fleet[0].share(6) == 2 and fleet[0].live_replicas == 3
+    for r in fleet[1:]:
+        r.live_seen(3)
+        r.heartbeat_answered(FleetStatus(True, 6, 3, 0, unheard=0), can_stop=lambda _: False)
+    assert [r.share(6) for r in fleet] == [2, 2, 2]
+    for r in fleet:
+        r.lost("TimeoutError")
+    assert sum(r.degraded_limit(6) for r in fleet) == 6
+    # A later status that says someone may not count us again (our registration lapsed
+    # and was made again, or its record was lost): no share until they do.
+    r = fleet[1]
+    r.resync_sent()
+    r.recovery_answered(FleetStatus(False, 6, 3, 0, unheard=1), [])
+    assert r.mode is Mode.SETTLING and not r.heard
+    r.resync_sent()
+    r.resync_failed()
+    assert r.mode is Mode.DEGRADED and r.degraded_limit(6) == 0 and r.share(6) == 0
+
+
+def test_settling_reuses_its_own_slots_even_before_the_others_count_it() -> None:
+    # Recycle-only holds what the ledger counts for this replica: safe whoever counts it.
+    r, _ = _in(Mode.RESYNCING)
+    r.recovery_answered(FleetStatus(True, 8, 2, 3, held=3, unheard=1),
+                        [Holding(f"h{i}", BULK, "t") for i in range(3)])
+    assert r.mode is Mode.SETTLING and not r.heard
+    assert r.recycle == 0 and r.local_limit(8) == 0  # held nothing here: nothing to reuse
+    for i in range(3):
+        r.admitted(f"h{i}", BULK, "t", waited=0.0, queued=False)
+    r.resync_sent()
+    r.recovery_answered(FleetStatus(True, 8, 2, 3, held=3, unheard=1),
+                        [Holding(f"h{i}", BULK, "t") for i in range(3)])
+    assert r.recycle == 3 and r.local_limit(8) == 3
+
+
+def test_a_registration_made_again_by_a_flush_takes_no_share_until_counted() -> None:
+    r, _ = _ok()
+    assert r.heard and r.share(8) == 4
+    r.first_bytes_answered([], None, registration_lost=True)
+    assert r.mode is Mode.DEGRADED and not r.heard and r.degraded_limit(8) == 0
+    r.adopt_answered(FleetStatus(True, 8, 2, 0, unheard=0))
+    assert r.heard and r.degraded_limit(8) == 4

@@ -218,6 +218,7 @@ class FleetController:
         ledger.settle = self._settle
         ledger.on_loss = self._on_loss
         ledger.on_takeover = self._on_takeover
+        ledger.on_live = self._core.live_seen  # every reply's live count: the share's N
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -297,11 +298,17 @@ class FleetController:
         self._heartbeat_wake.set()
 
     async def aclose(self) -> None:
+        pending = {*self._tasks, *self._background}
+        while pending:
+            for t in pending:
+                t.cancel()
+            # Cancelled again until done: on Python 3.11 a cancel that races a timeout
+            # inside the redis client (the notification reader's blocking pop) can be
+            # lost, and the loop would then run on and this wait forever.
+            _, pending = await asyncio.wait(pending, timeout=0.5)
         for t in [*self._tasks, *self._background]:
-            t.cancel()
-        for t in [*self._tasks, *self._background]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            if not t.cancelled():
+                t.exception()  # retrieved: a loop that failed is not reported at exit
         self._tasks.clear()
         if self._local is not None:
             self._local.close()
@@ -359,13 +366,14 @@ class FleetController:
 
     @property
     def live_replicas(self) -> int:
-        return self._core.view.live_replicas
+        """Live replicas as the newest ledger reply counted them."""
+        return self._core.live_replicas
 
     @property
     def share(self) -> int:
-        """floor(capacity / live replicas): the most the degraded limit can ever be."""
-        v = self._core.view
-        return degraded_share(v.capacity, self._capacity, v.live_replicas)
+        """floor(capacity / live replicas): the most the degraded limit can ever be (0 while
+        a replica registered earlier may not count this one yet: Replica.share)."""
+        return self._core.share(self._capacity)
 
     @property
     def degraded_limit(self) -> int:

@@ -26,7 +26,10 @@
 --           new incarnation of a live replica takes over its predecessor's admissions
 --           (take_over()). Empty: a caller that is not a replica (a test's observer).
 -- Reply: {generation, loss cause or "", taken over (groups: id cls first_byte tenant),
---         the operation's reply}.
+--         the operation's reply, live replicas}. The live replica count rides on every
+--         reply (arrive included), so a replica's degraded share is never computed from a
+--         count older than its last reply (see fleet_reply for which replicas may not have
+--         heard of a newcomer yet).
 -- Class numbers are sidecar.classes.PriorityClass values: 0 bulk, 1 default, 2 interactive,
 -- 3 system. Times are seconds (float); they are stored with %.17g so they round-trip exactly.
 --
@@ -69,11 +72,15 @@
 --   P:gen       generation: incremented by every call (see ``seen`` above)
 --   P:server    run_id of the server process that last wrote the ledger (check_server())
 --   P:inc       HASH replica -> incarnation of the process registered under that id
+--   P:reg       HASH replica -> the generation of the call that registered it (it was not
+--               live before that call)
+--   P:heard     HASH replica -> the ``seen`` generation its last registering call carried:
+--               every reply up to it reached that replica (with the live count)
 
 -- Set at the start of every call (run, at the end): the library's state outlives a call.
 local P, now
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
-  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT
+  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT, K_REG, K_HEARD
 
 local function set_prefix(p)
   P = p
@@ -95,6 +102,8 @@ local function set_prefix(p)
   K_INC = P .. ':inc'
   K_TCFG = P .. ':tcfg'
   K_VT = P .. ':vt'
+  K_REG = P .. ':reg'
+  K_HEARD = P .. ':heard'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
@@ -524,6 +533,8 @@ local function drop_replica(r)
   redis.call('DEL', k_own(r), k_ev(r))
   redis.call('SREM', K_RETURNING, r)
   redis.call('HDEL', K_INC, r)
+  redis.call('HDEL', K_REG, r)
+  redis.call('HDEL', K_HEARD, r)
   redis.call('HDEL', K_REPORTS, r)
   redis.call('HDEL', K_DIGESTS, r)
   redis.call('ZREM', K_REPLICAS, r)
@@ -547,6 +558,7 @@ local loss = ''  -- the cause of a loss this call found ('' none), for the reply
 local taken = {} -- what this call took over from a predecessor (take_over), for the reply
 local taken_ids = {}
 local caller, caller_inc, caller_settle = '', '', 0
+local caller_seen, gen = 0, 0
 
 -- The ledger lost writes that replicas saw acknowledged (an older copy, or admission
 -- records gone): any replica's admissions may be missing, so this is a data loss for the
@@ -686,13 +698,32 @@ local function held_by(r)
   return n
 end
 
+-- How many live replicas registered before r may not have heard of r yet: none of the
+-- replies they are known to have read (P:heard, from their last registering call) was
+-- made after r registered, so their live count may not include r. While any may not, r
+-- takes no degraded share (sidecar/coordination/replica.py, "the remaining window"): the
+-- shares of the replicas that all count one another then sum to at most capacity. A
+-- replica with no record counts as registered before r and as having heard nothing.
+local function unheard_by(r)
+  local mine = tonumber(redis.call('HGET', K_REG, r)) or 0
+  local n = 0
+  for _, o in ipairs(redis.call('ZRANGE', K_REPLICAS, 0, -1)) do
+    if o ~= r and (tonumber(redis.call('HGET', K_REG, o)) or 0) <= mine
+        and (tonumber(redis.call('HGET', K_HEARD, o)) or 0) < mine then
+      n = n + 1
+    end
+  end
+  return n
+end
+
 -- One consistent view for the degraded-mode limit (controller.degraded_limit): fleet
 -- capacity, live replicas, fleet in flight, this replica's own admissions, the fleet's
--- in flight per class 0..3 (its gauges), and the seconds until the fleet has settled, all
--- read in the same atomic run.
+-- in flight per class 0..3 (its gauges), the seconds until the fleet has settled, and how
+-- many live replicas may not have heard of this one yet (unheard_by), all read in the
+-- same atomic run.
 local function fleet_reply(status, r)
   return {status, cap, redis.call('ZCARD', K_REPLICAS), total, held_by(r),
-          inf[0], inf[1], inf[2], inf[3], fmt(settling())}
+          inf[0], inf[1], inf[2], inf[3], fmt(settling()), unheard_by(r)}
 end
 
 -- ---------------------------------------------------------------------- operations
@@ -785,7 +816,8 @@ end
 -- replica within the window does not extend it. (A registration that merely lapsed opens
 -- one too: only availability is lost, for the window.)
 -- Reply: {"ok" | "new", fleet capacity, live replicas, fleet in flight, the replica's own
--- admissions, fleet in flight per class 0..3, seconds until settled}; "new" means the
+-- admissions, fleet in flight per class 0..3, seconds until settled, replicas that may
+-- not have heard of it yet}; "new" means the
 -- ledger did not know the replica (first start, its registration lapsed, or the server lost
 -- its data), or it is returning until the fleet has settled (lose()): the replica must
 -- reregister what it holds.
@@ -803,6 +835,12 @@ local function heartbeat(a)
   end
   redis.call('ZADD', K_REPLICAS, fmt(now + tonumber(a[2])), r)
   if r == caller and caller_inc ~= '' then redis.call('HSET', K_INC, r, caller_inc) end
+  -- Registered by this call (or its record was lost: stamped now, which only delays its
+  -- share): the replicas registered before it have not heard of it yet (unheard_by).
+  if not known or redis.call('HEXISTS', K_REG, r) == 0 then
+    redis.call('HSET', K_REG, r, gen)
+  end
+  if r == caller then redis.call('HSET', K_HEARD, r, caller_seen) end
   redis.call('HSET', K_REPORTS, r, a[3])
   if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 or redis.call('EXISTS', K_TCFG) == 0 then
     store_cfg(a)
@@ -1109,11 +1147,12 @@ local function run(keys, argv)
   loss, taken, taken_ids = '', {}, {}
   caller_settle = tonumber(argv[4]) or 0
   caller, caller_inc = argv[5] or '', argv[6] or ''
+  caller_seen = tonumber(argv[3]) or 0
   local fn = ops[argv[1]]
   if fn == nil then return redis.error_reply('ERR unknown ledger op ' .. tostring(argv[1])) end
   load_state()
   check_server()
-  local gen = redis.call('INCR', K_GEN)
+  gen = redis.call('INCR', K_GEN)
   local seen = tonumber(argv[3]) or 0
   if seen >= gen then
     -- Older than what the caller already saw acknowledged: carry the generation forward
@@ -1128,7 +1167,7 @@ local function run(keys, argv)
   local args = {}
   for i = 7, #argv do args[#args + 1] = argv[i] end
   local reply = fn(args) -- first: it may find a loss too (reconcile() in heartbeat())
-  return {gen, loss, taken, reply}
+  return {gen, loss, taken, reply, redis.call('ZCARD', K_REPLICAS)}
 end
 
 redis.register_function('__FUNCTION__', run)

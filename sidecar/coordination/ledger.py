@@ -191,6 +191,10 @@ class FleetStatus:
     # Seconds until the fleet has settled after a loss (resync's ``settle``): until then no
     # replica may return to admitting through the ledger. 0: settled.
     settling: float = 0.0
+    # Live replicas registered before this one that may not have heard of it yet (none of
+    # the replies they are known to have read came after its registration): until 0, this
+    # replica takes no degraded share (sidecar.coordination.replica, the remaining window).
+    unheard: int = 0
 
     def degraded_share(self) -> int:
         """floor(capacity / live replicas): the most one replica may hold on its own."""
@@ -519,6 +523,10 @@ class FleetLedger:
         # predecessor process: the controller's handlers, run as the reply is read.
         self.on_loss: Callable[[str, int], None] | None = None
         self.on_takeover: Callable[[list[Holding]], None] | None = None
+        # The live replica count of the newest reply (every reply carries it), and who is
+        # told of it (the controller's core: the degraded share's N).
+        self.live_replicas = 0
+        self.on_live: Callable[[int], None] | None = None
         # pipelined: every call on one connection of our own (see _Pipelined), the client's
         # pool only for the load of the library.
         self._pipe = _Pipelined(client.connection_pool) if pipelined else None
@@ -535,8 +543,13 @@ class FleetLedger:
         return self._unwrap(await self._call_raw(op, *args))
 
     def _unwrap(self, raw: Sequence[Any]) -> Any:
-        """{generation, loss cause, taken over, reply}: note the first three, return the reply."""
-        gen, loss, taken, reply = raw
+        """{generation, loss cause, taken over, reply, live replicas}: note all but the
+        reply, return the reply."""
+        gen, loss, taken, reply, live = raw
+        if int(gen) >= self.generation:
+            self.live_replicas = int(live)  # the newest reply's count (replies come in order)
+            if self.on_live is not None:
+                self.on_live(self.live_replicas)
         seen, self.generation = self.generation, max(self.generation, int(gen))
         if loss and self.on_loss is not None:
             self.on_loss(str(loss), seen)
@@ -676,8 +689,8 @@ class FleetLedger:
     @staticmethod
     def _status(reply: Sequence[Any]) -> FleetStatus:
         return FleetStatus(reply[0] == "ok", int(reply[1]), int(reply[2]), int(reply[3]),
-                           int(reply[4]), _per_class(reply[5:9]), tuple(reply[10:]),
-                           float(reply[9]))
+                           int(reply[4]), _per_class(reply[5:9]), tuple(reply[11:]),
+                           float(reply[9]), int(reply[10]))
 
     # ---------------------------------------------------------------- registration
 

@@ -69,18 +69,35 @@ capacity) drains to its share and is not joined by the others' full shares. If H
 capacity shrink) nobody admits anything new and Σ ≤ H drains.
 
 *The remaining window.* Each replica's view is from its own last heartbeat, at most one
-heartbeat interval (ttl/3) plus one call timeout before the outage. Two bounds hold for
-the in flight the fleet can reach after an outage at t*, whatever the views' ages:
-Σ ≤ C + Σ_i max(0, h_i(t*) − floor(C/N)) (what was held beyond the shares: proved, since
-L_i ≤ floor(C/N) gives Σ_i max(h_i, L_i) ≤ N·floor(C/N) + Σ_i max(0, h_i − floor(C/N))),
-and Σ ≤ C + the admissions the ledger made after the oldest of the views (an admission
-raises the reachable total by at most one and a release never does; with view refreshes
-in between this one is checked over random interleavings by ``tests/test_degraded.py``,
-not proved). So the excess needs admissions in the last heartbeat interval before the
-outage that pushed a replica past its share, and it lasts only until those drain. Closing
-it entirely would mean holding back a replica's admissions past its share until every
-other replica has heard of them (one heartbeat each time: stranded capacity), so it is
-bounded, not closed.
+heartbeat interval (ttl/3) plus one call timeout before the outage, and views from
+different moments may count different N (the fleet simulation found 6 + 3 + 2 = 11 of 6:
+three replicas started one after the other, each with its own N = 1, 2, 3, and the server
+hung before the first one's next heartbeat). So the share s_i = floor(C/N_i) takes N_i
+from the newest reply (every ledger reply carries the live count, an arrive's too), and
+is 0 while a replica registered before this one may not have read a reply that counts it
+(each status says how many: ``FleetStatus.unheard``; the ledger keeps when each replica
+registered and the newest generation each has read, from the ``seen`` its heartbeats
+carry). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a share; of two in S, the
+one registered later has its share only because the earlier one read a reply made after
+it registered, and that reply, like every later one, counts it while it stays registered;
+so every N_j (j in S) counts all of S, and Σ_S floor(C/N_j) ≤ |S|·floor(C/|S|) ≤ C. No
+clock is involved. Two bounds then hold for the in flight the fleet can reach after an
+outage at t*: Σ ≤ C + Σ_i max(0, h_i(t*) − s_i) (what was held beyond the shares:
+proved, since Σ_i max(h_i, L_i) ≤ Σ_i s_i + Σ_i max(0, h_i − s_i)), and Σ ≤ C + the
+admissions the ledger made after the oldest of the views (an admission raises the
+reachable total by at most one and a release never does; with view refreshes in between
+this one is checked over random interleavings by ``tests/test_degraded.py``, not
+proved). So the excess needs admissions in the last heartbeat interval before the outage
+that pushed a replica past its share, and it lasts only until those drain. Closing it
+entirely would mean holding back a replica's admissions past its share until every other
+replica has heard of them (one heartbeat each time: stranded capacity), so it is bounded,
+not closed. The cost of the share rule: a replica that joins a running fleet has no share
+of its own (it queues by the class rules in an outage, as one that never reached the
+server) until the earlier replicas' next heartbeat and then its own, one or two heartbeat
+intervals; the first replica of a fleet has its share at once. A replica whose
+registration lapsed and was made again (a partition, a lost record) is new again. Not
+covered: the shares of a replica cut off on its own (its registration lapses while it
+admits: *Partition* below).
 
 *Partition* (only this replica loses the server; the others still use the ledger). Until
 its registration lapses (0.9 ttl after its last heartbeat) the ledger still counts what
@@ -593,6 +610,13 @@ class Replica:
         self._back_at: float | None = None
         self._recycle: int | None = None
         self._view = NO_VIEW
+        # N for the share: the live count of the newest ledger reply (every reply carries
+        # it; 0: none yet, the view's count), and whether every replica registered before
+        # this one is known to have read a reply that counts it (the newest answered
+        # status's ``unheard`` is 0; before any status there is no view, so no share
+        # either way). See "the remaining window" in the module docstring.
+        self._live = 0
+        self._heard = True
         # What this replica holds (the local mirror; moved here, and by the local core's
         # events while a local mode lasts), what it ended, and its waiters in the ledger.
         self.held: dict[str, Held] = {}
@@ -615,6 +639,25 @@ class Replica:
     @property
     def recycle(self) -> int | None:
         return self._recycle
+
+    @property
+    def live_replicas(self) -> int:
+        """N for the degraded share: the newest reply's live count (the view's before any)."""
+        return self._live or self._view.live_replicas
+
+    @property
+    def heard(self) -> bool:
+        """Every replica registered before this one has read a reply that counts it: only
+        then does this replica take a degraded share of its own."""
+        return self._heard
+
+    def live_seen(self, n: int) -> None:
+        """A ledger reply (any: arrive, release, heartbeat) counted ``n`` live replicas."""
+        self._live = n
+
+    def _note(self, status: FleetStatus) -> None:
+        """An answered status: may the replicas registered before us all count us?"""
+        self._heard = status.unheard == 0
 
     def _move(self, trigger: Trigger) -> Mode:
         old = self._mode
@@ -681,13 +724,24 @@ class Replica:
 
     def degraded_limit(self, own_capacity: int) -> int:
         """What this replica may hold on its own while away from the ledger
-        (L_i of the module docstring), capped by ``recycle`` in SETTLING."""
+        (L_i of the module docstring), capped by ``recycle`` in SETTLING; 0 while a
+        replica registered before this one may not count it yet (no share of its own)."""
         v = self._view
-        limit = degraded_limit(min(v.capacity, own_capacity), v.live_replicas, v.inflight,
+        limit = degraded_limit(min(v.capacity, own_capacity), self.live_replicas, v.inflight,
                                v.held)
         if self._recycle is not None:
-            limit = min(limit, self._recycle)
+            limit = min(limit, self._recycle)  # holds what the ledger counts: safe as is
+        elif not self._heard:
+            limit = 0
         return limit
+
+    def share(self, own_capacity: int) -> int:
+        """floor(C / N), the most the degraded limit can be: 0 before any view, and while a
+        replica registered before this one may not count it yet."""
+        n = self.live_replicas
+        if n < 1 or not self._heard:
+            return 0
+        return max(0, min(self._view.capacity, own_capacity)) // n
 
     def local_limit(self, own_capacity: int) -> int:
         """The local core's capacity: the degraded limit, or 0 while a resync is in flight
@@ -839,6 +893,7 @@ class Replica:
         nothing until it has settled, and keep no view from it (an outage meanwhile must
         not give a share computed from a ledger that lacks them: no view, no share)."""
         seen = Seen(status.by_class, status.live_replicas)
+        self._note(status)
         was_local = self.local  # the register itself found a loss (lost() ran meanwhile)
         if status.settling > 0:
             self.fleet_settling()
@@ -863,6 +918,7 @@ class Replica:
         from the list, and nothing else would), and what it missed is sent
         (:meth:`returned`)."""
         effects: list[Effect] = []
+        self._note(status)
         refused = set(status.refused)
         for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
             h = self.held.pop(aid, None)
@@ -998,6 +1054,8 @@ class Replica:
         if replies is None or registration_lost:
             effects: list[Effect] = [Answered(aid, True) for aid in ids]
             if registration_lost:
+                # Registered again by that call: the others may not count us yet.
+                self._heard = False
                 # An outage and a return, as for the heartbeat.
                 effects += self.lost("RuntimeError: registration lost")
             return effects
@@ -1006,6 +1064,7 @@ class Replica:
     def adopt_answered(self, status: FleetStatus) -> list[Effect]:
         """An adoption's answer: ids the ledger had ended were counted again all the same
         (their streams run): each is a fault, never left uncounted."""
+        self._note(status)
         return [Fault("ended_but_running_readded", aid) for aid in status.refused]
 
     def lost(self, error: str, *, announce: bool = True) -> list[Effect]:
@@ -1028,6 +1087,7 @@ class Replica:
         again; an unknown registration (it lapsed, or the server lost its data) is an
         outage and a return; else a new view."""
         effects = self.ended_but_held(status.refused, can_stop)
+        self._note(status)
         if not status.known:
             return effects + self.lost("RuntimeError: registration lost")
         self.seen(_view(status))
