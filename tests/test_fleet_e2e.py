@@ -113,6 +113,27 @@ async def until_ledger(r: Replicas, cond: Callable[[Any], bool], timeout: float 
         await asyncio.sleep(0.05)
 
 
+async def until_heard(r: Replicas, timeout: float = 10.0) -> None:
+    """Until every replica has read a ledger reply that counts each one registered after
+    it (ledger.lua unheard_by): a replica's next status from then on gives it its
+    degraded share (one that just joined has none before)."""
+    client = redis.Redis(port=r.server.port, decode_responses=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            reg = {k: int(v) for k, v in (await client.hgetall(f"pg:{{{r.fleet_id}}}:reg")).items()}
+            heard = {k: int(v) for k, v in
+                     (await client.hgetall(f"pg:{{{r.fleet_id}}}:heard")).items()}
+            if len(reg) == len(r.stacks) and all(
+                    heard.get(o, 0) >= g for x, g in reg.items() for o, go in reg.items()
+                    if o != x and go <= g):
+                return
+            assert time.monotonic() < deadline, f"not heard: reg {reg}, heard {heard}"
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+
+
 async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 10.0) -> Metrics:
     # Two stacks and a server on the box: a longer default bound than the one-stack tests.
     return await until_metrics(stack, cond, timeout)
@@ -427,6 +448,7 @@ async def test_degraded_b_preempts_a_carried_over_bulk_locally(
     r = await make_replicas(priority_yaml=PREEMPT)
     _, b = r.stacks
     await until(b, lambda m: m.get("smg_sidecar_live_replicas") == 2)
+    await until_heard(r)  # B joined after A: its share once A is known to count it
     victims, records = await hold_bulk(r, b, 2)
     # B's view: H = 2, its own 2: limit min(2, 2 + floor(2/2)) = 2, all of it in use.
     await until(b, lambda m: fleet_inflight(m) == 2, timeout=TTL)

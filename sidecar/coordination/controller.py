@@ -218,7 +218,7 @@ class FleetController:
         ledger.settle = self._settle
         ledger.on_loss = self._on_loss
         ledger.on_takeover = self._on_takeover
-        ledger.on_live = self._core.live_seen  # every reply's live count: the share's N
+        ledger.on_live = self._on_live  # every reply's live count: the share's N
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -846,6 +846,15 @@ class FleetController:
                     admissions=len(self._core.held) - before,
                     hint="a previous process with this replica id held them")
 
+    def _on_live(self, n: int) -> None:
+        """A reply counted ``n`` live replicas. More than before: a replica joined, and it
+        takes no degraded share until we are known to count it (ledger.lua unheard_by):
+        heartbeat now rather than up to an interval later, so the ledger hears it."""
+        grew = n > self._core.live_replicas
+        self._core.live_seen(n)
+        if grew:
+            self._heartbeat_wake.set()
+
     def _hold_local(self, wake_in: float | None) -> None:
         """Settling, the server answering: reuse only the core's ``recycle`` slots locally,
         and ask again as soon as the fleet has settled rather than a whole interval later."""
@@ -916,8 +925,12 @@ class FleetController:
                 raise
             except Exception as exc:
                 self._degrade(exc)
+            # Not yet known to be counted by every replica registered before us (no share
+            # of our own): ask again soon, once they have heard of us.
+            wait = (self._interval / 4 if self._core.mode is Mode.OK and not self._core.heard
+                    else self._interval)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._heartbeat_wake.wait(), self._interval)
+                await asyncio.wait_for(self._heartbeat_wake.wait(), wait)
 
     async def _event_loop(self) -> None:
         while True:
