@@ -298,15 +298,16 @@ class FleetController:
         self._heartbeat_wake.set()
 
     async def aclose(self) -> None:
-        pending = {*self._tasks, *self._background}
-        while pending:
+        tasks = [*self._tasks, *self._background]
+        while pending := [t for t in (*tasks, *self._background) if not t.done()]:
+            # (self._background again: a task being cancelled may start another.)
             for t in pending:
                 t.cancel()
             # Cancelled again until done: on Python 3.11 a cancel that races a timeout
             # inside the redis client (the notification reader's blocking pop) can be
             # lost, and the loop would then run on and this wait forever.
-            _, pending = await asyncio.wait(pending, timeout=0.5)
-        for t in [*self._tasks, *self._background]:
+            await asyncio.wait(pending, timeout=0.5)
+        for t in tasks:
             if not t.cancelled():
                 t.exception()  # retrieved: a loop that failed is not reported at exit
         self._tasks.clear()
