@@ -712,3 +712,16 @@ def test_a_registration_made_again_by_a_flush_takes_no_share_until_counted() -> 
     assert r.mode is Mode.DEGRADED and not r.heard and r.degraded_limit(8) == 0
     r.adopt_answered(FleetStatus(True, 8, 2, 0, unheard=0))
     assert r.heard and r.degraded_limit(8) == 4
+
+
+def test_a_reply_from_a_ledger_that_lost_its_data_does_not_raise_the_share() -> None:
+    # After a restart empty the first replies count only the replicas re-registered so
+    # far: N dips. The view's N holds until the next view (found by tests/test_fleet.py:
+    # a local admission past capacity while the fleet re-registered).
+    r, _ = _ok()  # view: C 8, N 2
+    r.live_seen(1)
+    r.lost("RuntimeError: arrive answered unregistered")
+    assert r.live_replicas == 2 and r.share(8) == 4 and r.degraded_limit(8) == 4
+    r.resync_sent()
+    r.recovery_answered(FleetStatus(True, 8, 1, 0), [])  # held: SETTLING, old view kept
+    assert r.live_replicas == 2

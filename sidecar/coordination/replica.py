@@ -73,7 +73,9 @@ heartbeat interval (ttl/3) plus one call timeout before the outage, and views fr
 different moments may count different N (the fleet simulation found 6 + 3 + 2 = 11 of 6:
 three replicas started one after the other, each with its own N = 1, 2, 3, and the server
 hung before the first one's next heartbeat). So the share s_i = floor(C/N_i) takes N_i
-from the newest reply (every ledger reply carries the live count, an arrive's too), and
+from the newest reply (every ledger reply carries the live count, an arrive's too; the
+view's if larger: a ledger that lost its data counts fewer until the fleet has
+re-registered, and a shrink is taken with the next view), and
 is 0 while a replica registered before this one may not have read a reply that counts it
 (each status says how many: ``FleetStatus.unheard``; the ledger keeps when each replica
 registered and the newest generation each has read, from the ``seen`` its heartbeats
@@ -642,8 +644,10 @@ class Replica:
 
     @property
     def live_replicas(self) -> int:
-        """N for the degraded share: the newest reply's live count (the view's before any)."""
-        return self._live or self._view.live_replicas
+        """N for the degraded share: the newest reply's live count, or the view's if larger
+        (a reply from a ledger that lost its data, before the fleet re-registered, counts
+        fewer; a shrink is taken with the next view)."""
+        return max(self._live, self._view.live_replicas)
 
     @property
     def heard(self) -> bool:
