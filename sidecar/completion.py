@@ -36,6 +36,7 @@ from sidecar.classes import PriorityClass
 from sidecar.envoy_features import FeatureDetector
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import NullRecorder, Recorder
+from sidecar.pools import PooledAdmission
 from sidecar.responses import Rejection, reply
 from sidecar.scheduler import ReleaseReason, ReleaseResult
 
@@ -69,20 +70,27 @@ class CompletionService:
         self.liveness = liveness
         self._refused_log = logs.Throttled(log, "adoption_refused")
 
-    def adoption_bound(self) -> int:
-        capacity = self.controller.snapshot().capacity
+    def _scope(self, aid: str) -> AdmissionService | None:
+        """Whose capacity bounds adopting ``aid``: with pools, the pool the id names."""
+        c = self.controller
+        return c.scope(aid) if isinstance(c, PooledAdmission) else c
+
+    def adoption_bound(self, aid: str | None = None) -> int:
+        scope = self.controller if aid is None else self._scope(aid)
+        capacity = scope.snapshot().capacity if scope is not None else 0
         return capacity if capacity > 0 else UNLIMITED_ADOPTION_BOUND
 
     def _renew_or_adopt(self, entry: codec.LogEntry) -> bool:
         if self.controller.renew_or_adopt(entry.admission_id):  # a lease of ours: renewed
             return True
         cls = PriorityClass.from_name(entry.cls)
-        if cls is None:
+        scope = self._scope(entry.admission_id)
+        if cls is None or scope is None:  # no class, or an id naming no pool of ours
             return False
-        bound = self.adoption_bound()
-        if self.controller.lease_count >= bound:
+        bound = self.adoption_bound(entry.admission_id)
+        if scope.lease_count >= bound:
             self._metrics.adoption_refused(cls)
-            self._refused_log.event(in_flight=self.controller.lease_count, bound=bound)
+            self._refused_log.event(in_flight=scope.lease_count, bound=bound)
             return False
         return self.controller.renew_or_adopt(entry.admission_id, cls, entry.tenant)
 

@@ -145,6 +145,14 @@ class PooledAdmission:
     def _of(self, aid: str) -> AdmissionService | None:
         return self.controllers.get(pool_of(aid))
 
+    def scope(self, aid: str) -> AdmissionService | None:
+        """The controller an admission id's pool names (None: no such pool).
+
+        Adoption's bound is that pool's capacity against that pool's leases: the sum over
+        pools would let made-up ids naming a small pool fill it many times over.
+        """
+        return self._of(aid)
+
     @property
     def legacy(self) -> bool:
         """Only when every pool fell back (a pool's own mode is its controller's)."""

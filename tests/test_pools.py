@@ -185,6 +185,36 @@ async def test_calls_by_id_reach_the_pool_the_id_names() -> None:
     p.close()
 
 
+async def test_made_up_periodic_entries_naming_a_pool_stop_at_that_pools_capacity() -> None:
+    # The adoption bound is the named pool's capacity, not the sum over pools: otherwise
+    # made-up ids naming a 1-slot pool fill it to the sum (8 + 1 here) and block it.
+    from sidecar.completion import CompletionService
+    from sidecar.metrics import Metrics
+
+    clock = FakeClock()
+    p = pooled(clock, {DEFAULT_POOL: 8, "small": 1})
+    metrics = Metrics(tenant_top_n=4, pools=True)
+    svc = CompletionService(p, metrics)
+    small = p.get("small")
+    assert small is not None
+
+    def periodic(aid: str) -> codec.LogEntry:
+        return codec.LogEntry(admission_id=aid, final=False, cls="default", tenant="t",
+                              response_code=200)
+
+    adopted = [svc._renew_or_adopt(periodic(f"small.{i:032x}")) for i in range(20)]
+    assert adopted.count(True) == 1 and small.snapshot().inflight == 1
+    assert metrics.registry.get_sample_value(
+        "smg_sidecar_adoption_refused_total", {"class": "default"}) == 19
+    # The other pool's room is its own: a made-up id naming it is still adopted.
+    assert svc._renew_or_adopt(periodic(f"{DEFAULT_POOL}.{1:032x}"))
+    # An id naming no pool of ours is neither adopted nor counted as refused.
+    assert not svc._renew_or_adopt(periodic(f"ghost.{2:032x}"))
+    assert metrics.registry.get_sample_value(
+        "smg_sidecar_adoption_refused_total", {"class": "default"}) == 19
+    p.close()
+
+
 async def test_a_full_pool_does_not_block_another() -> None:
     clock = FakeClock()
     p = pooled(clock, {DEFAULT_POOL: 1, "big": 1})
