@@ -110,6 +110,7 @@ from prometheus_client.registry import Collector
 
 from sidecar.capacity import CapacityReading, per_worker, worker_problems
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
+from sidecar.config import DEFAULT_POOL
 from sidecar.scheduler import (
     Admitted,
     Event,
@@ -577,7 +578,7 @@ class Metrics:
         if pools:
             # Pools in a fleet: the coordination series are per pool's ledger, too
             # (sidecar.pools). Without coordination it reads 0, as without pools.
-            self._live_replicas.labels("default")
+            self._live_replicas.labels(DEFAULT_POOL)
         for admitted in ("true", "false"):
             self._ext_proc_streams.labels(admitted)
         for reason in ("over_cap", "deadline", "exhausted"):
@@ -678,7 +679,7 @@ class Metrics:
 
     def capacity_read(self, reading: CapacityReading) -> None:
         if self._pooled:  # before the runtime wires the pools: the default pool's monitor
-            self.pool_capacity_read("default", reading)  # sidecar.config.DEFAULT_POOL
+            self.pool_capacity_read(DEFAULT_POOL, reading)
             return
         for s in ("workers", "fallback", "override"):
             self._capacity_source.labels(s).set(1 if s == reading.source else 0)
@@ -731,7 +732,7 @@ class Metrics:
 
     def _pl(self, pool: str | None) -> tuple[str, ...]:
         """The pool label's value where the series have one (``pools=True``)."""
-        return (pool or "default",) if self._pooled else ()  # sidecar.config.DEFAULT_POOL
+        return (pool or DEFAULT_POOL,) if self._pooled else ()
 
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int,
                    pool: str | None = None) -> None:
@@ -793,7 +794,7 @@ class Metrics:
                        pools: Callable[[], Mapping[str, Snapshot]] | None = None) -> None:
         if self._pooled:
             one = snapshot
-            pools = pools if pools is not None else lambda: {"default": one()}
+            pools = pools if pools is not None else lambda: {DEFAULT_POOL: one()}
             self.registry.register(_ShadowCollector(snapshot, pools))
         else:
             self.registry.register(_ShadowCollector(snapshot))

@@ -142,16 +142,14 @@ class PooledAdmission:
     def get(self, pool: str) -> AdmissionService | None:
         return self.controllers.get(pool)
 
-    def _of(self, aid: str) -> AdmissionService | None:
-        return self.controllers.get(pool_of(aid))
-
     def scope(self, aid: str) -> AdmissionService | None:
         """The controller an admission id's pool names (None: no such pool).
 
-        Adoption's bound is that pool's capacity against that pool's leases: the sum over
-        pools would let made-up ids naming a small pool fill it many times over.
+        Every call keyed by an id goes there; adoption's bound is that pool's capacity
+        against that pool's leases (the sum over pools would let made-up ids naming a small
+        pool fill it many times over).
         """
-        return self._of(aid)
+        return self.controllers.get(pool_of(aid))
 
     @property
     def legacy(self) -> bool:
@@ -167,7 +165,7 @@ class PooledAdmission:
 
     def release(self, aid: str,
                 reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
-        c = self._of(aid)
+        c = self.scope(aid)
         if c is None:
             self._metrics.completion_unmatched(ReleaseResult.UNKNOWN.value)
             return ReleaseResult.UNKNOWN
@@ -175,36 +173,36 @@ class PooledAdmission:
 
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
                        tenant: str = "") -> bool:
-        c = self._of(aid)
+        c = self.scope(aid)
         return c is not None and c.renew_or_adopt(aid, cls, tenant)
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
-        c = self._of(aid)
+        c = self.scope(aid)
         return None if c is None else c.open_stop_channel(aid)
 
     def holds(self, aid: str) -> bool:
-        c = self._of(aid)
+        c = self.scope(aid)
         return c is not None and c.holds(aid)
 
     def hold_without_lease(self, aid: str) -> bool:
-        c = self._of(aid)
+        c = self.scope(aid)
         return c is not None and c.hold_without_lease(aid)
 
     def lease_again(self, aid: str) -> bool:
-        c = self._of(aid)
+        c = self.scope(aid)
         return c is not None and c.lease_again(aid)
 
     def mark_first_byte(self, aid: str) -> bool:
-        c = self._of(aid)
+        c = self.scope(aid)
         return c is not None and c.mark_first_byte(aid)
 
     async def confirm_first_byte(self, aid: str) -> bool:
         # In process: True at once; a pool's fleet controller may wait for its ledger.
-        c = self._of(aid)
+        c = self.scope(aid)
         return True if c is None else await c.confirm_first_byte(aid)
 
     def close_stop_channel(self, aid: str) -> None:
-        c = self._of(aid)
+        c = self.scope(aid)
         if c is not None:
             c.close_stop_channel(aid)
 

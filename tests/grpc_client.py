@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,6 +11,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.auth.v3 import external_auth_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
 from sidecar import codec
@@ -104,3 +106,15 @@ def admission_id(resp: external_auth_pb2.CheckResponse) -> str:
 
 def headers_of(options: list[base_pb2.HeaderValueOption]) -> dict[str, str]:
     return {o.header.key: o.header.value for o in options}
+
+
+def assert_preemption_message(msg: ep.ProcessingResponse) -> None:
+    """An ext_proc message delivering the contract's preemption: an immediate 503 with
+    X-SMG-Error-Code and JSON body ``scheduler_preempted``."""
+    assert msg.WhichOneof("response") == "immediate_response"
+    imm = msg.immediate_response
+    assert imm.status.code == 503
+    hdrs = {h.header.key: h.header.value or h.header.raw_value.decode()
+            for h in imm.headers.set_headers}
+    assert hdrs["x-smg-error-code"] == "scheduler_preempted"
+    assert json.loads(imm.body)["error"]["code"] == "scheduler_preempted"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -31,7 +30,7 @@ from sidecar.app import Runtime, build_runtime
 from sidecar.classes import PriorityClass
 from sidecar.config import parse_settings
 from sidecar.coordination.replica import Mode
-from tests.grpc_client import EnvoyStandIn, admission_id, headers_of
+from tests.grpc_client import EnvoyStandIn, admission_id, assert_preemption_message, headers_of
 from tests.ledger_support import client, valkey_server
 
 __all__ = ["client", "valkey_server"]  # fixtures used by name
@@ -256,13 +255,7 @@ async def test_a_system_request_on_a_preempts_a_bulk_admission_of_b(
     winner = await a.check("system")
     assert winner.status.code == 0
     msg = await asyncio.wait_for(stream.read(), 5)
-    assert msg.WhichOneof("response") == "immediate_response"
-    imm = msg.immediate_response
-    assert imm.status.code == 503
-    hdrs = {h.header.key: h.header.value or h.header.raw_value.decode()
-            for h in imm.headers.set_headers}
-    assert hdrs["x-smg-error-code"] == "scheduler_preempted"
-    assert json.loads(imm.body)["error"]["code"] == "scheduler_preempted"
+    assert_preemption_message(msg)
     await outgoing.put(None)
     # Counted on the victim's replica; its later completion releases nothing.
     assert b.sample("smg_scheduler_admit_total", **{"class": "bulk",

@@ -32,7 +32,7 @@ from sidecar.coordination import server
 from sidecar.coordination.ledger import LUA, FleetLedger, config_digest
 from sidecar.pools import DEFAULT_POOL, pool_of
 from sidecar.scheduler import BUILTIN_CLASSES
-from tests.grpc_client import admission_id, check_request, headers_of
+from tests.grpc_client import admission_id, assert_preemption_message, check_request, headers_of
 from tests.ledger_support import client, valkey_server
 from tests.test_coordination_security import create_runtime_user
 from tests.test_fleet import (
@@ -228,13 +228,7 @@ async def test_a_system_request_preempts_only_within_its_own_pool(
         assert pool_of(winner) == BIG
         (big_victim,) = victims[BIG]
         msg = await asyncio.wait_for(streams[big_victim].read(), 5)
-        assert msg.WhichOneof("response") == "immediate_response"
-        imm = msg.immediate_response
-        assert imm.status.code == 503
-        hdrs = {h.header.key: h.header.value or h.header.raw_value.decode()
-                for h in imm.headers.set_headers}
-        assert hdrs["x-smg-error-code"] == "scheduler_preempted"
-        assert json.loads(imm.body)["error"]["code"] == "scheduler_preempted"
+        assert_preemption_message(msg)
         # The default pool's victims are untouched: still held, in its ledger too.
         assert all(v in b.app.fleets[DEFAULT_POOL].held for v in victims[DEFAULT_POOL])
         assert await ledger_inflight(client, DEFAULT_POOL) == 2
