@@ -115,6 +115,8 @@ class StackConfig:
     pools: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Pools Envoy routes (at /NAME/, to the default fleet) that the sidecar is not told of.
     envoy_extra_pools: tuple[str, ...] = ()
+    # Edge shedding on both sides: the bootstrap's edge path and the sidecar's --edge-shed.
+    edge_shed: bool = False
 
 
 class Stack:
@@ -224,7 +226,7 @@ class Stack:
         pooled = [f"{name}={url}" for name, f in self.pool_fleets.items() for url in f.urls]
         if pooled:
             argv += (["--worker-urls"] if c.capacity_from_envoy else []) + pooled
-        return argv + list(c.sidecar_args)
+        return argv + (["--edge-shed"] if c.edge_shed else []) + list(c.sidecar_args)
 
     def start_sidecar(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}
@@ -261,6 +263,7 @@ class Stack:
             health_interval_secs=c.health_interval_secs, preemption=c.preemption,
             jwt_hs256_secret=c.jwt_secret,
             sidecar_pipe=str(self.grpc_socket) if self.grpc_socket is not None else None,
+            edge_shed=c.edge_shed,
             pools=[(name, f"/{name}/", f.addresses) for name, f in self.pool_fleets.items()]
             + [(name, f"/{name}/", self.fleet.addresses) for name in c.envoy_extra_pools])
         if c.mesh:

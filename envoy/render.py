@@ -68,6 +68,16 @@ _POOL_ROUTE = """\
                       context_extensions: {smg-pool: ${name}}
 """
 
+# With --edge-shed, each pool's edge route (ahead of the pool's own route) and shed logger
+# are the template's default-pool ones with the pool's prefix, runtime key, route name and
+# a stream mark naming the pool (sidecar/edge.py: runtime_key, POOL_MARK_KEY).
+_EDGE_ROUTE = "              - name: smg_edge_shed_bulk\n"
+_EDGE_LOGGER = ("          - name: envoy.access_loggers.http_grpc\n"
+                "            filter:\n              extension_filter:\n")
+_EDGE_MARK = "initial_metadata: [{key: x-smg-edge-shed, value: bulk}]"
+_EDGE_STATIC_KEY = "      smg.edge.shed.bulk: 0\n"
+_ROUTE_CONFIG = "          route_config:\n"
+
 _PER_ROUTE_TYPE = ("type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3."
                    "ExtAuthzPerRoute")
 
@@ -218,9 +228,7 @@ def render(
     text = _select_blocks(TEMPLATE_PATH.read_text(encoding="utf-8"), enabled)
     pool_endpoints: dict[str, str] = {}
     if pools:
-        if edge_shed:
-            raise ValueError("pools cannot be combined with edge_shed yet")
-        text, pool_endpoints = _add_pools(text, pools)
+        text, pool_endpoints = _add_pools(text, pools, edge_shed)
     rendered = string.Template(text).substitute(
         listen_port=listen_port,
         admin_port=admin_port,
@@ -242,9 +250,10 @@ def render(
     return rendered
 
 
-def _add_pools(text: str, pools: Sequence[tuple[str, str, list[tuple[str, int]]]]
-               ) -> tuple[str, dict[str, str]]:
-    """The template with a route and a cluster per pool; the pools' endpoint lines."""
+def _add_pools(text: str, pools: Sequence[tuple[str, str, list[tuple[str, int]]]],
+               edge_shed: bool = False) -> tuple[str, dict[str, str]]:
+    """The template with a route and a cluster per pool (and with ``edge_shed``, an edge
+    route, a switch and a shed logger per pool); the pools' endpoint lines."""
     names = [p[0] for p in pools]
     if len(set(names)) != len(names) or "default" in names:
         raise ValueError(f"pool names must be unique and not 'default', got {names}")
@@ -256,7 +265,10 @@ def _add_pools(text: str, pools: Sequence[tuple[str, str, list[tuple[str, int]]]
     # The workers cluster (last in the template) is the pattern of each pool's cluster.
     block = [line for line in text[text.index(_WORKERS_CLUSTER):].splitlines()
              if not line.lstrip().startswith("#")]
-    routes, clusters, endpoints = [], [], {}
+    edge_route = edge_logger = ""
+    if edge_shed:
+        edge_route, edge_logger = _edge_blocks(text)
+    routes, clusters, endpoints, keys, loggers = [], [], {}, [], []
     for i, (name, prefix, workers) in enumerate(pools):
         if not _POOL_NAME_RE.match(name):
             raise ValueError(f"pool name {name!r}: 1..31 of a-z, 0-9, '_', '-'")
@@ -264,6 +276,15 @@ def _add_pools(text: str, pools: Sequence[tuple[str, str, list[tuple[str, int]]]
             raise ValueError(f"pool {name}: prefix {prefix!r} must start and end with '/'")
         if not workers:
             raise ValueError(f"pool {name}: no workers")
+        if edge_shed:
+            key, route_name = f"smg.edge.shed.pool.{name}.bulk", f"smg_edge_shed_pool_{name}_bulk"
+            mark = _EDGE_MARK[:-1] + f", {{key: x-smg-edge-pool, value: {name}}}]"
+            routes.append(edge_route.replace("smg_edge_shed_bulk", route_name)
+                          .replace('prefix: "/"', f'prefix: "{prefix}"')
+                          .replace("smg.edge.shed.bulk", key))
+            keys.append(f"      {key}: 0\n")
+            loggers.append(edge_logger.replace("smg_edge_shed_bulk", route_name)
+                           .replace(_EDGE_MARK, mark))
         routes.append(string.Template(_POOL_ROUTE).substitute(name=name, prefix=prefix,
                                                           per_route_type=_PER_ROUTE_TYPE))
         clusters.append("\n".join(block).replace("name: workers", f"name: pool_{name}")
@@ -275,9 +296,33 @@ def _add_pools(text: str, pools: Sequence[tuple[str, str, list[tuple[str, int]]]
             lines.append("        - endpoint: {address: {socket_address: "
                          f"{{address: {ip}, port_value: {port}}}}}}}")
         endpoints[f"pool{i}_endpoints"] = "\n".join(lines)
-    at = text.index(_DEFAULT_ROUTE, routes_at)
+    # First in the table: ahead of the default pool's edge route, which matches every path.
+    at = routes_at + len(_ROUTES)
     text = text[:at] + "".join(routes) + text[at:]
+    if edge_shed:
+        at = text.index(_ROUTE_CONFIG)
+        text = text[:at] + "".join(loggers) + text[at:]
+        at = text.index(_EDGE_STATIC_KEY) + len(_EDGE_STATIC_KEY)
+        text = text[:at] + "".join(keys) + text[at:]
     return text.rstrip("\n") + "\n" + "\n".join(clusters) + "\n", endpoints
+
+
+def _edge_blocks(text: str) -> tuple[str, str]:
+    """The template's edge route and edge-shed logger (comment lines left out)."""
+    if (text.count(_EDGE_STATIC_KEY) != 1 or text.count(_ROUTE_CONFIG) != 1
+            or text.count(_EDGE_ROUTE) != 1 or text.count(_EDGE_MARK) != 1):
+        raise ValueError("template: the edge path moved")
+    route_at = text.index(_EDGE_ROUTE)
+    route = text[route_at:text.index(_DEFAULT_ROUTE, route_at)]
+    config_at = text.index(_ROUTE_CONFIG)
+    logger = text[text.rindex(_EDGE_LOGGER, 0, config_at):config_at]
+    if _EDGE_MARK not in logger:
+        raise ValueError("template: the edge path moved")
+
+    def code(block: str) -> str:
+        return "".join(ln for ln in block.splitlines(keepends=True)
+                       if not ln.lstrip().startswith("#"))
+    return code(route), code(logger)
 
 
 def _host_port(spec: str) -> tuple[str, int]:

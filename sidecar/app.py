@@ -403,13 +403,17 @@ class Runtime:
         # --edge-shed: RTDS switches for Envoy's edge route, steered by the Checks' outcomes.
         # Legacy admission answers admission_queue_full, which the edge route does not
         # send: the switches then stay 0.
-        self.edge = (EdgeShed(metrics, self.authz.rejection_counted) if s.scheduler.edge_shed
-                     else None)
+        # With pools, each pool's switches follow that pool's queue alone.
+        self.edge = (EdgeShed(metrics, self.authz.rejection_counted,
+                              self.pools.controllers if self.pools is not None
+                              else (DEFAULT_POOL,))
+                     if s.scheduler.edge_shed else None)
         if self.edge is not None:
             if self.legacy:
                 log.warning("edge_shed_off_in_legacy_admission")
             else:
                 self.authz.edge = self.edge.controller
+                self.authz.edges = self.edge.controllers
         als = (self.completion.stream_access_logs if self.edge is None
                else self.edge.access_logs(self.completion.stream_access_logs))
 

@@ -141,6 +141,7 @@ class AuthzService:
         self.rejection_counted = self._rejections.add  # edge sheds join the same line
         # --edge-shed: the control loop sees each Check's class and every queue overflow.
         self.edge: ShedController | None = None
+        self.edges: Mapping[str, ShedController] | None = None  # with pools: each pool's
         # --shadow: the would-be answer for an admission id (sidecar.shadow); nothing waits
         # or is refused, so the overload shed is off too.
         self.shadow_verdict: Callable[[str], Verdict | None] | None = None
@@ -170,6 +171,10 @@ class AuthzService:
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
         edge = self.edge
+        pool = DEFAULT_POOL
+        if self.pools is not None:
+            pool = view.pool or DEFAULT_POOL
+            edge = self.edges.get(pool) if self.edges is not None else None
         if edge is not None:
             edge.arrived(c.effective)
         if self.open_checks > MAX_OPEN_CHECKS and self.shadow_verdict is None:
@@ -178,7 +183,6 @@ class AuthzService:
             return self._deny[(responses.Rejection.OVERLOADED, c.effective)]
         controller: AdmissionService | None = self.controller
         if self.pools is not None:
-            pool = view.pool or DEFAULT_POOL
             controller = self.pools.get(pool)
             if controller is None:  # the route and the pools disagree: counted, 429
                 self.metrics.unknown_pool(c.effective)

@@ -269,7 +269,9 @@ class SchedulerSettings:
              "Envoy whose bootstrap has the edge route (`envoy/render.py --edge-shed`) answers "
              "the overflow of a full `bulk` queue with the contract's 429 itself, without a "
              "Check ([Edge shedding](#edge-shedding---edge-shed)). A switch is back to off "
-             "within 2.25 s (TTL 2 s + one refresh interval) of the sidecar going silent. No "
+             "within 2.25 s (TTL 2 s + one refresh interval) of the sidecar going silent. With "
+             "pools (`--worker-urls POOL=URL`) each pool's route has switches of its own, "
+             "steered by that pool's queue alone (`envoy/render.py --edge-shed --pool ...`). No "
              "effect in legacy admission."))
     shadow: bool = flag(
         "--shadow", default=False, switch=True,
@@ -810,9 +812,6 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
                                      "default_max_class": default_max},
                                   default_max_class_valid=valid)
     check_pools(scheduler.priority, pool_workers)
-    if pool_workers and ns.edge_shed:
-        raise ConfigError("--edge-shed cannot be combined with pools (--worker-urls POOL=URL) "
-                          "yet: Envoy's edge route sheds for every route alike")
     check_authz_timeout(liveness.envoy_authz_timeout, scheduler.priority,
                         scheduler.scheduler_enabled)
     logging_ = LoggingSettings(**flags.checked_values(LoggingSettings, ns))

@@ -50,6 +50,11 @@ the sidecar's own, :data:`EDGE_REPLIES`) before any Check. Three parts:
   and ``smg_sidecar_edge_shed_total{class}`` and to the ``rejections`` log line.
   The batch interval (:data:`SHED_LOG_FLUSH_SECS`) is well inside any scrape
   interval.
+* **Pools.** Each pool has its own switches, control loop and logger: a pool's
+  queue overflowing sheds only that pool's route. The default pool keeps the
+  keys above; a named pool's key is ``smg.edge.shed.pool.<pool>.<class>``
+  (:func:`runtime_key`), its edge route is ahead of its own route, and its
+  logger's stream also carries :data:`POOL_MARK_KEY`.
 
 docs/reference.md, "Edge shedding", has the operator's side.
 """
@@ -70,6 +75,7 @@ from envoy.service.runtime.v3 import rtds_pb2
 
 from sidecar import codec, logs, responses
 from sidecar.classes import PriorityClass
+from sidecar.config import DEFAULT_POOL
 from sidecar.metrics import Recorder
 
 RTDS_SERVICE = "envoy.service.runtime.v3.RuntimeDiscoveryService"
@@ -94,14 +100,19 @@ DEADBAND = 0.01  # smaller changes are not sent
 # grpc_service initial_metadata), one logger per edge class.
 SHED_LOG_NAME = "priority-gate-edge-shed"
 STREAM_MARK_KEY = "x-smg-edge-shed"
+POOL_MARK_KEY = "x-smg-edge-pool"  # a named pool's logger; absent: the default pool
 SHED_LOG_FLUSH_SECS = 0.25
 EDGE_TENANT = "<edge>"  # the rejections line's tenant for edge sheds (Envoy did not ask)
 
 log = logs.get("sidecar.edge")
 
 
-def runtime_key(cls: PriorityClass) -> str:
-    return RUNTIME_KEY_PREFIX + cls.label
+def runtime_key(cls: PriorityClass, pool: str = DEFAULT_POOL) -> str:
+    """The switch's runtime key: the default pool's carries no pool, so a bootstrap
+    without pools is what it was before pools existed."""
+    if pool == DEFAULT_POOL:
+        return RUNTIME_KEY_PREFIX + cls.label
+    return f"{RUNTIME_KEY_PREFIX}pool.{pool}.{cls.label}"
 
 
 EDGE_REPLIES: Final[Mapping[PriorityClass, responses.Reply]] = {
@@ -187,34 +198,39 @@ class ShedController:
 
 
 class RuntimeServer:
-    """SotW RTDS for one layer: the current shares, with a TTL, to every open stream."""
+    """SotW RTDS for one layer: the current shares, with a TTL, to every open stream.
+    Shares are keyed by (pool, class); one layer carries every pool's switches."""
 
-    def __init__(self, metrics: Recorder) -> None:
+    def __init__(self, metrics: Recorder, pools: Iterable[str] = (DEFAULT_POOL,)) -> None:
         self._metrics = metrics
         self._streams: set[asyncio.Queue[bytes]] = set()
         self._version = itertools.count(1)
         self._nonce = itertools.count(1)
-        self._shares: dict[PriorityClass, float] = dict.fromkeys(EDGE_CLASSES, 0.0)
+        self._pooled = tuple(pools) != (DEFAULT_POOL,)
+        self._shares: dict[tuple[str, PriorityClass], float] = {
+            (p, c): 0.0 for p in pools for c in EDGE_CLASSES}
         self._current = self._encode()
 
     @property
     def streams(self) -> int:
         return len(self._streams)
 
-    def publish(self, shares: Mapping[PriorityClass, float], *, changed: bool) -> None:
+    def publish(self, shares: Mapping[tuple[str, PriorityClass], float], *,
+                changed: bool) -> None:
         """Send the shares (again) to every Envoy; a refresh when nothing changed."""
         if changed:
             # Info only when a class's switch goes on or off; each step at debug.
-            flips = {c.label: v for c, v in shares.items()
-                     if (v > 0) != (self._shares.get(c, 0.0) > 0)}
+            flips = {self._name(k): v for k, v in shares.items()
+                     if (v > 0) != (self._shares.get(k, 0.0) > 0)}
             self._shares = dict(shares)
             self._current = self._encode()
             if flips:
                 log.info("edge_shed_switched", shares=flips)
             elif logs.debug_enabled():
-                log.debug("edge_shed_changed", shares={c.label: v for c, v in shares.items()})
-        for cls, share in self._shares.items():
-            self._metrics.edge_share(cls, share)
+                log.debug("edge_shed_changed",
+                          shares={self._name(k): v for k, v in shares.items()})
+        for (pool, cls), share in self._shares.items():
+            self._metrics.edge_share(cls, share, pool if self._pooled else None)
         for q in self._streams:
             _offer(q, self._current)
 
@@ -223,9 +239,9 @@ class RuntimeServer:
         rt = rtds_pb2.Runtime(name=LAYER)
         # A FractionalPercent map: a plain integer would be read as a percentage and
         # anything above 100 as "always" (measured with Envoy 1.40: everything shed).
-        rt.layer.update({runtime_key(c): {"numerator": round(v * DENOMINATOR),
-                                          "denominator": "MILLION"}
-                         for c, v in self._shares.items()})
+        rt.layer.update({runtime_key(c, p): {"numerator": round(v * DENOMINATOR),
+                                             "denominator": "MILLION"}
+                         for (p, c), v in self._shares.items()})
         res = discovery_pb2.Resource(name=LAYER, version=version)
         res.ttl.FromNanoseconds(int(TTL_SECS * 1e9))
         res.resource.Pack(rt)
@@ -233,6 +249,10 @@ class RuntimeServer:
         resp.resources.add().Pack(res)
         out: bytes = resp.SerializeToString()
         return out
+
+    def _name(self, key: tuple[str, PriorityClass]) -> str:
+        """A switch in log lines: the class, with its pool where there are pools."""
+        return f"{key[0]}/{key[1].label}" if self._pooled else key[1].label
 
     def _with_nonce(self, data: bytes) -> bytes:
         # The nonce is the only per-send field: appended as its own field, no re-encode.
@@ -274,24 +294,36 @@ class RuntimeServer:
 
 
 class EdgeShed:
-    """The controller, the RTDS server and the shed counter, run every interval."""
+    """The controllers (one per pool), the RTDS server and the shed counter, run every
+    interval."""
 
-    def __init__(self, metrics: Recorder,
-                 rejections: Callable[[str, str, str], None]) -> None:
-        self.controller = ShedController()
-        self.server = RuntimeServer(metrics)
+    def __init__(self, metrics: Recorder, rejections: Callable[[str, str, str], None],
+                 pools: Iterable[str] = (DEFAULT_POOL,)) -> None:
+        names = tuple(pools)
+        self.controllers = {p: ShedController() for p in names}
+        # Without pools, the one controller (Checks feed it without a pool lookup).
+        self.controller = self.controllers.get(DEFAULT_POOL) or ShedController()
+        self.server = RuntimeServer(metrics, names)
+        self._pooled = names != (DEFAULT_POOL,)
         self._metrics = metrics
         self._rejections = rejections
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(CONTROL_INTERVAL_SECS)
-            changed = self.controller.tick()
-            self.server.publish(self.controller.shares(), changed=changed)
+            changed = False
+            for c in self.controllers.values():
+                changed = c.tick() or changed
+            self.server.publish({(p, cls): v for p, c in self.controllers.items()
+                                 for cls, v in c.shares().items()}, changed=changed)
 
-    def shed_counted(self, cls: PriorityClass, n: int) -> None:
-        self.controller.edge_shed(cls, n)
-        self._metrics.edge_shed(cls, n)
+    def shed_counted(self, cls: PriorityClass, n: int, pool: str = DEFAULT_POOL) -> None:
+        controller = self.controllers.get(pool)
+        if controller is None:  # a logger naming a pool this sidecar does not have
+            log.warning("edge_shed_unknown_pool", pool=pool[:64], entries=n)
+            return
+        controller.edge_shed(cls, n)
+        self._metrics.edge_shed(cls, n, pool if self._pooled else None)
         for _ in range(n):
             self._rejections(cls.label, "rejected_queue_full", EDGE_TENANT)
 
@@ -304,10 +336,11 @@ class EdgeShed:
 
         async def handler(requests: AsyncIterator[bytes],
                           context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
-            mark = _stream_mark(context)
+            mark = _stream_mark(context, STREAM_MARK_KEY)
             if mark is None:
                 return await completion(requests, context)
             cls = PriorityClass.from_name(mark)
+            pool = _stream_mark(context, POOL_MARK_KEY) or DEFAULT_POOL
             async for data in requests:
                 try:
                     n = len(als_pb2.StreamAccessLogsMessage.FromString(data)
@@ -316,7 +349,7 @@ class EdgeShed:
                     log.warning("access_log_decode_failed", error=str(exc))
                     continue
                 if cls is not None and n:
-                    self.shed_counted(cls, n)
+                    self.shed_counted(cls, n, pool)
             return codec.ALS_RESPONSE
 
         return handler
@@ -330,8 +363,8 @@ def _offer(q: asyncio.Queue[bytes], data: bytes) -> None:
     q.put_nowait(data)
 
 
-def _stream_mark(context: grpc.aio.ServicerContext[bytes, bytes]) -> str | None:
+def _stream_mark(context: grpc.aio.ServicerContext[bytes, bytes], mark: str) -> str | None:
     for key, value in context.invocation_metadata() or ():
-        if key == STREAM_MARK_KEY:
+        if key == mark:
             return value if isinstance(value, str) else value.decode(errors="replace")
     return None

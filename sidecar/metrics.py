@@ -267,9 +267,10 @@ class Recorder(Protocol):
     def owner_blip(self) -> None:
         """An Envoy's streams closed, but its admin says the same process runs."""
 
-    def edge_shed(self, cls: PriorityClass, n: int) -> None:
+    def edge_shed(self, cls: PriorityClass, n: int, pool: str | None = None) -> None:
         """Envoy answered ``n`` requests of ``cls`` with the queue-full 429 itself (edge
-        shedding): counted as the contract counts them, and as edge sheds."""
+        shedding): counted as the contract counts them, and as edge sheds (with pools,
+        on ``pool``'s route: ``Metrics(pools=True)``, series with ``pool``)."""
 
     def shadow_admit(self, cls: PriorityClass, outcome: Outcome,
                      pool: str | None = None) -> None:
@@ -281,8 +282,9 @@ class Recorder(Protocol):
         """--shadow: scrape-time gauges of the would-be in-flight and queued requests
         (``pools``: every pool's shadow, with ``Metrics(pools=True)``)."""
 
-    def edge_share(self, cls: PriorityClass, share: float) -> None:
-        """The share of ``cls``'s requests Envoy is told to answer itself."""
+    def edge_share(self, cls: PriorityClass, share: float, pool: str | None = None) -> None:
+        """The share of ``cls``'s requests (on ``pool``'s route) Envoy is told to answer
+        itself."""
 
 
 class NullRecorder:
@@ -375,7 +377,7 @@ class NullRecorder:
     def owner_blip(self) -> None:
         pass
 
-    def edge_shed(self, cls: PriorityClass, n: int) -> None:
+    def edge_shed(self, cls: PriorityClass, n: int, pool: str | None = None) -> None:
         pass
 
     def shadow_admit(self, cls: PriorityClass, outcome: Outcome,
@@ -386,7 +388,7 @@ class NullRecorder:
                        pools: Callable[[], Mapping[str, Snapshot]] | None = None) -> None:
         pass
 
-    def edge_share(self, cls: PriorityClass, share: float) -> None:
+    def edge_share(self, cls: PriorityClass, share: float, pool: str | None = None) -> None:
         pass
 
 
@@ -560,11 +562,11 @@ class Metrics:
             "smg_sidecar_edge_shed",
             "Requests Envoy answered with the queue-full 429 itself (edge shedding), by class "
             "(also in smg_scheduler_admit_total{outcome=\"rejected_queue_full\"})",
-            ["class"], registry=r)
+            [*pl, "class"], registry=r)
         self._edge_share = Gauge(
             "smg_sidecar_edge_shed_share",
             "Share of the class's requests Envoy is told to answer itself (0 = off)",
-            ["class"], registry=r)
+            [*pl, "class"], registry=r)
         # Not smg_scheduler_admit_total: that one counts what really happened (all admitted).
         self._shadow_admit = Counter(
             "smg_sidecar_shadow_admit",
@@ -779,12 +781,17 @@ class Metrics:
     def owner_blip(self) -> None:
         self._owner_blips.inc()
 
-    def edge_shed(self, cls: PriorityClass, n: int) -> None:
+    def edge_shed(self, cls: PriorityClass, n: int, pool: str | None = None) -> None:
+        if self._pooled:
+            pl = self._pl(pool)
+            self._admit.labels(*pl, cls.label, Outcome.REJECTED_QUEUE_FULL.value).inc(n)
+            self._edge_shed.labels(*pl, cls.label).inc(n)
+            return
         self._admit_child[(cls, Outcome.REJECTED_QUEUE_FULL)].inc(n)
         self._edge_shed.labels(cls.label).inc(n)
 
-    def edge_share(self, cls: PriorityClass, share: float) -> None:
-        self._edge_share.labels(cls.label).set(share)
+    def edge_share(self, cls: PriorityClass, share: float, pool: str | None = None) -> None:
+        self._edge_share.labels(*self._pl(pool), cls.label).set(share)
 
     def shadow_admit(self, cls: PriorityClass, outcome: Outcome,
                      pool: str | None = None) -> None:

@@ -146,7 +146,7 @@ def test_other_classes_never_move_a_switch() -> None:
 
 def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
     server = edge.RuntimeServer(NullRecorder())
-    server.publish({B: 0.25}, changed=True)
+    server.publish({("default", B): 0.25}, changed=True)
     resp = discovery_pb2.DiscoveryResponse.FromString(server._with_nonce(server._current))
     assert resp.type_url == edge.RUNTIME_TYPE_URL and resp.nonce
     (wrapped,) = resp.resources
@@ -158,6 +158,16 @@ def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
     assert rt.name == edge.LAYER
     assert json_format.MessageToDict(rt.layer) == {
         "smg.edge.shed.bulk": {"numerator": 250000.0, "denominator": "MILLION"}}
+    # With pools the one layer carries every pool's switch; the default pool's key is as
+    # without pools.
+    pooled = edge.RuntimeServer(NullRecorder(), ("default", "big"))
+    pooled.publish({("default", B): 0.0, ("big", B): 0.5}, changed=True)
+    res = discovery_pb2.Resource()
+    discovery_pb2.DiscoveryResponse.FromString(pooled._current).resources[0].Unpack(res)
+    res.resource.Unpack(rt)
+    assert json_format.MessageToDict(rt.layer) == {
+        "smg.edge.shed.bulk": {"numerator": 0.0, "denominator": "MILLION"},
+        "smg.edge.shed.pool.big.bulk": {"numerator": 500000.0, "denominator": "MILLION"}}
 
 
 async def test_a_stream_that_has_not_sent_yet_gets_the_newest_state() -> None:
@@ -170,8 +180,8 @@ async def test_a_stream_that_has_not_sent_yet_gets_the_newest_state() -> None:
 
     stream = server.stream_runtime(envoy(), None)  # type: ignore[arg-type]
     first = await anext(stream)  # what was in force when it subscribed
-    server.publish({B: 0.5}, changed=True)
-    server.publish({B: 0.75}, changed=True)  # before the stream sent the 0.5
+    server.publish({("default", B): 0.5}, changed=True)
+    server.publish({("default", B): 0.75}, changed=True)  # before the stream sent the 0.5
     second = await anext(stream)
     await stream.aclose()
 
@@ -288,8 +298,10 @@ async def edge_stack(tmp_path: Path) -> AsyncIterator[EdgeStack]:
 class Flood:
     """Closed-loop bulk clients; every response kept for the checks."""
 
-    def __init__(self, stack: Stack, clients: int = 16) -> None:
+    def __init__(self, stack: Stack, clients: int = 16,
+                 path: str = "/v1/chat/completions") -> None:
         self.stack = stack
+        self.path = path
         self.responses: list[tuple[int, dict[str, str], bytes]] = []
         self.errors = 0
         self._stop = False
@@ -298,8 +310,8 @@ class Flood:
     async def _client(self) -> None:
         while not self._stop:
             try:
-                r = await request(self.stack.listen_port, headers={"x-smg-priority": "bulk"},
-                                  body=b"{}", timeout=30)
+                r = await request(self.stack.listen_port, self.path,
+                                  headers={"x-smg-priority": "bulk"}, body=b"{}", timeout=30)
                 self.responses.append((r.status, r.headers, r.body))
             except HTTP_ERRORS:
                 self.errors += 1
@@ -309,19 +321,20 @@ class Flood:
         await asyncio.gather(*self._tasks)
 
 
-async def envoy_share(stack: Stack) -> float:
+async def envoy_share(stack: Stack, key: str = edge.runtime_key(B)) -> float:
     """The share Envoy's runtime has for bulk now (0 when only the static layer has it)."""
     _, body = await get(f"http://127.0.0.1:{stack.admin_port}/runtime?format=json", 2.0)
-    entry = json.loads(body)["entries"].get(edge.runtime_key(B), {})
+    entry = json.loads(body)["entries"].get(key, {})
     # Envoy prints a map value as protobuf text: ... "numerator" value { number_value: N }
     m = re.search(r"numerator\D*?([0-9][0-9.e+]*)", entry.get("final_value", ""), re.S)
     return float(m.group(1)) / edge.DENOMINATOR if m else 0.0
 
 
-async def wait_share(stack: Stack, cond: object, timeout: float) -> float:
+async def wait_share(stack: Stack, cond: object, timeout: float,
+                     key: str = edge.runtime_key(B)) -> float:
     deadline = time.monotonic() + timeout
     while True:
-        share = await envoy_share(stack)
+        share = await envoy_share(stack, key)
         if cond(share):  # type: ignore[operator]
             return time.monotonic()
         if time.monotonic() > deadline:

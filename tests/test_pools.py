@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from devtools.stack import load_renderer
-from sidecar import codec
+from sidecar import codec, edge
 from sidecar.admission import AdmissionController, Denied
 from sidecar.app import build_runtime
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
@@ -111,14 +111,13 @@ def test_settings_with_and_without_pools() -> None:
     assert plain.pool_workers == {}
 
 
-def test_pools_with_edge_shed_are_refused_for_now() -> None:
-    # With --coordination-url they work: each pool has its own ledger (test_fleet_pools);
-    # with --shadow each pool has its own shadow (test_shadow_pools).
+def test_pools_combine_with_a_fleet_shadow_and_edge_shed() -> None:
+    # --coordination-url: each pool has its own ledger (test_fleet_pools); --shadow: its
+    # own shadow (test_shadow_pools); --edge-shed: its own switches (test_edge_pools).
     assert _settings("--worker-urls", "big=http://b:1", "--coordination-url",
                      "redis://127.0.0.1:6379/0").pool_workers == {"big": ("http://b:1",)}
     assert _settings("--worker-urls", "big=http://b:1", "--shadow").shadow
-    with pytest.raises(ConfigError, match="--edge-shed cannot be combined with pools"):
-        _settings("--worker-urls", "big=http://b:1", "--edge-shed")
+    assert _settings("--worker-urls", "big=http://b:1", "--edge-shed").scheduler.edge_shed
     with pytest.raises(ConfigError, match="--shadow cannot be combined with --coordination-url"):
         _settings("--worker-urls", "big=http://b:1", "--shadow", "--coordination-url",
                   "redis://127.0.0.1:6379/0")
@@ -433,8 +432,29 @@ def test_renderer_routes_each_pool_with_its_context_extension() -> None:
                 [("default", "/d/", [("127.0.0.1", 1)])], [("b", "/b/", [])]):
         with pytest.raises(ValueError):
             render(**base, pools=bad)
-    with pytest.raises(ValueError, match="edge_shed"):
-        render(**base, edge_shed=True, pools=[("b", "/b/", [("127.0.0.1", 1)])])
+
+    # With the edge path each pool's edge route comes right before the pool's route, and
+    # every pool's route before the default pool's edge route (which matches every path).
+    doc = yaml.safe_load(render(**base, edge_shed=True,
+                                pools=[("big", "/big/", [("127.0.0.1", 8091)]),
+                                       ("small", "/small/", [("127.0.0.1", 8092)])]))
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    names = [r.get("name") for r in hcm["route_config"]["virtual_hosts"][0]["routes"]]
+    assert names == ["smg_edge_shed_pool_big_bulk", "smg_pool_big",
+                     "smg_edge_shed_pool_small_bulk", "smg_pool_small", "smg_edge_shed_bulk",
+                     None]
+    edge_route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert edge_route["match"]["prefix"] == "/big/"
+    assert edge_route["match"]["runtime_fraction"]["runtime_key"] == edge.runtime_key(B, "big")
+    static = doc["layered_runtime"]["layers"][0]["static_layer"]
+    assert static == {edge.runtime_key(B): 0, edge.runtime_key(B, "big"): 0,
+                      edge.runtime_key(B, "small"): 0}
+    marks = [lg["typed_config"]["common_config"]["grpc_service"]["initial_metadata"]
+             for lg in hcm["access_log"][1:]]
+    assert marks == [[{"key": edge.STREAM_MARK_KEY, "value": "bulk"}]] + [
+        [{"key": edge.STREAM_MARK_KEY, "value": "bulk"},
+         {"key": edge.POOL_MARK_KEY, "value": p}] for p in ("big", "small")]
 
 
 def test_the_pools_benchmark_runs() -> None:
