@@ -9,7 +9,9 @@ the edge-shed path (render.py --edge-shed) as a patch over the base's, and --edg
 to the sidecar's arguments; and k8s/overlays/pools/kustomization.yaml: the bootstrap rendered
 with a route and a cluster per model pool (render.py --pool), the sidecar's --worker-urls
 POOL=URL entries and priority.yaml's `pools:` section, over the base (two replicas sharing
-the fleet ledger: each pool has a ledger of its own in the one Valkey).
+the fleet ledger: each pool has a ledger of its own in the one Valkey); and
+k8s/overlays/pools-edge-shed/kustomization.yaml: the pools overlay with edge shedding (a
+switch per pool).
 
 render.py binds everything to 127.0.0.1 and only knows STATIC clusters. In the pod:
 
@@ -53,6 +55,8 @@ _PLACEHOLDER = ("127.0.0.1", WORKERS_PORT)
 OUT = Path(__file__).resolve().parent / "base" / "configmap-envoy.yaml"
 EDGE_OUT = Path(__file__).resolve().parent / "overlays" / "edge-shed" / "kustomization.yaml"
 POOLS_OUT = Path(__file__).resolve().parent / "overlays" / "pools" / "kustomization.yaml"
+POOLS_EDGE_OUT = (Path(__file__).resolve().parent / "overlays" / "pools-edge-shed"
+                  / "kustomization.yaml")
 PRIORITY = Path(__file__).resolve().parent / "base" / "configmap-priority.yaml"
 
 # Two models behind one gateway (a 70B chat model and an 8B model), each a StatefulSet of
@@ -252,14 +256,27 @@ patches:
 """
 
 
-def pools_overlay_text() -> str:
+_POOLS_EDGE_NOTE = """\
+# With edge shedding (docs/reference.md "Edge shedding", "Pools"): each pool's route has a
+# switch of its own, steered by that pool's queue alone; --edge-shed is added to the
+# sidecar's arguments and the bootstrap is rendered with both (render.py --edge-shed --pool).
+#   kubectl apply -k k8s/overlays/pools-edge-shed
+"""
+
+
+def pools_overlay_text(edge_shed: bool = False) -> str:
+    args = ["--worker-urls", *pool_worker_urls(), *(["--edge-shed"] if edge_shed else [])]
     ops = ["    - op: add\n      path: /spec/template/spec/initContainers/0/args/-\n"
-           f"      value: {arg}\n" for arg in ["--worker-urls", *pool_worker_urls()]]
+           f"      value: {arg}\n" for arg in args]
     priority = yaml.safe_load(PRIORITY.read_text(encoding="utf-8"))["data"]["priority.yaml"]
-    return (_POOLS_HEADER + "".join(ops)
+    header = _POOLS_HEADER
+    if edge_shed:
+        at = header.index("apiVersion:")
+        header = header[:at] + _POOLS_EDGE_NOTE + header[at:]
+    return (header + "".join(ops)
             + "- target:\n    kind: ConfigMap\n    name: priority-gate-envoy\n"
             "  patch: |-\n    - op: replace\n      path: /data/envoy.yaml\n      value: |\n"
-            + _indented(envoy_yaml(pools=True), "        ")
+            + _indented(envoy_yaml(edge_shed=edge_shed, pools=True), "        ")
             + "- target:\n    kind: ConfigMap\n    name: priority-gate-config\n"
             "  patch: |-\n    - op: replace\n      path: /data/priority.yaml\n      value: |\n"
             + _indented(priority + POOLS_PRIORITY, "        "))
@@ -270,7 +287,8 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="fail if the committed file is stale")
     a = p.parse_args()
     outputs = {OUT: configmap_text(), EDGE_OUT: edge_overlay_text(),
-               POOLS_OUT: pools_overlay_text()}
+               POOLS_OUT: pools_overlay_text(),
+               POOLS_EDGE_OUT: pools_overlay_text(edge_shed=True)}
     if a.check:
         for out, text in outputs.items():
             if not out.exists() or out.read_text(encoding="utf-8") != text:

@@ -621,10 +621,14 @@ K8S = Path(__file__).resolve().parents[1] / "k8s"
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.parametrize("overlay,first_route", [
+    ("edge-shed", "smg_edge_shed_bulk"),
+    ("pools-edge-shed", "smg_edge_shed_pool_chat-70b_bulk"),  # a switch per pool
+])
 def test_the_k8s_overlay_turns_both_sides_on_and_its_envoy_config_validates(
-        tmp_path: Path) -> None:
+        overlay: str, first_route: str, tmp_path: Path) -> None:
     import yaml
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / "edge-shed")],
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -636,8 +640,7 @@ def test_the_k8s_overlay_turns_both_sides_on_and_its_envoy_config_validates(
              and d["metadata"]["name"] == "priority-gate-envoy"]
     text = cm["data"]["envoy.yaml"]
     boot = yaml.safe_load(text)
-    assert _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["name"] == \
-        "smg_edge_shed_bulk"
+    assert _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["name"] == first_route
     # The same pod, the same ports and settings as the base otherwise.
     base = yaml.safe_load(load_renderer().render(
         listen_port=1, admin_port=2, sidecar_host="127.0.0.1", sidecar_port=3,

@@ -263,6 +263,7 @@ def _built_sidecar(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
     ("overlays/single-replica", ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy",
                                  "Service"]),
     ("overlays/pools", _BASE_KINDS),  # two replicas on the fleet ledger, a ledger per pool
+    ("overlays/pools-edge-shed", _BASE_KINDS),  # the same with a switch per pool
 ])
 def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -282,7 +283,7 @@ def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
     args[args.index("--priority-scheduler-config") + 1] = str(cfg)
     _local_password_file(args, tmp_path)
     settings = settings_from_args(build_parser().parse_args(args), isatty=False)
-    if target == "overlays/pools":
+    if target.startswith("overlays/pools"):
         # the pools the routes name are the sidecar's, each with its own workers and table
         assert set(settings.pool_workers) == set(settings.priority.pools) == set(
             _route_pools(_built_envoy(docs)))
