@@ -9,7 +9,11 @@ of a 200 minus the 50 ms service time (client side), cross-checked with the side
 smg_scheduler_queue_wait_seconds histogram. The baseline for the ratios is the
 same class's unloaded latency, measured first in this run.
 
-    python -m bench.isolation [--seconds 8] [--quick]
+The load client is ``bench.rawload`` (asyncio protocols, pre-encoded requests): aiohttp
+(``--client httpload``, what this part used before) took 45-70 % of one of the box's
+two cores at 1,600 req/s, CPU that Envoy and the sidecar then lacked.
+
+    python -m bench.isolation [--seconds 8] [--quick] [--client rawload|httpload]
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import slots
-from bench._util import out_path, pct
+from bench._util import loadavg, out_path, pct
 from bench.httpload import through_envoy
 from devtools.demo import make_token
 from devtools.httpclient import get as http_get
@@ -99,10 +103,10 @@ def delta(m0: dict[str, float], m1: dict[str, float], prefix: str) -> float:
     return sum(v - m0.get(k, 0.0) for k, v in m1.items() if k.startswith(prefix))
 
 
-async def run_load(stack: Stack, spec_streams: list[dict[str, object]], seconds: float
-                   ) -> dict[str, Any]:
+async def run_load(stack: Stack, spec_streams: list[dict[str, object]], seconds: float,
+                   client: str = "bench.rawload") -> dict[str, Any]:
     return await through_envoy(stack, seconds, spec_streams, timeout=20, warmup=5,
-                               warmup_headers={"x-smg-priority": "system"})
+                               warmup_headers={"x-smg-priority": "system"}, client=client)
 
 
 def report(label: str, r: dict[str, Any], m0: dict[str, float], m1: dict[str, float],
@@ -237,7 +241,8 @@ def add_flood_guard(stack: Stack) -> None:
 
 
 async def main_async(seconds: float, multiples: list[float], preemption: bool = True,
-                     flood_guard: bool = False, reservations: bool = True) -> int:
+                     flood_guard: bool = False, reservations: bool = True,
+                     client: str = "bench.rawload") -> int:
     priority = PRIORITY if reservations else PRIORITY_NO_RESERVATIONS
     cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=SERVICE,
                       priority_yaml=priority, jwt_secret=SECRET, preemption=preemption,
@@ -249,13 +254,14 @@ async def main_async(seconds: float, multiples: list[float], preemption: bool = 
         add_flood_guard(stack)
     print(__doc__.split("\n\n")[1].replace("\n", "\n  ").join(["isolation: ", ""])
           .replace("isolation: Fleet", "isolation: fleet"))
+    print(f"  load client {client}; load average {loadavg()}")
     all_ok = True
     results: list[tuple[str, dict[str, Any]]] = []
     try:
         await stack.start()
         # Unloaded baseline: 10 req/s per class, 2 s.
         unl = [dict(s, rate=10.0) for s in streams(1.0)]
-        r = await run_load(stack, unl, 2.0)
+        r = await run_load(stack, unl, 2.0, client)
         base = {c: pct([max(0.0, x[2] - SERVICE) for x in r["records"]
                         if x[0] == c and x[3] == 200], 0.99) for c in CLASSES}
         print("  unloaded baseline (10 req/s per class): p99 queue wait " + ", ".join(
@@ -263,7 +269,7 @@ async def main_async(seconds: float, multiples: list[float], preemption: bool = 
         for mult in multiples:
             await asyncio.sleep(2.5)  # let queues from the previous run drain
             m0 = await stack.metrics()
-            r = await run_load(stack, streams(mult), seconds)
+            r = await run_load(stack, streams(mult), seconds, client)
             await asyncio.sleep(1.0)
             m1 = await stack.metrics()
             if flood_guard:
@@ -290,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Envoy without the ext_proc filter (to measure what it costs)")
     p.add_argument("--no-reservations", action="store_true",
                    help="system and interactive reserve nothing (what the loop itself costs)")
+    p.add_argument("--client", choices=("rawload", "httpload"), default="rawload",
+                   help="the load client (httpload: the aiohttp one this part used before)")
     p.add_argument("--flood-guard", action="store_true",
                    help="Envoy's local rate limit on bulk before ext_authz (operator option)")
     args = p.parse_args(argv)
@@ -297,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(main_async(seconds, [float(m) for m in args.multiples.split(",")],
                                   preemption=not args.no_preemption,
                                   flood_guard=args.flood_guard,
-                                  reservations=not args.no_reservations))
+                                  reservations=not args.no_reservations,
+                                  client=f"bench.{args.client}"))
 
 
 if __name__ == "__main__":
