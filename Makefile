@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 ENVOY := $(ENVOY_VENV)/bin/envoy
 PYTEST_ARGS ?=
 
-.PHONY: install envoy llama-server test test-llama lint typecheck pytest run front bench fuzz sim-long clean
+.PHONY: install envoy llama-server test test-llama lint typecheck pytest run front bench fuzz sim-long dsim-long clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -61,6 +61,13 @@ fuzz: install
 sim-long: install
 	SIM_SEEDS=$${SIM_SEEDS:-20} SIM_STEPS=$${SIM_STEPS:-200000} $(PY) -m pytest -q -s \
 		tests/test_fleet_sim.py -k promises
+
+# The long deterministic fleet simulation: SIM_SEEDS seeds of SIM_STEPS steps each, every
+# seed's trace reproducible (SIM_SEED=N SIM_STEPS=M runs one; SIM_TRACE_DIR=DIR keeps a
+# failing run's trace).
+dsim-long: install
+	SIM_SEEDS=$${SIM_SEEDS:-20} SIM_STEPS=$${SIM_STEPS:-500000} $(PY) -m pytest -q -s \
+		tests/test_fleet_dsim.py -k promises
 
 run: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.demo
