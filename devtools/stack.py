@@ -22,7 +22,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -113,6 +113,9 @@ class StackConfig:
     # of each), a fleet of their own each, reached through Envoy at /NAME/ (rewritten
     # to /). The fleet above is the default pool.
     pools: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Per named pool, its workers' engine and engine knobs (FakeWorker's; e.g. {"engine":
+    # "vllm", "dev_mode": True}).
+    pool_worker_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Pools Envoy routes (at /NAME/, to the default fleet) that the sidecar is not told of.
     envoy_extra_pools: tuple[str, ...] = ()
     # Edge shedding on both sides: the bootstrap's edge path and the sidecar's --edge-shed.
@@ -341,8 +344,18 @@ class Stack:
 
 def pool_fleets_of(config: StackConfig) -> dict[str, Fleet]:
     """The named pools' fake workers (``config.pools``), not started."""
-    return {name: Fleet(n, max_running_requests=cap, service_time=config.service_time)
-            for name, (n, cap) in config.pools.items()}
+    fleets = {}
+    for name, (n, cap) in config.pools.items():
+        knobs = dict(config.pool_worker_kwargs.get(name, {}))
+        fleet = Fleet(n, max_running_requests=cap, service_time=config.service_time,
+                      engine=knobs.pop("engine", "generic"))
+        for worker in fleet.workers:  # the engine knobs are the workers' attributes
+            for knob, value in knobs.items():
+                if not hasattr(worker, knob):
+                    raise ValueError(f"pool {name}: FakeWorker has no knob {knob!r}")
+                setattr(worker, knob, value)
+        fleets[name] = fleet
+    return fleets
 
 
 class Replicas:

@@ -27,11 +27,15 @@ classes:
 # Per worker: the default pool 2 x 1 = 2, big 1 x 1 = 1, small 2 x 3 = 6 slots.
 POOLS = {"big": (1, 1), "small": (2, 3)}
 CAPACITY = {"default": 2, "big": 1, "small": 6}
+# Each pool on an engine of its own, its capacity read by that engine's rule.
+ENGINES = {"default": "generic", "big": "sglang", "small": "vllm"}
+POOL_WORKERS = {"big": {"engine": "sglang"}, "small": {"engine": "vllm", "dev_mode": True}}
 
 
 async def test_each_pool_admits_on_its_own_capacity(make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PRIORITY, max_running_requests=1, service_time=0.15,
-                             pools=POOLS, envoy_extra_pools=("ghost",))
+                             pools=POOLS, pool_worker_kwargs=POOL_WORKERS,
+                             envoy_extra_pools=("ghost",))
     fleets = {"default": stack.fleet, **stack.pool_fleets}
     paths = {"default": "/v1/chat/completions", "big": "/big/v1/chat/completions",
              "small": "/small/v1/chat/completions"}
@@ -66,6 +70,9 @@ async def test_each_pool_admits_on_its_own_capacity(make_stack: StackFactory) ->
         assert m[f'smg_scheduler_admit_total{{class="bulk",outcome="admitted",pool="{pool}"}}'] == n
         assert m[f'smg_sidecar_capacity{{pool="{pool}"}}'] == cap
         assert m[f'smg_sidecar_healthy_workers{{pool="{pool}"}}'] == len(fleets[pool].workers)
+        for w in fleets[pool].workers:  # type: ignore[union-attr]
+            assert m[f'smg_sidecar_worker_capacity{{engine="{ENGINES[pool]}",'
+                     f'worker="{w.url}"}}'] == cap // len(fleets[pool].workers), pool
     assert all("pool=" in k for k in m if k.startswith("smg_scheduler_admit_total{"))
 
 
