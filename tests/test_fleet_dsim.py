@@ -40,7 +40,8 @@ def _report(sim: DSim, secs: float) -> str:
             f"({st['steps'] / secs:,.0f} steps/s), {st['calls']} ledger calls, "
             f"{st['admitted']} admitted, {st['preempted']} preempted, peak {sim.peak}/"
             f"{sim.cfg.capacity}, {st['steps_in_windows']} steps inside windows "
-            f"({st['steps_over_capacity_in_windows']} over capacity), faults {faults}, digest {sim.digest.hexdigest()[:16]}")
+            f"({st['steps_over_capacity_in_windows']} over capacity), faults {faults}, "
+            f"digest {sim.digest.hexdigest()[:16]}")
 
 
 @pytest.mark.skipif(LONG, reason="SIM_SEED / SIM_SEEDS: the long profile runs instead")
