@@ -46,13 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="",
-                   help="comma list: codec,core,pools,check,ext_proc,e2e,isolation,fairness,"
-                        "saturation,ledger,coordination,edge,llm")
+                   help="comma list: codec,core,pools,check,ext_proc,e2e,pools_envoy,isolation,"
+                        "fairness,saturation,ledger,coordination,edge,llm")
     args = p.parse_args(argv)
     parts: list[tuple[str, Callable[[list[str]], int]]] = [
         ("codec", codec.main), ("core", core.main), ("pools", pools.main),
         ("check", check_throughput.main),
-        ("ext_proc", ext_proc_cost.main), ("e2e", e2e.main), ("isolation", isolation.main),
+        ("ext_proc", ext_proc_cost.main), ("e2e", e2e.main),
+        ("pools_envoy", lambda flags: pools.main(["--envoy", *flags])),
+        ("isolation", isolation.main),
         ("fairness", fairness.main),
         ("saturation", saturation.main), ("ledger", ledger.main),
         ("coordination", coordination.main), ("edge", edge.main), ("llm", llm.main)]

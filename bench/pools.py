@@ -1,4 +1,5 @@
-"""Pools: the per-decision cost with 1, 10 and 100 pools (sidecar.pools).
+"""Pools: the per-decision cost with 1, 10 and 100 pools (sidecar.pools), and two pools
+against one through Envoy.
 
 Two loops, each one admission decision plus one release per iteration, spread
 round-robin over the pools:
@@ -19,8 +20,22 @@ round-robin over the pools:
   controller without pools. Also the ledger round trips per pair (``FleetLedger.calls``):
   a decision costs one call on one pool's ledger whatever the number of pools.
 
+* **envoy** (``--envoy``): throughput through a real Envoy, two pools against one in the
+  same run. Two stacks (devtools.stack: Envoy rendered by envoy/render.py, the sidecar
+  with ``--worker-urls``, fake workers in this process, preemption on), started once:
+  *one* has no pools and capacity C; *two* has the default pool and pool ``b``
+  (``--worker-urls b=URL``, Envoy's ``/b/`` route) with C/2 each. The same load goes to
+  both, split evenly over ``/`` and ``/b/`` (*one*'s Envoy has the same ``/b/`` route,
+  to its one cluster), from bench.rawload in its own process; the stacks take turns
+  (one, two; then two, one; ...). Two regimes: *cpu*, workers with no service time and room for any
+  concurrency (closed loop: what Envoy + sidecar can admit on this box's cores), and
+  *fleet*, 50 ms service with C = 16 slots and bulk offered open loop at 2x capacity
+  (what the fleet serves while every pool is backlogged). Reported: admitted (200)
+  requests/s while sending, the ratio two/one per round, CPU per admitted request.
+
     python -m bench.pools [--seconds 3.0] [--quick]   (best of 3 runs of seconds/3 per point)
     python -m bench.pools --fleet [--seconds 3.0]
+    python -m bench.pools --envoy [--seconds 3] [--rounds 6]   (bench/out/pools-envoy.txt)
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from sidecar.admission import AdmissionController, AdmissionService
 from sidecar.classes import PriorityClass
@@ -188,6 +204,150 @@ def fleet_report(seconds: float) -> None:
         server.stop()
 
 
+ENVOY_PRIORITY = """
+# Sized for 8-slot pools: nothing reserved (the built-in reservations need >= 256 slots).
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0}
+  bulk: {queue_size: 32, queue_timeout_secs: 2}
+"""
+# regime -> (service time, slots per worker with one pool (2 workers), load, headers);
+# load: closed-loop connections (cpu) or offered req/s as a multiple of capacity (fleet).
+REGIMES: dict[str, tuple[float, int, float, dict[str, str]]] = {
+    "cpu": (0.0, 1000, 32, {"x-smg-tenant": "t1"}),
+    "fleet": (0.05, 8, 2.0, {"x-smg-priority": "bulk"}),
+}
+ROUTES = {"a": "/v1/chat/completions", "b": "/b/v1/chat/completions"}
+LINES: list[str] = []
+
+
+def say(line: str) -> None:
+    """Print, and keep for bench/out/pools-envoy.txt."""
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def envoy_stacks(regime: str) -> dict[str, Any]:
+    from devtools.stack import Stack, StackConfig
+
+    service, slots, _, _ = REGIMES[regime]
+    common: dict[str, Any] = dict(workers=2, service_time=service, priority_yaml=ENVOY_PRIORITY,
+                                  log_level="warning", flush_interval_secs=1.0,
+                                  health_interval_secs=1.0)
+    # one: Envoy routes /b/ as two's does (prefix rewrite, smg-pool: b), to its one
+    # cluster; a sidecar without pools does not read smg-pool.
+    return {"one": Stack(StackConfig(max_running_requests=slots, envoy_extra_pools=("b",),
+                                     **common)),
+            "two": Stack(StackConfig(max_running_requests=slots // 2,
+                                     pools={"b": (2, slots // 2)}, **common))}
+
+
+async def envoy_point(stack: Any, regime: str, seconds: float) -> dict[str, float]:
+    from bench._util import pct
+    from bench.httpload import through_envoy
+
+    service, slots, load, headers = REGIMES[regime]
+    closed = regime == "cpu"
+    capacity = 2 * slots / service if service else 0.0
+    streams = [{"name": name, "path": path, "headers": headers,
+                "rate": 0.0 if closed else load * capacity / len(ROUTES)}
+               for name, path in ROUTES.items()]
+    r = await through_envoy(stack, seconds, streams, concurrency=int(load) if closed else 0,
+                            timeout=20, client="bench.rawload")
+    wall = r["send_wall"]
+    ok = [x for x in r["records"] if x[3] == 200 and x[1] < wall]
+    rps = len(ok) / wall
+    out = {"rps": rps, "sent": (len(r["records"]) + r["errors"]) / wall,
+           "errors": float(r["errors"]), "p50": pct([x[2] for x in ok], 0.5),
+           "client": r["client_cpu"], "envoy": r["cpu"][0], "sidecar": r["cpu"][1],
+           "share_b": sum(1 for x in ok if x[0] == "b") / max(1, len(ok))}
+    out["sidecar_us"] = out["sidecar"] / max(rps, 1.0) * 1e6
+    out["envoy_us"] = out["envoy"] / max(rps, 1.0) * 1e6
+    return out
+
+
+async def ready(stacks: dict[str, Any], slots: int, timeout: float = 20.0) -> None:
+    """Until each sidecar counts its pools' capacity and Envoy's pool_b cluster is
+    healthy (Stack.start waits for the default cluster only)."""
+    want = {"one": {"smg_sidecar_capacity": 2 * slots},
+            "two": {'smg_sidecar_capacity{pool="default"}': slots,
+                    'smg_sidecar_capacity{pool="b"}': slots}}
+    deadline = time.monotonic() + timeout
+    while True:
+        m = {name: await st.metrics() for name, st in stacks.items()}
+        healthy = await stacks["two"].envoy_stat("cluster.pool_b.membership_healthy")
+        if healthy == 2 and all(m[n].get(k) == v for n, w in want.items()
+                                for k, v in w.items()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pools not ready: pool_b healthy {healthy}, "
+                               f"{ {n: {k: m[n].get(k) for k in w} for n, w in want.items()} }")
+        await asyncio.sleep(0.2)
+
+
+async def envoy_report_async(seconds: float, rounds: int, regimes: list[str]) -> int:
+    import statistics
+
+    from bench._util import loadavg
+
+    say("pools through Envoy: two stacks (Envoy + sidecar + fake workers, preemption on), "
+        "one with no pools and capacity C,\n  one with the default pool and pool b (/b/) "
+        "with C/2 each; the same load, half on / and half on /b/,\n  from bench.rawload; "
+        f"the stacks take turns, {seconds:g} s per point, {rounds} rounds per regime; "
+        f"load average {loadavg()}")
+    for regime in regimes:
+        service, slots, load, _ = REGIMES[regime]
+        what = (f"closed loop, {load:g} connections" if regime == "cpu"
+                else f"open loop at {load:g}x capacity = {load * 2 * slots / service:,.0f} req/s")
+        say(f"  {regime}: capacity C = 2 workers x {slots} slots, service {service * 1e3:g} ms; "
+            f"two = default 2 x {slots // 2} + b 2 x {slots // 2}; {what}, half to each route")
+        stacks = envoy_stacks(regime)
+        ratios: list[float] = []
+        cost: dict[str, list[float]] = {"one": [], "two": []}
+        total: dict[str, list[float]] = {"one": [], "two": []}
+        try:
+            for st in stacks.values():
+                await st.start()
+            await ready(stacks, slots)
+            for st in stacks.values():  # a first short point on each, not counted
+                await envoy_point(st, regime, 1.0)
+            for i in range(rounds):
+                order = ["one", "two"] if i % 2 == 0 else ["two", "one"]
+                res = {name: await envoy_point(stacks[name], regime, seconds) for name in order}
+                for name in order:
+                    x = res[name]
+                    say(f"    round {i + 1} {name}: admitted {x['rps']:7,.0f} req/s (sent "
+                        f"{x['sent']:,.0f}/s, {x['share_b']:.0%} of 200s on /b/, "
+                        f"{x['errors']:.0f} errors), p50 {x['p50'] * 1e3:.1f} ms; cpu sidecar "
+                        f"{x['sidecar']:.0%} = {x['sidecar_us']:.0f} us/admitted, envoy "
+                        f"{x['envoy']:.0%} = {x['envoy_us']:.0f} us, client {x['client']:.0%}; "
+                        f"load {loadavg()}")
+                for name in order:
+                    cost[name].append(res[name]["sidecar_us"])
+                    total[name].append(res[name]["rps"])
+                ratio = res["two"]["rps"] / res["one"]["rps"]
+                ratios.append(ratio)
+                say(f"    round {i + 1} ratio two/one {ratio:.3f}")
+            m0 = await stacks["two"].metrics()
+            per_pool: dict[str, float] = {}
+            for k, v in m0.items():
+                if k.startswith("smg_scheduler_admit_total{") and 'outcome="admitted"' in k:
+                    pool = k.split('pool="')[1].split('"')[0]
+                    per_pool[pool] = per_pool.get(pool, 0.0) + v
+            say("    two: admitted per pool (smg_scheduler_admit_total, whole run): "
+                + ", ".join(f"{p} {v:,.0f}" for p, v in sorted(per_pool.items())))
+        finally:
+            for st in stacks.values():
+                await st.stop()
+        c1, c2 = statistics.median(cost["one"]), statistics.median(cost["two"])
+        say(f"  {regime}: throughput two pools / one pool, median of {rounds} rounds "
+            f"{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f}, "
+            f"all rounds together {sum(total['two']) / sum(total['one']):.3f}); sidecar CPU "
+            f"per admitted request, medians: one {c1:.0f} us, two {c2:.0f} us (x{c2 / c1:.2f})")
+    return 0
+
+
 def best(fn: Callable[[int, float, bool], float], pools: int, seconds: float,
          routed: bool = True, runs: int = 3) -> float:
     """The best of ``runs`` (the least disturbed by whatever else the machine runs)."""
@@ -196,13 +356,26 @@ def best(fn: Callable[[int, float, bool], float], pools: int, seconds: float,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--seconds", type=float, default=None,
+                   help="3 s per point (--envoy: per point and stack)")
     p.add_argument("--quick", action="store_true", help="0.6 s per point")
     p.add_argument("--fleet", action="store_true",
                    help="the fleet-mode point only (starts a valkey-server)")
+    p.add_argument("--envoy", action="store_true",
+                   help="two pools vs one through a real Envoy (starts Envoy, sidecars)")
+    p.add_argument("--rounds", type=int, default=6, help="--envoy: rounds per regime")
+    p.add_argument("--regimes", default="cpu,fleet", help="--envoy: cpu,fleet")
     args = p.parse_args(argv)
-    if args.quick:
-        args.seconds = 0.6
+    if args.envoy:
+        seconds = 2.0 if args.quick else (args.seconds or 3.0)
+        rounds = 1 if args.quick else args.rounds
+        rc = asyncio.run(envoy_report_async(seconds, rounds, args.regimes.split(",")))
+        if not args.quick:
+            from bench._util import out_path
+
+            out_path("pools-envoy.txt").write_text("\n".join(LINES) + "\n")
+        return rc
+    args.seconds = 0.6 if args.quick else (args.seconds or 3.0)
     if args.fleet:
         fleet_report(args.seconds)
         return 0

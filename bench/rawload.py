@@ -4,9 +4,12 @@ Same spec and result as :mod:`bench.httpload`'s open-loop mode (streams, records
 CPU of the pids while sending), without aiohttp: each keep-alive connection is an
 ``asyncio.Protocol`` that writes a request prepared once per stream and reads just
 the status line, ``Content-Length`` (or a chunked body's end) and
-``X-SMG-Error-Code``. No task per request. On the shared 2-core box the flood
-benchmarks run on, aiohttp at 1,600 req/s took 45-70 % of a core, CPU that Envoy
-and the sidecar then lacked (bench/out/edge.txt); this one takes a fraction of it.
+``X-SMG-Error-Code``. No task per request. A stream may name its ``path`` (default
+``/v1/chat/completions``); with ``concurrency`` N > 0 the load is a closed loop instead:
+N connections, connection i sends stream i mod len(streams) back to back. On the
+shared 2-core box the flood benchmarks run on, aiohttp at 1,600 req/s took 45-70 %
+of a core, CPU that Envoy and the sidecar then lacked (bench/out/edge.txt); this one
+takes a fraction of it.
 
     python -m bench.rawload --client JSON   (started by :func:`bench.httpload.through_envoy`)
 """
@@ -27,9 +30,12 @@ from bench.httpload import BODY, request_headers
 Record = tuple[str, float, float, int, str]
 
 
-def encode(port: int, headers: dict[str, str]) -> bytes:
+PATH = "/v1/chat/completions"
+
+
+def encode(port: int, headers: dict[str, str], path: str = PATH) -> bytes:
     head = "".join(f"{k}: {v}\r\n" for k, v in request_headers(headers).items())
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{head}"
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{head}"
             f"Content-Length: {len(BODY)}\r\n\r\n").encode() + BODY
 
 
@@ -104,6 +110,9 @@ class Client:
         self.opened = 0
         self.outstanding = 0
         self.all_done = asyncio.Event()
+        # Closed loop: each answer sends its stream's request again until ``end``.
+        self.again: dict[str, bytes] = {}
+        self.end = 0.0
 
     def submit(self, name: str, data: bytes) -> None:
         self.outstanding += 1
@@ -138,9 +147,11 @@ class Client:
                  reuse: bool) -> None:
         now = time.perf_counter()
         self.records.append((cur[0], cur[1] - self.t0, now - cur[1], status, code))
-        self._finish()
         if reuse:
             self.ready(conn)
+        if self.again and now < self.end:  # after ready(): the next one reuses conn
+            self.submit(cur[0], self.again[cur[0]])
+        self._finish()
 
     def lost(self, conn: Conn) -> None:
         if conn in self.idle:
@@ -178,21 +189,30 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.wait_for(client.all_done.wait(), timeout)
     client.records.clear()
     streams = spec["streams"]
-    data = [encode(port, s.get("headers", {})) for s in streams]
-    rates = [float(s["rate"]) for s in streams]
+    data = [encode(port, s.get("headers", {}), s.get("path", PATH)) for s in streams]
+    rates = [float(s.get("rate", 0.0)) for s in streams]
     names = [str(s["name"]) for s in streams]
     sent = [0] * len(streams)
     cpu0 = time.process_time()
     pcpu0 = [cpu_seconds(p) for p in pids]
     t0 = client.t0 = time.perf_counter()
     send_start = time.time()
-    end = t0 + seconds
+    end = client.end = t0 + seconds
+    concurrency = int(spec.get("concurrency") or 0)
+    if concurrency:
+        client.again = dict(zip(names, data, strict=True))
+        for i in range(concurrency):
+            client.submit(names[i % len(names)], data[i % len(names)])
+        rates = [0.0] * len(streams)
     # A stream with "poisson": exponential gaps (seeded), else evenly paced.
     rng = random.Random(spec.get("seed", 0))
     poisson = [bool(s.get("poisson")) for s in streams]
     next_at = [t0 + rng.expovariate(r) if p and r > 0 else end for p, r in zip(
         poisson, rates, strict=True)]
     while (now := time.perf_counter()) < end:
+        if concurrency:  # the answers send the next requests
+            await asyncio.sleep(end - now)
+            continue
         for i, rate in enumerate(rates):
             if poisson[i]:
                 while next_at[i] <= now:
