@@ -1381,17 +1381,19 @@ class DSim:
         r = self.rng.random()
         if self.cfg.faults and r < self.cfg.fault_rate:
             self.fault()
-        elif r < 0.30:
+        elif r < 0.15:
             self.arrive()
-        elif r < 0.50:
-            self.end_stream()
-        elif r < 0.53:
+        elif r < 0.30:
+            pass  # time passes
+        elif r < 0.33:
+            self.end_stream()  # besides each stream's own end (answer)
+        elif r < 0.36:
             self.duplicate_end()
-        elif r < 0.63:
+        elif r < 0.46:
             self.open_channel()
-        elif r < 0.75:
+        elif r < 0.58:
             self.first_byte()
-        elif r < 0.78:
+        elif r < 0.61:
             self.client_leaves()
 
     def periodic(self) -> None:
@@ -1441,7 +1443,12 @@ class DSim:
         aid = adm.admission.id
         if aid in self.running:
             self.fail(f"{aid} admitted twice (running on {self.running[aid].replica})")
-        self.running[aid] = DStream(aid, node.name, r.cls, r.tenant, self.now)
+        st = self.running[aid] = DStream(aid, node.name, r.cls, r.tenant, self.now)
+        # Most responses are short; some stream for seconds (longer than a heartbeat
+        # interval, a ttl, an outage), so a victim that is never stopped shows.
+        life = (self.rng.expovariate(1 / 0.05) if self.rng.random() < 0.7
+                else self.rng.uniform(0.3, 3.0))
+        self.at(self.now + life, node.name, "stream ends", lambda: self._ends(st))
         if self.copy is not None:
             self.admitted_after_copy.add(aid)
         if adm.preempted:
@@ -1481,6 +1488,21 @@ class DSim:
         del self.running[st.aid]
         self._release(node, st.aid, "end")
         self.ended.append((st.replica, st.aid))
+        if self.rng.random() < 0.1:
+            self._release(node, st.aid, "end again")
+
+    def _ends(self, st: DStream) -> None:
+        """The response is over: Envoy sends its final entry to the sidecar of its pod, or
+        to nobody while that sidecar is down (its successor's ack timeout ends it)."""
+        if self.running.get(st.aid) is not st:
+            return
+        del self.running[st.aid]
+        self.ended.append((st.replica, st.aid))
+        node = self.slot(st.replica).node
+        if node is None or node.starting:
+            self.say(f"{st.replica} stream {st.aid} ended, its sidecar down")
+            return
+        self._release(node, st.aid, "end")
         if self.rng.random() < 0.1:
             self._release(node, st.aid, "end again")
 
@@ -1732,7 +1754,9 @@ class DSim:
     # ------------------------------------------------------------------ invariants
 
     def allowed(self) -> int:
-        grace = 2 * self.cfg.ttl
+        # A preemption's victim runs until its stop arrives: a notification read, a few ms
+        # here. Within a window (its owner cut off, the server away) fleet_sim's 2 ttl.
+        grace = 2 * self.cfg.ttl if self.windows else 2 * self.cfg.call_timeout
         while self.preempting and self.now - self.preempting[0] > grace:
             self.preempting.popleft()
         server = max((w.allowance for w in self.windows if w.kind in SERVER_FAULTS),

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.classes import PriorityClass
+from sidecar.coordination.replica import Effect, Replica, Stop
 from tests.fleet_dsim import DSIM_FAULTS, DSim, DSimConfig, DStream, Req, simulate
-from tests.fleet_sim import DEF
+from tests.fleet_sim import DEF, SimViolation
 
 CI_SEEDS = [20261204, 1, 2, 3]
 CI_STEPS = 30_000  # per seed: 120,000 in all
@@ -125,3 +127,33 @@ def test_the_checker_catches_a_waiter_past_its_queue_timeout(tmp_path: Path) -> 
         assert sim.failure is not None and "still waits" in str(sim.failure)
     finally:
         sim.close()
+
+
+def _first_violation(tmp_path: Path, seeds: range, steps: int) -> str | None:
+    for seed in seeds:
+        try:
+            simulate(DSimConfig(seed=seed, steps=steps), tmp_path / str(seed))
+        except SimViolation as exc:
+            return str(exc)
+    return None
+
+
+def test_the_simulation_catches_a_share_one_slot_too_large(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The harness has teeth: a degraded limit one past the rule (L + 1) is found.
+    limit = Replica.degraded_limit
+    monkeypatch.setattr(Replica, "degraded_limit", lambda self, own: limit(self, own) + 1)
+    found = _first_violation(tmp_path, range(1, 7), 20_000)
+    assert found is not None and "allowed" in found, found
+
+
+def test_the_simulation_catches_a_victim_that_is_never_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    preempted = Replica.preempted
+
+    def without_stop(self: Replica, aid: str, by: PriorityClass) -> list[Effect]:
+        return [fx for fx in preempted(self, aid, by) if not isinstance(fx, Stop)]
+
+    monkeypatch.setattr(Replica, "preempted", without_stop)
+    found = _first_violation(tmp_path, range(1, 7), 20_000)
+    assert found is not None and "allowed" in found, found
