@@ -3,8 +3,12 @@
 The fleet and load the issue's flood goals are stated for: 2 fake workers x 4 slots,
 0.5 s service time (capacity 16 req/s), bulk open loop at 10x and 100x capacity
 (anonymous, ``x-smg-priority: bulk``), interactive at 25 % of capacity from a JWT
-tenant (ceiling interactive), system 1 req/s (JWT tenant, ceiling system); the
-classes are ``bench.isolation``'s. ``--service 0.05`` is isolation's stress case (capacity
+tenant (ceiling interactive), system 1 req/s (JWT tenant, ceiling system), both at
+exponential gaps (``--arrivals paced``: evenly). The classes are ``bench.isolation``'s
+without standing reservations for system and interactive, which preempt bulk instead
+(``--classes isolation``: with them; their idle reserved slots are capacity the contract
+keeps free, so they count against admitted throughput). ``--service 0.05`` is
+isolation's stress case (capacity
 160 req/s, where every millisecond of the release -> dispatch loop costs 2 % of a slot).
 Per load, a fresh stack with the edge off, then one with it on (``--edge-shed`` +
 ``envoy/render.py --edge-shed``); each first runs system + interactive alone (the
@@ -21,6 +25,7 @@ aiohttp took 45-70 % of a core of the 2-core box and starved Envoy and the sidec
 (``--client httpload`` runs it again for comparison).
 
     python -m bench.edge [--seconds 10] [--multiples 10,100] [--rounds 1] [--service 0.5]
+                         [--classes preempt|isolation] [--arrivals poisson|paced]
     python -m bench.edge --bounds 5   # the two time bounds, measured 5 times each
 
 ``--bounds``: one slot, a 2-deep bulk queue, 0.5 s requests, 16 closed-loop bulk
@@ -74,9 +79,18 @@ def streams(multiple: float, service: float, poisson: bool = False
             for s in isolation_streams(1.0) if rates[str(s["name"])] > 0]
 
 
-def edge_stack(on: bool, service: float = SERVICE) -> Stack:
+# --classes preempt: isolation's classes without standing reservations for system and
+# interactive; they take a slot by preempting bulk (the fake workers answer at the end,
+# so a victim has always not yet sent its first byte).
+PREEMPT_PRIORITY = (PRIORITY.replace("system: {reserved_floor: 1,", "system: {reserved_floor: 0,")
+                    .replace("interactive: {reserved_floor: 2, reserved_per_slot: 0.25,",
+                             "interactive: {reserved_floor: 0, reserved_per_slot: 0.0,"))
+CLASS_SETS = {"isolation": PRIORITY, "preempt": PREEMPT_PRIORITY}
+
+
+def edge_stack(on: bool, service: float = SERVICE, priority: str = PRIORITY) -> Stack:
     cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=service,
-                      priority_yaml=PRIORITY, jwt_secret=SECRET, log_level="warning",
+                      priority_yaml=priority, jwt_secret=SECRET, log_level="warning",
                       flush_interval_secs=5.0, health_interval_secs=1.0,
                       sidecar_args=["--edge-shed"] if on else [])
     stack = Stack(cfg)
@@ -107,8 +121,9 @@ async def load(stack: Stack, spec: list[dict[str, object]], seconds: float, clie
 
 
 async def one(on: bool, seconds: float, multiple: float, service: float, client: str,
-              poisson: bool = False) -> dict[str, Any]:
-    stack = edge_stack(on, service)
+              poisson: bool = False, classes: str = "isolation") -> dict[str, Any]:
+    priority = CLASS_SETS[classes]
+    stack = edge_stack(on, service, priority)
     try:
         await stack.start()
         # Unloaded: system + interactive alone, at their own rates: each one's baseline.
@@ -129,12 +144,13 @@ async def one(on: bool, seconds: float, multiple: float, service: float, client:
     t0 = r["send_start"]
     # The first service time fills the slots from empty: not part of the steady state.
     breakdown = slots.account(trace, records, WORKERS * SLOTS, t0 + service,
-                              t0 + r["send_wall"], reserved=reserved_of(PRIORITY))
+                              t0 + r["send_wall"], reserved=reserved_of(priority))
     recs = r["records"]
     sent = len(recs) + r["errors"]
     window = [x for x in recs if x[3] == 200 and x[1] < r["send_wall"]]
     out: dict[str, Any] = {
-        "edge": on, "multiple": multiple, "service": service, "sent": sent,
+        "edge": on, "multiple": multiple, "service": service, "class_set": classes,
+        "sent": sent,
         "sent_rps": sent / r["send_wall"], "errors": r["errors"],
         "checks": c1 - c0, "loadavg": f"{la0} -> {la1}",
         "edge_shed": m1.get('smg_sidecar_edge_shed_total{class="bulk"}', 0.0)
@@ -193,18 +209,20 @@ def show(res: dict[str, Any]) -> None:
 
 async def main_async(seconds: float, multiples: list[float], rounds: int, service: float,
                      client: str, edges: tuple[bool, ...] = (False, True),
-                     poisson: bool = False) -> int:
+                     poisson: bool = False, classes: str = "isolation") -> int:
     cap = capacity_rps(service)
     print(f"edge: {WORKERS} workers x {SLOTS} slots, {service:g} s service (capacity "
           f"{cap:g} req/s); bulk at {', '.join(f'{m:g}x' for m in multiples)}, interactive "
-          f"{0.25 * cap:g} req/s, system {SYSTEM_RPS:g} req/s; {seconds:g} s per run, "
-          f"{rounds} round(s) of off/on; client {client}; load average {loadavg()}")
+          f"{0.25 * cap:g} req/s, system {SYSTEM_RPS:g} req/s "
+          f"({'exponential gaps' if poisson else 'evenly paced'}); {seconds:g} s per run, "
+          f"{rounds} round(s) of off/on; client {client}; classes {classes}; "
+          f"load average {loadavg()}")
     results = []
     for i in range(rounds):
         for mult in multiples:
             print(f" round {i + 1}, {mult:g}x ({mult * cap:,.0f} req/s offered)")
             for on in edges:
-                res = await one(on, seconds, mult, service, client, poisson)
+                res = await one(on, seconds, mult, service, client, poisson, classes)
                 show(res)
                 results.append(res)
     out_path("edge.json").write_text(json.dumps(results, indent=1))
@@ -267,8 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", choices=("rawload", "httpload"), default="rawload")
     p.add_argument("--edge", choices=("both", "off", "on"), default="both")
     p.add_argument("--quick", action="store_true", help="5 s per run")
-    p.add_argument("--poisson", action="store_true",
-                   help="system and interactive at exponential gaps (rawload client)")
+    p.add_argument("--arrivals", choices=("poisson", "paced"), default="poisson",
+                   help="system and interactive at exponential gaps (independent clients), "
+                        "or evenly paced (at exactly half the service time apart, interactive "
+                        "arrives a few ms before the release that would have freed its slot)")
+    p.add_argument("--classes", choices=tuple(CLASS_SETS), default="preempt",
+                   help="preempt: system and interactive hold no reserved slots and take "
+                        "one by preempting bulk; isolation: bench.isolation's classes (they "
+                        "hold 1 + 2 of the 8 slots, idle when unused)")
     p.add_argument("--bounds", type=int, default=0, metavar="N",
                    help="measure the room and fail-safe bounds N times instead")
     args = p.parse_args(argv)
@@ -279,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(main_async(args.seconds, [float(m) for m in args.multiples.split(",")],
                                   args.rounds, args.service, f"bench.{args.client}",
                                   {"both": (False, True), "off": (False,),
-                                              "on": (True,)}[args.edge], args.poisson))
+                                   "on": (True,)}[args.edge], args.arrivals == "poisson",
+                                  args.classes))
 
 
 if __name__ == "__main__":
