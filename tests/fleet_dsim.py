@@ -42,7 +42,7 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Generator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,7 @@ class DSimConfig:
     mark_delay: float = 0.005
     drop_reply: float = 0.0005  # a reply lost on its way (the call times out)
     slow_call: float = 0.0005  # a call whose latency may pass the call timeout
+    vary: bool = False  # the seed also draws the fleet: 2 to 4 replicas, capacity 4 to 9
 
     @property
     def call_timeout(self) -> float:
@@ -1046,8 +1047,11 @@ class Slot:
 
 class DSim:
     def __init__(self, cfg: DSimConfig, workdir: Path) -> None:
-        self.cfg = cfg
         self.rng = random.Random(cfg.seed)
+        if cfg.vary:
+            cfg = replace(cfg, replicas=self.rng.choice((2, 3, 4)),
+                          capacity=self.rng.choice((4, 6, 7, 9)))
+        self.cfg = cfg
         self.workdir = workdir
         self.server: Server | None = None
         self.now = 0.0
@@ -1179,16 +1183,8 @@ class DSim:
         srv = self.server
         assert srv is not None
         c.ran = True
-        names = [s.name for s in self.slots]
-        try:
-            reply, lens = srv.run(c.req, self.now, names)
-        except ResponseError as exc:
-            reply, lens = exc, []
-        c.reply = reply
+        reply = c.reply = self._on_server(c.req)
         self.say(f"{c.node.name} ran {c.op}{' (late)' if c.done else ''}: {_short(reply)}")
-        for s, n in zip(self.slots, lens, strict=False):
-            if n and s.node is not None:
-                self.want_read(s.node)
         if c.done:
             return  # its caller gave up; it ran all the same
         node = c.node
@@ -1198,6 +1194,19 @@ class DSim:
         t = max(self.now + self.latency(node), node.last_reply)
         node.last_reply = t
         self.at(t, node.name, f"reply {c.op}", lambda: self._deliver(c))
+
+    def _on_server(self, req: _Request) -> Any:
+        """Run one command now; wake the readers of the notifications it left."""
+        srv = self.server
+        assert srv is not None
+        try:
+            reply, lens = srv.run(req, self.now, [s.name for s in self.slots])
+        except ResponseError as exc:
+            return exc
+        for s, n in zip(self.slots, lens, strict=False):
+            if n and s.node is not None:
+                self.want_read(s.node)
+        return reply
 
     def _deliver(self, c: Call) -> None:
         if c.done:
@@ -1220,12 +1229,7 @@ class DSim:
                 return
             # The library was missing (a server that restarted empty): FleetLedger loads
             # it and calls again, here within the same round trip.
-            srv = self.server
-            assert srv is not None
-            try:
-                reply = srv.run(req, self.now, [])[0]
-            except ResponseError as exc:
-                reply = exc
+            reply = self._on_server(req)
             self.say(f"{c.node.name} {c.op} again ({req.kind}): {_short(reply)}")
 
     def _timeout(self, c: Call) -> None:
@@ -1602,17 +1606,26 @@ class DSim:
         return (all(s.fault is None for s in self.slots) and self.server_fault is None
                 and any(s.node is not None for s in self.slots))
 
-    def outage_allowance(self) -> int:
-        """fleet_sim's rule (Sim.outage_allowance): Σ max(0, h − s), and the shares of the
-        replicas not cut off sum to at most capacity."""
-        shares = {s.name: (s.node.core.share(s.node.capacity) if s.node is not None else 0)
-                  for s in self.slots}
+    def shares(self) -> dict[str, int]:
+        return {s.name: (s.node.core.share(s.node.capacity) if s.node is not None else 0)
+                for s in self.slots}
+
+    def check_shares(self) -> None:
+        """The shares of the replicas not cut off sum to at most capacity: the promise the
+        outage bound rests on (the remaining window: no clock involved), so checked after
+        every step, not only when an outage starts (fleet_sim's rule)."""
+        shares = self.shares()
         cut = {w.who for w in self.windows if w.who}
         counted = {n: v for n, v in shares.items() if n not in cut}
         if sum(counted.values()) > self.cfg.capacity:
             self.fail(f"the replicas' degraded shares {counted} sum past capacity "
-                      f"{self.cfg.capacity} (all: {shares}, cut off: {sorted(cut)})")
-        return sum(max(0, self.held_by(n) - v) for n, v in shares.items())
+                      f"{self.cfg.capacity} (all: {shares}, cut off: {sorted(cut)}): an "
+                      "outage now reaches beyond the stated bound")
+
+    def outage_allowance(self) -> int:
+        """fleet_sim's rule (Sim.outage_allowance): Σ max(0, h − s)."""
+        self.check_shares()
+        return sum(max(0, self.held_by(n) - v) for n, v in self.shares().items())
 
     def open_window(self, kind: str, allowance: int, who: str = "") -> Window:
         w = Window(kind, allowance, self.now, who=who)
@@ -1779,6 +1792,7 @@ class DSim:
             self.stats["steps_over_capacity_in_windows"] += 1
         if self.windows:
             self.stats["steps_in_windows"] += 1
+        self.check_shares()
         for r in self.reqs.values():
             qt = r.node.classes[r.cls].queue_timeout_secs
             if self.now - r.arrived > qt + r.node.call_timeout + 1e-9:
@@ -1904,8 +1918,10 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as d:
         t0 = time.monotonic()
-        done = simulate(DSimConfig(seed=int(sys.argv[1]), steps=int(sys.argv[2])), Path(d))
+        done = simulate(DSimConfig(seed=int(sys.argv[1]), steps=int(sys.argv[2]),
+                                   vary=len(sys.argv) > 3 and sys.argv[3] == "vary"), Path(d))
         secs = time.monotonic() - t0
-        print(f"seed {done.cfg.seed}: {done.stats['steps']} steps in {secs:.1f} s "
+        print(f"seed {done.cfg.seed} ({done.cfg.replicas} replicas, capacity "
+              f"{done.cfg.capacity}): {done.stats['steps']} steps in {secs:.1f} s "
               f"({done.stats['steps'] / secs:.0f}/s), digest {done.digest.hexdigest()[:16]}, "
               f"{dict(sorted(done.stats.items()))}")
