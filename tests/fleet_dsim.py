@@ -1325,8 +1325,13 @@ class DSim:
 
     def node_started(self, node: Node) -> None:
         if any(w.kind in SERVER_FAULTS for w in self.windows):
-            # fleet_sim's rule: a replica whose first contact falls in a server's return.
-            self.heal(self.open_window("first_contact_in_return", self.cfg.capacity))
+            # fleet_sim's rule, the reference's "not covered" case of a server that restarts
+            # empty: a replica whose first contact falls between the server's return and
+            # the first re-registration admits against a ledger that may lack the others'
+            # admissions (up to C), and its share is the whole fleet's (N = 1) beside the
+            # others' older ones, so it is left out of the shares' sum while this lasts.
+            self.heal(self.open_window("first_contact_in_return", self.cfg.capacity,
+                                       node.name))
 
     def stop_process(self, s: Slot) -> None:
         node, s.node = s.node, None
