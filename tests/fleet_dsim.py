@@ -39,12 +39,13 @@ import hashlib
 import heapq
 import os
 import random
+import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import redis
 from redis.exceptions import ResponseError
@@ -1060,7 +1061,13 @@ class DSim:
         self.step = 0
         self.digest = hashlib.sha256()
         self.trace: deque[str] = deque(maxlen=80)
-        self.full: list[str] | None = [] if os.environ.get("SIM_TRACE_DIR") else None
+        # SIM_TRACE_DIR: the whole trace, written as it goes (a long run's would not fit in
+        # memory), kept as DIR/dsim-SEED.trace when the run fails, removed when it passes.
+        out = os.environ.get("SIM_TRACE_DIR")
+        self.trace_path = Path(out) / f"dsim-{cfg.seed}.trace" if out else None
+        self.full: IO[str] | None = None
+        if self.trace_path is not None:
+            self.full = self.trace_path.with_suffix(".part").open("w", encoding="utf-8")
         self.slots: list[Slot] = []
         self.running: dict[str, DStream] = {}
         self.ended: deque[tuple[str, str]] = deque(maxlen=200)
@@ -1092,7 +1099,7 @@ class DSim:
         self.digest.update(b"\n")
         self.trace.append(f"#{self.step} {line}")
         if self.full is not None:
-            self.full.append(f"#{self.step} {line}")
+            self.full.write(f"#{self.step} {line}\n")
 
     def fail(self, what: str) -> None:
         if self.failure is not None:
@@ -1106,10 +1113,15 @@ class DSim:
             f"{[(st.aid, round(st.admitted_at, 6)) for st in self.running.values()]}\n"
             f"  modes: {[(s.name, s.node.core.mode.value if s.node else None) for s in self.slots]}"
             f"\n  last steps:\n  {recent}")
-        out = os.environ.get("SIM_TRACE_DIR")
-        if out and self.full is not None:
-            path = Path(out) / f"dsim-{self.cfg.seed}.trace"
-            path.write_text("\n".join([str(self.failure), *self.full]) + "\n")
+        if self.full is not None and self.trace_path is not None:
+            self.full.close()
+            self.full = None
+            part = self.trace_path.with_suffix(".part")
+            with self.trace_path.open("w", encoding="utf-8") as f, part.open(
+                    encoding="utf-8") as whole:
+                f.write(f"{self.failure}\n")
+                shutil.copyfileobj(whole, f)
+            part.unlink()
 
     # ------------------------------------------------------------------ ledger calls
 
@@ -1354,6 +1366,10 @@ class DSim:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.full is not None and self.trace_path is not None:
+            self.full.close()
+            self.full = None
+            self.trace_path.with_suffix(".part").unlink()
 
     # ------------------------------------------------------------------ the run
 
