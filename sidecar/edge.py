@@ -206,9 +206,10 @@ class RuntimeServer:
         self._streams: set[asyncio.Queue[bytes]] = set()
         self._version = itertools.count(1)
         self._nonce = itertools.count(1)
-        self._pooled = tuple(pools) != (DEFAULT_POOL,)
+        names = tuple(pools)
+        self._pooled = names != (DEFAULT_POOL,)
         self._shares: dict[tuple[str, PriorityClass], float] = {
-            (p, c): 0.0 for p in pools for c in EDGE_CLASSES}
+            (p, c): 0.0 for p in names for c in EDGE_CLASSES}
         self._current = self._encode()
 
     @property
