@@ -117,14 +117,11 @@ DSIM_REPLICA_FAULTS = ("replica_kill", "replica_restart", "partition")
 DSIM_COMBINED_FAULTS = ("join_then_pause",)
 PREFIX = f"pg:{{{FLEET}}}"
 
-# Violations already found and reported, each with a strict-xfail regression test in
+# Violations found and not yet fixed, each with a strict-xfail regression test in
 # tests/test_fleet_dsim.py: a run counts them (stats known_*) and goes on, unless strict.
-KNOWN_FINDINGS = (
-    # The shares sum past capacity after a server pause longer than a registration: the
-    # replica registered last reads unheard = 0 because the one registered before it has
-    # lapsed (it is alive, degraded, on a view from before the newcomer, N one short).
-    "share_after_lapse",
-)
+# None now: the one found (the shares past capacity after a server pause longer than a
+# registration) is fixed in the ledger (P:lapsed) and its test is a plain one.
+KNOWN_FINDINGS: tuple[str, ...] = ()
 
 
 class _Lost(Exception):
@@ -1713,30 +1710,10 @@ class DSim:
         cut = {w.who for w in self.windows if w.who}
         counted = {n: v for n, v in shares.items() if n not in cut}
         if sum(counted.values()) <= self.cfg.capacity:
-            self._known_now.discard("share_after_lapse")
             return
-        what = (f"the replicas' degraded shares {counted} sum past capacity "
-                f"{self.cfg.capacity} (all: {shares}, cut off: {sorted(cut)}): an outage now "
-                "reaches beyond the stated bound")
-        if self._lapsed_earlier():
-            self.known("share_after_lapse", what)
-        else:
-            self.fail(what)
-
-    def _lapsed_earlier(self) -> bool:
-        """KNOWN_FINDINGS, share_after_lapse: a replica with a share counts fewer replicas
-        than are up, and its registration lapsed in the ledger (none now, or one made by
-        a call whose reply it never read): the ledger no longer counted it as registered
-        before the others, so they took their shares without its having heard of them."""
-        srv = self.server
-        assert srv is not None
-        up = [s.node for s in self.slots if s.node is not None and not s.node.starting]
-        for n in up:
-            if n.core.share(n.capacity) > 0 and n.core.live_replicas < len(up):
-                reg = srv.c.hget(f"{PREFIX}:reg", n.name)
-                if reg is None or int(reg) > n.ledger.generation:
-                    return True
-        return False
+        self.fail(f"the replicas' degraded shares {counted} sum past capacity "
+                  f"{self.cfg.capacity} (all: {shares}, cut off: {sorted(cut)}): an outage "
+                  "now reaches beyond the stated bound")
 
     def known(self, finding: str, what: str) -> None:
         """A violation already reported: counted once per episode and traced; fatal only

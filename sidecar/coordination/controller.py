@@ -926,8 +926,8 @@ class FleetController:
                 raise
             except Exception as exc:
                 self._degrade(exc)
-            # Not yet known to be counted by every replica registered before us (no share
-            # of our own): ask again soon, once they have heard of us.
+            # Not yet known to be counted by every other replica (no share of our own): ask
+            # again soon, once they have heard of us.
             wait = (self._interval / 4 if self._core.mode is Mode.OK and not self._core.heard
                     else self._interval)
             with contextlib.suppress(TimeoutError):

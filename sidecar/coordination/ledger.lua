@@ -76,11 +76,14 @@
 --               live before that call)
 --   P:heard     HASH replica -> the ``seen`` generation its last registering call carried:
 --               every reply up to it reached that replica (with the live count)
+--   P:lapsed    ZSET replica -> until when a replica whose registration lapsed still counts
+--               as not having heard of the others (one ttl after it was reaped; see
+--               unheard_by); removed when it registers again
 
 -- Set at the start of every call (run, at the end): the library's state outlives a call.
 local P, now
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
-  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT, K_REG, K_HEARD
+  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT, K_REG, K_HEARD, K_LAPSED
 
 local function set_prefix(p)
   P = p
@@ -104,6 +107,7 @@ local function set_prefix(p)
   K_VT = P .. ':vt'
   K_REG = P .. ':reg'
   K_HEARD = P .. ':heard'
+  K_LAPSED = P .. ':lapsed'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
@@ -543,7 +547,14 @@ end
 local function reap()
   local dead = redis.call('ZRANGEBYSCORE', K_REPLICAS, '-inf', fmt(now))
   if #dead == 0 then return end
-  for _, r in ipairs(dead) do drop_replica(r) end
+  -- A lapsed replica may be alive (a server pause outlasted its registration, a
+  -- partition) and still divide by a count without the replicas that joined since: it
+  -- counts as unheard for one ttl, the time an alive one takes to register again.
+  local ttl = tonumber(redis.call('HGET', K_FLEET, 'ttl')) or 0
+  for _, r in ipairs(dead) do
+    drop_replica(r)
+    if ttl > 0 then redis.call('ZADD', K_LAPSED, fmt(now + ttl), r) end
+  end
   recompute_fleet()
   load_state()
 end
@@ -698,19 +709,32 @@ local function held_by(r)
   return n
 end
 
--- How many live replicas registered before r may not have heard of r yet: none of the
--- replies they are known to have read (P:heard, from their last registering call) was
--- made after r registered, so their live count may not include r. While any may not, r
--- takes no degraded share (sidecar/coordination/replica.py, "the remaining window"): the
--- shares of the replicas that all count one another then sum to at most capacity. A
--- replica with no record counts as registered before r and as having heard nothing.
+-- How many other live replicas may not have heard of r yet: none of the replies they are
+-- known to have read (P:heard, from their last registering call) was made after r
+-- registered, so their live count may not include r. While any may not, r takes no
+-- degraded share (sidecar/coordination/replica.py, "the remaining window"): the shares of
+-- the replicas that all count one another then sum to at most capacity. Every other
+-- replica counts, whenever it registered: one registered after r but by a call whose
+-- reply it never read (a registration that lapsed in a server pause and was made again
+-- by a late call) may still divide by a count without r (the deterministic simulation
+-- found 7 + 3 of 7). A replica with no record counts as having heard nothing.
 local function unheard_by(r)
   local mine = tonumber(redis.call('HGET', K_REG, r)) or 0
   local n = 0
   for _, o in ipairs(redis.call('ZRANGE', K_REPLICAS, 0, -1)) do
-    if o ~= r and (tonumber(redis.call('HGET', K_REG, o)) or 0) <= mine
-        and (tonumber(redis.call('HGET', K_HEARD, o)) or 0) < mine then
+    if o ~= r and (tonumber(redis.call('HGET', K_HEARD, o)) or 0) < mine then
       n = n + 1
+    end
+  end
+  -- And the replicas whose registration lapsed within a ttl (P:lapsed): alive, one may
+  -- still admit on a share from before r registered.
+  for _, o in ipairs(redis.call('ZRANGEBYSCORE', K_LAPSED, '-inf', '+inf')) do
+    if o ~= r then
+      if (tonumber(redis.call('ZSCORE', K_LAPSED, o)) or 0) > now then
+        n = n + 1
+      else
+        redis.call('ZREM', K_LAPSED, o)
+      end
     end
   end
   return n
@@ -834,9 +858,11 @@ local function heartbeat(a)
     if settling() == 0 then redis.call('HSET', K_FLEET, 'settle', fmt(now + settle)) end
   end
   redis.call('ZADD', K_REPLICAS, fmt(now + tonumber(a[2])), r)
+  redis.call('ZREM', K_LAPSED, r)  -- registered again: counted by P:heard from now on
+  redis.call('HSET', K_FLEET, 'ttl', a[2])  -- how long a lapsed one stays in P:lapsed
   if r == caller and caller_inc ~= '' then redis.call('HSET', K_INC, r, caller_inc) end
   -- Registered by this call (or its record was lost: stamped now, which only delays its
-  -- share): the replicas registered before it have not heard of it yet (unheard_by).
+  -- share): the other replicas have not heard of it yet (unheard_by).
   if not known or redis.call('HEXISTS', K_REG, r) == 0 then
     redis.call('HSET', K_REG, r, gen)
   end

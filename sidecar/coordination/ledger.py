@@ -191,9 +191,10 @@ class FleetStatus:
     # Seconds until the fleet has settled after a loss (resync's ``settle``): until then no
     # replica may return to admitting through the ledger. 0: settled.
     settling: float = 0.0
-    # Live replicas registered before this one that may not have heard of it yet (none of
-    # the replies they are known to have read came after its registration): until 0, this
-    # replica takes no degraded share (sidecar.coordination.replica, the remaining window).
+    # Other replicas that may not have heard of this one yet (none of the replies they are
+    # known to have read came after its registration; or their registration lapsed within
+    # a ttl): until 0, this replica takes no degraded share (sidecar.coordination.replica,
+    # the remaining window).
     unheard: int = 0
 
     def degraded_share(self) -> int:

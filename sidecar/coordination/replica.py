@@ -76,14 +76,20 @@ hung before the first one's next heartbeat). So the share s_i = floor(C/N_i) tak
 from the newest reply (every ledger reply carries the live count, an arrive's too; the
 view's if larger: a ledger that lost its data counts fewer until the fleet has
 re-registered, and a shrink is taken with the next view), and
-is 0 while a replica registered before this one may not have read a reply that counts it
-(each status says how many: ``FleetStatus.unheard``; the ledger keeps when each replica
-registered and the newest generation each has read, from the ``seen`` its heartbeats
-carry). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a share; of two in S, the
-one registered later has its share only because the earlier one read a reply made after
-it registered, and that reply, like every later one, counts it while it stays registered;
-so every N_j (j in S) counts all of S, and Σ_S floor(C/N_j) ≤ |S|·floor(C/|S|) ≤ C. No
-clock is involved. Two bounds then hold for the in flight the fleet can reach after an
+is 0 while another replica may not have read a reply that counts it (each status says how
+many: ``FleetStatus.unheard``; the ledger keeps when each replica registered and the
+newest generation each has read, from the ``seen`` its heartbeats carry, and counts a
+replica whose registration lapsed within a ttl as not having heard: alive, it may still
+divide by a count from before). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
+share; each i in S has its share only because every other replica then registered, or
+lapsed within a ttl, had read a reply made after i registered, and that reply, like every
+later one, counts i while it stays registered; so every N_j (j in S) counts all of S, and
+Σ_S floor(C/N_j) ≤ |S|·floor(C/|S|) ≤ C. No clock is involved in the counting; the ttl
+only bounds how long a lapsed replica keeps the others' shares at 0 (one that stays
+unreachable longer is the partition case, with its own bound). Comparing registration
+order instead (only the replicas registered before i) failed when a registration lapsed in
+a server pause and was made again by a call whose reply never arrived: the deterministic
+simulation found 7 + 3 of 7. Two bounds then hold for the in flight the fleet can reach after an
 outage at t*: Σ ≤ C + Σ_i max(0, h_i(t*) − s_i) (what was held beyond the shares:
 proved, since Σ_i max(h_i, L_i) ≤ Σ_i s_i + Σ_i max(0, h_i − s_i)), and Σ ≤ C + the
 admissions the ledger made after the oldest of the views (an admission raises the
@@ -95,9 +101,11 @@ entirely would mean holding back a replica's admissions past its share until eve
 replica has heard of them (one heartbeat each time: stranded capacity), so it is bounded,
 not closed. The cost of the share rule: a replica that joins a running fleet has no share
 of its own (it queues by the class rules in an outage, as one that never reached the
-server) until the earlier replicas' next heartbeat and then its own, one or two heartbeat
-intervals; the first replica of a fleet has its share at once. A replica whose
-registration lapsed and was made again (a partition, a lost record) is new again. Not
+server) until the others' next heartbeat and then its own, one or two heartbeat
+intervals, and the others have none until its second heartbeat; the first replica of a
+fleet has its share at once. A replica whose registration lapsed and was made again (a
+partition, a lost record) is new again, and while a lapsed one has not registered again,
+for at most a ttl, nobody else has a share. Not
 covered: the shares of a replica cut off on its own (its registration lapses while it
 admits: *Partition* below).
 
@@ -613,8 +621,8 @@ class Replica:
         self._recycle: int | None = None
         self._view = NO_VIEW
         # N for the share: the live count of the newest ledger reply (every reply carries
-        # it; 0: none yet, the view's count), and whether every replica registered before
-        # this one is known to have read a reply that counts it (the newest answered
+        # it; 0: none yet, the view's count), and whether every other replica is known to
+        # have read a reply that counts it (the newest answered
         # status's ``unheard`` is 0; before any status there is no view, so no share
         # either way). See "the remaining window" in the module docstring.
         self._live = 0
@@ -651,8 +659,8 @@ class Replica:
 
     @property
     def heard(self) -> bool:
-        """Every replica registered before this one has read a reply that counts it: only
-        then does this replica take a degraded share of its own."""
+        """Every other replica has read a reply that counts it: only then does this
+        replica take a degraded share of its own."""
         return self._heard
 
     def live_seen(self, n: int) -> None:
@@ -660,7 +668,7 @@ class Replica:
         self._live = n
 
     def _note(self, status: FleetStatus) -> None:
-        """An answered status: may the replicas registered before us all count us?"""
+        """An answered status: may the other replicas all count us?"""
         self._heard = status.unheard == 0
 
     def _move(self, trigger: Trigger) -> Mode:
@@ -728,8 +736,8 @@ class Replica:
 
     def degraded_limit(self, own_capacity: int) -> int:
         """What this replica may hold on its own while away from the ledger
-        (L_i of the module docstring), capped by ``recycle`` in SETTLING; 0 while a
-        replica registered before this one may not count it yet (no share of its own)."""
+        (L_i of the module docstring), capped by ``recycle`` in SETTLING; 0 while another
+        replica may not count it yet (no share of its own)."""
         v = self._view
         limit = degraded_limit(min(v.capacity, own_capacity), self.live_replicas, v.inflight,
                                v.held)
@@ -740,8 +748,8 @@ class Replica:
         return limit
 
     def share(self, own_capacity: int) -> int:
-        """floor(C / N), the most the degraded limit can be: 0 before any view, and while a
-        replica registered before this one may not count it yet."""
+        """floor(C / N), the most the degraded limit can be: 0 before any view, and while
+        another replica may not count it yet."""
         n = self.live_replicas
         if n < 1 or not self._heard:
             return 0
