@@ -190,6 +190,12 @@ class Server:
         self.up = True
         self.paused = False
         self.lives = 0  # server processes so far (a restart or failover is a new one)
+        # Ground truth for the outage bound's part (a): the admissions each call made, by
+        # the call's generation, within one copy of the data (``copies`` counts the wipes
+        # and restores: generations start again or go back there).
+        self.copies = 0
+        self.made: list[tuple[int, int]] = []
+        self._adm: set[str] = set()
 
     def run(self, req: _Request, now: float, names: list[str]) -> tuple[Any, list[int]]:
         """Run one command; for an FCALL also the length of each replica's notification
@@ -203,8 +209,23 @@ class Server:
         p.fcall(*args)
         for n in names:
             p.llen(f"{PREFIX}:ev:{n}")
+        p.hkeys(f"{PREFIX}:adm")
         out = p.execute(raise_on_error=False)
-        return out[0], [int(x) for x in out[1:]]
+        ids = set(out[-1]) if isinstance(out[-1], list) else set()
+        made, self._adm = len(ids - self._adm), ids
+        if made and isinstance(out[0], list) and out[0] and isinstance(out[0][0], int):
+            self.made.append((out[0][0], made))
+        return out[0], [int(x) for x in out[1:-1]]
+
+    def made_after(self, generation: int) -> int:
+        """Admissions the ledger made (ids new in its admission records) in calls after
+        ``generation``, in this copy of the data."""
+        return sum(n for g, n in self.made if g > generation)
+
+    def _new_copy(self) -> None:
+        self.copies += 1
+        self.made = []
+        self._adm = set(self.c.hkeys(f"{PREFIX}:adm"))
 
     def pop_events(self, name: str) -> list[str]:
         raw = self.c.lpop(f"{PREFIX}:ev:{name}", 256)
@@ -224,6 +245,7 @@ class Server:
         self.raw.flushall()
         self.raw.function_flush()
         self.lives += 1
+        self._new_copy()
 
     def restore(self, copy: dict[bytes, bytes], *, new_process: bool) -> None:
         p = self.raw.pipeline(transaction=True)
@@ -233,6 +255,7 @@ class Server:
         for k, v in copy.items():
             p.restore(k, 0, v, replace=True)
         p.execute()
+        self._new_copy()
         if new_process:
             # Another server process wrote the copy: its run id is not ours (ledger.lua,
             # check_server), and the library's Lua state is new.
@@ -364,6 +387,10 @@ class Node:
         self.pipe: deque[Call] = deque()  # calls sent, not yet run (one connection, FIFO)
         self.last_exec = 0.0
         self.last_reply = 0.0
+        # The core's newest view of the ledger, and (copy of the data, generation) of the
+        # reply it came from: the outage bound's part (a) counts from the oldest view.
+        self.view = self.core.view
+        self.view_at: tuple[int, int] | None = None
         self.reading = False
         self.ids = 0
         self.released_ok: Counter[str] = Counter()
@@ -381,6 +408,10 @@ class Node:
 
     def apply(self, effects: Iterable[Effect]) -> None:
         """FleetController._apply."""
+        if self.core.view is not self.view:  # a new view: when (for the outage bound)
+            srv = self.sim.server
+            assert srv is not None
+            self.view, self.view_at = self.core.view, (srv.copies, self.ledger.generation)
         for fx in effects:
             self.sim.say(f"{self.name} fx {fx!r}")
             if isinstance(fx, Send):
@@ -1666,7 +1697,7 @@ class DSim:
             def pause() -> None:
                 srv = self.server
                 assert srv is not None
-                w = self.open_window("pause", self.outage_allowance())
+                w = self.open_window("pause", self.outage_allowance(whole=True))
                 srv.paused = True
 
                 def resume() -> None:
@@ -1727,10 +1758,24 @@ class DSim:
         self.stats[f"known_{finding}"] += 1
         self.say(f"known finding {finding}: {what}")
 
-    def outage_allowance(self) -> int:
-        """fleet_sim's rule (Sim.outage_allowance): Σ max(0, h − s)."""
+    def outage_allowance(self, whole: bool = False) -> int:
+        """fleet_sim's rule (Sim.outage_allowance): (b) Σ max(0, h − s). ``whole``: every
+        replica loses the server now (pause, kill, restart empty), and the reference's
+        bound is the smaller of (b) and (a), the admissions the ledger made after the
+        oldest of the replicas' views (counted from the server's admission records)."""
         self.check_shares()
-        return sum(max(0, self.held_by(n) - v) for n, v in self.shares().items())
+        b = sum(max(0, self.held_by(n) - v) for n, v in self.shares().items())
+        if not whole:
+            return b
+        srv = self.server
+        assert srv is not None
+        ats = [s.node.view_at for s in self.slots if s.node is not None]
+        if not ats or any(at is None or at[0] != srv.copies for at in ats):
+            return b  # a view from another copy of the data (or none): (a) says nothing
+        a = srv.made_after(min(at[1] for at in ats if at is not None))
+        if a < b:
+            self.stats["outage_bound_a_smaller"] += 1
+        return min(a, b)
 
     def open_window(self, kind: str, allowance: int, who: str = "") -> Window:
         w = Window(kind, allowance, self.now, who=who)
@@ -1755,7 +1800,7 @@ class DSim:
             self._later(0.0, 2 * ttl, "server fault over", self._server_fault_over)
 
         if kind == "pause":
-            w = self.open_window(kind, self.outage_allowance())
+            w = self.open_window(kind, self.outage_allowance(whole=True))
             srv.paused = True
 
             def resume() -> None:
@@ -1768,7 +1813,7 @@ class DSim:
 
             self._later(0.05, 1.5 * ttl, "resume", resume)
         elif kind in ("kill", "restart_empty"):
-            w = self.open_window(kind, self.outage_allowance())
+            w = self.open_window(kind, self.outage_allowance(whole=True))
             self._server_down()
 
             def back() -> None:
