@@ -268,26 +268,12 @@ def test_the_edge_bootstrap_passes_envoy_validate(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ end to end
 
 
-class EdgeStack(Stack):
-    """A stack whose sidecar runs --edge-shed behind a bootstrap rendered with it."""
-
-    def write_envoy_config(self) -> None:
-        c = self.config
-        self.envoy_config.write_text(load_renderer().render(
-            listen_port=self.listen_port, admin_port=self.admin_port,
-            sidecar_host="127.0.0.1", sidecar_port=self.grpc_port,
-            workers=self.fleet.addresses, authz_timeout_secs=self.authz_timeout,
-            flush_interval_secs=c.flush_interval_secs,
-            health_interval_secs=c.health_interval_secs, preemption=c.preemption,
-            edge_shed=True))
-
-
 @contextlib.asynccontextmanager
-async def edge_stack(tmp_path: Path) -> AsyncIterator[EdgeStack]:
+async def edge_stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    """A stack whose sidecar runs --edge-shed behind a bootstrap rendered with it."""
     _envoy()
-    stack = EdgeStack(StackConfig(workers=1, max_running_requests=1, service_time=0.5,
-                                  priority_yaml=PRIORITY, sidecar_args=["--edge-shed"]),
-                      workdir=tmp_path)
+    stack = Stack(StackConfig(workers=1, max_running_requests=1, service_time=0.5,
+                              priority_yaml=PRIORITY, edge_shed=True), workdir=tmp_path)
     try:
         await stack.start()
         yield stack
@@ -572,13 +558,6 @@ def test_the_istio_edge_recipe_passes_envoy_validate_on_a_mesh_bootstrap(
 
 # ------------------------------------------------------------------ fleet
 
-def _edge_render(stack: Stack) -> None:
-    """Render ``stack``'s Envoy with the edge path (as EdgeStack does)."""
-    def write() -> None:
-        EdgeStack.write_envoy_config(stack)  # type: ignore[arg-type]
-    stack.write_envoy_config = write  # type: ignore[method-assign]
-
-
 @pytest.mark.e2e
 async def test_a_replicas_switch_follows_the_fleet_queue_not_its_own(tmp_path: Path) -> None:
     """Two replicas, one ledger: a flood through replica a fills the fleet's bulk queue;
@@ -587,10 +566,7 @@ async def test_a_replicas_switch_follows_the_fleet_queue_not_its_own(tmp_path: P
     _envoy()
     from devtools.stack import Replicas
     r = Replicas(StackConfig(workers=1, max_running_requests=1, service_time=0.5,
-                             priority_yaml=PRIORITY, sidecar_args=["--edge-shed"]),
-                 workdir=tmp_path)
-    for stack in r.stacks:
-        _edge_render(stack)
+                             priority_yaml=PRIORITY, edge_shed=True), workdir=tmp_path)
     try:
         await r.start()
         a, b = r.stacks
