@@ -28,6 +28,7 @@ from tests.clock import FakeClock
 from tests.conftest import StackFactory, settle, until
 from tests.grpc_client import EnvoyStandIn, admission_id, check_request
 from tests.test_authz import PRIORITY as GRPC_PRIORITY
+from tests.test_pools import RELOAD_A
 from tests.test_shadow import _enforce, _shadow
 
 BIG = "big"
@@ -273,17 +274,6 @@ async def test_e2e_two_pools_every_request_passes_and_each_pools_shadow_names_it
     m = await until(stack, lambda m: m.get(
         'smg_sidecar_shadow_inflight{class="bulk",pool="big"}') == 0
         and m.get('smg_sidecar_shadow_inflight{class="bulk",pool="default"}') == 0)
-
-
-RELOAD_A = """
-classes:
-  system: {reserved_floor: 0}
-  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
-  default: {reserved_per_slot: 0.0}
-  bulk: {queue_size: 5}
-pools:
-  big: {classes: {bulk: {queue_size: 3}}}
-"""
 
 
 async def test_reload_and_capacity_reach_each_pools_shadow(tmp_path: Path) -> None:
