@@ -300,10 +300,10 @@ class EdgeShed:
 
     def __init__(self, metrics: Recorder, rejections: Callable[[str, str, str], None],
                  pools: Iterable[str] = (DEFAULT_POOL,)) -> None:
-        names = tuple(pools)
+        names = tuple(pools)  # every pool's name, the default pool's included
         self.controllers = {p: ShedController() for p in names}
-        # Without pools, the one controller (Checks feed it without a pool lookup).
-        self.controller = self.controllers.get(DEFAULT_POOL) or ShedController()
+        # The default pool's: without pools, Checks feed it without a pool lookup.
+        self.controller = self.controllers[DEFAULT_POOL]
         self.server = RuntimeServer(metrics, names)
         self._pooled = names != (DEFAULT_POOL,)
         self._metrics = metrics
