@@ -33,7 +33,7 @@ from typing import Protocol
 
 from sidecar import logs
 from sidecar.classes import PriorityClass
-from sidecar.metrics import NullRecorder, Recorder
+from sidecar.metrics import NullPoolRecorder, PoolRecorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     LEASE_EXPIRED,
@@ -74,15 +74,13 @@ def new_admission_id() -> str:
     return secrets.token_hex(16)
 
 
-class AdmissionService(Protocol):
-    """What the gRPC services and the runtime use: :class:`AdmissionController` in process,
-    :class:`sidecar.coordination.controller.FleetController` across a fleet."""
+class AdmissionsById(Protocol):
+    """The calls keyed by an admission id (the access log, ext_proc, Envoy liveness):
+    one pool's admission service, or :class:`sidecar.pools.Pools`, which routes each to
+    the pool the id names."""
 
     @property
-    def legacy(self) -> bool: ...
-    @property
     def lease_count(self) -> int: ...
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted: ...
     def release(self, aid: str,
                 reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult: ...
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
@@ -94,6 +92,15 @@ class AdmissionService(Protocol):
     def mark_first_byte(self, aid: str) -> bool: ...
     async def confirm_first_byte(self, aid: str) -> bool: ...
     def close_stop_channel(self, aid: str) -> None: ...
+
+
+class AdmissionService(AdmissionsById, Protocol):
+    """One pool's admission: :class:`AdmissionController` in process,
+    :class:`sidecar.coordination.controller.FleetController` across a fleet."""
+
+    @property
+    def legacy(self) -> bool: ...
+    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted: ...
     def set_capacity(self, capacity: int) -> None: ...
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None: ...
     def snapshot(self) -> Snapshot: ...
@@ -109,14 +116,14 @@ class AdmissionController:
         *,
         lease_secs: float,
         bucket: TokenBucket | None = None,
-        metrics: Recorder | None = None,
+        metrics: PoolRecorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         id_factory: Callable[[], str] = new_admission_id,
         trace: SlotTrace | None = None,
     ) -> None:
         self.core = core
         self._bucket = bucket
-        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
+        self._metrics: PoolRecorder = metrics if metrics is not None else NullPoolRecorder()
         self._clock = clock
         self._new_id = id_factory
         self._waiters: dict[str, asyncio.Future[Admitted]] = {}
@@ -174,12 +181,11 @@ class AdmissionController:
 
     def release(self, aid: str,
                 reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
-        """End an admission; a second or unknown release is counted and ignored."""
+        """End an admission; a second or unknown release changes nothing (the caller
+        counts it: :meth:`sidecar.pools.Pools.release`)."""
         result = self.core.release(aid, reason)
         if result is ReleaseResult.RELEASED:
             self._apply_events()
-        else:
-            self._metrics.completion_unmatched(result.value)
         return result
 
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,

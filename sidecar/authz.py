@@ -13,21 +13,19 @@ serialised once at start-up.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 
 from sidecar import codec, logs, responses
-from sidecar.admission import AdmissionService, Denied
-from sidecar.classes import HIGH_TO_LOW, PRIORITY_HEADER, PriorityClass, classify
+from sidecar.admission import Denied
+from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
-from sidecar.edge import ShedController
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
-from sidecar.pools import DEFAULT_POOL, PooledAdmission
-from sidecar.scheduler import ClassSettings, Outcome
-from sidecar.shadow import Verdict
+from sidecar.pools import Pools
+from sidecar.scheduler import Outcome
 
 ANONYMOUS = "anonymous"
 # Checks held open at once (queued, or being decided) before a new one is shed with
@@ -86,24 +84,6 @@ class TenantPolicy:
         return self.policies.get(tenant, self.default_max)
 
 
-def preemptible_classes(classes: Mapping[PriorityClass, ClassSettings]
-                        ) -> frozenset[PriorityClass]:
-    """The classes a request can be preempted in: some strictly higher class ``can_preempt``.
-
-    The others are admitted with ``preemptible: false`` in the metadata, so Envoy opens
-    no ext_proc stream for them (the stream is most of the cost of an admitted request
-    through Envoy): whatever the load, nothing could ever stop them.
-    """
-    out: set[PriorityClass] = set()
-    preemptor_above = False
-    for cls in HIGH_TO_LOW:
-        if preemptor_above:
-            out.add(cls)
-        if classes[cls].can_preempt:
-            preemptor_above = True
-    return frozenset(out)
-
-
 def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
     """The tenant key from the trusted source only; no identity -> ``anonymous``."""
     value: object = None
@@ -121,32 +101,27 @@ def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
 
 
 class AuthzService:
-    """The Check handler."""
+    """The Check handler: classify, then the route's pool admits."""
 
-    def __init__(self, controller: AdmissionService, metrics: Recorder,
+    def __init__(self, pools: Pools, metrics: Recorder,
                  tenant_source: TenantSource, policy: TenantPolicy,
                  preemptible: frozenset[PriorityClass] = frozenset(PriorityClass),
-                 liveness: EnvoyLiveness | None = None) -> None:
-        self.controller = controller
+                 liveness: EnvoyLiveness | None = None, *, shadow: bool = False) -> None:
+        self.pools = pools
         self.liveness = liveness
         self.metrics = metrics
         self.tenant_source = tenant_source
         self.policy = policy
         # Replaced as a whole on config reload, like the policy.
         self.preemptible = preemptible
+        # --shadow: nothing waits or is refused (so the overload shed is off too); each
+        # allow carries the would-be answer of its pool's shadow (sidecar.shadow).
+        self.shadow = shadow
         self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
         self._rejections = logs.RejectionSummary(log)
         self.rejection_counted = self._rejections.add  # edge sheds join the same line
-        # --edge-shed: the control loop sees each Check's class and every queue overflow.
-        self.edge: ShedController | None = None
-        self.edges: Mapping[str, ShedController] | None = None  # with pools: each pool's
-        # --shadow: the would-be answer for an admission id (sidecar.shadow); nothing waits
-        # or is refused, so the overload shed is off too.
-        self.shadow_verdict: Callable[[str], Verdict | None] | None = None
-        # Pools configured: the route's pool picks the controller (sidecar.pools).
-        self.pools: PooledAdmission | None = None
         self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
@@ -170,31 +145,24 @@ class AuthzService:
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
-        edge = self.edge
-        pool = DEFAULT_POOL
-        if self.pools is not None:
-            pool = view.pool or DEFAULT_POOL
-            edge = self.edges.get(pool) if self.edges is not None else None
+        pool = self.pools.for_route(view.pool or "")
+        edge = pool.edge if pool is not None else None
         if edge is not None:
             edge.arrived(c.effective)
-        if self.open_checks > MAX_OPEN_CHECKS and self.shadow_verdict is None:
+        if self.open_checks > MAX_OPEN_CHECKS and not self.shadow:
             self.metrics.overloaded(c.effective)
             self._overload_log.event(open_checks=self.open_checks)
             return self._deny[(responses.Rejection.OVERLOADED, c.effective)]
-        controller: AdmissionService | None = self.controller
-        if self.pools is not None:
-            controller = self.pools.get(pool)
-            if controller is None:  # the route and the pools disagree: counted, 429
-                self.metrics.unknown_pool(c.effective)
-                self._unknown_pool_log.event(pool=pool[:64])
-                if self.shadow_verdict is not None:  # --shadow refuses nothing: the would-be
-                    return (codec.encode_unheld_allow(c.effective.label, tenant)  # 429, held
-                            + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))  # by no pool
-                self._rejections.add(c.effective.label, "unknown_pool", tenant)
-                return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
-        assert controller is not None
+        if pool is None:  # the route and the pools disagree: counted, 429
+            self.metrics.unknown_pool(c.effective)
+            self._unknown_pool_log.event(pool=(view.pool or "")[:64])
+            if self.shadow:  # --shadow refuses nothing: the would-be 429, held by no pool
+                return (codec.encode_unheld_allow(c.effective.label, tenant)
+                        + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))
+            self._rejections.add(c.effective.label, "unknown_pool", tenant)
+            return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         try:
-            admitted = await controller.admit(c.effective, tenant)
+            admitted = await pool.controller.admit(c.effective, tenant)
         except Denied as d:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,
                                              rate_limited=d.rate_limited)
@@ -204,7 +172,8 @@ class AuthzService:
             # Per rejection at debug only; info gets the throttled summary (docs/reference.md).
             log.debug("rejected", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, outcome=outcome,
-                      legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id)
+                      legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id,
+                      **pool.log_fields)
             self._rejections.add(c.effective.label, outcome, tenant)
             return self._deny[(rejection, c.effective)]
         except asyncio.CancelledError:
@@ -212,7 +181,8 @@ class AuthzService:
             # a 499 to. The core counted it as client_cancelled (see sidecar.responses).
             outcome = Outcome.CLIENT_CANCELLED.value
             log.debug("rejected", tenant=tenant, requested=c.requested.label,
-                      effective=c.effective.label, outcome=outcome, request_id=request_id)
+                      effective=c.effective.label, outcome=outcome, request_id=request_id,
+                      **pool.log_fields)
             self._rejections.add(c.effective.label, outcome, tenant)
             raise
         if edge is not None and not admitted.queued:
@@ -228,9 +198,9 @@ class AuthzService:
             log.debug("admitted", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, admission_id=aid,
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
-                      request_id=request_id)
+                      request_id=request_id, **pool.log_fields)
         allow = codec.encode_allow(aid, c.effective.label, tenant,
                                    c.effective in self.preemptible or not periodic)
-        if self.shadow_verdict is not None and (v := self.shadow_verdict(aid)) is not None:
+        if pool.shadow is not None and (v := pool.shadow.take_verdict(aid)) is not None:
             allow += codec.shadow_suffix(v.outcome, v.code)
         return allow

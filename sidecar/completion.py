@@ -31,12 +31,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from sidecar import codec, logs
-from sidecar.admission import AdmissionService
 from sidecar.classes import PriorityClass
 from sidecar.envoy_features import FeatureDetector
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import NullRecorder, Recorder
-from sidecar.pools import PooledAdmission
+from sidecar.pools import Pools
 from sidecar.responses import Rejection, reply
 from sidecar.scheduler import ReleaseReason, ReleaseResult
 
@@ -60,39 +59,36 @@ class CompletionService:
     periodic entry.
     """
 
-    def __init__(self, controller: AdmissionService,
+    def __init__(self, pools: Pools,
                  metrics: Recorder | None = None,
                  features: FeatureDetector | None = None,
                  liveness: EnvoyLiveness | None = None) -> None:
-        self.controller = controller
+        self.pools = pools
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self.features = features
         self.liveness = liveness
         self._refused_log = logs.Throttled(log, "adoption_refused")
 
-    def _scope(self, aid: str) -> AdmissionService | None:
-        """Whose capacity bounds adopting ``aid``: with pools, the pool the id names."""
-        c = self.controller
-        return c.scope(aid) if isinstance(c, PooledAdmission) else c
-
-    def adoption_bound(self, aid: str | None = None) -> int:
-        scope = self.controller if aid is None else self._scope(aid)
-        capacity = scope.snapshot().capacity if scope is not None else 0
+    def adoption_bound(self, aid: str) -> int:
+        """How many admissions the pool ``aid`` names may hold before adoption is refused."""
+        pool = self.pools.of(aid)
+        capacity = pool.controller.snapshot().capacity if pool is not None else 0
         return capacity if capacity > 0 else UNLIMITED_ADOPTION_BOUND
 
     def _renew_or_adopt(self, entry: codec.LogEntry) -> bool:
-        if self.controller.renew_or_adopt(entry.admission_id):  # a lease of ours: renewed
+        if self.pools.renew_or_adopt(entry.admission_id):  # a lease of ours: renewed
             return True
         cls = PriorityClass.from_name(entry.cls)
-        scope = self._scope(entry.admission_id)
-        if cls is None or scope is None:  # no class, or an id naming no pool of ours
+        pool = self.pools.of(entry.admission_id)
+        if cls is None or pool is None:  # no class, or an id naming no pool of ours
             return False
         bound = self.adoption_bound(entry.admission_id)
-        if scope.lease_count >= bound:
+        held = pool.controller.lease_count
+        if held >= bound:
             self._metrics.adoption_refused(cls)
-            self._refused_log.event(in_flight=scope.lease_count, bound=bound)
+            self._refused_log.event(in_flight=held, bound=bound, **pool.log_fields)
             return False
-        return self.controller.renew_or_adopt(entry.admission_id, cls, entry.tenant)
+        return pool.controller.renew_or_adopt(entry.admission_id, cls, entry.tenant)
 
     async def stream_access_logs(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
@@ -114,8 +110,8 @@ class CompletionService:
                     self._observe(entries)
                 for entry in entries:
                     if entry.final:
-                        result = self.controller.release(entry.admission_id,
-                                                         ReleaseReason.COMPLETED)
+                        result = self.pools.release(entry.admission_id,
+                                                    ReleaseReason.COMPLETED)
                         if liveness is not None:
                             liveness.ended(entry.admission_id)
                         if result is not ReleaseResult.RELEASED:
@@ -157,11 +153,11 @@ _IMMEDIATE_PREEMPTED = codec.encode_immediate(reply(Rejection.PREEMPTED))
 class ResponsePathService:
     """ext_proc: first-byte marking and preemption delivery."""
 
-    def __init__(self, controller: AdmissionService,
+    def __init__(self, pools: Pools,
                  metrics: Recorder | None = None,
                  features: FeatureDetector | None = None,
                  liveness: EnvoyLiveness | None = None) -> None:
-        self.controller = controller
+        self.pools = pools
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self.features = features
         self.liveness = liveness
@@ -200,7 +196,7 @@ class ResponsePathService:
             aid = first.admission_id
             if self.features is not None:
                 self.features.ext_proc_stream()
-            watch = self.controller.open_stop_channel(aid)
+            watch = self.pools.open_stop_channel(aid)
             if watch is not None and watch.done():
                 # A queued higher-class request took it the moment it became a
                 # candidate: answer 503 before the request ever reaches a worker.
@@ -241,12 +237,12 @@ class ResponsePathService:
                         await locked_write(codec.continue_for(event.kind))
                         continue
                     watch.remove_done_callback(preempt)
-                    if not await self.controller.confirm_first_byte(aid):
+                    if not await self.pools.confirm_first_byte(aid):
                         # Across a fleet: the ledger gave its slot away before it learned
                         # of the first byte. Stop it; it must not run on uncounted.
                         preempt()
                         break
-                    self.controller.mark_first_byte(aid)
+                    self.pools.mark_first_byte(aid)
                     # End the stream instead of answering CONTINUE: a clean close is
                     # Envoy's "carry on without the processor" and saves a message
                     # (a grpc send batch) on every request.
@@ -261,7 +257,7 @@ class ResponsePathService:
                         # uncounted until it ends. Say so loudly.
                         log.warning("preemption_delivery_failed", admission_id=aid,
                                     error=str(exc))
-                        self._metrics.preemption_undelivered()
+                        self.pools.preemption_undelivered(aid)
             finally:
                 finished = True
         finally:
@@ -269,4 +265,4 @@ class ResponsePathService:
                 if not write.done():
                     write.cancel()
             if aid is not None:
-                self.controller.close_stop_channel(aid)
+                self.pools.close_stop_channel(aid)

@@ -378,7 +378,7 @@ class CapacitySettings:
               "context extension)"),
         doc=("Workers to probe for health and capacity (`http://` or `https://`). An entry "
              "`POOL=URL` puts the worker in the named pool instead of the default one "
-             "([Pools](design.md#pools-several-models-behind-one-gateway)); `default=URL` is "
+             "([Pools](design.md#pools-the-unit-of-admission)); `default=URL` is "
              "the same as a bare URL."))
     worker_capacity_override: int | None = flag(
         "--worker-capacity-override", default=None, type=int, metavar="N", check=_at_least(1),
@@ -473,6 +473,13 @@ class CapacitySettings:
     pool's workers stay in worker_urls (bare entries) or come from --envoy-admin-url."""
     worker_credential: Mapping[str, str] | None = derived(repr=False)
     """Header name -> value sent with every worker probe; never in a repr."""
+
+    def pool_sources(self) -> dict[str, tuple[tuple[str, ...], str | None]]:
+        """Every pool's workers, the default pool first: (worker URLs, Envoy admin URL).
+        The default pool's are the bare ``--worker-urls`` entries or ``--envoy-admin-url``'s
+        cluster; a named pool's are its ``POOL=URL`` entries."""
+        return {DEFAULT_POOL: (self.worker_urls, self.envoy_admin_url),
+                **{name: (urls, None) for name, urls in self.pool_workers.items()}}
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,7 @@ from envoy.service.runtime.v3 import rtds_pb2
 from sidecar import codec, logs, responses
 from sidecar.classes import PriorityClass
 from sidecar.config import DEFAULT_POOL
-from sidecar.metrics import Recorder
+from sidecar.metrics import PoolRecorder
 
 RTDS_SERVICE = "envoy.service.runtime.v3.RuntimeDiscoveryService"
 RUNTIME_TYPE_URL = "type.googleapis.com/envoy.service.runtime.v3.Runtime"
@@ -201,12 +201,14 @@ class RuntimeServer:
     """SotW RTDS for one layer: the current shares, with a TTL, to every open stream.
     Shares are keyed by (pool, class); one layer carries every pool's switches."""
 
-    def __init__(self, metrics: Recorder, pools: Iterable[str] = (DEFAULT_POOL,)) -> None:
-        self._metrics = metrics
+    def __init__(self, pools: Mapping[str, PoolRecorder]) -> None:
+        self._recorders = dict(pools)
         self._streams: set[asyncio.Queue[bytes]] = set()
         self._version = itertools.count(1)
         self._nonce = itertools.count(1)
         names = tuple(pools)
+        # The default pool's keys carry no pool (a bootstrap without pools is unchanged),
+        # and neither do its log lines when it is the only one.
         self._pooled = names != (DEFAULT_POOL,)
         self._shares: dict[tuple[str, PriorityClass], float] = {
             (p, c): 0.0 for p in names for c in EDGE_CLASSES}
@@ -231,7 +233,7 @@ class RuntimeServer:
                 log.debug("edge_shed_changed",
                           shares={self._name(k): v for k, v in shares.items()})
         for (pool, cls), share in self._shares.items():
-            self._metrics.edge_share(cls, share, pool if self._pooled else None)
+            self._recorders[pool].edge_share(cls, share)
         for q in self._streams:
             _offer(q, self._current)
 
@@ -296,18 +298,15 @@ class RuntimeServer:
 
 class EdgeShed:
     """The controllers (one per pool), the RTDS server and the shed counter, run every
-    interval."""
+    interval. ``pools``: every pool's name (the default pool's included) and recorder."""
 
-    def __init__(self, metrics: Recorder, rejections: Callable[[str, str, str], None],
-                 pools: Iterable[str] = (DEFAULT_POOL,)) -> None:
-        names = tuple(pools)  # every pool's name, the default pool's included
-        self.controllers = {p: ShedController() for p in names}
-        # The default pool's: without pools, Checks feed it without a pool lookup.
-        self.controller = self.controllers[DEFAULT_POOL]
-        self.server = RuntimeServer(metrics, names)
-        self._pooled = names != (DEFAULT_POOL,)
-        self._metrics = metrics
+    def __init__(self, pools: Mapping[str, PoolRecorder],
+                 rejections: Callable[[str, str, str], None]) -> None:
+        self.controllers = {p: ShedController() for p in pools}
+        self.server = RuntimeServer(pools)
+        self._recorders = dict(pools)
         self._rejections = rejections
+        self._unknown_pool_log = logs.Throttled(log, "edge_shed_unknown_pool")
 
     async def run(self) -> None:
         while True:
@@ -321,10 +320,10 @@ class EdgeShed:
     def shed_counted(self, cls: PriorityClass, n: int, pool: str = DEFAULT_POOL) -> None:
         controller = self.controllers.get(pool)
         if controller is None:  # a logger naming a pool this sidecar does not have
-            log.warning("edge_shed_unknown_pool", pool=pool[:64], entries=n)
+            self._unknown_pool_log.event(pool=pool[:64], entries=n)
             return
         controller.edge_shed(cls, n)
-        self._metrics.edge_shed(cls, n, pool if self._pooled else None)
+        self._recorders[pool].edge_shed(cls, n)
         for _ in range(n):
             self._rejections(cls.label, "rejected_queue_full", EDGE_TENANT)
 

@@ -62,7 +62,7 @@ from sidecar.metrics import NullRecorder, Recorder
 from sidecar.scheduler import LEASE_EXPIRED, ReleaseResult
 
 if TYPE_CHECKING:
-    from sidecar.admission import AdmissionService
+    from sidecar.admission import AdmissionsById
 
 log = logs.get("sidecar.liveness")
 
@@ -569,7 +569,7 @@ class EnvoyLiveness:
     lease's one job is a slot with no owner left.
     """
 
-    def __init__(self, controller: AdmissionService, *, grace: float,
+    def __init__(self, controller: AdmissionsById, *, grace: float,
                  metrics: Recorder | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  start_of: StartSource | None = None,

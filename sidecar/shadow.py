@@ -4,7 +4,7 @@
 every arrival at once and never queues, preempts or refuses. Alongside, it
 feeds the same calls to the real core built from the same flags and YAML (the
 *shadow*: a :class:`~sidecar.scheduler.Scheduler`, or legacy admission), and
-reports each would-be decision through :meth:`Recorder.shadow_admit`
+reports each would-be decision through :meth:`PoolRecorder.shadow_admit`
 (``smg_sidecar_shadow_admit_total``). The asyncio adapter, leases, liveness,
 ext_proc and the access log work on the real side unchanged, so
 ``smg_scheduler_admit_total`` and the snapshot gauges say what really happened.
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from sidecar import responses
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.metrics import Recorder
+from sidecar.metrics import PoolRecorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     Admission,
@@ -96,7 +96,7 @@ def _rejected(outcome: Outcome, *, legacy: bool, rate_limited: bool = False) -> 
 class ShadowCore:
     """Admits every arrival; runs ``shadow`` on the same calls and reports its decisions."""
 
-    def __init__(self, shadow: AdmissionCore, clock: Clock, metrics: Recorder, *,
+    def __init__(self, shadow: AdmissionCore, clock: Clock, metrics: PoolRecorder, *,
                  bucket: TokenBucket | None = None, remember_ended: int = 100_000) -> None:
         self.shadow = shadow
         self.legacy = shadow.legacy

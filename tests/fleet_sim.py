@@ -47,7 +47,7 @@ from sidecar.admission import Denied
 from sidecar.classes import PriorityClass
 from sidecar.coordination.controller import FleetController
 from sidecar.coordination.ledger import FleetLedger
-from sidecar.metrics import NullRecorder
+from sidecar.metrics import NullPoolRecorder
 from sidecar.scheduler import (
     Admitted,
     ClassSettings,
@@ -204,7 +204,7 @@ class FaultProxy:
 # ---------------------------------------------------------------------------- truth
 
 
-class CountingRecorder(NullRecorder):
+class CountingRecorder(NullPoolRecorder):
     """The metrics one controller instance reports, per admission id."""
 
     def __init__(self, note: Callable[[str], None] = lambda _: None) -> None:

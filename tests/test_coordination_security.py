@@ -29,7 +29,7 @@ from structlog.testing import capture_logs
 from devtools.proc import die_with_parent
 from devtools.valkey import ValkeyServer, free_port, server_binary
 from sidecar.app import build_runtime
-from sidecar.config import ConfigError, parse_settings
+from sidecar.config import DEFAULT_POOL, ConfigError, parse_settings
 from sidecar.coordination.credentials import (
     PASSWORD_ENV,
     redact_url,
@@ -398,20 +398,21 @@ async def test_the_watch_counts_a_mismatch_and_the_controller_degrades(
     app = await build_runtime(settings)
     await app.serve()
     try:
-        assert app.fleet is not None and app.fleet.state == "ok"
+        fleet = app.pools[DEFAULT_POOL].fleet
+        assert fleet is not None and fleet.state == "ok"
         await admin.function_load(EVIL, replace=True)
         deadline = time.monotonic() + 10
-        while app.fleet.state != "degraded" and time.monotonic() < deadline:
+        while app.pools[DEFAULT_POOL].fleet.state != "degraded" and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert app.fleet.state == "degraded"
+        assert app.pools[DEFAULT_POOL].fleet.state == "degraded"
         assert sample(app.metrics, "smg_sidecar_coordination_library_mismatch_total") >= 1
         assert sample(app.metrics, "smg_sidecar_coordination_library_state",
                       state="mismatch") == 1
         await admin.function_load(LUA, replace=True)
         deadline = time.monotonic() + 10
-        while app.fleet.state != "ok" and time.monotonic() < deadline:
+        while app.pools[DEFAULT_POOL].fleet.state != "ok" and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert app.fleet.state == "ok"
+        assert app.pools[DEFAULT_POOL].fleet.state == "ok"
     finally:
         await app.stop()
 
@@ -623,7 +624,8 @@ async def test_rediss_with_a_password_file_and_a_private_ca(
         app = await build_runtime(parse_settings([
             *base, f"rediss://fleet-t@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"]))
         try:
-            assert app.fleet is not None and app.fleet.state == "ok"
+            fleet = app.pools[DEFAULT_POOL].fleet
+            assert fleet is not None and fleet.state == "ok"
             assert await admin.exists("pg:{t}:replicas") and tls_connections >= 1
         finally:
             await app.stop()
@@ -631,7 +633,8 @@ async def test_rediss_with_a_password_file_and_a_private_ca(
         with capture_logs() as logs:
             app = await build_runtime(parse_settings([*base, f"rediss://fleet-t@127.0.0.1:{port}/0"]))
         try:
-            assert app.fleet is not None and app.fleet.state == "degraded"
+            fleet = app.pools[DEFAULT_POOL].fleet
+            assert fleet is not None and fleet.state == "degraded"
             assert any(e["event"] == "coordination_unreachable_at_startup" for e in logs)
             assert SECRET not in repr(logs)
         finally:

@@ -31,7 +31,8 @@ from devtools.stack import Stack, StackConfig, load_renderer
 from sidecar import edge, logs, responses
 from sidecar.classes import PriorityClass
 from sidecar.edge import ShedController
-from sidecar.metrics import NullRecorder
+from sidecar.metrics import Metrics, NullPoolRecorder
+from tests.conftest import StackFactory
 from tests.test_k8s import _envoy_bin
 
 B, D = PriorityClass.BULK, PriorityClass.DEFAULT
@@ -145,7 +146,7 @@ def test_other_classes_never_move_a_switch() -> None:
 
 
 def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
-    server = edge.RuntimeServer(NullRecorder())
+    server = edge.RuntimeServer({"default": NullPoolRecorder()})
     server.publish({("default", B): 0.25}, changed=True)
     resp = discovery_pb2.DiscoveryResponse.FromString(server._with_nonce(server._current))
     assert resp.type_url == edge.RUNTIME_TYPE_URL and resp.nonce
@@ -160,7 +161,7 @@ def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
         "smg.edge.shed.bulk": {"numerator": 250000.0, "denominator": "MILLION"}}
     # With pools the one layer carries every pool's switch; the default pool's key is as
     # without pools.
-    pooled = edge.RuntimeServer(NullRecorder(), ("default", "big"))
+    pooled = edge.RuntimeServer({"default": NullPoolRecorder(), "big": NullPoolRecorder()})
     pooled.publish({("default", B): 0.0, ("big", B): 0.5}, changed=True)
     res = discovery_pb2.Resource()
     discovery_pb2.DiscoveryResponse.FromString(pooled._current).resources[0].Unpack(res)
@@ -171,7 +172,7 @@ def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
 
 
 async def test_a_stream_that_has_not_sent_yet_gets_the_newest_state() -> None:
-    server = edge.RuntimeServer(NullRecorder())
+    server = edge.RuntimeServer({"default": NullPoolRecorder()})
 
     async def envoy() -> AsyncIterator[bytes]:
         yield discovery_pb2.DiscoveryRequest(
@@ -225,7 +226,7 @@ def test_edge_sheds_join_the_rejections_line() -> None:
             lines.append({"event": event, **kw})
 
     summary = logs.RejectionSummary(Log(), schedule=lambda delay, fn: None)  # type: ignore[arg-type]
-    shed = edge.EdgeShed(NullRecorder(), summary.add)
+    shed = edge.EdgeShed({"default": NullPoolRecorder()}, summary.add)
     shed.shed_counted(B, 3)
     summary.flush()
     # The first at once, the others summed at the end of the interval.
@@ -628,3 +629,89 @@ def test_the_k8s_overlay_turns_both_sides_on_and_its_envoy_config_validates(
                            "--disable-hot-restart", "--log-level", "warn"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ============================================================================
+# Edge shedding with pools, through a real Envoy: each pool's route has a switch of its own,
+# steered by that pool's queue alone, and its edge sheds are counted for that pool.
+
+
+# One slot and a two-deep bulk queue on the flooded pool; two slots on the calm one.
+POOLS = {"flooded": (1, 1), "calm": (1, 2)}
+
+
+@pytest.mark.e2e
+async def test_a_flood_on_one_pool_switches_only_that_pools_edge(
+        make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1,
+                             service_time=0.5, pools=POOLS, edge_shed=True)
+    flooded, calm = edge.runtime_key(B, "flooded"), edge.runtime_key(B, "calm")
+    flood = Flood(stack, path="/flooded/v1/chat/completions")
+    try:
+        await wait_share(stack, lambda s: s >= 0.5, timeout=10, key=flooded)
+        # The other routes' bulk requests still reach their own pools' queues.
+        calm_results = await asyncio.gather(*(
+            request(stack.listen_port, "/calm/v1/chat/completions",
+                    headers={"x-smg-priority": "bulk"}, body=b"{}", timeout=30)
+            for _ in range(4)))
+        default_result = await request(stack.listen_port, headers={"x-smg-priority": "bulk"},
+                                       body=b"{}", timeout=30)
+        others = (await envoy_share(stack, calm), await envoy_share(stack, edge.runtime_key(B)))
+        still_on = await envoy_share(stack, flooded)
+    finally:
+        await flood.stop()
+    assert [r.status for r in calm_results] == [200] * 4
+    assert default_result.status == 200
+    assert others == (0.0, 0.0) and still_on >= 0.5
+    rejected = [r for r in flood.responses if r[0] == 429]
+    assert rejected
+    for status, headers, body in rejected:  # Envoy's and the sidecar's alike
+        assert status == BULK_FULL.status and body == BULK_FULL.body.encode()
+        for k, v in BULK_FULL.headers:
+            assert headers.get(k) == v, (k, headers)
+    # Counted for the flooded pool only, as the contract counts (the edge's within a flush).
+    denied_by_sidecar = await stack.envoy_stat("http\\.ingress\\.ext_authz\\.denied")
+    full_key = 'smg_scheduler_admit_total{class="bulk",outcome="rejected_queue_full",pool="%s"}'
+    shed_key = 'smg_sidecar_edge_shed_total{class="bulk",pool="%s"}'
+    deadline = time.monotonic() + 2 * edge.SHED_LOG_FLUSH_SECS + 2
+    while True:
+        m = await stack.metrics()
+        if m.get(full_key % "flooded") == len(rejected) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert m[full_key % "flooded"] == len(rejected)
+    assert m[shed_key % "flooded"] == len(rejected) - denied_by_sidecar > 0
+    for pool in ("calm", "default"):
+        assert m.get(full_key % pool, 0.0) == 0.0, pool
+        assert m.get(shed_key % pool, 0.0) == 0.0, pool
+        assert m[f'smg_sidecar_edge_shed_share{{class="bulk",pool="{pool}"}}'] == 0.0
+    assert m['smg_sidecar_edge_shed_share{class="bulk",pool="flooded"}'] > 0.0
+
+
+def test_a_shed_log_naming_no_pool_of_this_sidecar_is_not_counted() -> None:
+    metrics = Metrics(tenant_top_n=4, pools=True)
+    lines: list[tuple[str, str, str]] = []
+    shed = edge.EdgeShed({p: metrics.pool(p) for p in ("default", "big")},
+                         lambda *a: lines.append(a))
+    shed.shed_counted(B, 3, "big")
+    shed.shed_counted(B, 5, "ghost")  # an Envoy rendered with a pool this sidecar lacks
+    shed.shed_counted(B, 2)
+    r = metrics.registry
+    assert r.get_sample_value("smg_sidecar_edge_shed_total",
+                              {"class": "bulk", "pool": "big"}) == 3
+    assert r.get_sample_value("smg_sidecar_edge_shed_total",
+                              {"class": "bulk", "pool": "default"}) == 2
+    assert r.get_sample_value("smg_sidecar_edge_shed_total",
+                              {"class": "bulk", "pool": "ghost"}) is None
+    assert r.get_sample_value("smg_scheduler_admit_total", {
+        "class": "bulk", "outcome": "rejected_queue_full", "pool": "big"}) == 3
+    assert len(lines) == 5
+    # Each pool's switch moves on its own pool's overflow only.
+    for _ in range(10):
+        shed.controllers["big"].arrived(B)
+        shed.controllers["big"].overflowed(B)
+    for c in shed.controllers.values():
+        c.tick()
+    assert shed.controllers["big"].shares()[B] > 0 == shed.controllers["default"].shares()[B]
+    assert edge.runtime_key(B, "big") == "smg.edge.shed.pool.big.bulk"
+    assert edge.runtime_key(B) == "smg.edge.shed.bulk"

@@ -590,13 +590,13 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
 
 
 def _exported_metric_names() -> set[str]:
-    from sidecar.config import BUILTIN_CLASSES
+    from sidecar.config import BUILTIN_CLASSES, DEFAULT_POOL
     from sidecar.metrics import Metrics
     from sidecar.scheduler import Scheduler
 
     m = Metrics(tenant_top_n=4)
     snapshot = Scheduler(BUILTIN_CLASSES, 256, time.monotonic).snapshot()
-    m.started(legacy=False, snapshot=lambda: snapshot, config_digest="builtin")
+    m.pool(DEFAULT_POOL).admission_started(legacy=False, snapshot=lambda: snapshot)
     names: set[str] = set()
     for family in m.registry.collect():
         # A labelled metric with no child yet has no samples; what Prometheus would

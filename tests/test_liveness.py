@@ -23,7 +23,7 @@ from sidecar import codec
 from sidecar.admission import AdmissionController
 from sidecar.app import build_runtime
 from sidecar.classes import PriorityClass
-from sidecar.config import parse_settings
+from sidecar.config import DEFAULT_POOL, parse_settings
 from sidecar.liveness import UNIX_OWNER, EnvoyLiveness, OwnerTable, owner_of
 from sidecar.metrics import NullRecorder
 from sidecar.scheduler import ClassSettings, ReleaseResult, Scheduler
@@ -383,10 +383,11 @@ async def test_over_grpc_a_slot_outlives_its_lease_and_returns_when_its_envoy_di
         aid = admission_id(resp)
         await ext_proc_to_first_byte(envoy, aid)
         await asyncio.sleep(4 * lease)  # the condition under test is the passage of time
-        assert app.controller.holds(aid)
+        assert app.pools[DEFAULT_POOL].controller.holds(aid)
         assert sample("smg_sidecar_lease_expired_total", **{"class": "default"}) == 0
         stream.cancel()  # the Envoy is gone
-        took = await eventually(lambda: not app.controller.holds(aid), timeout=grace + 2)
+        ctl = app.pools[DEFAULT_POOL].controller
+        took = await eventually(lambda: not ctl.holds(aid), timeout=grace + 2)
         assert took >= grace * 0.9
         assert sample("smg_sidecar_lease_expired_total", **{"class": "default"}) == 1
         assert sample("smg_sidecar_released_total", **{"class": "default",

@@ -12,7 +12,7 @@ import pytest
 
 from sidecar.app import Runtime, build_runtime
 from sidecar.classes import PriorityClass
-from sidecar.config import parse_settings
+from sidecar.config import DEFAULT_POOL, parse_settings
 from tests.grpc_client import EnvoyStandIn, admission_id
 
 CONFIG_A = """
@@ -96,7 +96,7 @@ async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
     inflight = await envoy.check({})
     q1 = asyncio.ensure_future(envoy.check({}))
     q2 = asyncio.ensure_future(envoy.check({}))
-    await eventually(lambda: app.controller.waiting == 2)
+    await eventually(lambda: app.pools[DEFAULT_POOL].controller.waiting == 2)
     cm.swap(CONFIG_B)
     await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
     assert value(app, "smg_sidecar_config_reload_total", result="ok") == 1
@@ -106,7 +106,7 @@ async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
     # Tenant ceilings changed too.
     vip = envoy.check({"x-smg-priority": "system", "x-smg-tenant": "auth:vip"})
     # Queued requests kept their place and the in-flight one was not disturbed.
-    assert app.core.is_admitted(admission_id(inflight))
+    assert app.pools[DEFAULT_POOL].controller.core.is_admitted(admission_id(inflight))
     await envoy.log((admission_id(inflight), "end"))
     # system (the vip tenant's new ceiling) outranks the queued default requests
     vip_resp = await asyncio.wait_for(vip, 2)
@@ -118,7 +118,7 @@ async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
     await envoy.log((admission_id(first), "end"))
     second = await asyncio.wait_for(q2, 2)
     await envoy.log((admission_id(second), "end"))
-    assert app.core.snapshot().inflight == 0
+    assert app.pools[DEFAULT_POOL].controller.core.snapshot().inflight == 0
 
 
 async def test_invalid_swap_changes_nothing_and_is_counted(
@@ -131,7 +131,7 @@ async def test_invalid_swap_changes_nothing_and_is_counted(
     # Old config still in force: queue_size 2, so two requests queue rather than shed.
     first = await envoy.check({})
     queued = [asyncio.ensure_future(envoy.check({})) for _ in range(2)]
-    await eventually(lambda: app.controller.waiting == 2)
+    await eventually(lambda: app.pools[DEFAULT_POOL].controller.waiting == 2)
     await envoy.log((admission_id(first), "end"))
     for q in queued:
         r = await asyncio.wait_for(q, 2)
@@ -191,10 +191,11 @@ async def test_reload_turning_fair_queuing_on_re_sorts_the_queued_and_loses_none
     queued: dict[asyncio.Future[Any], str] = {}
     for n, tenant in enumerate(["auth:a", "auth:a", "auth:a", "auth:b", "auth:b"], start=1):
         queued[asyncio.ensure_future(envoy.check({"x-smg-tenant": tenant}))] = tenant
-        await eventually(lambda n=n: app.controller.waiting == n)
+        await eventually(lambda n=n: app.pools[DEFAULT_POOL].controller.waiting == n)
     cm.swap(DEEP_FAIR)
     await eventually(lambda: value(app, "smg_sidecar_config_generation") == 3)
-    assert app.core.snapshot().classes[PriorityClass.DEFAULT].queue_depth == 5
+    snap = app.pools[DEFAULT_POOL].controller.snapshot()
+    assert snap.classes[PriorityClass.DEFAULT].queue_depth == 5
     order: list[str] = []
     holder = admission_id(blocker)
     pending = set(queued)
@@ -210,7 +211,7 @@ async def test_reload_turning_fair_queuing_on_re_sorts_the_queued_and_loses_none
     assert order == ["auth:a", "auth:b", "auth:a", "auth:b", "auth:a"]
     assert value(app, "smg_scheduler_admit_total", **{"class": "default",
                                                       "outcome": "rejected_queue_full"}) == 0
-    await eventually(lambda: app.core.snapshot().inflight == 0)
+    await eventually(lambda: app.pools[DEFAULT_POOL].controller.core.snapshot().inflight == 0)
 
 
 async def test_reload_of_can_preempt_changes_which_allows_say_preemptible(

@@ -93,7 +93,7 @@ from sidecar.coordination.replica import (
     Send,
     Stop,
 )
-from sidecar.metrics import NullRecorder, Recorder
+from sidecar.metrics import NullPoolRecorder, PoolRecorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     Admitted,
@@ -166,7 +166,7 @@ class FleetController:
         call_timeout: float,
         ack_timeout: float = 30.0,
         bucket: TokenBucket | None = None,
-        metrics: Recorder | None = None,
+        metrics: PoolRecorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         id_factory: Callable[[], str] = new_admission_id,
         mark_delay: float = MARK_DELAY_SECS,
@@ -189,7 +189,7 @@ class FleetController:
         # Older than any call in flight (a call taking longer degrades the replica).
         self._orphan_age = 4 * call_timeout
         self._bucket = bucket
-        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
+        self._metrics: PoolRecorder = metrics if metrics is not None else NullPoolRecorder()
         self._clock = clock
         self._new_id = id_factory
         # The mode (ok, degraded, resyncing, settling) and the last view of the fleet, as
@@ -234,7 +234,7 @@ class FleetController:
         capacity: int,
         ack_timeout: float = 30.0,
         bucket: TokenBucket | None = None,
-        metrics: Recorder | None = None,
+        metrics: PoolRecorder | None = None,
         max_connections: int = 64,
         mark_delay: float = MARK_DELAY_SECS,
         pool: str | None = None,
@@ -549,8 +549,7 @@ class FleetController:
         """End an admission; a second or unknown release is counted and ignored."""
         result, effects = self._core.release(aid, reason)
         if result is not ReleaseResult.RELEASED:
-            self._metrics.completion_unmatched(result.value)
-            return result
+            return result  # counted by the caller (sidecar.pools.Pools.release)
         self._stop_signals.pop(aid, None)
         self._apply(effects)  # (while local, the mirror follows the local core's events)
         return result
@@ -1055,7 +1054,7 @@ class FleetController:
         task.add_done_callback(self._background.discard)
 
 
-class _LocalRecorder(NullRecorder):
+class _LocalRecorder(NullPoolRecorder):
     """The degraded-mode core's events: keep the mirror in step, then count them.
 
     Only what the local :class:`AdmissionController` reports is forwarded; every other
@@ -1085,9 +1084,6 @@ class _LocalRecorder(NullRecorder):
 
     def rate_limit(self, allowed: bool) -> None:
         self._o._metrics.rate_limit(allowed)
-
-    def completion_unmatched(self, reason: str) -> None:
-        self._o._metrics.completion_unmatched(reason)
 
 
 def _describe(exc: BaseException) -> str:

@@ -29,7 +29,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from sidecar import logs
 from sidecar.capacity import CapacityReading
 from sidecar.coordination.ledger import LIBRARY, LUA, FleetLedger, LibraryState
-from sidecar.metrics import NullRecorder, Recorder
+from sidecar.metrics import NullPoolRecorder, NullRecorder, PoolRecorder, Recorder
 
 log = logs.get("sidecar.coordination")
 
@@ -166,7 +166,7 @@ def _split_digests(digests: Sequence[str]) -> dict[str, frozenset[str]]:
 
 
 async def watch_fleet(ledger: FleetLedger, interval: float,
-                      recorder: Recorder | None = None) -> None:
+                      recorder: PoolRecorder | None = None) -> None:
     """Every ``interval`` s, look for a second class config or capacity source among the
     live replicas of this fleet id (until cancelled).
 
@@ -175,7 +175,7 @@ async def watch_fleet(ledger: FleetLedger, interval: float,
     distinct set of values, and only once the same set was seen on two checks in a row,
     so that a worker coming up on one replica a poll before the other is not a collision.
     """
-    rec: Recorder = recorder if recorder is not None else NullRecorder()
+    rec: PoolRecorder = recorder if recorder is not None else NullPoolRecorder()
     previous: dict[str, frozenset[str]] = {}
     reported: dict[str, frozenset[str]] = {}
     while True:

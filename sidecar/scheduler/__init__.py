@@ -58,7 +58,12 @@ from sidecar.scheduler.reservations import (
     reservations_fit,
     scaled_reservations,
 )
-from sidecar.scheduler.settings import BUILTIN_CLASSES, ClassSettings
+from sidecar.scheduler.settings import (
+    BUILTIN_CLASSES,
+    ClassSettings,
+    preemptible_classes,
+    without_preemption,
+)
 
 __all__ = [
     "BUILTIN_CLASSES",
@@ -88,6 +93,8 @@ __all__ = [
     "Waiter",
     "capacity_pressure",
     "desired_reservations",
+    "preemptible_classes",
     "reservations_fit",
     "scaled_reservations",
+    "without_preemption",
 ]

@@ -37,12 +37,15 @@ class LegacyAdmission:
     """The legacy concurrency limit: one FIFO queue, no classes in the decision.
 
     ``limit`` None means no concurrency cap (``--max-concurrent-requests`` <= 0).
+    ``measured``: the workers' capacity, reported (never enforced) when there is no cap,
+    so an uncapped pool's capacity series shows what its workers can run, not 0.
     """
 
     limit: int | None
     queue_size: int
     queue_timeout_secs: float
     clock: Clock
+    measured: int = 0
     legacy: bool = True
     _admitted: dict[str, Admission] = field(default_factory=dict)
     _queue: OrderedDict[str, Waiter] = field(default_factory=OrderedDict)
@@ -112,7 +115,9 @@ class LegacyAdmission:
         return State.QUEUED if id in self._queue else None
 
     def set_capacity(self, capacity: int) -> None:
-        """Legacy admission does not follow worker health (as in smg)."""
+        """Legacy admission does not follow worker health (as in smg); the reading is
+        only reported (``measured``)."""
+        self.measured = capacity
 
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
         """Class knobs do not apply to the legacy path."""
@@ -131,7 +136,7 @@ class LegacyAdmission:
         for w in self._queue.values():
             per[w.cls][1] += 1
         return Snapshot(
-            capacity=self.limit if self.limit is not None else 0,
+            capacity=self.limit if self.limit is not None else self.measured,
             inflight=len(self._admitted),
             classes={
                 c: ClassSnapshot(per[c][0], per[c][1], self.queue_size, 0) for c in HIGH_TO_LOW

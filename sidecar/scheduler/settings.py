@@ -10,9 +10,9 @@ The field names are the YAML keys of ``classes.<class>``, except ``tenant_weight
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from sidecar.classes import PriorityClass
+from sidecar.classes import HIGH_TO_LOW, PriorityClass
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +66,27 @@ BUILTIN_CLASSES: Mapping[PriorityClass, ClassSettings] = {
         starvation_threshold_secs=120.0, can_preempt=False),
 }
 """The contract's built-in class table (what an empty ``priority.yaml`` means)."""
+
+
+def preemptible_classes(classes: Mapping[PriorityClass, ClassSettings]
+                        ) -> frozenset[PriorityClass]:
+    """The classes a request can be preempted in: some strictly higher class ``can_preempt``.
+
+    The others are admitted with ``preemptible: false`` in the metadata, so Envoy opens
+    no ext_proc stream for them (the stream is most of the cost of an admitted request
+    through Envoy): whatever the load, nothing could ever stop them.
+    """
+    out: set[PriorityClass] = set()
+    preemptor_above = False
+    for cls in HIGH_TO_LOW:
+        if preemptor_above:
+            out.add(cls)
+        if classes[cls].can_preempt:
+            preemptor_above = True
+    return frozenset(out)
+
+
+def without_preemption(classes: Mapping[PriorityClass, ClassSettings]
+                       ) -> dict[PriorityClass, ClassSettings]:
+    """``classes`` with ``can_preempt`` off everywhere (preemption suspended)."""
+    return {c: replace(k, can_preempt=False) for c, k in classes.items()}
