@@ -192,6 +192,10 @@ class PooledAdmission:
         c = self.scope(aid)
         return c is not None and c.lease_again(aid)
 
+    def unleased(self, aid: str) -> bool:
+        c = self.scope(aid)
+        return c is not None and c.unleased(aid)
+
     def mark_first_byte(self, aid: str) -> bool:
         c = self.scope(aid)
         return c is not None and c.mark_first_byte(aid)
