@@ -29,6 +29,7 @@ from sidecar.metrics import NullRecorder
 from sidecar.scheduler import ClassSettings, ReleaseResult, Scheduler
 from tests.clock import FakeClock
 from tests.grpc_client import EnvoyStandIn, admission_id
+from tests.lease_home import AllHeld
 
 GRACE = 5.0
 LEASE = 10.0
@@ -59,7 +60,7 @@ def test_connections_of_one_host_are_one_owner() -> None:
 
 
 def test_acknowledged_while_alive_needs_no_lease_and_dies_with_its_owner() -> None:
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     assert t.stream_opened("e1", 0.0).unlease == []
     t.admitted("x", "e1", 1.0)
     assert t.acknowledge("x", 1.1)
@@ -72,7 +73,7 @@ def test_acknowledged_while_alive_needs_no_lease_and_dies_with_its_owner() -> No
 
 
 def test_an_owner_never_watched_keeps_the_lease_until_its_first_stream() -> None:
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     t.admitted("x", "e1", 1.0)
     t.admitted("y", "e1", 1.0)
     assert not t.acknowledge("x", 2.0)  # no ALS stream yet: the lease stays
@@ -83,7 +84,7 @@ def test_an_owner_never_watched_keeps_the_lease_until_its_first_stream() -> None
 
 
 def test_one_of_several_streams_closing_is_not_a_death() -> None:
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     t.stream_opened("e1", 0.0)
     t.stream_opened("e1", 0.0)  # a second worker thread
     t.admitted("x", "e1", 1.0)
@@ -95,7 +96,7 @@ def test_one_of_several_streams_closing_is_not_a_death() -> None:
 
 
 def test_killing_one_envoy_frees_only_its_admissions() -> None:
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     for owner, aid in (("e1", "x"), ("e2", "y")):
         t.stream_opened(owner, 0.0)
         t.admitted(aid, owner, 1.0)
@@ -106,7 +107,7 @@ def test_killing_one_envoy_frees_only_its_admissions() -> None:
 
 
 def test_a_gap_within_the_grace_puts_earlier_admissions_back_under_the_lease() -> None:
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     t.stream_opened("e1", 0.0)
     t.admitted("old", "e1", 1.0)
     t.acknowledge("old", 1.0)
@@ -121,7 +122,7 @@ def test_a_gap_within_the_grace_puts_earlier_admissions_back_under_the_lease() -
 
 
 def test_admissions_asked_for_while_the_owner_was_lost_survive_its_death() -> None:
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     t.stream_opened("e1", 0.0)
     t.admitted("old", "e1", 1.0)
     t.stream_closed("e1", 10.0)
@@ -131,7 +132,7 @@ def test_admissions_asked_for_while_the_owner_was_lost_survive_its_death() -> No
 
 
 def test_prune_forgets_what_ended_elsewhere() -> None:
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     for aid in ("a", "b", "c"):
         t.admitted(aid, "e1", 0.0)
     t.admitted("d", "e2", 0.0)
@@ -142,7 +143,7 @@ def test_prune_forgets_what_ended_elsewhere() -> None:
 
 
 def test_churning_peers_leave_no_owner_behind() -> None:
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     for i in range(1000):  # a shared service: each request from another pod IP
         t.admitted(f"r{i}", f"10.0.{i // 256}.{i % 256}", float(i))
         t.ended(f"r{i}")
@@ -169,7 +170,7 @@ def test_only_an_owner_silent_for_the_grace_loses_admissions_and_then_all_of_the
     """Against a model: what pop_dead returns is exactly the admissions asked for (and not
     acknowledged since) before their owner's last stream closed, once it stayed closed
     for the grace; nothing of an owner with a stream open is ever returned."""
-    t = OwnerTable(GRACE)
+    t = OwnerTable(GRACE, leases=AllHeld())
     now = 0.0
     streams = {"e1": 0, "e2": 0}
     lost_at: dict[str, float] = {}

@@ -39,6 +39,7 @@ from sidecar.metrics import NullRecorder
 from sidecar.scheduler import ClassSettings, ReleaseResult, Scheduler
 from tests.clock import FakeClock
 from tests.conftest import serve_on_loopback
+from tests.lease_home import AllHeld
 
 GRACE = 5.0
 LEASE = 10.0
@@ -53,7 +54,7 @@ def started(at: float) -> ProcessStart:
 
 
 def table() -> OwnerTable:
-    return OwnerTable(GRACE, lambda owner: owner != "remote")
+    return OwnerTable(GRACE, lambda owner: owner != "remote", leases=AllHeld())
 
 
 # ----------------------------------------------------------------------------- parsing
