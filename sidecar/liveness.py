@@ -36,9 +36,63 @@ when the connection or the process goes. So:
   (released) and which are this process's (no lease). Owners without an admin keep the
   time-only rules.
 
-:class:`OwnerTable` is the pure part (the caller passes the time in and applies what
-its methods return); :class:`EnvoyLiveness` wires it to the admission service, the
-gRPC hooks and a timer.
+The owner's state
+=================
+
+Each owner is in exactly one :class:`State`; a :class:`Trigger` moves it by
+:data:`TRANSITIONS`, and every pair not listed raises :class:`IllegalTransition` (a driver
+bug: a stream closed that never opened, a periodic entry with no stream). *Identified*
+owners are those whose Envoy's admin can be asked (``identifiable``); the others are
+decided on time alone and only ever are UNWATCHED, ALIVE or LOST. An owner the table does
+not keep (never seen, or forgotten with nothing left to track) is UNWATCHED. "Ack" says
+what an acknowledgement does there: the lease stays, or it is held without one.
+
+===========  =====  ===============================  =======================================
+state        ack    carries                          leaves by: trigger → next state
+===========  =====  ===============================  =======================================
+UNWATCHED    lease  nothing                          ``opened`` → ALIVE; ``opened_ask``
+                                                     (identified) → IDENTIFYING
+ALIVE        none   :class:`Open`: streams (≥ 1),    ``opened_more``, ``closed_more``,
+                    its last periodic entry          ``periodic`` → ALIVE; ``closed_last``
+                                                     → LOST
+IDENTIFYING  none   :class:`Open` with the question  ``opened_more``, ``closed_more``,
+                    asked at its first stream, and   ``periodic`` → IDENTIFYING;
+                    whether the loss it ended was    ``identified`` (the answer, or none)
+                    a confirmed blip                 → ALIVE; ``closed_last`` → LOST (the
+                                                     answer will be stale)
+LOST         lease  :class:`Loss`: since when, and   ``opened`` → ALIVE; ``opened_ask`` →
+                    the grace's end                  IDENTIFYING; ``grace_passed`` (time
+                                                     only) → UNWATCHED [dead]; ``check_due``
+                                                     (identified) → ASKING
+ASKING       lease  :class:`Loss` with the question  ``opened_ask`` → IDENTIFYING;
+                    to its admin                     ``checked_blip`` → BLIP;
+                                                     ``checked_restarted`` → UNWATCHED
+                                                     [restarted]; ``checked_dead`` →
+                                                     UNWATCHED [dead]
+BLIP         none   :class:`Loss`: since when, and   ``opened_ask`` → IDENTIFYING;
+                    the next check                   ``check_due`` → BLIP_ASKING
+BLIP_ASKING  none   :class:`Loss` with the question  ``opened_ask`` → IDENTIFYING;
+                    to its admin                     ``checked_blip`` → BLIP;
+                                                     ``checked_restarted`` → UNWATCHED
+                                                     [restarted]; ``checked_dead`` →
+                                                     UNWATCHED [dead, and what was
+                                                     acknowledged since the blip]
+===========  =====  ===============================  =======================================
+
+What moves with them: [dead] releases every admission the owner asked for before the loss
+and Envoy has not shown since; [restarted], every one asked for before the new process
+started. The first stream after none (``opened``, ``opened_ask``) puts what was
+acknowledged before the loss back under the lease (a relapse) and takes the lease off
+what was acknowledged since, or ever, from UNWATCHED; ``identified`` releases what was
+asked for before the running process started and takes the lease off a relapsed one
+asked for after it (not when that process sends periodic entries: their next one does).
+An admin's answer counts only while its owner's state still waits for that question (its
+token): any other answer is stale and changes nothing.
+
+:class:`OwnerTable` is the pure part: the caller passes the time in and releases what
+its methods return; unleasing and relapsing go straight to the lease home it is given
+(the admission service's lease table, the one place that keeps them).
+:class:`EnvoyLiveness` wires it to the admission service, the gRPC hooks and a timer.
 """
 
 from __future__ import annotations
