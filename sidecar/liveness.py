@@ -326,10 +326,11 @@ class ProcessStart:
 
 @dataclass(frozen=True, slots=True)
 class Reopened:
-    """What an owner's stream opening asks of the caller."""
+    """What an owner's stream opening did to the lease home (for logs), and asks of the
+    caller."""
 
     unlease: list[str]
-    """Acknowledged while the owner was not alive: the owner is alive now, drop their lease."""
+    """Acknowledged while the owner was not alive: the owner is alive now, lease dropped."""
     relapse: list[str]
     """Acknowledged before a gap: back under the lease (a new process may have replaced it)."""
     ask: int | None = None
@@ -339,7 +340,8 @@ class Reopened:
 
 @dataclass(frozen=True, slots=True)
 class Identified:
-    """What an admin's answer at an owner's (re)opening asks of the caller."""
+    """What an admin's answer at an owner's (re)opening asks of the caller (release), and
+    did to the lease home (unlease)."""
 
     release: list[str]
     """Admitted before the current process started: its predecessor's, and it is dead."""

@@ -26,7 +26,7 @@ from sidecar.classes import PriorityClass
 from sidecar.config import parse_settings
 from sidecar.liveness import UNIX_OWNER, EnvoyLiveness, OwnerTable, owner_of
 from sidecar.metrics import NullRecorder
-from sidecar.scheduler import ClassSettings, ReleaseResult, Scheduler
+from sidecar.scheduler import ClassSettings, Leases, ReleaseResult, Scheduler
 from tests.clock import FakeClock
 from tests.grpc_client import EnvoyStandIn, admission_id
 from tests.lease_home import AllHeld
@@ -342,6 +342,42 @@ async def test_an_adopted_stream_is_owned_by_the_envoy_that_logged_it() -> None:
     lv.stream_closed(owner)
     clock.advance(GRACE)
     assert lv.sweep() == 1 and not ctl.holds("elsewhere")
+    ctl.close()
+
+
+def test_the_lease_table_keeps_under_a_lease_and_held_without_one() -> None:
+    leases = Leases(LEASE)
+    leases.grant("a", 0.0)
+    leases.grant("b", 1.0)
+    leases.hold("a")
+    assert leases.unleased("a") and not leases.unleased("b")
+    assert leases.next_expiry() == 1.0 + LEASE  # a has no timer
+    assert leases.pop_expired(1000.0) == ["b"]
+    assert leases.renew("a", 5.0)  # a periodic entry: nothing to push, still in flight
+    assert "a" in leases and len(leases) == 1 and leases.next_expiry() is None
+    assert leases.lease_again("a", 20.0) and not leases.unleased("a")
+    assert leases.next_expiry() == 20.0 + LEASE
+    assert not leases.lease_again("a", 21.0)  # under a lease already
+    leases.hold("a")
+    leases.drop("a")
+    assert len(leases) == 0 and "a" not in leases and not leases.unleased("a")
+
+
+async def test_held_without_a_lease_is_kept_by_the_controller_alone() -> None:
+    """The table keeps no copy: what it reads is the controller's lease table, whoever
+    changed it last."""
+    ctl, lv, _, _ = await make()
+    lv.stream_opened(A)
+    aid = await admit(ctl, lv, A)
+    assert not ctl.unleased(aid) and not lv.table.unleased(aid)
+    lv.acknowledged(aid)
+    assert ctl.unleased(aid) and lv.table.unleased(aid) and ctl.lease_count == 1
+    assert ctl.lease_again(aid)
+    assert not ctl.unleased(aid) and not lv.table.unleased(aid)
+    assert ctl.hold_without_lease(aid) and lv.table.unleased(aid)
+    assert not ctl.hold_without_lease("stranger") and not ctl.unleased("stranger")
+    ctl.release(aid)
+    assert not ctl.unleased(aid) and ctl.lease_count == 0
     ctl.close()
 
 
