@@ -86,6 +86,10 @@ acknowledged before the loss back under the lease (a relapse) and takes the leas
 what was acknowledged since, or ever, from UNWATCHED; ``identified`` releases what was
 asked for before the running process started and takes the lease off a relapsed one
 asked for after it (not when that process sends periodic entries: their next one does).
+An acknowledgement where "ack" says lease puts even one held without a lease back under
+it (a sign after the loss spares it the loss's release), and UNWATCHED holds nothing
+without a lease (entering it, what is left goes back under one): so an admission held
+without a lease always has a way out, its owner's death.
 An admin's answer counts only while its owner's state still waits for that question (its
 token): any other answer is stale and changes nothing.
 
@@ -420,6 +424,10 @@ class OwnerTable:
             return False
         t.acked_at = now
         if self._owners[t.owner].state not in VOUCHED:
+            # Under the lease, also one held without it since before a loss: this sign,
+            # after the loss, spares it the loss's release, so only a lease can end it.
+            if self.leases.unleased(aid):
+                self.leases.lease_again(aid)
             return False
         if not self.leases.hold_without_lease(aid):
             return False
@@ -582,6 +590,11 @@ class OwnerTable:
         self._move(o, trigger, None)
         for aid in ids:
             self.ended(aid)
+        for aid in o.ids:
+            # Left, and held without a lease: a new process's, acknowledged while its
+            # predecessor's blip was vouched for. Not watched: under the lease.
+            if self.leases.unleased(aid):
+                self.leases.lease_again(aid)
         if not o.ids and key in self._owners:
             del self._owners[key]
 

@@ -51,6 +51,7 @@ from sidecar.liveness import (
     Checked,
     EnvoyLiveness,
     IllegalTransition,
+    Loss,
     OwnerTable,
     ProcessStart,
     State,
@@ -447,6 +448,18 @@ class World:
         assert table.alive_owners == sum(1 for o in OWNERS if table.alive(o))
         for key, o in table._owners.items():
             assert fits(o.state, o.phase), (key, o.state, o.phase)
+            # Held without a lease only with a way out: its owner's death releases it
+            # (lost: asked for and shown before the loss), or the owner vouches for it.
+            for aid in o.ids:
+                if not self.ctl.unleased(aid):
+                    continue
+                t = table._ids[aid]
+                assert o.state is not State.UNWATCHED, f"{aid}: no lease, owner unwatched"
+                if o.state in (State.LOST, State.ASKING):
+                    assert isinstance(o.phase, Loss)
+                    at = o.phase.at
+                    assert t.admitted_at <= at and (t.acked_at is None or t.acked_at <= at), \
+                        f"{aid}: no lease, shown at {t.acked_at} after its owner's loss at {at}"
         assert not self.violations, self.violations
         # A lost owner: what it asked for before the loss and has not shown since goes
         # within the grace (identified: once its process is dead, + the admin's bound).
@@ -582,10 +595,18 @@ COVERING: list[list[tuple[str, Any]]] = [
     [("start", L), ("admit", L), ("ack", 0), ("wait", 1.0), ("kill", L), ("wait", 1.0),
      ("start", L), ("wait", 1.0), ("open", L), ("answer", 0)],
 ]
+# Found by this drive (both leaked a slot for good before): a second sign, while lost, of
+# an admission held without a lease; a successor's admission acknowledged during its
+# predecessor's confirmed blip, then the check finds the restart and it never streams.
+FOUND = [
+    [("start", R), ("admit", R), ("periodic", 0), ("close", R), ("wait", 0.05), ("ack", 0)],
+    [*LOCAL_ACKED, ("blip", L), ("wait", GRACE), ("answer", 0), ("kill", L), ("wait", 1.0),
+     ("start", L), ("admit", L), ("ack", 1), ("wait", GRACE), ("answer", 0)],
+]
 
 
 def _with_examples(test: Callable[..., None]) -> Callable[..., None]:
-    for ops in reversed([*COVERING, [*ACKED_THEN_KILLED, ("wait", GRACE)],
+    for ops in reversed([*COVERING, *FOUND, [*ACKED_THEN_KILLED, ("wait", GRACE)],
                          LOCAL_BLIP_THEN_DEATH, REPLACED_WITHIN_THE_GRACE]):
         test = example(ops)(test)
     return test
