@@ -160,7 +160,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("close"), st.sampled_from(["e1", "e2"])),
     st.tuples(st.just("end"), st.integers(0, 30)),
     st.tuples(st.just("wait"), st.floats(0.0, 8.0)),
-), max_size=60)
+), min_size=10, max_size=60)  # hypothesis favours short lists: most had < 10 ops
 
 
 @settings(max_examples=300, deadline=None)
