@@ -11,6 +11,8 @@ things that keep slot accounting exact whatever fails:
   forever. An admission Envoy acknowledged while its access-log stream was open
   is held without one (``hold_without_lease``): :mod:`sidecar.liveness` releases
   it if that Envoy dies, so no timer alone reclaims a request Envoy still runs.
+  Which of the two an admission is in is kept by the lease table alone; liveness
+  asks (``unleased``).
 * **Idempotent release by admission id.** The core ignores a second release
   and counts it; nothing here keeps a second copy of "who is in flight".
 
@@ -89,6 +91,7 @@ class AdmissionsById(Protocol):
     def holds(self, aid: str) -> bool: ...
     def hold_without_lease(self, aid: str) -> bool: ...
     def lease_again(self, aid: str) -> bool: ...
+    def unleased(self, aid: str) -> bool: ...
     def mark_first_byte(self, aid: str) -> bool: ...
     async def confirm_first_byte(self, aid: str) -> bool: ...
     def close_stop_channel(self, aid: str) -> None: ...
@@ -127,11 +130,8 @@ class AdmissionController:
         self._clock = clock
         self._new_id = id_factory
         self._waiters: dict[str, asyncio.Future[Admitted]] = {}
+        # Under a lease, or held by its Envoy (no timer: sidecar.liveness).
         self._leases = Leases(lease_secs)
-        # Admissions Envoy acknowledged while its access-log stream was open
-        # (sidecar.liveness): no timer; their end, a preemption or their Envoy's
-        # death frees them.
-        self._unleased: set[str] = set()
         # The stop signal of every admission with an open stop channel.
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -197,9 +197,7 @@ class AdmissionController:
         when the entry names its class, so capacity in use is known again within
         one flush interval. False if it was neither renewed nor adopted.
         """
-        if aid in self._unleased:
-            return True
-        if not self._leases.renew(aid, self._clock()):
+        if not self._leases.renew(aid, self._clock()):  # True too if held without one
             if cls is None or not self.core.adopt(aid, cls, tenant):
                 return False
             self._apply_events()  # its Admitted event creates the lease
@@ -230,18 +228,19 @@ class AdmissionController:
         """Its Envoy is watched and ran it: only its end or that Envoy's death frees it."""
         if not self.core.is_admitted(aid):
             return False
-        self._leases.drop(aid)
-        self._unleased.add(aid)
+        self._leases.hold(aid)
         return True
 
     def lease_again(self, aid: str) -> bool:
         """Back under the lease from now (its Envoy may have been replaced)."""
-        if aid not in self._unleased:
+        if not self._leases.lease_again(aid, self._clock()):
             return False
-        self._unleased.discard(aid)
-        self._leases.grant(aid, self._clock())
         self._arm_timer()
         return True
+
+    def unleased(self, aid: str) -> bool:
+        """Held without a lease (``hold_without_lease``): no timer reclaims it."""
+        return self._leases.unleased(aid)
 
     def mark_first_byte(self, aid: str) -> bool:
         """→ STREAMING: the response started, so the request can no longer be preempted."""
@@ -277,7 +276,7 @@ class AdmissionController:
     @property
     def lease_count(self) -> int:
         """Admissions in flight here: under a lease, or held without one."""
-        return len(self._leases) + len(self._unleased)
+        return len(self._leases)
 
     @property
     def waiting(self) -> int:
@@ -308,7 +307,6 @@ class AdmissionController:
                         fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
                 elif isinstance(e, Released):
                     self._leases.drop(e.admission.id)
-                    self._unleased.discard(e.admission.id)
                 elif isinstance(e, Preempted):
                     self._signal_preempted(e.victim.id)
             self._metrics.on_events(events)
