@@ -276,8 +276,8 @@ class Pools:
         return p is not None and p.controller.lease_again(aid)
 
     def unleased(self, aid: str) -> bool:
-        c = self.scope(aid)
-        return c is not None and c.unleased(aid)
+        p = self.of(aid)
+        return p is not None and p.controller.unleased(aid)
 
     def mark_first_byte(self, aid: str) -> bool:
         p = self.of(aid)

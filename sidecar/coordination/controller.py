@@ -891,6 +891,11 @@ class FleetController:
         h.unacknowledge(self._clock())
         return True
 
+    def unleased(self, aid: str) -> bool:
+        """Acknowledged (hold_without_lease): no ack timeout reclaims it."""
+        h = self._core.held.get(aid)
+        return h is not None and h.acknowledged
+
     def expire_unacknowledged(self) -> int:
         """Release admissions Envoy never showed it runs, ``ack_timeout`` after admission.
 
