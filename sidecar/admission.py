@@ -60,12 +60,14 @@ class Denied(Exception):
     """Admission refused; ``outcome`` says why, ``legacy`` which path refused."""
 
     def __init__(self, outcome: Outcome, *, legacy: bool, waited: float = 0.0,
-                 rate_limited: bool = False) -> None:
+                 rate_limited: bool = False, predicted: float | None = None) -> None:
         super().__init__(outcome.value)
         self.outcome = outcome
         self.legacy = legacy
         self.waited = waited
         self.rate_limited = rate_limited
+        # The wait the core predicted for it (None: no estimate): computed Retry-After.
+        self.predicted = predicted
 
 
 log = logs.get("sidecar.admission")
@@ -103,10 +105,12 @@ class AdmissionService(AdmissionsById, Protocol):
 
     @property
     def legacy(self) -> bool: ...
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted: ...
+    async def admit(self, cls: PriorityClass, tenant: str, *,
+                    wait_budget: float | None = None, enforce: bool = False) -> Admitted: ...
     def set_capacity(self, capacity: int) -> None: ...
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None: ...
     def snapshot(self) -> Snapshot: ...
+    def predicted_wait(self, cls: PriorityClass) -> float | None: ...
     def close(self) -> None: ...
 
 
@@ -141,8 +145,10 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ admission
 
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
-        """Admit now, wait in the class queue, or raise :class:`Denied`.
+    async def admit(self, cls: PriorityClass, tenant: str, *,
+                    wait_budget: float | None = None, enforce: bool = False) -> Admitted:
+        """Admit now, wait in the class queue, or raise :class:`Denied`. ``wait_budget``
+        and ``enforce``: the pool's deadline for this arrival (``Scheduler.arrive``).
 
         Cancelling the awaiting task (Envoy cancels Check when the client leaves)
         removes the waiter, or gives back a slot granted in the same instant.
@@ -154,7 +160,7 @@ class AdmissionController:
                 raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=self.core.legacy,
                              rate_limited=True)
         aid = self._new_id()
-        decision = self.core.arrive(aid, cls, tenant)
+        decision = self.core.arrive(aid, cls, tenant, wait_budget=wait_budget, enforce=enforce)
         fut: asyncio.Future[Admitted] | None = None
         if isinstance(decision, Queued):
             fut = asyncio.get_running_loop().create_future()
@@ -165,7 +171,8 @@ class AdmissionController:
         if isinstance(decision, Admitted):
             return decision
         if isinstance(decision, Rejected):
-            raise Denied(decision.outcome, legacy=decision.legacy, waited=decision.waited)
+            raise Denied(decision.outcome, legacy=decision.legacy, waited=decision.waited,
+                         predicted=decision.predicted)
         assert fut is not None
         try:
             return await fut
@@ -273,6 +280,10 @@ class AdmissionController:
     def snapshot(self) -> Snapshot:
         return self.core.snapshot()
 
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """The wait an arrival of ``cls`` would have now (None: no estimate)."""
+        return self.core.predicted_wait(cls)
+
     @property
     def lease_count(self) -> int:
         """Admissions in flight here: under a lease, or held without one."""
@@ -304,7 +315,8 @@ class AdmissionController:
                 elif isinstance(e, Rejected):
                     fut = self._waiters.get(e.id)
                     if fut is not None and not fut.done():
-                        fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
+                        fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited,
+                                                 predicted=e.predicted))
                 elif isinstance(e, Released):
                     self._leases.drop(e.admission.id)
                 elif isinstance(e, Preempted):

@@ -257,7 +257,8 @@ class Runtime:
                                   TenantPolicy(s.scheduler.priority.tenant_policies,
                                                s.scheduler.default_max_class),
                                   self.pools.preemptible(), liveness=self.liveness,
-                                  shadow=s.scheduler.shadow)
+                                  shadow=s.scheduler.shadow, busy_status=s.scheduler.busy_status,
+                                  hints=s.scheduler.overload_hints)
         self.features = FeatureDetector(metrics, lease_secs=s.liveness.admission_lease_secs,
                                         wall_clock=time.time)
         self.completion = CompletionService(self.pools, metrics, self.features, self.liveness)

@@ -13,6 +13,7 @@ serialised once at start-up.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -106,7 +107,8 @@ class AuthzService:
     def __init__(self, pools: Pools, metrics: Recorder,
                  tenant_source: TenantSource, policy: TenantPolicy,
                  preemptible: frozenset[PriorityClass] = frozenset(PriorityClass),
-                 liveness: EnvoyLiveness | None = None, *, shadow: bool = False) -> None:
+                 liveness: EnvoyLiveness | None = None, *, shadow: bool = False,
+                 busy_status: int | None = None, hints: bool = False) -> None:
         self.pools = pools
         self.liveness = liveness
         self.metrics = metrics
@@ -117,7 +119,14 @@ class AuthzService:
         # --shadow: nothing waits or is refused (so the overload shed is off too); each
         # allow carries the would-be answer of its pool's shadow (sidecar.shadow).
         self.shadow = shadow
-        self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
+        # Every refusal's reply, serialised once (with --busy-status, the busy rows' status
+        # replaced); with --overload-hints a refusal is encoded with its pool's prediction.
+        self._busy_status = busy_status
+        self._replies = {key: responses.busy(r, busy_status) if key[0].name in responses.BUSY
+                         else r for key, r in responses.REPLIES.items()}
+        self._deny = {key: codec.encode_deny(r) for key, r in self._replies.items()}
+        self._hints = hints
+        self._rng = random.Random()  # the Retry-After jitter
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
         self._rejections = logs.RejectionSummary(log)
@@ -162,7 +171,7 @@ class AuthzService:
             self._rejections.add(c.effective.label, "unknown_pool", tenant)
             return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         try:
-            admitted = await pool.controller.admit(c.effective, tenant)
+            admitted = await pool.admit(c.effective, tenant)
         except Denied as d:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,
                                              rate_limited=d.rate_limited)
@@ -175,6 +184,10 @@ class AuthzService:
                       legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id,
                       **pool.log_fields)
             self._rejections.add(c.effective.label, outcome, tenant)
+            if self._hints:
+                return codec.encode_deny(responses.with_hints(
+                    self._replies[(rejection, c.effective)],
+                    pool.predicted_wait(c.effective), self._rng))
             return self._deny[(rejection, c.effective)]
         except asyncio.CancelledError:
             # Envoy cancelled the call: the client is gone, so there is nobody to send
@@ -198,9 +211,13 @@ class AuthzService:
             log.debug("admitted", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, admission_id=aid,
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
+                      predicted=None if admitted.predicted is None
+                      else round(admitted.predicted, 6),
                       request_id=request_id, **pool.log_fields)
         allow = codec.encode_allow(aid, c.effective.label, tenant,
                                    c.effective in self.preemptible or not periodic)
         if pool.shadow is not None and (v := pool.shadow.take_verdict(aid)) is not None:
             allow += codec.shadow_suffix(v.outcome, v.code)
+        if self._hints:
+            allow += codec.wait_hint_suffix(round(admitted.waited * 1000))
         return allow

@@ -112,6 +112,9 @@ class CompletionService:
                     if entry.final:
                         result = self.pools.release(entry.admission_id,
                                                     ReleaseReason.COMPLETED)
+                        pool = self.pools.of(entry.admission_id)
+                        if pool is not None and result is ReleaseResult.RELEASED:
+                            pool.completed(entry)
                         if liveness is not None:
                             liveness.ended(entry.admission_id)
                         if result is not ReleaseResult.RELEASED:

@@ -140,6 +140,15 @@ def _at_least(low: int) -> Check:
     return check
 
 
+def _busy_status(name: str, value: int | None) -> int | None:
+    if value is not None and value not in BUSY_STATUSES:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, BUSY_STATUSES))}")
+    return value
+
+
+BUSY_STATUSES = (429, 503, 529)
+
+
 def _finite_above_zero(name: str, value: float) -> float:
     # Finite as well: an infinite interval or timeout cannot be scheduled.
     if not (math.isfinite(value) and value > 0):
@@ -292,6 +301,27 @@ class SchedulerSettings:
              "pool's capacity, its decisions under the `pool` label, and a route naming an "
              "unknown pool is allowed too. Refused with `--coordination-url` or "
              "`--edge-shed`."))
+    overload_hints: bool = flag(
+        "--overload-hints", default=False, switch=True,
+        help=("computed Retry-After on refusals (the class queue's predicted drain time, "
+              "1..60 s, jittered) and an x-smg-queue-wait-ms header on allows and refusals"),
+        doc=("Overload answers that calm retries (an extension; off, the contract's fixed "
+             "values): a refusal's `Retry-After` is the predicted time for its class queue to "
+             "drain what it holds, bounded to 1..60 s and jittered ±20 % (the contract's value "
+             "while there is no estimate yet), and `x-smg-queue-wait-ms` tells the client the "
+             "wait: predicted on a refusal, measured on an allow "
+             "([Deadlines](#deadlines-ttft-targets-and-overload-answers))."))
+    busy_status: int | None = flag(
+        "--busy-status", default=None, type=int, metavar="CODE", check=_busy_status,
+        shown_default="the contract's",
+        help=("status for refusals that mean busy (queue full or timed out, rate limit, "
+              "overload, over target): 429, 503 or 529; Envoy's own 503 then means down"),
+        doc=("The HTTP status of every refusal that means the pool is busy: a full or "
+             "timed-out queue, the request-rate check, the overload shed, an unknown pool, a "
+             "wait over target (the `X-SMG-Error-Code` stays the contract's). 429, 503 or 529 "
+             "(Dynamo's \"busy\"). Unset: the contract's statuses (429 full, 503 timed out). "
+             "Set, a 503 is left to mean down: the sidecar or the workers unreachable (Envoy's "
+             "own), or a preemption ([Deadlines](#deadlines-ttft-targets-and-overload-answers))."))
     default_max_class_valid: bool = derived()
     """False: --priority-scheduler-default-max-class named no class (default is used)."""
 

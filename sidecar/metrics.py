@@ -54,7 +54,12 @@ verb                        caller             metrics
                                                ``smg_sidecar_released_total``,
                                                ``smg_sidecar_lease_expired_total``,
                                                ``smg_sidecar_adopted_total``,
-                                               ``smg_sidecar_tenant_admitted_total``
+                                               ``smg_sidecar_tenant_admitted_total``,
+                                               ``smg_sidecar_wait_prediction_error_seconds`` (pool),
+                                               ``smg_sidecar_wait_underpredicted_total`` (pool),
+                                               ``smg_sidecar_over_target_total`` (pool)
+``completed``               completion (ALS)   ``smg_sidecar_ttft_seconds`` (pool),
+                                               ``smg_sidecar_engine_ttfb_seconds`` (pool)
 ``rate_limit``              the pool's         ``smg_http_rate_limit_total``
                             admission
                             controller
@@ -112,6 +117,7 @@ from sidecar.scheduler import (
     Admitted,
     Event,
     Outcome,
+    OverTarget,
     Preempted,
     Rejected,
     Released,
@@ -134,6 +140,7 @@ CAPACITY_SOURCES = ("workers", "fallback", "override")
 
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                       60, 120, 300)
+
 
 
 class TenantLabels:
@@ -224,6 +231,11 @@ class PoolRecorder(Protocol):
     def on_events(self, events: Iterable[Event]) -> None:
         """The core's events: admit outcomes, queue waits, starvation, preemptions,
         releases (lease expiry included) and adoptions."""
+
+    def completed(self, cls: PriorityClass, ttft: float | None,
+                  engine_ttfb: float | None) -> None:
+        """A request of ``cls`` ended; where Envoy measured them, its client's time to first
+        byte and its engine's."""
 
     def rate_limit(self, allowed: bool) -> None:
         """One request-rate check before admission."""
@@ -331,6 +343,10 @@ class NullPoolRecorder:
     """Records nothing (a pool's verbs)."""
 
     def on_events(self, events: Iterable[Event]) -> None:
+        pass
+
+    def completed(self, cls: PriorityClass, ttft: float | None,
+                  engine_ttfb: float | None) -> None:
         pass
 
     def rate_limit(self, allowed: bool) -> None:
@@ -451,6 +467,28 @@ class Metrics:
             "smg_sidecar_edge_shed_share",
             "Share of the class's requests Envoy is told to answer itself (0 = off)",
             [*pl, "class"], registry=r)
+        self.ttft = Histogram("smg_sidecar_ttft_seconds",
+                              "Time to first byte as the client saw it, from Envoy receiving "
+                              "the request (queue wait included), by class",
+                              [*pl, "class"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        self.engine_ttfb = Histogram("smg_sidecar_engine_ttfb_seconds",
+                                     "The engine's time to first byte, from the request "
+                                     "reaching the worker, by class",
+                                     [*pl, "class"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        self.prediction_error = Histogram(
+            "smg_sidecar_wait_prediction_error_seconds",
+            "How far queued requests' actual wait was from the wait predicted when they "
+            "queued (admitted or timed out), by class", [*pl, "class"],
+            buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        self.underpredicted = Counter(
+            "smg_sidecar_wait_underpredicted",
+            "Queued requests that waited longer than predicted, by class", [*pl, "class"],
+            registry=r)
+        self.over_target = Counter(
+            "smg_sidecar_over_target",
+            "Arrivals predicted to wait past their class's time-to-first-token target: "
+            "refused (deadline_mode: enforce) or counted only (shadow)",
+            [*pl, "class", "action"], registry=r)
         # Not smg_scheduler_admit_total: that one counts what really happened (all admitted).
         self.shadow_admit = Counter(
             "smg_sidecar_shadow_admit",
@@ -666,8 +704,10 @@ class PoolMetrics:
         self.worker_capacity: Mapping[tuple[str, str], int] = {}
         self.worker_problems: Mapping[tuple[str, str, str], int] = {}
         # Label children resolved once: these run on every admission.
-        self._admit_child = {(cls, o): m.admit.labels(*pl, cls.label, o.value)
-                             for cls in HIGH_TO_LOW for o in Outcome}
+        # (rejected_over_target: only where a target refuses, so made on first use.)
+        self._admit_child: dict[tuple[PriorityClass, Outcome], Counter] = {
+            (cls, o): m.admit.labels(*pl, cls.label, o.value)
+            for cls in HIGH_TO_LOW for o in Outcome if o is not Outcome.REJECTED_OVER_TARGET}
         self._wait_child = {cls: m.queue_wait.labels(*pl, cls.label) for cls in HIGH_TO_LOW}
         # A pool's coordination series read 0 without a fleet, as without pools.
         _child(m.live_replicas, *pl)
@@ -692,6 +732,8 @@ class PoolMetrics:
                     continue
                 self._admit_child[(cls, Outcome.ADMITTED)].inc()
                 self._wait_child[cls].observe(e.waited)
+                if e.predicted is not None:
+                    self._prediction_met(cls, e.waited, e.predicted)
                 tkey = (cls, m.tenant(e.admission.tenant))
                 tchild = m.tenant_child.get(tkey)
                 if tchild is None:
@@ -700,10 +742,35 @@ class PoolMetrics:
                 if e.starvation:
                     m.starvation.labels(*self.label, cls.label).inc()
             elif isinstance(e, Rejected):
-                self._admit_child[(e.cls, e.outcome)].inc()
+                self._admit(e.cls, e.outcome).inc()
+                if e.outcome is Outcome.REJECTED_QUEUE_TIMEOUT and e.predicted is not None:
+                    self._prediction_met(e.cls, e.waited, e.predicted)
             elif isinstance(e, Preempted):
                 self._admit_child[(e.victim.cls, Outcome.PREEMPTED)].inc()
                 m.preemption.labels(*self.label, e.victim.cls.label, e.by_class.label).inc()
+            elif isinstance(e, OverTarget):
+                m.over_target.labels(*self.label, e.cls.label,
+                                     "refused" if e.enforced else "counted").inc()
+
+    def _prediction_met(self, cls: PriorityClass, waited: float, predicted: float) -> None:
+        m = self._m
+        m.prediction_error.labels(*self.label, cls.label).observe(abs(waited - predicted))
+        if waited > predicted:
+            m.underpredicted.labels(*self.label, cls.label).inc()
+
+    def _admit(self, cls: PriorityClass, outcome: Outcome) -> Counter:
+        child = self._admit_child.get((cls, outcome))
+        if child is None:
+            child = self._admit_child[(cls, outcome)] = self._m.admit.labels(
+                *self.label, cls.label, outcome.value)
+        return child
+
+    def completed(self, cls: PriorityClass, ttft: float | None,
+                  engine_ttfb: float | None) -> None:
+        if ttft is not None:
+            self._m.ttft.labels(*self.label, cls.label).observe(ttft)
+        if engine_ttfb is not None:
+            self._m.engine_ttfb.labels(*self.label, cls.label).observe(engine_ttfb)
 
     def rate_limit(self, allowed: bool) -> None:
         self._m.rate_child[allowed].inc()

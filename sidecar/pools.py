@@ -36,14 +36,16 @@ from sidecar import logs
 from sidecar.admission import AdmissionService, new_admission_id
 from sidecar.capacity import CapacityReading
 from sidecar.classes import PriorityClass
-from sidecar.codec import POOL_KEY
+from sidecar.codec import POOL_KEY, LogEntry
 from sidecar.config import DEFAULT_POOL
 from sidecar.coordination import server
+from sidecar.deadlines import Deadlines
 from sidecar.edge import ShedController
 from sidecar.health import CapacityMonitor
 from sidecar.metrics import PoolRecorder, Recorder
 from sidecar.priority_yaml import PriorityConfig
 from sidecar.scheduler import (
+    Admitted,
     ClassSettings,
     ReleaseReason,
     ReleaseResult,
@@ -122,6 +124,15 @@ class Pool:
         self.edge: ShedController | None = None
         self._config = config
         self._on_classes_changed = on_classes_changed
+        # Time-to-first-token targets (sidecar.deadlines). A fleet's ledger predicts no
+        # waits: its pools measure, never budget.
+        self.deadlines = Deadlines({} if fleet is not None else config.classes_for(name),
+                                   config.deadline_mode)
+        if fleet is not None and any(k.ttft_target_ms is not None
+                                     for k in config.classes_for(name).values()):
+            self.log.warning("ttft_targets_not_enforced_in_a_fleet",
+                             reason="the fleet's ledger predicts no waits: targets are "
+                                    "measured (smg_sidecar_ttft_seconds), never applied")
         self.uncancellable = uncancellable_workers(reading)
         if self.uncancellable:
             self._preemption_suspended()
@@ -152,6 +163,25 @@ class Pool:
         """The classes whose requests can be preempted here (legacy admission: none)."""
         return frozenset() if self.legacy else preemptible_classes(self.classes)
 
+    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
+        """A Check of this pool's route: admitted, queued (awaited) or ``Denied``, within
+        the wait budget its class's target leaves (sidecar.deadlines)."""
+        return await self.controller.admit(cls, tenant, wait_budget=self.deadlines.budget(cls),
+                                           enforce=self.deadlines.enforce)
+
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """The wait an arrival of ``cls`` would have now (None: no estimate)."""
+        return self.controller.predicted_wait(cls)
+
+    def completed(self, entry: LogEntry) -> None:
+        """A request of this pool ended (its final access-log entry): what it took."""
+        cls = PriorityClass.from_name(entry.cls)
+        if cls is None:
+            return
+        if entry.engine_ttfb_secs is not None:
+            self.deadlines.observed(cls, entry.engine_ttfb_secs)
+        self.metrics.completed(cls, entry.ttft_secs, entry.engine_ttfb_secs)
+
     def on_capacity(self, reading: CapacityReading) -> None:
         """A changed reading from this pool's workers: resizes this pool only."""
         self.reading = reading
@@ -176,6 +206,8 @@ class Pool:
         their place; in-flight ones are untouched; reservations follow the live capacity)."""
         self._config = cfg
         self.controller.update_config(self.classes)
+        if self.fleet is None:
+            self.deadlines.configure(cfg.classes_for(self.name), cfg.deadline_mode)
         if self.legacy:
             self.log.warning("config_reload_legacy_mode",
                              hint="class knobs apply only to the scheduler; tenant ceilings "

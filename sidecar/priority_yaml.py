@@ -83,11 +83,13 @@ class ConfigError(Exception):
 # The YAML keys of a class section and their types: the core's fields, in order
 # (tenant_weights comes from tenant_policies; an unset per-tenant limit is None).
 _CLASS_FIELDS: dict[str, type] = {
-    name: int if name == "max_queued_per_tenant" else hint
+    name: {"max_queued_per_tenant": int, "ttft_target_ms": float}.get(name, hint)
     for name, hint in typing.get_type_hints(ClassSettings).items()
     if name != "tenant_weights"
 }
 _POLICY_KEYS = ("max_class", "weight")
+_TOP_KEYS = ("classes", "tenant_policies", "pools", "deadline_mode")
+DEADLINE_MODES = ("shadow", "enforce")
 _CLASS_NAMES = ", ".join(c.label for c in HIGH_TO_LOW)
 
 
@@ -108,6 +110,9 @@ class PriorityConfig:
     pools: Mapping[str, Mapping[PriorityClass, ClassSettings]] = field(default_factory=dict)
     """Per-pool class tables (the ``pools:`` map), each merged field-wise over ``classes``;
     a pool not named here uses ``classes``."""
+    deadline_mode: str = "shadow"
+    """``shadow``: predictions against ``ttft_target_ms`` are counted, never refuse;
+    ``enforce``: a sheddable class's request predicted to miss its target is refused."""
 
     def classes_for(self, pool: str) -> Mapping[PriorityClass, ClassSettings]:
         return self.pools.get(pool, self.classes)
@@ -311,6 +316,10 @@ def _validate_class(c: ClassSettings, file: str, key: str) -> None:
         raise ConfigError("must be >= 0", file=file, key=f"{key}.queue_size")
     if c.max_queued_per_tenant is not None and c.max_queued_per_tenant < 1:
         raise ConfigError("must be >= 1", file=file, key=f"{key}.max_queued_per_tenant")
+    if c.ttft_target_ms is not None and not (math.isfinite(c.ttft_target_ms)
+                                             and c.ttft_target_ms > 0):
+        raise ConfigError("must be a finite number > 0", file=file,
+                          key=f"{key}.ttft_target_ms")
     # Finite as well as > 0: an infinite timeout cannot be scheduled.
     for name in ("queue_timeout_secs", "starvation_threshold_secs"):
         v = getattr(c, name)
@@ -405,11 +414,15 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
             "top level must be a mapping with optional 'classes' and 'tenant_policies'", file=file
         )
     for top in doc:
-        if top not in ("classes", "tenant_policies", "pools"):
+        if top not in _TOP_KEYS:
             raise ConfigError(
-                "unknown key (expected: classes, tenant_policies, pools)", file=file,
+                f"unknown key (expected: {', '.join(_TOP_KEYS)})", file=file,
                 key=key_segment(top)
             )
+    mode = doc.get("deadline_mode", "shadow")
+    if mode not in DEADLINE_MODES:
+        raise ConfigError(f"must be one of: {', '.join(DEADLINE_MODES)}, got {quote(mode)}",
+                          file=file, key="deadline_mode")
     classes = _parse_classes(doc.get("classes"), BUILTIN_CLASSES, file, "classes")
     policies, weights = _parse_policies(doc.get("tenant_policies"), file)
     if weights:  # the core reads a class's weights from its own settings
@@ -417,7 +430,7 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
     pools = _parse_pools(doc.get("pools"), classes, file)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return PriorityConfig(classes=classes, tenant_policies=policies, tenant_weights=weights,
-                          source=file, digest=digest, pools=pools)
+                          source=file, digest=digest, pools=pools, deadline_mode=mode)
 
 
 def _parse_classes(raw: object, base: Mapping[PriorityClass, ClassSettings], file: str,
@@ -532,12 +545,19 @@ def format_class_table(cfg: PriorityConfig,
     return "\n".join(lines)
 
 
+# Shown only where a class of the table has a target: a file without targets prints the
+# table it always did.
+_DEADLINE_FIELDS = ("ttft_target_ms", "sheddable")
+
+
 def _class_rows(classes: Mapping[PriorityClass, ClassSettings]) -> list[str]:
-    cols = ("class", *_CLASS_FIELDS)
+    targets = any(c.ttft_target_ms is not None for c in classes.values())
+    fields = [n for n in _CLASS_FIELDS if targets or n not in _DEADLINE_FIELDS]
+    cols = ("class", *fields)
     rows = [cols]
     for cls in HIGH_TO_LOW:
         c = classes[cls]
-        rows.append((cls.label, *(_effective(c, n) for n in _CLASS_FIELDS)))
+        rows.append((cls.label, *(_effective(c, n) for n in fields)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 

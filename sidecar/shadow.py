@@ -130,21 +130,24 @@ class ShadowCore:
 
     # ------------------------------------------------------------------ AdmissionCore
 
-    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision:
+    def arrive(self, id: str, cls: PriorityClass, tenant: str, *,
+               wait_budget: float | None = None, enforce: bool = False) -> Decision:
         now = self._clock()
         adm = Admission(id, cls, tenant, now)
         self._held[id] = adm
         self._inflight[cls] += 1
         admitted = Admitted(adm, waited=0.0, queued=False)
         self._events.append(admitted)
-        self._remember(id, self._shadow_arrive(id, cls, tenant))
+        self._remember(id, self._shadow_arrive(id, cls, tenant, wait_budget, enforce))
         return admitted
 
-    def _shadow_arrive(self, id: str, cls: PriorityClass, tenant: str) -> Verdict:
+    def _shadow_arrive(self, id: str, cls: PriorityClass, tenant: str,
+                       wait_budget: float | None, enforce: bool) -> Verdict:
         if self._bucket is not None and not self._bucket.try_take():
             self._metrics.shadow_admit(cls, Outcome.REJECTED_QUEUE_FULL)
             return self._rate_limited
-        decision = self.shadow.arrive(id, cls, tenant)
+        decision = self.shadow.arrive(id, cls, tenant, wait_budget=wait_budget,
+                                      enforce=enforce)
         if isinstance(decision, Queued):
             self._shadow_queued.add(id)
         self._drain()  # counts an Admitted or Rejected decision from its event
@@ -152,6 +155,8 @@ class ShadowCore:
             return ADMITTED
         if isinstance(decision, Queued):
             return WOULD_QUEUE
+        if decision.outcome is Outcome.REJECTED_OVER_TARGET:
+            return _rejected(decision.outcome, legacy=self.legacy)
         return self._full
 
     def _remember(self, id: str, verdict: Verdict) -> None:
@@ -234,6 +239,10 @@ class ShadowCore:
                 self.shadow.release(id, ReleaseReason.COMPLETED)
         self.shadow.tick()
         self._drain()
+
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """What enforcement's queue would make an arrival wait (nothing waits here)."""
+        return self.shadow.predicted_wait(cls)
 
     def next_deadline(self) -> float | None:
         due = self.shadow.next_deadline()

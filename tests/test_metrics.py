@@ -26,6 +26,7 @@ from sidecar.scheduler import (
     Admission,
     Admitted,
     Outcome,
+    OverTarget,
     Preempted,
     Rejected,
     Released,
@@ -109,13 +110,15 @@ PROCESS_CALLS: dict[str, Callable[[Recorder], None]] = {
 
 POOL_CALLS: dict[str, Callable[[PoolRecorder], None]] = {
     "on_events": lambda r: r.on_events([
-        Admitted(admission(B), waited=0.2, queued=True, starvation=True),
+        Admitted(admission(B), waited=0.7, queued=True, starvation=True, predicted=0.5),
         Admitted(admission(D, "old"), waited=0.0, queued=False, adopted=True),
         Rejected("r", D, "t", Outcome.REJECTED_QUEUE_FULL, 0.0),
         Preempted(admission(B), by_class=I),
         Released(admission(B), ReleaseReason.COMPLETED),
         Released(admission(D), LEASE_EXPIRED),
+        OverTarget("o", B, "t", predicted=9.0, budget=2.0, enforced=False),
     ]),
+    "completed": lambda r: r.completed(B, 1.5, 0.25),
     "rate_limit": lambda r: r.rate_limit(False),
     "preemption_undelivered": lambda r: r.preemption_undelivered(),
     "capacity_read": lambda r: r.capacity_read(READING),

@@ -394,6 +394,10 @@ class FleetController:
     def waiting(self) -> int:
         return len(self._waiting) + (self._local.waiting if self._local is not None else 0)
 
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """The ledger predicts no waits (docs/design.md, "Deadlines")."""
+        return None
+
     def snapshot(self) -> Snapshot:
         """This replica's own in-flight and queue counts (the contract gauges stay per replica)."""
         if self._local is not None:
@@ -412,8 +416,12 @@ class FleetController:
 
     # ------------------------------------------------------------------ admission
 
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
-        """Admit through the ledger (or locally while degraded), wait, or raise :class:`Denied`."""
+    async def admit(self, cls: PriorityClass, tenant: str, *,
+                    wait_budget: float | None = None, enforce: bool = False) -> Admitted:
+        """Admit through the ledger (or locally while degraded), wait, or raise :class:`Denied`.
+
+        The ledger predicts no waits: ``wait_budget`` and ``enforce`` are not used (a
+        pool in a fleet has no deadline: docs/design.md, "Deadlines")."""
         if self._bucket is not None:
             allowed = self._bucket.try_take()
             self._metrics.rate_limit(allowed)

@@ -55,7 +55,9 @@ class LegacyAdmission:
     def _has_slot(self) -> bool:
         return self.limit is None or len(self._admitted) < self.limit
 
-    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision:
+    def arrive(self, id: str, cls: PriorityClass, tenant: str, *,
+               wait_budget: float | None = None, enforce: bool = False) -> Decision:
+        """Legacy admission predicts nothing: a wait budget never refuses here."""
         now = self.clock()
         self._dispatch(now)
         if not self._queue and self._has_slot():
@@ -124,6 +126,10 @@ class LegacyAdmission:
 
     def tick(self) -> None:
         self._dispatch(self.clock())
+
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """Legacy admission predicts nothing."""
+        return None
 
     def next_deadline(self) -> float | None:
         head = first(self._queue)

@@ -35,6 +35,12 @@ class ClassSettings:
     """Serve the class's waiters across tenants by weighted fair queuing (False: one FIFO)."""
     max_queued_per_tenant: int | None = None
     """A tenant's waiters at most; one more is refused with 429 (None: no per-tenant limit)."""
+    ttft_target_ms: float | None = None
+    """The class's time-to-first-token target (None: none). A request predicted to wait
+    so long that it would miss it is counted, and refused at intake where the class is
+    ``sheddable`` and ``deadline_mode`` is ``enforce`` (docs/design.md, "Deadlines")."""
+    sheddable: bool = False
+    """Whether a prediction may refuse the class's requests (never: system, interactive)."""
     tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
     """Each tenant's share under fair queuing (absent: 1). Not a class key:
     ``sidecar.priority_yaml`` fills it from ``tenant_policies.<tenant>.weight``, the same
@@ -60,10 +66,10 @@ BUILTIN_CLASSES: Mapping[PriorityClass, ClassSettings] = {
         starvation_threshold_secs=5.0, can_preempt=True),
     PriorityClass.DEFAULT: ClassSettings(
         reserved_floor=0, reserved_per_slot=0.10, queue_size=512, queue_timeout_secs=60.0,
-        starvation_threshold_secs=30.0, can_preempt=False),
+        starvation_threshold_secs=30.0, can_preempt=False, sheddable=True),
     PriorityClass.BULK: ClassSettings(
         reserved_floor=0, reserved_per_slot=0.0, queue_size=1024, queue_timeout_secs=300.0,
-        starvation_threshold_secs=120.0, can_preempt=False),
+        starvation_threshold_secs=120.0, can_preempt=False, sheddable=True),
 }
 """The contract's built-in class table (what an empty ``priority.yaml`` means)."""
 
