@@ -60,6 +60,7 @@ from sidecar.coordination.ledger import (
     Holding,
     parse_event,
 )
+from sidecar.coordination.outbox import Op, plan
 from sidecar.coordination.replica import (
     Answered,
     Arrived,
@@ -372,7 +373,7 @@ class Node:
         self.local_timer = 0
         self.moving: set[str] = set()
         self.epoch = 0
-        self.outbox: deque[tuple[str, Any]] = deque()
+        self.outbox: deque[Op] = deque()
         self.flushing = False
         self.flush_soon = False
         self.marks: deque[tuple[float, str]] = deque()
@@ -415,7 +416,7 @@ class Node:
         for fx in effects:
             self.sim.say(f"{self.name} fx {fx!r}")
             if isinstance(fx, Send):
-                self.send(fx.op, fx.arg)
+                self.send(fx.op)
             elif isinstance(fx, Count):
                 self.recorder.on_events(list(fx.events))
             elif isinstance(fx, Stop):
@@ -593,8 +594,8 @@ class Node:
 
     # ------------------------------------------------------------------ outbox loop
 
-    def send(self, op: str, arg: Any) -> None:
-        self.outbox.append((op, arg))
+    def send(self, op: Op) -> None:
+        self.outbox.append(op)
         self.wake_outbox()
 
     def wake_outbox(self) -> None:
@@ -607,32 +608,17 @@ class Node:
         self.flush_soon = False
         if self.flushing or not self.outbox or self.local is not None or not self.alive:
             return
-        batch = list(self.outbox)
+        fl = plan(self.outbox)
         self.outbox.clear()
         self.flushing = True
-        ops: list[tuple[str, list[str | int]]] = []
-        calls: list[tuple[str, Coroutine[Any, Any, Any]]] = []
-        preemptible: list[str | int] = []
-        first_byte: list[str] = []
-        released = {arg[0] for op, arg in batch if op == "release"}
-        for op, arg in batch:
-            if op in ("preemptible", "first_byte") and arg in released:
-                continue
-            if op == "release":
-                ops.append(("release", [arg[0], str(arg[1])]))
-            elif op == "preemptible":
-                preemptible.append(arg)
-            elif op == "first_byte":
-                first_byte.append(arg)
-            elif op == "adopt":
-                calls.append(("adopt", self.ledger.adopt([arg], self.capacity,
-                                                         settle=self.settle)))
-            elif op == "register":
-                calls.append(("register", self.ledger.register(
-                    self.classes, self.capacity, settle=self.settle)))
-        if preemptible:
-            ops.append(("mark_preemptible", preemptible))
-        ops += [("mark_first_byte", [aid]) for aid in first_byte]
+        ops = fl.batch
+        first_byte = list(fl.first_byte)
+        calls: list[tuple[str, Coroutine[Any, Any, Any]]] = [
+            ("adopt", self.ledger.adopt([h], self.capacity, settle=self.settle))
+            for h in fl.adopt]
+        if fl.register:
+            calls.append(("register", self.ledger.register(
+                self.classes, self.capacity, settle=self.settle)))
         if ops:
             calls.append(("batch", self.ledger.batch(ops)))
         if not calls:

@@ -11,6 +11,7 @@ import pytest
 from sidecar.classes import PriorityClass
 from sidecar.coordination.ledger import Arrival, ArriveStatus, FleetStatus, Holding
 from sidecar.coordination.ledger import Event as Notification
+from sidecar.coordination.outbox import Adopt, MarkFirstByte, MarkPreemptible, Release
 from sidecar.coordination.replica import (
     ACKS,
     LOCAL,
@@ -305,7 +306,7 @@ def test_a_grant_answers_its_waiter_once_and_a_stray_grant_gives_the_slot_back()
     assert r.notified(Notification("grant", "w")) == []
     # A grant nobody waits for any more (left, answered, moved locally): released.
     assert r.notified(Notification("grant", "gone")) == [
-        Send("release", ("gone", ReleaseReason.CANCELLED))]
+        Send(Release("gone", ReleaseReason.CANCELLED))]
 
 
 def test_a_grant_while_away_from_the_ledger_is_given_back() -> None:
@@ -313,7 +314,7 @@ def test_a_grant_while_away_from_the_ledger_is_given_back() -> None:
     r.waiter_arrived("w", BULK, "t")
     r.ledger_lost()
     assert r.notified(Notification("grant", "w")) == [
-        Send("release", ("w", ReleaseReason.CANCELLED))]
+        Send(Release("w", ReleaseReason.CANCELLED))]
     assert "w" not in r.held
 
 
@@ -381,7 +382,7 @@ def test_a_release_in_ok_is_counted_and_sent_once() -> None:
     r.admitted("a", BULK, "t", waited=0.0, queued=False)
     result, (count, send) = r.release("a", ReleaseReason.COMPLETED)
     assert result is ReleaseResult.RELEASED
-    assert isinstance(count, Count) and send == Send("release", ("a", ReleaseReason.COMPLETED))
+    assert isinstance(count, Count) and send == Send(Release("a", ReleaseReason.COMPLETED))
     assert r.release("a", ReleaseReason.COMPLETED) == (ReleaseResult.ALREADY_RELEASED, [])
     assert r.release("b", ReleaseReason.COMPLETED) == (ReleaseResult.UNKNOWN, [])
 
@@ -389,7 +390,7 @@ def test_a_release_in_ok_is_counted_and_sent_once() -> None:
 def test_adoption_only_of_what_did_not_end_here_and_into_the_right_place() -> None:
     r, _ = _ok()
     fx = r.adopted("s", BULK, "t")
-    assert fx is not None and fx[-1] == Send("adopt", Holding("s", BULK, "t", True, False))
+    assert fx is not None and fx[-1] == Send(Adopt(Holding("s", BULK, "t", True, False)))
     assert r.held["s"].first_byte and r.held["s"].acknowledged
     r.release("s", ReleaseReason.COMPLETED)
     assert r.adopted("s", BULK, "t") is None  # completed here: never back
@@ -418,7 +419,7 @@ def test_an_id_the_ledger_ended_is_stopped_if_it_can_be_else_counted_again() -> 
     fx = r.ended_but_held(["stoppable", "running", "unknown"],
                           can_stop=lambda aid: aid == "stoppable")
     assert fx[0] == Fault("ended_but_running_stopped", "stoppable")
-    assert fx[-1] == Send("adopt", Holding("running", BULK, "t"))
+    assert fx[-1] == Send(Adopt(Holding("running", BULK, "t")))
     assert "stoppable" not in r.held and "running" in r.held
 
 
@@ -450,8 +451,8 @@ def test_the_return_marks_what_opened_while_away_and_resends_every_first_byte() 
     assert r.mode is Mode.OK
     i = fx.index(Return())
     assert fx[:i] == [Seen({BULK: 3}, 1), Seen({BULK: 3}, 1)]
-    assert fx[i + 1:] == [Send("release", ("adm", ReleaseReason.COMPLETED)),
-                          Send("preemptible", "pre"), Send("first_byte", "streaming")]
+    assert fx[i + 1:] == [Send(Release("adm", ReleaseReason.COMPLETED)),
+                          Send(MarkPreemptible("pre")), Send(MarkFirstByte("streaming"))]
     assert r.held["pre"].stage is Stage.MARKED
 
 
@@ -505,7 +506,7 @@ def test_a_deferred_mark_leaves_only_for_a_candidate_before_its_first_byte_while
     r.held["pre"].move(Stage.PREEMPTIBLE)
     r.held["streaming"].move(Stage.PREEMPTIBLE)
     r.held["streaming"].move(Stage.STREAMING)
-    assert r.mark_due("pre") == [Send("preemptible", "pre")]
+    assert r.mark_due("pre") == [Send(MarkPreemptible("pre"))]
     assert r.mark_due("pre") == []  # sent once
     assert r.mark_due("streaming") == [] and r.mark_due("plain") == []
     assert r.mark_due("gone") == []
@@ -556,10 +557,10 @@ def test_the_first_byte_reaches_the_ledger_only_when_it_may_hold_a_candidate() -
         r.stop_opened(aid)
         r.mark_due(aid)
     assert r.first_byte("plain") == [] and r.first_byte("pre") == []
-    assert r.first_byte("marked") == [Send("first_byte", "marked")]
+    assert r.first_byte("marked") == [Send(MarkFirstByte("marked"))]
     assert r.first_byte("marked") is None and not r.stop_opened("marked")
     assert r.confirming("plain") is None  # past its first byte already
-    assert r.confirming("confirm") == [Send("first_byte", "confirm")]
+    assert r.confirming("confirm") == [Send(MarkFirstByte("confirm"))]
     assert r.held["confirm"].stage is Stage.CONFIRMING
     r.confirmed("confirm", True)
     assert r.held["confirm"].stage is Stage.STREAMING
@@ -588,7 +589,7 @@ def test_a_timeout_or_a_client_leaving_is_counted_for_the_waiter() -> None:
     (ev,) = count.events
     assert isinstance(ev, Rejected) and ev.outcome is Outcome.REJECTED_QUEUE_TIMEOUT
     assert r.notified(Notification("grant", "w")) == [
-        Send("release", ("w", ReleaseReason.CANCELLED))]
+        Send(Release("w", ReleaseReason.CANCELLED))]
     (count,) = r.client_left("x", BULK, "t", 1.0)
     assert isinstance(count, Count)
     (ev,) = count.events

@@ -205,6 +205,7 @@ from sidecar.coordination.ledger import (
     degraded_limit,
 )
 from sidecar.coordination.ledger import Event as Notification
+from sidecar.coordination.outbox import Adopt, MarkFirstByte, MarkPreemptible, Op, Release
 from sidecar.scheduler.lifecycle import (
     Admission,
     Admitted,
@@ -438,11 +439,10 @@ class Held:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Queue one ledger op on the driver's ordered outbox: ``release`` (id, reason),
-    ``preemptible`` id, ``first_byte`` id, ``adopt`` Holding, ``register`` None."""
+    """Queue one ledger op on the driver's ordered outbox (:mod:`sidecar.coordination.outbox`
+    decides what each flush sends)."""
 
-    op: str
-    arg: object
+    op: Op
 
 
 @dataclass(frozen=True, slots=True)
@@ -798,7 +798,7 @@ class Replica:
             if w is None or self.local:
                 # Its requester left, has its answer, or is being re-queued locally (the
                 # resync drops the grant): give the slot back.
-                return [Send("release", (e.id, ReleaseReason.CANCELLED))]
+                return [Send(Release(e.id, ReleaseReason.CANCELLED))]
             event, effects = self.admitted(e.id, w[0], w[1], waited=e.waited, queued=True,
                                            starvation=e.starvation, preempted=e.preempted)
             return [*effects, Grant(e.id, event)]
@@ -843,7 +843,7 @@ class Replica:
         self.ended.add(aid, reason)
         return ReleaseResult.RELEASED, [
             Count((Released(Admission(aid, h.cls, h.tenant, h.admitted_at), reason),)),
-            Send("release", (aid, reason))]
+            Send(Release(aid, reason))]
 
     def adopted(self, aid: str, cls: PriorityClass, tenant: str) -> list[Effect] | None:
         """A periodic entry for a stream this replica does not hold (this process restarted
@@ -856,7 +856,7 @@ class Replica:
         effects: list[Effect] = [Count((Admitted(Admission(aid, cls, tenant, now), 0.0,
                                                  queued=False, adopted=True),))]
         effects.append(LocalAdopt(aid, cls, tenant) if self.local
-                       else Send("adopt", h.holding(aid)))
+                       else Send(Adopt(h.holding(aid))))
         return effects
 
     def taken_over(self, holdings: list[Holding]) -> list[Effect]:
@@ -896,7 +896,7 @@ class Replica:
                 effects.append(Fault("ended_but_running_stopped", aid))
                 effects += self.preempted(aid, PriorityClass.SYSTEM)
             else:
-                effects.append(Send("adopt", h.holding(aid)))
+                effects.append(Send(Adopt(h.holding(aid))))
         return effects
 
     def started(self, status: FleetStatus) -> list[Effect]:
@@ -941,7 +941,7 @@ class Replica:
                 self.ended.add(aid, ReleaseReason.PREEMPTED)
                 effects += [LocalRelease(aid, ReleaseReason.PREEMPTED),
                             Stop(aid, undelivered=False)]
-        late: list[Effect] = [Send("release", (hd.id, ReleaseReason.COMPLETED))
+        late: list[Effect] = [Send(Release(hd.id, ReleaseReason.COMPLETED))
                               for hd in listed
                               if hd.id not in self.held and hd.id not in refused]
         seen = Seen(status.by_class, status.live_replicas)
@@ -1031,7 +1031,7 @@ class Replica:
         self.signed(h)
         if self.local:
             return [LocalFirstByte(aid)]
-        return [Send("first_byte", aid)] if marked else []
+        return [Send(MarkFirstByte(aid))] if marked else []
 
     def confirming(self, aid: str) -> list[Effect] | None:
         """The response is about to start: if the ledger may hold it as a candidate (its
@@ -1042,7 +1042,7 @@ class Replica:
             return None
         h.move(Stage.CONFIRMING)
         self.signed(h)
-        return [Send("first_byte", aid)]
+        return [Send(MarkFirstByte(aid))]
 
     def confirmed(self, aid: str, ok: bool) -> None:
         """The first-byte mark's answer (no answer counts as ok: away from the ledger, the
@@ -1112,7 +1112,7 @@ class Replica:
         if h is None or h.stage is not Stage.PREEMPTIBLE or self.local:
             return []
         h.move(Stage.MARKED)
-        return [Send("preemptible", aid)]
+        return [Send(MarkPreemptible(aid))]
 
     def unacknowledged(self, cutoff: float) -> list[str]:
         """Admissions Envoy has not shown it runs since ``cutoff`` or earlier: to release
@@ -1127,11 +1127,11 @@ class Replica:
             if h.stage is Stage.PREEMPTIBLE:
                 # Its stop channel opened while away: a candidate fleet-wide from now on.
                 h.move(Stage.MARKED)
-                effects.append(Send("preemptible", aid))
+                effects.append(Send(MarkPreemptible(aid)))
             elif h.first_byte:
                 # A first byte that came (or was dropped from the outbox) while away never
                 # reached the ledger, which may still hold the admission as a candidate.
-                effects.append(Send("first_byte", aid))
+                effects.append(Send(MarkFirstByte(aid)))
         return effects
 
     def local_admitted(self, a: Admission) -> None:
