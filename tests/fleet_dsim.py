@@ -123,7 +123,7 @@ DSIM_FAULTS = SERVER_FAULTS + REPLICA_FAULTS + COMBINED_FAULTS
 
 # Violations found and not yet fixed, each with a strict-xfail regression test in
 # tests/test_fleet_dsim.py: a run counts them (stats known_*) and goes on, unless strict.
-KNOWN_FINDINGS: tuple[str, ...] = ("resync_refuses",)
+KNOWN_FINDINGS: tuple[str, ...] = ()
 
 
 class SimViolation(AssertionError):

@@ -412,8 +412,8 @@ class FleetController:
         return self._core.degraded_limit(self._capacity)
 
     def _local_limit(self) -> int:
-        """The local core's capacity: the degraded limit, or 0 while a resync is in flight."""
-        return self._core.local_limit(self._capacity)
+        """The local core's capacity in every local mode (Replica.degraded_limit)."""
+        return self._core.degraded_limit(self._capacity)
 
     @property
     def lease_count(self) -> int:
@@ -749,8 +749,11 @@ class FleetController:
                     self._fault(kind, aid)
                 # The local core's effects come only while a local mode lasts, when the
                 # local core exists (the core emits them only then: Replica.local).
-                case LocalRelease(aid, reason):
-                    self._in_local(fx).release(aid, reason)  # the mirror follows its events
+                case LocalRelease(aid, reason, reuse):
+                    local = self._in_local(fx)
+                    if not reuse:  # the ledger gave the slot away: not the local core's
+                        local.set_capacity(max(0, local.core.snapshot().capacity - 1))
+                    local.release(aid, reason)  # the mirror follows its events
                 case LocalCarry(aid, cls, tenant, admitted_at, streaming):
                     core = self._in_local(fx).core
                     assert isinstance(core, Scheduler)  # _go_local builds it
@@ -836,8 +839,9 @@ class FleetController:
         """Degraded: resync with the ledger; back to ok once it is safe (see Replica)."""
         local = self._local
         assert local is not None
-        # No local admission while the ledger's view is being written (the core is
-        # RESYNCING: _local_limit is 0, also for a capacity change meanwhile).
+        # The limit while the resync is in flight (Replica.resync_sent: L from DEGRADED,
+        # nothing reused from SETTLING): a resync that hangs until its call timeout must
+        # not stop a degraded replica admitting within its limit.
         local.set_capacity(self._local_limit())
         try:
             self._outbox.clear()
@@ -896,6 +900,10 @@ class FleetController:
         heartbeat now rather than up to an interval later, so the ledger hears it."""
         grew = n > self._core.live_replicas
         self._core.live_seen(n)
+        if self._local is not None:
+            # N moves the share: the local core follows at once (a reply read while away,
+            # e.g. an arrive's that returned after the switch).
+            self._local.set_capacity(self._local_limit())
         if grew:
             self._heartbeat_wake.set()
 
