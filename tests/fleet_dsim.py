@@ -8,14 +8,18 @@ moves the clock to the next timer instead of sleeping). Every timer of the drive
 scheduler's) and every event of the simulation (arrivals, Envoy's entries, faults, the
 server's answers) is a loop callback at a virtual instant: nothing runs on its own, and
 the run is the same on every machine. The controllers are the production code, built by
-:meth:`FleetController.open` over a real :class:`~sidecar.coordination.ledger.FleetLedger`
-whose redis client is simulated (:class:`SimClient`, :class:`SimEvents`):
+:meth:`FleetController.open` over a real :class:`~sidecar.coordination.ledger.FleetLedger`,
+pipelined as :meth:`FleetController.connect` builds it: its own ``_Pipelined`` connection
+manager (one connection, calls answered in order, a stalled connection dropped by the
+next call, reconnects under a connect timeout) runs over a simulated connection
+(:class:`SimConn`); only the socket is simulated (:class:`SimClient`, :class:`SimEvents`):
 
-* Each ``FCALL`` becomes a future that :class:`DSim` resolves: it runs the command on a
-  real ``valkey-server`` (the test build of the library, ``now`` = the virtual clock) when
-  it chooses, one process's calls in the order sent (one pipelined connection each), the
-  processes' calls interleaved as drawn, then delivers the reply, drops it, or lets the
-  driver's call timeout give up first; a call given up on may still run later.
+* Each ``FCALL`` written on a connection runs on a real ``valkey-server`` (the test build
+  of the library, ``now`` = the virtual clock) when :class:`DSim` chooses, one
+  connection's commands in order, the processes' interleaved as drawn; replies come back
+  in order, slow, or not at all (a lost reply stalls its connection, as on TCP, until
+  ``_Pipelined`` drops it); the driver's call timeout may give up first; what a closed
+  connection sent may still run later, its reply lost.
 * The notification reader's blocking pop (``BLMPOP``) is answered when a call left
   notifications, after its block time on the server, or fails on the client's socket
   timeout while the server does not answer.
@@ -123,7 +127,12 @@ DSIM_FAULTS = SERVER_FAULTS + REPLICA_FAULTS + COMBINED_FAULTS
 
 # Violations found and not yet fixed, each with a strict-xfail regression test in
 # tests/test_fleet_dsim.py: a run counts them (stats known_*) and goes on, unless strict.
-KNOWN_FINDINGS: tuple[str, ...] = ()
+KNOWN_FINDINGS: tuple[str, ...] = ("connect_unretrieved",)
+# connect_unretrieved (sidecar/coordination/ledger.py, _Pipelined._connect): a caller that
+# gives up (its call timeout) while the shielded connect is pending leaves that task's
+# later failure (its own connect timeout) unretrieved: asyncio logs "Task exception was
+# never retrieved" (an error line, nothing else). Counted, never traced: it is reported when
+# the task is garbage-collected, not at a simulated instant.
 
 
 class SimViolation(AssertionError):
@@ -210,6 +219,9 @@ class DSimConfig:
     strict: bool = False  # a known finding (KNOWN_FINDINGS) fails the run too
     liveness: bool = True  # the liveness checks (off: a test of the safety checks alone)
     stream_life: float | None = None  # every stream runs this long (None: drawn)
+    # The order of the fault kinds each run draws first (None: ties by the RNG); the CI
+    # profile gives its seeds different offsets, so that together they draw every kind.
+    fault_offset: int | None = None
 
     @property
     def call_timeout(self) -> float:
@@ -439,21 +451,94 @@ class Server:
 # ---------------------------------------------------------------------------- the clients
 
 
+LATE = 0.8  # a command on a connection its client closed still runs (it was sent)
+
+
 @dataclass(eq=False)
 class Call:
-    """One command a process sent on its connection."""
+    """One command a process sent on one of its connections."""
 
-    proc: Proc
+    conn: SimConn
     op: str
     kind: str
     args: tuple[Any, ...]
-    fut: asyncio.Future[Any]
     sent: float
+    fut: asyncio.Future[Any] | None = None  # a client call's own answer (else: read)
     ran: bool = False
     dropped: bool = False  # the server will never run it (its connection is gone)
-    lost: bool = False  # its reply will never arrive
+    delivered: bool = False  # its reply reached the client's socket
     reply: Any = None
     due: float = 0.0  # when the server reads it (after the calls before it)
+
+    @property
+    def proc(self) -> Proc:
+        return self.conn.proc
+
+
+class SimConn:
+    """One connection of a process to the server, as redis-py's is to
+    :class:`~sidecar.coordination.ledger._Pipelined` (``connect``, ``pack_command``,
+    ``send_packed_command``, ``read_response``, ``disconnect``): the commands sent on it
+    run in order; their replies come back in order, and once one is lost none after it
+    arrives (TCP); closed by its client, what it sent may still run (replies lost)."""
+
+    def __init__(self, *, sim: DSim, proc: Proc, **_: Any) -> None:
+        self.sim = sim
+        self.proc = proc
+        self.pipe: deque[Call] = deque()  # sent, not run yet
+        self.unread: deque[Call] = deque()  # sent, reply not read yet, in order
+        self.last_exec = 0.0
+        self.last_reply = 0.0
+        self.closed = False
+        self.stalled = False  # a reply was lost: nothing more arrives
+        self.error: BaseException | None = None
+        self.wake: asyncio.Future[None] | None = None
+        self.shake: asyncio.Future[None] | None = None
+        proc.conns.append(self)
+
+    async def connect(self) -> None:
+        await self.sim.handshake(self)
+
+    def pack_command(self, *args: Any) -> list[tuple[Any, ...]]:
+        return [args]
+
+    async def send_packed_command(self, data: list[tuple[Any, ...]],
+                                  check_health: bool = True) -> None:
+        if self.error is not None:
+            raise self.error
+        for args in data:
+            self.sim.send_on(self, args)
+
+    async def read_response(self, timeout: float | None = None, **_: Any) -> Any:
+        while True:
+            if self.error is not None:
+                raise self.error
+            if self.unread and self.unread[0].delivered:
+                reply = self.unread.popleft().reply
+                if isinstance(reply, ResponseError):
+                    raise reply
+                return reply
+            self.wake = self.sim.loop.create_future()
+            await self.wake
+
+    async def disconnect(self, nowait: bool = False) -> None:
+        self.sim.close_conn(self, ConnectionError("closed by the client"), by_client=True)
+
+    def poke(self) -> None:
+        if self.wake is not None and not self.wake.done() and not self.sim.loop.is_closed():
+            self.wake.set_result(None)
+
+
+class SimPool:
+    """What _Pipelined takes from the client's connection pool."""
+
+    connection_class = SimConn
+
+    def __init__(self, sim: DSim, proc: Proc, call_timeout: float) -> None:
+        # As FleetController.connect builds it: both timeouts the call timeout.
+        self.connection_kwargs = {"socket_timeout": call_timeout,
+                                  "socket_connect_timeout": call_timeout,
+                                  "sim": sim, "proc": proc}
 
 
 @dataclass(eq=False)
@@ -469,15 +554,13 @@ class Reader:
 
 
 class SimClient:
-    """What FleetLedger uses of a redis client (test clock, not pipelined): each call a
-    future the simulation answers."""
+    """What FleetLedger uses of a redis client, pipelined as in production: its pool (for
+    _Pipelined's own connection), and ``function_load`` on another connection."""
 
     def __init__(self, sim: DSim, proc: Proc) -> None:
         self._sim = sim
         self._proc = proc
-
-    def fcall(self, *args: Any) -> asyncio.Future[Any]:
-        return self._sim.send(self._proc, "fcall", args)
+        self.connection_pool = SimPool(sim, proc, sim.cfg.call_timeout)
 
     def function_load(self, code: str, replace: bool = False) -> asyncio.Future[Any]:
         return self._sim.send(self._proc, "load", (code,))
@@ -559,12 +642,10 @@ class Proc:
         self.ctrl: FleetController | None = None
         self.task: asyncio.Task[None] | None = None
         self.recorder = CheckingRecorder(sim, name)
+        self.conns: list[SimConn] = []  # its connections still open or with calls to run
         self.client = SimClient(sim, self)
         self.events = SimEvents(sim, self)
-        self.pipe: deque[Call] = deque()  # sent, not yet run (one connection, FIFO)
-        self.open: dict[Call, None] = {}  # sent, its caller not answered yet
-        self.last_exec = 0.0
-        self.last_reply = 0.0
+        self.pool = SimConn(sim=sim, proc=self)  # the client pool's (function_load)
         self.reader: Reader | None = None
         self.slow = 0.0  # slow_replies: every hop takes this long
         self.ids = 0
@@ -719,6 +800,13 @@ class DSim:
 
     def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
+        task = context.get("future")
+        if (context.get("message") == "Task exception was never retrieved"
+                and isinstance(task, asyncio.Task)
+                and task.get_coro().__qualname__ == "_Pipelined._open"
+                and "connect_unretrieved" in KNOWN_FINDINGS and not self.cfg.strict):
+            self.stats["known_connect_unretrieved"] += 1
+            return
         self.fail(f"unhandled in the loop: {context.get('message')} "
                   f"{type(exc).__name__ if exc else ''}: {exc}")
 
@@ -772,39 +860,71 @@ class DSim:
         return (srv.up and not srv.paused and proc.alive
                 and not self.slot(proc.name).partitioned)
 
-    def send(self, proc: Proc, kind: str, args: tuple[Any, ...]) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = self.loop.create_future()
-        op = str(args[3]) if kind == "fcall" else "load"
-        c = Call(proc, op, kind, args, fut, self.now)
-        self.calls += 1
-        self.say(f"{proc.name} call {op}")
+    def handshake(self, conn: SimConn) -> asyncio.Future[None]:
+        """A new connection's handshake: refused at once while the server is down, held
+        while it cannot be reached (the caller's connect timeout gives up), else a hop."""
+        fut: asyncio.Future[None] = self.loop.create_future()
+        proc = conn.proc
         srv = self.server
         assert srv is not None
+        self.say(f"{proc.name} connects")
         if not proc.alive:
             fut.set_exception(ConnectionError("process ended"))
-            return fut
-        proc.open[c] = None
-        fut.add_done_callback(lambda _: self._answered_or_given_up(c))
-        if not srv.up:
-            self.at(self.now + 0.0005, proc.name, f"refused {op}",
-                    lambda: self._fail(c, ConnectionError("connection refused")))
+        elif not srv.up:
+            self.at(self.now + 0.0005, proc.name, "connection refused",
+                    lambda: fut.done() or fut.set_exception(ConnectionError("refused")))
         else:
-            proc.pipe.append(c)
-            t = c.due = max(self.now + self.latency(proc, may_be_slow=True), proc.last_exec)
-            proc.last_exec = t
-            self.at(t, proc.name, f"run {op}", lambda: self._run(c))
+            conn.shake = fut
+            self.at(self.now + self.latency(proc), proc.name, "handshake",
+                    lambda: self._shake(conn))
         return fut
 
-    def _answered_or_given_up(self, c: Call) -> None:
+    def _shake(self, conn: SimConn) -> None:
+        fut = conn.shake
+        if fut is None or fut.done() or conn.closed or not self._reachable(conn.proc):
+            return  # held (release_held completes it), or given up
+        conn.shake = None
+        fut.set_result(None)
+
+    def send(self, proc: Proc, kind: str, args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        """A client call on the process's pool connection (``function_load``)."""
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        if not proc.alive or not self.server or not self.server.up:
+            self.at(self.now + 0.0005, proc.name, "refused",
+                    lambda: fut.done() or fut.set_exception(ConnectionError("refused")))
+            return fut
+        self._send(proc.pool, kind, args, fut)
+        return fut
+
+    def send_on(self, conn: SimConn, args: tuple[Any, ...]) -> None:
+        """A command _Pipelined wrote on ``conn``: ``FCALL fn 1 prefix op now ...``."""
+        assert args[0] == "FCALL"
+        c = self._send(conn, "fcall", args[1:], None)
+        conn.unread.append(c)
+
+    def _send(self, conn: SimConn, kind: str, args: tuple[Any, ...],
+              fut: asyncio.Future[Any] | None) -> Call:
+        op = str(args[3]) if kind == "fcall" else "load"
+        c = Call(conn, op, kind, args, self.now, fut)
+        proc = conn.proc
+        self.calls += 1
+        self.say(f"{proc.name} call {op}")
+        conn.pipe.append(c)
+        t = c.due = max(self.now + self.latency(proc, may_be_slow=True), conn.last_exec)
+        conn.last_exec = t
+        self.at(t, proc.name, f"run {op}", lambda: self._run(c))
+        self.at(self.now + self.cfg.call_timeout, proc.name, f"{op} due back",
+                lambda: self._overdue(c))
+        return c
+
+    def _overdue(self, c: Call) -> None:
+        """One call timeout after it was sent: its caller gives up now if no reply came.
+        On a slow or lost reply, the server up, that is a partition of one call."""
         proc = c.proc
-        proc.open.pop(c, None)
-        if not c.fut.cancelled():
+        if c.delivered or not proc.alive or proc.slow or not self._reachable(proc):
             return
-        # Its caller gave up: the driver's call timeout, or the caller's task cancelled.
-        self.say(f"{proc.name} gave up on {c.op}{'' if c.ran else ' (not run yet)'}")
-        timed_out = self.now - c.sent >= self.cfg.call_timeout - 1e-9
-        if timed_out and self._reachable(proc) and not proc.slow:
-            self.cut_off(proc, f"{c.op} timed out")
+        self.say(f"{proc.name} {c.op}: no reply within the call timeout")
+        self.cut_off(proc, f"{c.op} timed out")
 
     def cut_off(self, proc: Proc, kind: str) -> None:
         """A call timed out on a slow or lost reply, the server up: for this replica a
@@ -825,37 +945,41 @@ class DSim:
         self.heal(w)
 
     def _run(self, c: Call) -> None:
-        proc = c.proc
+        conn = c.conn
         if c.ran or c.dropped:
             return
-        if not self._reachable(proc):
+        if not self._reachable(c.proc):
             return  # held: runs when the path or the server is back (release_held)
-        if not proc.pipe or proc.pipe[0] is not c:
+        if not conn.pipe or conn.pipe[0] is not c:
             return  # an earlier call on this connection has not run yet
-        proc.pipe.popleft()
+        conn.pipe.popleft()
         self._execute(c)
         # The next call on this connection, if it was due already (it waited for this one).
-        if proc.pipe and proc.pipe[0].due <= self.now:
-            nxt = proc.pipe[0]
-            self.at(self.now, proc.name, f"run {nxt.op}", lambda: self._run(nxt))
+        if conn.pipe and conn.pipe[0].due <= self.now:
+            nxt = conn.pipe[0]
+            self.at(self.now, c.proc.name, f"run {nxt.op}", lambda: self._run(nxt))
 
     def _execute(self, c: Call) -> None:
         c.ran = True
         reply = c.reply = self._on_server(c)
-        late = c.fut.done()
+        conn = c.conn
+        late = (conn.closed or (c.fut is not None and c.fut.done())
+                or self.now - c.sent > self.cfg.call_timeout)
         self.say(f"{c.proc.name} ran {c.op}{' (late)' if late else ''}: {_short(reply)}")
         if late:
-            # Its caller gave up; it ran all the same (e.g. an arrive: an orphan admission
-            # until the owner's next heartbeat drops it).
+            # Its caller gave up (or will have by the reply); it ran all the same (e.g. an
+            # arrive: an orphan admission until the owner's next heartbeat drops it).
             self.fleet_exempt(self.bounds.orphan, f"{c.op} ran after its caller gave up")
+        if conn.closed:
             return
         proc = c.proc
-        if c.lost or self.rng.random() < self.cfg.drop_reply:
-            self.say(f"{proc.name} reply of {c.op} dropped")
+        if self.rng.random() < self.cfg.drop_reply:
+            self.say(f"{proc.name} reply of {c.op} lost: nothing more on that connection")
+            conn.stalled = True
             self.fleet_exempt(self.bounds.orphan, f"reply of {c.op} lost")
             return
-        t = max(self.now + self.latency(proc), proc.last_reply)
-        proc.last_reply = t
+        t = max(self.now + self.latency(proc), conn.last_reply)
+        conn.last_reply = t
         self.at(t, proc.name, f"reply {c.op}", lambda: self._deliver(c))
 
     def _on_server(self, c: Call) -> Any:
@@ -872,56 +996,71 @@ class DSim:
         return reply
 
     def _deliver(self, c: Call) -> None:
-        if c.fut.done() or c.lost:
+        conn = c.conn
+        if conn.closed or conn.stalled:
             return
+        c.delivered = True
         reply = c.reply
-        if isinstance(reply, BaseException):
-            c.fut.set_exception(reply)
-            return
         if c.op == "arrive" and isinstance(reply, list) and len(reply) > 3 \
                 and isinstance(reply[3], list) and reply[3][:1] == ["rejected_queue_full"]:
             c.proc.refusals_from_ledger.append(self.now)
-        c.fut.set_result(reply)
+        if c.fut is None:
+            conn.poke()
+        elif not c.fut.done():
+            if isinstance(reply, BaseException):
+                c.fut.set_exception(reply)
+            else:
+                c.fut.set_result(reply)
 
-    def _fail(self, c: Call, exc: BaseException) -> None:
-        if c.fut.done():
+    def close_conn(self, conn: SimConn, exc: BaseException, *, by_client: bool) -> None:
+        """The connection ends: by its client (what it sent may still run, its replies
+        are lost), or by the server side (a reset: nothing more runs)."""
+        if conn.closed:
             return
-        self.say(f"{c.proc.name} {c.op} failed: {exc}")
-        c.fut.set_exception(exc)
-
-    def release_held(self, proc: Proc, *, late: float) -> None:
-        """The path to the server is back: calls held on it run now, in order; one whose
-        caller gave up runs only with probability ``late`` (its connection may be gone)."""
-        for c in list(proc.pipe):
-            if c.fut.done() and self.rng.random() >= late:
+        conn.closed = True
+        conn.error = exc
+        self.say(f"{conn.proc.name} connection closed ({exc})")
+        for c in list(conn.pipe):
+            if not by_client or self.rng.random() >= LATE:
                 c.dropped = True
-        proc.pipe = deque(c for c in proc.pipe if not c.dropped)
-        if proc.pipe:
-            first = proc.pipe[0]
-            first.due = self.now + self.latency()
-            proc.last_exec = max(proc.last_exec, first.due)
-            self.at(first.due, proc.name, f"run {first.op}", lambda: self._run(first))
+            if c.fut is not None and not c.fut.done() and not self.loop.is_closed():
+                c.fut.set_exception(exc)
+        conn.pipe = deque(c for c in conn.pipe if not c.dropped)
+        conn.unread.clear()
+        if conn.shake is not None and not conn.shake.done() and not self.loop.is_closed():
+            conn.shake.set_exception(exc)
+        conn.poke()
+        if not conn.pipe and conn in conn.proc.conns:
+            conn.proc.conns.remove(conn)
+
+    def release_held(self, proc: Proc) -> None:
+        """The path to the server is back: what every connection sent runs now, in order;
+        handshakes held complete; a blocked notification read goes on."""
+        for conn in list(proc.conns):
+            if conn.pipe:
+                first = conn.pipe[0]
+                first.due = self.now + self.latency()
+                conn.last_exec = max(conn.last_exec, first.due)
+                self.at(first.due, proc.name, f"run {first.op}", lambda c=first: self._run(c))
+            if conn.shake is not None and not conn.shake.done():
+                self.at(self.now + self.latency(), proc.name, "handshake",
+                        lambda c=conn: self._shake(c))
+            if conn.closed and not conn.pipe:
+                proc.conns.remove(conn)
         r = proc.reader
         if r is not None and not r.fut.done():
             self._schedule_read(proc, r)
 
     def drop_connections(self, proc: Proc, why: str) -> None:
-        """Every connection of this process breaks: calls not run yet never run, replies
-        on their way are lost, and every caller still waiting gets a reset."""
-        for c in list(proc.pipe):
-            c.dropped = True
-        proc.pipe.clear()
-        for c in list(proc.open):
-            c.lost = True
-            if not c.fut.done():
-                self.at(self.now + 0.0005, proc.name, f"{why} {c.op}", self._resetter(c, why))
+        """Every connection of this process is reset: nothing it sent runs any more, its
+        callers get the reset, and so does a blocked notification read."""
+        for conn in list(proc.conns):
+            self.close_conn(conn, ConnectionError(why), by_client=False)
+        proc.pool = SimConn(sim=self, proc=proc)
         r, proc.reader = proc.reader, None
         if r is not None and not r.fut.done():
             self.at(self.now + 0.0005, proc.name, f"{why} read",
                     lambda: self._read_failed(r, ConnectionError(why)))
-
-    def _resetter(self, c: Call, why: str) -> Callable[[], None]:
-        return lambda: self._fail(c, ConnectionError(why))
 
     # ------------------------------------------------------------------ notifications
 
@@ -1032,8 +1171,10 @@ class DSim:
         return proc
 
     async def _connect(self, proc: Proc) -> None:
+        # As FleetController.connect builds it: pipelined (one connection of its own,
+        # _Pipelined, over the simulated connection), registered for 0.9 ttl.
         ledger = SimLedger(proc.client, FLEET, proc.name,  # type: ignore[arg-type]
-                           ttl=0.9 * self.cfg.ttl, clock=self.loop.time)
+                           ttl=0.9 * self.cfg.ttl, clock=self.loop.time, pipelined=True)
         ledger.incarnation = f"{proc.name}i{proc.incarnation}"
         ctrl = await FleetController.open(
             ledger, proc.events,  # type: ignore[arg-type]
@@ -1066,11 +1207,8 @@ class DSim:
             return
         proc.alive = False
         self.say(f"{s.name} process ends")
-        for c in proc.pipe:
-            c.dropped = True
-        proc.pipe.clear()
-        for c in list(proc.open):
-            c.lost = True
+        for conn in list(proc.conns):  # what it sent and the server has not read: gone
+            self.close_conn(conn, ConnectionError("process ended"), by_client=False)
         proc.reader = None
         for r in list(self.reqs.values()):
             if r.proc is proc:
@@ -1300,7 +1438,7 @@ class DSim:
         s = self.slot(name)
         s.partitioned = False
         if s.proc is not None:
-            self.release_held(s.proc, late=0.5)
+            self.release_held(s.proc)
         self.reachable_since[name] = self.now
         self.heal(w)
 
@@ -1493,9 +1631,16 @@ class DSim:
                  or (k in COMBINED_FAULTS and self._replica_fault_ok()))]
         if not kinds:
             return
-        # The least drawn so far (ties by the RNG): every kind comes up in a short run.
+        # The least drawn so far (ties by the RNG, or in the configured rotation): every
+        # kind comes up in a short run.
         fewest = min(self.stats[f"fault_{k}"] for k in kinds)
-        kind = self.rng.choice([k for k in kinds if self.stats[f"fault_{k}"] == fewest])
+        least = [k for k in kinds if self.stats[f"fault_{k}"] == fewest]
+        off = self.cfg.fault_offset
+        if off is None:
+            kind = self.rng.choice(least)
+        else:
+            n = len(self.cfg.faults)
+            kind = min(least, key=lambda k: (self.cfg.faults.index(k) - off) % n)
         self.stats[f"fault_{kind}"] += 1
         if kind in SERVER_FAULTS:
             self.say(f"fault {kind}")
@@ -1626,7 +1771,7 @@ class DSim:
         for s in self.slots:
             self.reachable_since[s.name] = self.now
             if s.proc is not None:
-                self.release_held(s.proc, late=0.8)
+                self.release_held(s.proc)
 
     def server_fault_start(self, kind: str) -> None:
         srv = self.server
@@ -1748,7 +1893,7 @@ class DSim:
                 p = s.proc
                 if p is not None:
                     p.slow = 0.0
-                    self.release_held(p, late=0.5)
+                    self.release_held(p)
                 self.reachable_since[s.name] = self.now
                 self.heal(w)
                 self._later(0.0, ttl, "replica fault over", over)

@@ -443,7 +443,7 @@ def test_the_return_marks_what_opened_while_away_and_resends_every_first_byte() 
     # preemptor's: the local core does not give it again).
     fx = r.recovery_answered(FleetStatus(True, 8, 1, 3, refused=("marked",)), listed)
     assert fx[:2] == [LocalRelease("marked", ReleaseReason.PREEMPTED, reuse=False),
-                      Stop("marked", undelivered=False)]
+                      Stop("marked", undelivered=True)]  # reported if it cannot be stopped
     assert fx[-1] == HoldLocal(None) and r.mode is Mode.SETTLING
     assert r.recycle == 3 and "marked" not in r.held  # recycle counted without it
     r.local_released("marked", ReleaseReason.PREEMPTED)  # the local core's event follows

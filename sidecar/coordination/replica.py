@@ -979,8 +979,11 @@ class Replica:
                 # ledger gave it away), whatever limit the answer sets below.
                 h.move(Stage.RELEASED)
                 self.ended.add(aid, ReleaseReason.PREEMPTED)
+                # Stopped as a preempted request is; one past its first byte (its response
+                # started without the ledger's word) runs on: counted and logged as a
+                # preemption that could not be delivered, as preempted() does.
                 effects += [LocalRelease(aid, ReleaseReason.PREEMPTED, reuse=False),
-                            Stop(aid, undelivered=False)]
+                            Stop(aid, undelivered=h.stage is not Stage.STOPPED)]
         late: list[Effect] = [Send(Release(hd.id, ReleaseReason.COMPLETED))
                               for hd in listed
                               if hd.id not in self.held and hd.id not in refused]
