@@ -44,6 +44,16 @@ what the effects say (``_apply``).
 Carried-over admissions stay as they are in the local core: one before its first byte
 whose stop channel (ext_proc stream) is open remains a preemption candidate, so a class
 that may preempt takes it locally, and this replica, its owner, delivers the 503.
+
+**One driver, two loops.** Every timer here (heartbeats, ticks, deferred marks, call
+timeouts, waiters' deadlines, and those of the local core it builds) is armed on the
+running loop's clock, which is also the only clock it reads. So the deterministic fleet
+simulation (``tests/fleet_dsim.py``) runs this class as it is, on an event loop whose
+clock is virtual, over a :class:`FleetLedger` whose sockets are simulated
+(:meth:`FleetController.open` takes a ready ledger and notification client): the code the
+simulation checks is the code that ships. The ledger ops it sends are typed
+(:mod:`sidecar.coordination.outbox`, which also decides what one flush sends), and
+:meth:`_apply` handles every effect type of the core exhaustively.
 """
 
 from __future__ import annotations
