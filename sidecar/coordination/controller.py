@@ -110,6 +110,7 @@ from sidecar.scheduler import (
     ClassSettings,
     ClassSnapshot,
     Outcome,
+    Preempted,
     Rejected,
     Released,
     ReleaseReason,
@@ -1123,6 +1124,10 @@ class _LocalRecorder(NullRecorder):
                 o._core.local_admitted(e.admission)
             elif isinstance(e, Released):
                 o._core.local_released(e.admission.id, e.reason)
+            elif isinstance(e, Preempted):
+                # Its stop goes out in this very step, ahead of its preemptor's answer (the
+                # chained channel's callback would take one more loop turn).
+                o._signal_preempted(e.victim.id)
             elif isinstance(e, Rejected) and e.outcome is Outcome.CLIENT_CANCELLED:
                 moving = _MOVING.get()
                 if moving is not None and moving[0]:
