@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import random
@@ -223,11 +224,11 @@ class DSimConfig:
     # profile gives its seeds different offsets, so that together they draw every kind.
     fault_offset: int | None = None
 
-    @property
+    @functools.cached_property
     def call_timeout(self) -> float:
         return call_timeout_for(self.ttl)  # FleetController.connect's rule
 
-    @property
+    @functools.cached_property
     def interval(self) -> float:
         return 0.9 * self.ttl / 3  # the heartbeat interval (registration ttl / 3)
 
