@@ -38,34 +38,39 @@ next call, reconnects under a connect timeout) runs over a simulated connection
   ``renew_or_adopt``.
 
 Ground truth is the harness's own record (which admissions the clients were told they
-hold and have not ended, which requests wait, which were refused), never the
-controller's. After every step (one iteration of the loop) it checks:
+hold and have not ended, which requests wait, which were refused, which ids Envoy showed
+which process), never the controller's.
 
-*Safety* (never more than): Σ running ≤ capacity outside the reference's windows and
-within each window's bound (:class:`Window`); the replicas' degraded shares sum to at most
-capacity; exactly-once release; no waiter answered later than its queue timeout plus one
-call timeout. At the end, after a quiet drain: admitted = released, the ledger holds
-nothing.
+*Safety* (never more than), after every step (one iteration of the loop): Σ running ≤
+capacity outside the reference's windows and within each window's bound
+(:class:`Window`); the replicas' degraded shares sum to at most capacity; exactly-once
+release; no waiter answered later than its queue timeout plus one call timeout. At the
+end, after a quiet drain: admitted = released, the ledger holds nothing.
 
-*Liveness* (admits what it may, within a bounded time; each bound in
-``docs/reference.md``, failure modes, and in :class:`Bounds`):
+*Liveness* (admits what it may, within a bounded time), at the end of every instant (after
+its last step: time does not pass within an instant, so a condition that outlasts a bound
+is seen there as surely as after every step; each bound in ``docs/reference.md``, failure
+modes, ``docs/design.md``, and :class:`Bounds`):
 
-* **refused only beyond the limit**: a 429 from a replica in a local mode (degraded,
-  resyncing, settling) comes only while what it runs is at its documented limit L
-  (:func:`documented_limit`), including while a recovery resync hangs; a 429 from a
-  replica that is ``ok`` comes only from the ledger's own answer;
+* **refused only at the limit**: a 429 from a replica in a local mode (degraded,
+  resyncing, settling) comes only while what it counts is at its documented limit L
+  (:func:`documented_limit`), including while a recovery resync hangs; a 429 from a replica
+  that is ``ok`` comes only as the ledger's own answer;
 * **no idle capacity while a request waits**, locally: a replica in a local mode below L
-  with a request waiting on it admits it within one call timeout (an arrive already in
-  flight gives up after one); fleet-wide: with every replica ``ok`` and no window open, a
-  free slot is not left idle for longer than one call timeout plus a few round trips
-  while a request waits, outside the documented times a slot stays counted after its
-  stream ended (a dead replica's until its registration lapses, one that ended while its
-  sidecar was down until the ack timeout, one admitted by a call whose answer was lost
-  until its owner's next heartbeat drops it);
+  admits a request waiting on it at once (one that came before it went local: within one
+  call timeout, its arrive's), and at L a request that may preempt takes a lower-class
+  candidate's slot (the scheduler's rule: the head of its queue, an admission made before
+  it came); fleet-wide: with every replica ``ok`` and no window open, no slot idles longer
+  than one call timeout plus a few hops while a request waits, outside the documented
+  times a slot stays counted after its stream ended (a dead replica's until its
+  registration lapses, one Envoy never showed its process until the ack timeout, one taken
+  by a call whose answer was lost until its owner's next heartbeat drops it);
 * **back to the ledger**: a replica that can reach the server again is ``ok`` within
   2 × ttl (the reference's bound) of the later of losing it and reaching it again;
-* **nothing held that does not run**: an admission the controller still holds after its
-  stream ended (outside the ack-timeout case above) is a leak.
+* **nothing held that does not run** (a leak, outside the ack-timeout case above) and
+  **nothing running uncounted** (a stream its process does not hold, outside a
+  preemption the controller reported it could not deliver and a process that has not had
+  Envoy's periodic entry since it started).
 
 Determinism: every choice comes from one ``random.Random(seed)``, ids and incarnations
 are counters, the loop runs callbacks in (time, order scheduled) order, and the trace
@@ -639,7 +644,6 @@ class Proc:
         self.name = name
         self.incarnation = incarnation
         self.alive = True
-        self.starting = True
         self.ctrl: FleetController | None = None
         self.task: asyncio.Task[None] | None = None
         self.recorder = CheckingRecorder(sim, name)
@@ -1187,7 +1191,6 @@ class DSim:
             return
         ctrl.start()
         proc.ctrl = ctrl
-        proc.starting = False
         proc.taken_at = self.now
         self.say(f"{proc.name} process up ({ctrl.mode.value})")
         if proc.on_started is not None:
