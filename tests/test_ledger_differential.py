@@ -173,7 +173,7 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassSettings], cap
     client = connect(server)
     await client.flushall()
     try:
-        led = FleetLedger(client, "d", "only", ttl=1e9, remember_ended_secs=1e12, clock=clock)
+        led = FleetLedger(client, "d", "only", ttl=86400.0, remember_ended_secs=86400.0, clock=clock)
         await led.register(cfg, capacity)
         ended: list[str] = []
         seq = 0
