@@ -126,6 +126,7 @@ local taken_ids = {}
 local caller, caller_inc, caller_settle = '', '', 0
 local caller_seen, gen = 0, 0
 local lost = false -- lose() ran in this call
+local caller_prev = false -- P:inc's incarnation for the caller (retired_caller(), take_over())
 
 -- A rebuild this call made (see "Keys lost"): reported unless a loss or another rebuild
 -- already is (lose() overrides it: a data loss is what the replicas must act on).
@@ -221,8 +222,9 @@ local function finite(x) return x == x and x > -math.huge and x < math.huge end
 
 -- A decimal number as ledger.py writes one (repr of a float, str of an int), finite.
 local function num(s)
-  if type(s) ~= 'string' or #s == 0 or #s > 40
-      or not string.find(s, '^[%-%+]?[%d%.]+[eE]?[%-%+]?%d*$') then
+  if type(s) ~= 'string' or #s == 0 or #s > 40 then return nil end
+  -- (the common case first: digits only)
+  if not string.find(s, '^%d+$') and not string.find(s, '^[%-%+]?[%d%.]+[eE]?[%-%+]?%d*$') then
     return nil
   end
   local n = tonumber(s)
@@ -335,8 +337,7 @@ end
 
 -- heartbeat args: replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended settle
 local function check_heartbeat(a, who)
-  a_name('replica', a[1])
-  if a[1] ~= who then fail('replica', a[1], 'must be the calling replica') end
+  if a[1] ~= who or who == '' then fail('replica', a[1], 'must be the calling replica') end
   a_pos('ttl', a[2], MAX_TTL)
   local r = {string.match(a[3] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+)$')}
   if #r ~= 5 then fail('report', a[3], 'must be "capacity r3 r2 r1 r0", five integers') end
@@ -388,8 +389,8 @@ CHECK.resync = function(a, who)
 end
 CHECK.arrive = function(a, who)
   a_arity('arrive', a, 4)
-  a_name('replica', a[1])
-  if a[1] ~= who then fail('replica', a[1], 'must be the calling replica') end
+  -- (the caller's name is checked with the call's header)
+  if a[1] ~= who or who == '' then fail('replica', a[1], 'must be the calling replica') end
   a_id('id', a[2])
   a_int('class', a[3], 0, 3)
   a_tenant('tenant', a[4])
@@ -425,13 +426,13 @@ CHECK.multi = function(a, who)
   end
 end
 
--- The whole call: FCALL fn 1 <prefix> <op> <now> <seen> <settle> <replica> <incarnation> args
+-- Call headers (prefix, replica, incarnation, settle) that passed: the same few every call.
+local good_callers, good_count = {}, 0
+
+-- The whole call: FCALL fn 1 <prefix> <op> <now> <seen> <settle> <replica> <incarnation>
+-- args. -> the op's arguments.
 local function check_call(keys, argv)
-  if #keys ~= 1 or type(keys[1]) ~= 'string' or #keys[1] > 300
-      or not (string.find(keys[1], '^pg:{[^%s{}]+}$')
-              or string.find(keys[1], '^pg:{[^%s{}]+}:pool:[^%s{}]+$')) then
-    fail('key', keys[1], 'must be one prefix pg:{<fleet>} or pg:{<fleet>}:pool:<pool>')
-  end
+  if #keys ~= 1 then fail('keys', #keys, 'must be one prefix') end
   local op = argv[1]
   if type(op) ~= 'string' or CHECK[op] == nil then
     error('unknown ledger op ' .. string.format('%q', string.sub(tostring(op), 1, 40)), 0)
@@ -440,16 +441,30 @@ local function check_call(keys, argv)
     if not TEST_BUILD then error('a caller clock is refused (test build only)', 0) end
     a_num('now', argv[2], 0, 1e18)
   end
-  a_int('seen', argv[3], 0, MAX_GEN)
-  a_num('settle', argv[4], 0, MAX_TTL)
-  if argv[5] ~= '' then a_name('caller', argv[5]) end
-  local inc = argv[6]
-  if type(inc) ~= 'string' or #inc > 64 or (inc ~= '' and not string.find(inc, '^[%w_%-]+$')) then
-    fail('incarnation', inc, 'must be up to 64 letters, digits, "_" or "-"')
+  local who = tostring(keys[1]) .. ' ' .. tostring(argv[5]) .. ' ' .. tostring(argv[6]) .. ' '
+    .. tostring(argv[4])
+  if not good_callers[who] then
+    if type(keys[1]) ~= 'string' or #keys[1] > 300
+        or not (string.find(keys[1], '^pg:{[^%s{}]+}$')
+                or string.find(keys[1], '^pg:{[^%s{}]+}:pool:[^%s{}]+$')) then
+      fail('key', keys[1], 'must be one prefix pg:{<fleet>} or pg:{<fleet>}:pool:<pool>')
+    end
+    a_num('settle', argv[4], 0, MAX_TTL)
+    if argv[5] ~= '' then a_name('caller', argv[5]) end
+    local inc = argv[6]
+    if type(inc) ~= 'string' or #inc > 64
+        or (inc ~= '' and not string.find(inc, '^[%w_%-]+$')) then
+      fail('incarnation', inc, 'must be up to 64 letters, digits, "_" or "-"')
+    end
+    if good_count >= 1000 then good_callers, good_count = {}, 0 end
+    good_callers[who] = true
+    good_count = good_count + 1
   end
+  a_int('seen', argv[3], 0, MAX_GEN)
   local args = {}
   for i = 7, #argv do args[#args + 1] = argv[i] end
   CHECK[op](args, argv[5])
+  return args
 end
 
 -- ------------------------------------------------------------------------------ records
@@ -992,7 +1007,8 @@ end
 -- P:replicas lost (or a field of it): every replica that has a report (a live one always
 -- has both; reaping drops both) is registered again for one ttl. Alive, it heartbeats on;
 -- dead, it is reaped a ttl later, its slots counted until then (never given away early).
--- Before reap(), which goes by P:replicas.
+-- Run when a replica's call finds it unregistered (live()): every call of a replica asks
+-- (take_over()), so the first one after the loss rebuilds it.
 local function check_replicas()
   local n = redis.call('HLEN', K_REPORTS)
   if n == 0 or redis.call('ZCARD', K_REPLICAS) >= n then return end
@@ -1004,9 +1020,18 @@ local function check_replicas()
   if back then note('state_rebuilt') end
 end
 
+-- Prefixes that may hold ghosts: set when this library instance made some or found some
+-- (reconcile()), so that no call of a fleet without any pays for looking.
+local haunted = {}
+
 -- Admissions held by ghosts (rebuild_admissions()) end after their window: by then every
 -- live replica has re-added what it holds.
 local function expire_ghosts()
+  if not haunted[P] then return end
+  if redis.call('EXISTS', K_GHOSTS) == 0 then
+    haunted[P] = nil
+    return
+  end
   local gone = redis.call('ZRANGEBYSCORE', K_GHOSTS, '-inf', fmt(now))
   for _, id in ipairs(gone) do
     local a = get_adm(id)
@@ -1031,7 +1056,11 @@ local function reap()
   load_state()
 end
 
+-- Registered and not expired. A replica found unregistered may be one whose registration
+-- was lost with P:replicas: check_replicas() first (only then: nothing in steady state).
 local function live(r)
+  if redis.call('ZSCORE', K_REPLICAS, r) ~= false then return true end
+  check_replicas()
   return redis.call('ZSCORE', K_REPLICAS, r) ~= false
 end
 
@@ -1143,6 +1172,7 @@ local function rebuild_admissions(orphans, deficit)
                unsure = true, tenant = ''})
       redis.call('SADD', k_own(GHOST), id)
       redis.call('ZADD', K_GHOSTS, untl, id)
+      haunted[P] = true
       deficit[c] = deficit[c] - 1
       added[c] = added[c] + 1
     end
@@ -1190,6 +1220,7 @@ local function reconcile(scan)
   end
   if added > 0 then note('owners_lost') end
   if owned[GHOST] then
+    haunted[P] = true
     for _, id in ipairs(owned[GHOST]) do
       if not redis.call('ZSCORE', K_GHOSTS, id) then
         redis.call('ZADD', K_GHOSTS, fmt(now + ghost_window()), id)
@@ -1233,11 +1264,10 @@ end
 local function owners_name_any()
   local rs = redis.call('ZRANGE', K_REPLICAS, 0, -1)
   if #rs == 0 then return false end
-  if redis.call('HLEN', K_W) == 0 then
-    local sets = {}
-    for i, r in ipairs(rs) do sets[i] = k_own(r) end
-    return redis.call('EXISTS', unpack(sets)) > 0
-  end
+  local sets = {}
+  for i, r in ipairs(rs) do sets[i] = k_own(r) end
+  if redis.call('EXISTS', unpack(sets)) == 0 then return false end -- an idle fleet
+  if redis.call('HLEN', K_W) == 0 then return true end
   for _, r in ipairs(rs) do
     for _, id in ipairs(redis.call('SMEMBERS', k_own(r))) do
       if redis.call('HEXISTS', K_W, id) == 0 then return true end
@@ -1257,7 +1287,7 @@ end
 local RETIRED_KEPT = 8
 local function take_over()
   if caller == '' or caller_inc == '' or not live(caller) then return end
-  local prev = redis.call('HGET', K_INC, caller)
+  local prev = caller_prev -- (read by retired_caller() at the start of this call)
   if prev == caller_inc then return end
   redis.call('HSET', K_INC, caller, caller_inc)
   if not prev then return end -- recorded by this call: nothing of another process's to take
@@ -1286,8 +1316,10 @@ end
 -- A call from an incarnation a newer process of its replica id took over: refused before it
 -- reads or writes anything (run()). -> the error text, or nil.
 local function retired_caller()
+  caller_prev = false
   if caller == '' or caller_inc == '' then return nil end
   local prev = redis.call('HGET', K_INC, caller)
+  caller_prev = prev
   if not prev or prev == caller_inc then return nil end
   for old in string.gmatch(redis.call('HGET', K_RETIRED, caller) or '', '%S+') do
     if old == caller_inc then
@@ -1845,8 +1877,8 @@ local function clock(arg)
 end
 
 local function run(keys, argv)
-  local ok, bad = pcall(check_call, keys, argv)
-  if not ok then return redis.error_reply('ERR ledger: ' .. tostring(bad)) end
+  local ok, args = pcall(check_call, keys, argv)
+  if not ok then return redis.error_reply('ERR ledger: ' .. tostring(args)) end
   set_prefix(keys[1])
   now = clock(argv[2])
   cfg = nil
@@ -1882,7 +1914,6 @@ local function run(keys, argv)
     redis.call('SET', K_GEN, int(gen))
     if not lost then lose('stale_copy') end
   end
-  check_replicas()
   reap()
   if redis.call('HLEN', K_ADM) ~= total then
     reconcile(false)
@@ -1890,8 +1921,6 @@ local function run(keys, argv)
     reconcile(true)
   end
   take_over()
-  local args = {}
-  for i = 7, #argv do args[#args + 1] = argv[i] end
   local reply = ops[argv[1]](args) -- first: it may find a loss too (reconcile() in heartbeat())
   return {gen, loss, taken, reply, redis.call('ZCARD', K_REPLICAS)}
 end
