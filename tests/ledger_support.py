@@ -72,7 +72,7 @@ FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "min_age": ("resync", BAD_NUMBERS),
     "holding class": ("resync", ("inf", "-inf", "nan", "1e20", "-3", "many", "1.5", "4")),
     "class": ("arrive", (*BAD_INTEGERS, "4")),
-    "id": ("arrive", ("", "a b", "x" * 257)),
+    "id": ("arrive", ("", "x" * 257)),
     "reason": ("release", ("inf", "-1", "replica_expired", "")),
     "multi count": ("multi", ("inf", "-inf", "nan", "1e20", "-1", "many", "0", "99")),
 }
