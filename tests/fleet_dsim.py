@@ -133,12 +133,9 @@ DSIM_FAULTS = SERVER_FAULTS + REPLICA_FAULTS + COMBINED_FAULTS
 
 # Violations found and not yet fixed, each with a strict-xfail regression test in
 # tests/test_fleet_dsim.py: a run counts them (stats known_*) and goes on, unless strict.
-KNOWN_FINDINGS: tuple[str, ...] = ("connect_unretrieved",)
-# connect_unretrieved (sidecar/coordination/ledger.py, _Pipelined._connect): a caller that
-# gives up (its call timeout) while the shielded connect is pending leaves that task's
-# later failure (its own connect timeout) unretrieved: asyncio logs "Task exception was
-# never retrieved" (an error line, nothing else). Counted, never traced: it is reported when
-# the task is garbage-collected, not at a simulated instant.
+# None now: the one found (a caller that gave up on a shared connect, load or verification
+# left that task's later failure unretrieved) is fixed in ledger.py (_shared).
+KNOWN_FINDINGS: tuple[str, ...] = ()
 
 
 class SimViolation(AssertionError):

@@ -579,10 +579,5 @@ async def connects_while_cut_off(sim: DSim) -> None:
     await asyncio.sleep(sim.cfg.ttl)
 
 
-@pytest.mark.xfail(strict=True, raises=SimViolation,
-                   reason="known finding connect_unretrieved (sidecar/coordination/ledger.py "
-                          "_Pipelined._connect): a caller that gives up while the shielded "
-                          "connect is pending leaves its later failure unretrieved; asyncio "
-                          "logs 'Task exception was never retrieved'")
 def test_a_connect_given_up_on_leaves_no_exception_unretrieved(tmp_path: Path) -> None:
     simulate(_cfg(replicas=1, strict=True), tmp_path, connects_while_cut_off)
