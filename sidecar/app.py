@@ -144,6 +144,8 @@ def _monitor(s: Settings, worker_urls: tuple[str, ...], envoy_admin_url: str | N
         default_cap=s.capacity.worker_max_running_requests,
         saturation_guard=s.capacity.saturation_guard,
         credential=s.capacity.worker_credential,
+        credential_over_http=s.capacity.worker_auth_allow_http,
+        envoy_cluster_scheme=s.capacity.envoy_cluster_scheme,
         pool=log_fields.get("pool"),
     )
 
