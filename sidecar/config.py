@@ -292,6 +292,18 @@ class SchedulerSettings:
              "pool's capacity, its decisions under the `pool` label, and a route naming an "
              "unknown pool is allowed too. Refused with `--coordination-url` or "
              "`--edge-shed`."))
+    refuse_uncapped_fallback: bool = flag(
+        "--refuse-uncapped-fallback", default=False, switch=True,
+        help=("start-up fails (exit 1) instead of serving a pool whose reservations do not "
+              "fit its capacity with legacy admission and no cap (--max-concurrent-requests "
+              "<= 0)"),
+        doc=("Opt-in refusal of the contract's uncapped fallback: when a pool's reservations "
+             "do not fit its capacity at start-up ([the start-up reservation "
+             "check](#the-start-up-reservation-check-and-the-legacy-fallback)) and "
+             "`--max-concurrent-requests` ≤ 0 leaves legacy admission without a cap, start-up "
+             "fails (`startup_failed`, exit 1) instead of serving that pool uncapped. Off (the "
+             "contract's default): it serves, loudly (`legacy_admission_uncapped`, "
+             "`smg_sidecar_admission_fallback{mode=\"legacy_uncapped\"}`)."))
     default_max_class_valid: bool = derived()
     """False: --priority-scheduler-default-max-class named no class (default is used)."""
 
