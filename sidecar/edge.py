@@ -37,8 +37,8 @@ the sidecar's own, :data:`EDGE_REPLIES`) before any Check. Three parts:
   sheds counted in that interval, and the switch goes to 0 once that is all of
   them (or when no edge sheds were counted). The sheds counted are trusted only as
   far as the share in force explains them: more than ``share / (1 - share)`` per
-  Check let through never slows the let-through's growth below PROBE x MARGIN per
-  interval, so a forged or late count can delay a switch's fall to 0 by at most six
+  Check let through never slows the let-through's growth below PROBE x (1 + MARGIN)
+  per interval, so a forged or late count can delay a switch's fall to 0 by at most six
   intervals and never hold it on. So a flood whose queue has a moment
   of room is not let through whole (measured before: the share fell to 0 every
   0.5-1.5 s at 100x, each time ~400 Checks at once, ahead of interactive's);
@@ -387,7 +387,7 @@ class EdgeShed:
                 if n < len(entries):  # what Envoy's edge logger never sends: not counted
                     self._not_edge_log.event(cls=cls.label, pool=pool[:64],
                                              entries=len(entries), not_counted=len(entries) - n,
-                                             route=edge_route)
+                                             route=edge_route[:128])
                 if n:
                     self.shed_counted(cls, n, pool)
             return codec.ALS_RESPONSE
