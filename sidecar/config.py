@@ -885,20 +885,28 @@ def split_worker_urls(entries: Sequence[str]
     return tuple(default), {name: tuple(urls) for name, urls in pools.items()}
 
 
+def sends_credential(url: str, over_http: bool) -> bool:
+    """The one rule for where the workers' key may go: over TLS (``https://``) only,
+    unless plain ``http://`` was allowed (``--worker-auth-allow-http``). Checked for every
+    worker source at start-up (:func:`check_credential_transport`) and for every probe
+    (sidecar.health)."""
+    return url.lower().startswith("https://") or over_http
+
+
 def check_credential_transport(capacity: CapacitySettings) -> None:
-    """The workers' key goes over TLS only, unless ``--worker-auth-allow-http``: every
-    worker source that would send it over plain http is refused here, before anything
-    is probed (sidecar.health.sends_credential is the same rule, per request)."""
+    """Every worker source that would send the workers' key over plain http is refused
+    here, before anything is probed (:func:`sends_credential`)."""
     if capacity.worker_credential is None or capacity.worker_auth_allow_http:
         return
     allow = "--worker-auth-allow-http"
     for urls, _ in capacity.pool_sources().values():
         for url in urls:
-            if not url.lower().startswith("https://"):
+            if not sends_credential(url, False):
                 raise ConfigError(f"--worker-urls {clip(url)!r}: --worker-auth-file's key "
                                   f"would go over plain http; give the worker as https://, "
                                   f"or allow plain http with {allow}")
-    if capacity.envoy_admin_url is not None and capacity.envoy_cluster_scheme != "https":
+    if capacity.envoy_admin_url is not None and not sends_credential(
+            f"{capacity.envoy_cluster_scheme}://", False):
         raise ConfigError("--envoy-admin-url with --worker-auth-file: the hosts found there are "
                           "probed over http (--envoy-cluster-scheme http), so the key would go "
                           "over plain http; give --envoy-cluster-scheme https for workers "

@@ -32,6 +32,7 @@ from sidecar.capacity import (
     ProbeStatus,
     WorkerProbe,
 )
+from sidecar.config import sends_credential
 
 __all__ = [
     "DEFAULT_WORKER_CAPACITY",
@@ -42,6 +43,7 @@ __all__ = [
     "http_get",
     "new_session",
     "probe_worker",
+    "sends_credential",
 ]
 
 DEFAULT_WORKER_CAPACITY = 64  # the contract's count for a healthy worker that reports none
@@ -327,12 +329,6 @@ def credential_secrets(credential: Mapping[str, str]) -> list[str]:
     """What of a credential must never be shown: each header value, without the
     ``Bearer`` scheme word (the key itself)."""
     return [v.removeprefix("Bearer ").strip() for v in credential.values()]
-
-
-def sends_credential(url: str, over_http: bool) -> bool:
-    """The one rule for where the workers' key may go: over TLS (``https://``) only,
-    unless plain ``http://`` was allowed (``--worker-auth-allow-http``)."""
-    return url.lower().startswith("https://") or over_http
 
 
 class WorkerProber:
