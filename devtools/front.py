@@ -88,7 +88,9 @@ def build(args: argparse.Namespace) -> Stack:
     priority = Path(args.priority).read_text() if args.priority else DEFAULT_PRIORITY
     sidecar_args = ["--worker-engine", args.engine, "--log-format", "console", *args.sidecar]
     if args.worker_auth_file:
-        sidecar_args += ["--worker-auth-file", str(Path(args.worker_auth_file).resolve())]
+        # The front reaches its engines over plain http only (as its Envoy does): it opts in.
+        sidecar_args += ["--worker-auth-file", str(Path(args.worker_auth_file).resolve()),
+                         "--worker-auth-allow-http"]
     config = StackConfig(priority_yaml=priority, sidecar_args=sidecar_args,
                          health_interval_secs=1.0, flush_interval_secs=2.0, lease_secs=15.0)
     if not args.free_ports:

@@ -132,6 +132,7 @@ class AuthzService:
         self._rejections = logs.RejectionSummary(log)
         self.rejection_counted = self._rejections.add  # edge sheds join the same line
         self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
+        self._decode_failed_log = logs.Throttled(log, "check_decode_failed")
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
@@ -144,7 +145,7 @@ class AuthzService:
         try:
             view = codec.decode_check(data)
         except Exception as exc:  # a malformed message must not become an INTERNAL error
-            log.warning("check_decode_failed", error=str(exc))
+            self._decode_failed_log.event(error=str(exc)[:200])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed CheckRequest")
         tenant = resolve_tenant(self.tenant_source, view)
         # For logs only: x-request-id is client-settable, so it never correlates a release.
@@ -210,6 +211,7 @@ class AuthzService:
         if logs.debug_enabled():
             log.debug("admitted", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, admission_id=aid,
+                      admission_tag=logs.id_tag(aid),
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
                       predicted=None if admitted.predicted is None
                       else round(admitted.predicted, 6),

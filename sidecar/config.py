@@ -332,6 +332,18 @@ class SchedulerSettings:
              "(Dynamo's \"busy\"). Unset: the contract's statuses (429 full, 503 timed out). "
              "Set, a 503 is left to mean down: the sidecar or the workers unreachable (Envoy's "
              "own), or a preemption ([Deadlines](#deadlines-ttft-targets-and-overload-answers))."))
+    refuse_uncapped_fallback: bool = flag(
+        "--refuse-uncapped-fallback", default=False, switch=True,
+        help=("start-up fails (exit 1) instead of serving a pool whose reservations do not "
+              "fit its capacity with legacy admission and no cap (--max-concurrent-requests "
+              "<= 0)"),
+        doc=("Opt-in refusal of the contract's uncapped fallback: when a pool's reservations "
+             "do not fit its capacity at start-up ([the start-up reservation "
+             "check](#the-start-up-reservation-check-and-the-legacy-fallback)) and "
+             "`--max-concurrent-requests` ≤ 0 leaves legacy admission without a cap, start-up "
+             "fails (`startup_failed`, exit 1) instead of serving that pool uncapped. Off (the "
+             "contract's default): it serves, loudly (`legacy_admission_uncapped`, "
+             "`smg_sidecar_admission_fallback{mode=\"legacy_uncapped\"}`)."))
     default_max_class_valid: bool = derived()
     """False: --priority-scheduler-default-max-class named no class (default is used)."""
 
@@ -439,6 +451,14 @@ class CapacitySettings:
         "--envoy-cluster", default="workers", metavar="NAME",
         help="Envoy cluster holding the workers (with --envoy-admin-url)",
         doc="The Envoy cluster holding the workers (with `--envoy-admin-url`).")
+    envoy_cluster_scheme: str = flag(
+        "--envoy-cluster-scheme", default="http", choices=("http", "https"),
+        help=("how the hosts found through --envoy-admin-url are probed: http, or https "
+              "for workers that serve TLS"),
+        doc=("How the hosts found through `--envoy-admin-url` are probed: `http://` or "
+             "`https://ADDRESS:PORT` (workers that serve TLS; their certificate is checked "
+             "against the system's CAs, or `$SSL_CERT_FILE`, for the address Envoy lists). "
+             "With `--worker-auth-file`, `http` needs `--worker-auth-allow-http`."))
     health_interval_secs: float = flag(
         "--health-interval-secs", default=1.0, type=float, metavar="SECS", check=_finite_above_zero,
         help="worker health poll interval",
@@ -484,10 +504,13 @@ class CapacitySettings:
               "Bearer KEY' (never put the key itself in argv)"),
         doc=("The workers' API key (llama-server/vLLM/SGLang `--api-key`): FILE holds it on "
              "one line (a final line break is dropped; ≤ 8 KiB, ASCII, no control characters). "
-             "Sent with every probe to the workers as `Authorization: Bearer KEY`, never to "
+             "Sent with every probe to the workers as `Authorization: Bearer KEY`, over "
+             "`https://` only (plain `http://` needs `--worker-auth-allow-http`), never to "
              "Envoy's admin API; with it, probes follow no redirect. Never give the key in argv "
-             "(every process on the host can read argv); it is never logged, and errors about "
-             "the file never quote it. Unset: probes carry no credential, and an engine that "
+             "(every process on the host can read argv); no log line shows it or any 8 "
+             "characters of it, even where a worker echoes it back into a value the sidecar "
+             "quotes, and errors about the file never quote it. Unset: probes carry no "
+             "credential, and an engine that "
              "answers 401 is counted as "
              "[refused](#engines-where-each-workers-capacity-comes-from)."))
     worker_auth_header: str | None = flag(
@@ -497,6 +520,16 @@ class CapacitySettings:
         doc=("With `--worker-auth-file`: send the key verbatim as header NAME (e.g. "
              "`x-api-key`) instead of `Authorization: Bearer KEY`. Without `--worker-auth-file` "
              "it is a start-up error."))
+    worker_auth_allow_http: bool = flag(
+        "--worker-auth-allow-http", default=False, switch=True,
+        help=("send the --worker-auth-file key to workers over plain http:// too (default: "
+              "only over https://; an http:// worker with a key is a start-up error)"),
+        doc=("With `--worker-auth-file`: also send the key to workers over plain `http://` "
+             "(anyone on the path reads it). Without it the key goes over TLS only: an "
+             "`http://` entry of `--worker-urls`, or `--envoy-admin-url` with "
+             "`--envoy-cluster-scheme http`, is a start-up error naming the worker, and a probe "
+             "to an `http://` worker never carries the key (`worker_credential_withheld`). "
+             "For workers on loopback or a network you trust, as the demo's are."))
     startup_capacity_wait_secs: float = flag(
         "--startup-capacity-wait-secs", default=0, type=float, metavar="SECS",
         check=_finite_at_least_zero,
@@ -851,6 +884,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     capacity = CapacitySettings(**{**flags.checked_values(CapacitySettings, ns),
                                    "worker_urls": default_urls}, pool_workers=pool_workers,
                                 worker_credential=credential)
+    check_credential_transport(capacity)
     legacy = LegacySettings(**flags.checked_values(LegacySettings, ns))
     liveness = LivenessSettings(**flags.checked_values(LivenessSettings, ns))
     fleet_values = flags.checked_values(FleetSettings, ns)
@@ -900,6 +934,34 @@ def split_worker_urls(entries: Sequence[str]
         else:
             pools.setdefault(name, []).append(url)
     return tuple(default), {name: tuple(urls) for name, urls in pools.items()}
+
+
+def sends_credential(url: str, over_http: bool) -> bool:
+    """The one rule for where the workers' key may go: over TLS (``https://``) only,
+    unless plain ``http://`` was allowed (``--worker-auth-allow-http``). Checked for every
+    worker source at start-up (:func:`check_credential_transport`) and for every probe
+    (sidecar.health)."""
+    return url.lower().startswith("https://") or over_http
+
+
+def check_credential_transport(capacity: CapacitySettings) -> None:
+    """Every worker source that would send the workers' key over plain http is refused
+    here, before anything is probed (:func:`sends_credential`)."""
+    if capacity.worker_credential is None or capacity.worker_auth_allow_http:
+        return
+    allow = "--worker-auth-allow-http"
+    for urls, _ in capacity.pool_sources().values():
+        for url in urls:
+            if not sends_credential(url, False):
+                raise ConfigError(f"--worker-urls {clip(url)!r}: --worker-auth-file's key "
+                                  f"would go over plain http; give the worker as https://, "
+                                  f"or allow plain http with {allow}")
+    if capacity.envoy_admin_url is not None and not sends_credential(
+            f"{capacity.envoy_cluster_scheme}://", False):
+        raise ConfigError("--envoy-admin-url with --worker-auth-file: the hosts found there are "
+                          "probed over http (--envoy-cluster-scheme http), so the key would go "
+                          "over plain http; give --envoy-cluster-scheme https for workers "
+                          f"that serve TLS, or allow plain http with {allow}")
 
 
 def check_pools(cfg: PriorityConfig, pool_workers: Mapping[str, tuple[str, ...]]) -> None:

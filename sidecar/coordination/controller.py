@@ -621,7 +621,7 @@ class FleetController:
         if effects is None:
             return False
         self._apply(effects)
-        self._log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
+        self._log.info("adopted", admission_tag=logs.id_tag(aid), cls=cls.label, tenant=tenant)
         return True
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
@@ -726,7 +726,7 @@ class FleetController:
         if not self._signal_preempted(aid) and undelivered:
             # Its response started without the ledger's word (confirm_first_byte gave up:
             # the server was away): it has no stop channel any more and runs on, uncounted.
-            self._log.warning("preemption_delivery_failed", admission_id=aid,
+            self._log.warning("preemption_delivery_failed", admission_tag=logs.id_tag(aid),
                         error="response already started")
             self._metrics.preemption_undelivered()
 
@@ -797,10 +797,10 @@ class FleetController:
     def _fault(self, kind: str, aid: str) -> None:
         self._metrics.coordination_fault(kind)
         if kind == "ended_but_running_stopped":
-            self._log.warning("coordination_ended_but_running", admission_id=aid,
+            self._log.warning("coordination_ended_but_running", admission_tag=logs.id_tag(aid),
                               action="stopped")
         elif kind == "ended_but_running_readded":
-            self._log.warning("coordination_ended_but_running", admission_id=aid,
+            self._log.warning("coordination_ended_but_running", admission_tag=logs.id_tag(aid),
                               action="readded", hint="the ledger had ended an admission "
                               "Envoy reports running: counted again")
 
