@@ -135,10 +135,9 @@ class RateWindow:
             return lambda key: None
         return lambda key: round(max(0.0, values.get(key, 0.0) - base.get(key, 0.0)) / dt, 4)
 
-    @property
-    def span(self) -> float | None:
-        """Seconds between the oldest and newest sample (None: none yet)."""
-        return self._samples[-1][0] - self._samples[0][0] if self._samples else None
+    def covered(self, now: float) -> float:
+        """Seconds a rate asked for at ``now`` is over (0: none yet)."""
+        return now - self._samples[0][0] if self._samples else 0.0
 
 
 def _counters(s: Samples, pool_labels: Callable[[str], dict[str, str]],
@@ -213,7 +212,7 @@ class StatusPage:
         return {
             "generated_at": _iso(self._wall()),
             "uptime_secs": round(now - self._started, 1),
-            "rate_window_secs": round(self._rates.span or 0.0, 1),
+            "rate_window_secs": round(self._rates.covered(now), 1),
             "config": {
                 "path": clip(cfg.source) if cfg.source is not None else None,
                 "sha256": cfg.digest,
@@ -381,7 +380,8 @@ h1{font-size:1.4em;margin:0 0 .3em}h2{font-size:1.15em;margin:1.2em 0 .3em}
 h3{font-size:1em;margin:.8em 0 .2em}
 table{border-collapse:collapse;margin:.2em 0 .6em;background:#fff}
 th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}
-th:first-child,td:first-child{text-align:left}th{background:#eee}
+th:first-child,td:first-child,.names2 td:nth-child(2),.names2 th:nth-child(2)
+{text-align:left}th{background:#eee}
 .bad{background:#fdd;color:#900;font-weight:600}.warn{background:#ffe9b3}
 .ok{color:#070}.dim{color:#777}.kv span{margin-right:1.2em}
 section.pool{border-left:4px solid #4a7;padding-left:.8em;margin:.8em 0}
@@ -401,11 +401,12 @@ def _rate(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}/s"
 
 
-def _table(head: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
-    """``rows``' cells are HTML already (escaped by the caller)."""
+def _table(head: Iterable[str], rows: Iterable[Iterable[str]], *, names: int = 1) -> str:
+    """``rows``' cells are HTML already (escaped by the caller); the first ``names``
+    columns are text (left-aligned), the rest numbers."""
     h = "".join(f"<th>{_e(c)}</th>" for c in head)
     b = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{h}</tr>{b}</table>"
+    return f'<table class="names{names}"><tr>{h}</tr>{b}</table>'
 
 
 def _flag(text: str, cls: str) -> str:
@@ -448,7 +449,7 @@ def _pool_html(p: Mapping[str, Any]) -> str:
             ([_e(w["url"]), _e(w["engine"]), _e(w["capacity"]), _e(w["saturated"]),
               (_flag(", ".join(f"{x['endpoint']}: {x['reason']}" for x in w["probe_refused"]),
                      "bad") if w["probe_refused"] else "—")]
-             for w in p["workers"])))
+             for w in p["workers"]), names=2))
         if p["workers_not_listed"]:
             out.append(f'<p class="dim">{_e(p["workers_not_listed"])} more workers</p>')
     fleet = p["fleet"]
@@ -486,7 +487,7 @@ def _pool_html(p: Mapping[str, Any]) -> str:
         if shadow["refused_tenants"]:
             out.append(_table(["class", "tenant", "would refuse"],
                               ([_e(t["class"]), _e(t["tenant"]), _e(t["would_refuse"])]
-                               for t in shadow["refused_tenants"])))
+                               for t in shadow["refused_tenants"]), names=2))
     out.append("</section>")
     return "".join(out)
 
@@ -543,7 +544,7 @@ def render_html(v: Mapping[str, Any]) -> str:
             ["class", "tenant", "refused", "rate", "by outcome"],
             ([_e(t["class"]), _e(t["tenant"]), _e(t["total"]), _e(_rate(t["rate"])),
               _e(", ".join(f"{o} {n}" for o, n in sorted(t["by_outcome"].items())))]
-             for t in tenants["top"])))
+             for t in tenants["top"]), names=2))
         if tenants["not_listed"]:
             parts.append(f'<p class="dim">{_e(tenants["not_listed"])} more</p>')
     else:

@@ -80,7 +80,7 @@ def test_rate_window_rates_are_increases_over_the_window() -> None:
     rate = w.rates(200.0, {("k",): 2000.0, ("new",): 7.0})
     assert rate(("k",)) == 10.0  # the base is the oldest sample inside the window
     assert rate(("new",)) == 0.0 and rate(("gone",)) == 0.0
-    assert w.span == 60.0
+    assert w.covered(200.0) == 65.0 and RateWindow().covered(5.0) == 0.0
     w2 = RateWindow(window=60.0, step=5.0)
     w2.observe(0.0, {("c",): 50.0})
     assert w2.rates(10.0, {("c",): 10.0})(("c",)) == 0.0  # a reset counter: never negative
