@@ -599,3 +599,33 @@ async def test_a_fleets_ledger_on_the_page_without_its_password(
         assert secret.encode() not in body and b"redis://" not in body
     m = await s.metrics()
     assert metric(m, "smg_sidecar_live_replicas") == fleet["live_replicas"]
+
+
+async def test_before_the_runtime_is_built_the_page_says_starting() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.adminhttp import AdminServer
+
+    admin = AdminServer(CollectorRegistry(), lambda: False)
+    port = await admin.start("127.0.0.1", 0)
+    try:
+        for path in ("/status", "/status.json"):
+            status, body = await http_get(f"http://127.0.0.1:{port}{path}", 5.0)
+            assert (status, body) == (503, b"starting\n")
+    finally:
+        await admin.stop()
+
+
+def test_the_tenant_rejection_series_are_capped_like_every_tenant_label() -> None:
+    m = Metrics(tenant_top_n=2)
+    for i in range(6):
+        for _ in range(i + 1):
+            m.tenant_rejected(B, f"t{i}", "rejected_queue_full")
+    m.tenant_rejected(S, "t0", "rate_limited")
+    got = {(s.labels["class"], s.labels["tenant"], s.labels["outcome"]): s.value
+           for fam in m.registry.collect() if fam.name == "smg_sidecar_tenant_rejected"
+           for s in fam.samples}
+    assert got == {("bulk", "t0", "rejected_queue_full"): 1.0,
+                   ("bulk", "t1", "rejected_queue_full"): 2.0,
+                   ("bulk", "other", "rejected_queue_full"): 3.0 + 4 + 5 + 6,
+                   ("system", "t0", "rate_limited"): 1.0}
