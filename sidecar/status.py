@@ -38,6 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client import CollectorRegistry
 
+from sidecar import logs
 from sidecar.classes import HIGH_TO_LOW
 from sidecar.logs import SHADOW_REFUSALS
 from sidecar.priority_yaml import ConfigError, PriorityConfig
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from sidecar.app import Runtime
     from sidecar.pools import Pool
 
+log = logs.get("sidecar.status")
+
 REFRESH_SECS = 5
 WINDOW_SECS = 60.0
 STEP_SECS = 5.0
@@ -55,8 +58,6 @@ MAX_WORKERS = 64
 MAX_TENANTS = 10
 MAX_TEXT = 200
 OUTCOMES = tuple(o.value for o in Outcome)
-# What the page calls refused: the outcomes that answered the client 429/503 at Check.
-REFUSED = ("rejected_queue_full", "rejected_queue_timeout")
 
 
 def clip(text: str, limit: int = MAX_TEXT) -> str:
@@ -186,7 +187,10 @@ class StatusPage:
     async def run(self) -> None:
         """Sample the counters every step, so rates are there on the first look."""
         while True:
-            self.sample()
+            try:
+                self.sample()
+            except Exception:  # a page's rates are not worth the sidecar: say so, go on
+                log.exception("status_sample_failed")
             await asyncio.sleep(self._rates.step)
 
     def sample(self) -> None:
