@@ -45,6 +45,7 @@ from sidecar.scheduler import (
     reservations_fit,
 )
 from sidecar.shadow import ShadowCore
+from sidecar.status import StatusPage
 
 log = logs.get("sidecar")
 
@@ -325,6 +326,8 @@ class Runtime:
             interval=s.scheduler.config_poll_secs,
             apply=self._apply_config, on_error=self._reload_failed,
             validate=self._validate_reload)
+        self.status = StatusPage(self)  # /status, /status.json on the admin port
+        admin.serve_status(self.status)
 
     def _build_pool(self, name: str, *, monitor: CapacityMonitor, reading: CapacityReading,
                     fleet: FleetController | None, metrics: PoolRecorder, labelled: bool,
@@ -341,7 +344,9 @@ class Runtime:
         else:
             core = _build_core(s, name, reading, _log_fields(name, labelled))
             if s.scheduler.shadow:
-                shadow = core = ShadowCore(core, time.monotonic, metrics, bucket=bucket)
+                shadow = core = ShadowCore(
+                    core, time.monotonic, metrics, bucket=bucket,
+                    summary=logs.ShadowSummary(log.bind(**_log_fields(name, labelled))))
                 bucket = None
             controller = AdmissionController(core, lease_secs=s.liveness.admission_lease_secs,
                                              bucket=bucket, metrics=metrics,
@@ -379,6 +384,7 @@ class Runtime:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         if self.edge is not None:
             self._tasks.append(asyncio.create_task(self.edge.run()))
+        self._tasks.append(asyncio.create_task(self.status.run()))  # its rates' samples
         self._serving.set()
         default = self.pools[DEFAULT_POOL]
         log.info(
@@ -419,6 +425,7 @@ class Runtime:
                                          self.settings.scheduler.default_max_class)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
+        self.status.reloaded(cfg)
 
     def _validate_reload(self, cfg: PriorityConfig) -> None:
         """The start-up rules hold on reload too: the pools are the workers', Envoy
@@ -464,6 +471,7 @@ class Runtime:
 
     def _reload_failed(self, exc: ConfigError) -> None:
         self.metrics.config_reload_failed()
+        self.status.reload_failed(exc)
 
     async def reload_now(self) -> bool:
         """Check the config file at once (what SIGHUP asks the watcher for)."""

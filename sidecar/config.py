@@ -928,7 +928,8 @@ def split_worker_urls(entries: Sequence[str]
             raise ConfigError(f"--worker-urls: pool name {clip(name)!r} must be "
                               f"{POOL_NAME_RULE}")
         if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"--worker-urls: {url!r} must start with http:// or https://")
+            raise ConfigError(f"--worker-urls: {redact_url(url)!r} must start with http:// or "
+                              "https://")
         if name == DEFAULT_POOL:
             default.append(url)
         else:
@@ -953,7 +954,7 @@ def check_credential_transport(capacity: CapacitySettings) -> None:
     for urls, _ in capacity.pool_sources().values():
         for url in urls:
             if not sends_credential(url, False):
-                raise ConfigError(f"--worker-urls {clip(url)!r}: --worker-auth-file's key "
+                raise ConfigError(f"--worker-urls {clip(redact_url(url))!r}: --worker-auth-file's key "
                                   f"would go over plain http; give the worker as https://, "
                                   f"or allow plain http with {allow}")
     if capacity.envoy_admin_url is not None and not sends_credential(

@@ -571,3 +571,49 @@ def smallest_fitting_capacity(cfg: PriorityConfig, limit: int = 65535) -> int | 
     while low > 1 and reservations_fit(cfg.classes, low - 1):
         low -= 1
     return low
+
+
+def starvation_overtakes(classes: Mapping[PriorityClass, ClassSettings]
+                         ) -> list[tuple[PriorityClass, PriorityClass]]:
+    """(lower, higher) class pairs where the starvation rule can admit a ``lower`` request
+    ahead of a ``higher`` one that arrived before it and still waits.
+
+    The rule admits a queue head that has waited ``starvation_threshold_secs`` before any
+    higher class's head (lowest class first, ``system`` never aged: docs/design.md). A
+    ``lower`` request that arrived after a queued ``higher`` one ages past its threshold
+    while that one still waits whenever the threshold is below ``higher``'s
+    ``queue_timeout_secs``; on a fleet with few slots the ``higher`` request can then time
+    out (503). Only where both can queue, and ``lower`` ages before its own timeout.
+    """
+    out: list[tuple[PriorityClass, PriorityClass]] = []
+    for lo in HIGH_TO_LOW:
+        low = classes[lo]
+        if (lo is PriorityClass.SYSTEM or low.queue_size == 0
+                or low.starvation_threshold_secs >= low.queue_timeout_secs):
+            continue
+        for hi in HIGH_TO_LOW:
+            high = classes[hi]
+            if (hi > lo and high.queue_size > 0
+                    and low.starvation_threshold_secs < high.queue_timeout_secs):
+                out.append((lo, hi))
+    return out
+
+
+def starvation_warnings(cfg: PriorityConfig) -> list[str]:
+    """``--check-config``'s warnings for :func:`starvation_overtakes`, per class table."""
+    tables = [("classes", cfg.classes),
+              *((f"pools.{p}.classes", t) for p, t in sorted(cfg.pools.items()))]
+    lines = []
+    for where, classes in tables:
+        for lo, hi in starvation_overtakes(classes):
+            low, high = classes[lo], classes[hi]
+            lines.append(
+                f"{where}.{lo.label}.starvation_threshold_secs ({low.starvation_threshold_secs:g})"
+                f" is below {where}.{hi.label}.queue_timeout_secs "
+                f"({high.queue_timeout_secs:g}): the starvation rule can admit a request of "
+                f"{lo.label} ahead of an earlier one of {hi.label}, which on few slots can time "
+                f"out (503); to keep {hi.label} first, raise {lo.label}'s "
+                "starvation_threshold_secs "
+                f"to at least {high.queue_timeout_secs:g} or lower {hi.label}'s "
+                "queue_timeout_secs (docs/operations.md, PriorityGateSystemShedding)")
+    return lines

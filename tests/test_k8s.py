@@ -597,6 +597,7 @@ def _exported_metric_names() -> set[str]:
     m = Metrics(tenant_top_n=4)
     snapshot = Scheduler(BUILTIN_CLASSES, 256, time.monotonic).snapshot()
     m.pool(DEFAULT_POOL).admission_started(legacy=False, snapshot=lambda: snapshot)
+    m.pool(DEFAULT_POOL).shadow_started(lambda: snapshot)  # --shadow's gauges too
     names: set[str] = set()
     for family in m.registry.collect():
         # A labelled metric with no child yet has no samples; what Prometheus would
