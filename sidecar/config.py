@@ -954,9 +954,9 @@ def check_credential_transport(capacity: CapacitySettings) -> None:
     for urls, _ in capacity.pool_sources().values():
         for url in urls:
             if not sends_credential(url, False):
-                raise ConfigError(f"--worker-urls {clip(redact_url(url))!r}: --worker-auth-file's key "
-                                  f"would go over plain http; give the worker as https://, "
-                                  f"or allow plain http with {allow}")
+                raise ConfigError(f"--worker-urls {clip(redact_url(url))!r}: "
+                                  f"--worker-auth-file's key would go over plain http; give "
+                                  f"the worker as https://, or allow plain http with {allow}")
     if capacity.envoy_admin_url is not None and not sends_credential(
             f"{capacity.envoy_cluster_scheme}://", False):
         raise ConfigError("--envoy-admin-url with --worker-auth-file: the hosts found there are "
