@@ -46,6 +46,8 @@ CRD_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
                              ("spec.targetRefs", "spec.retry.retryOn.triggers")),
     "EnvoyPatchPolicy": ("gateway.envoyproxy.io/v1alpha1",
                          ("spec.targetRef", "spec.type", "spec.jsonPatches")),
+    "HTTPRouteFilter": ("gateway.envoyproxy.io/v1alpha1",
+                        ("spec.credentialInjection.credential.valueRef.name",)),
 }
 
 
