@@ -546,3 +546,40 @@ async def test_startup_warns_when_no_tenant_can_be_admitted_above_the_default_ce
         assert line["log_level"] == "warning"
         assert line["tenant_source"] == "header:x-smg-tenant"
         assert line["default_max_class"] in ("default", "interactive")
+
+
+# ------------------------------------------- the Envoy Gateway recipe's identity, run
+
+
+class EgStack(Stack):
+    """The Envoy Gateway recipe's proxy (envoy/mesh.py envoy_gateway: EG's filter names and
+    per-route enabling, the recipe's EnvoyPatchPolicy), jwt_authn from its SecurityPolicy."""
+
+    def write_envoy_config(self) -> None:
+        super().write_envoy_config()
+        policies = list(yaml.safe_load_all((K8S / "envoy-gateway" / "envoypatchpolicy.yaml")
+                                           .read_text()))
+        self.envoy_config.write_text(load_renderer("mesh").envoy_gateway(
+            self.envoy_config.read_text(), patch_policies=policies))
+
+
+@pytest.mark.e2e
+async def test_the_envoy_gateway_recipes_identity_admits_the_demo_tenant_at_its_class(
+        tmp_path: Path) -> None:
+    (policy,) = yaml.safe_load_all((K8S / "envoy-gateway" / "securitypolicy.yaml").read_text())
+    (provider,) = policy["spec"]["jwt"]["providers"]
+    assert [c["header"] for c in provider["claimToHeaders"]] == ["x-smg-tenant"]
+    stack = EgStack(StackConfig(
+        workers=1, max_running_requests=2, priority_yaml=FRONT_PRIORITY, edge_shed=False,
+        jwt_jwks=provider["localJWKS"]["inline"], jwt_issuer=provider["issuer"]),
+        workdir=tmp_path)
+    try:
+        await stack.start()
+        path, headers, body = example_request(K8S / "envoy-gateway" / "README.md")
+        r = await _send(stack, path, headers, body)
+        assert r.status == 200, r.body
+        assert _last_class(stack) == "interactive"
+        m = await settle(stack)
+        assert m[INTERACTIVE_ACME] == 1
+    finally:
+        await stack.stop()

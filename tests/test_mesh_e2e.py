@@ -400,8 +400,8 @@ async def test_istio_recipe_checks_after_jwt_authn_with_each_routes_pool(
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         assert [f["name"].rsplit(".", 1)[-1] for f in hcm["http_filters"]] == [
             "header_mutation", "jwt_authn", "fault", "cors", "ext_authz", "ext_proc", "router"]
-        acme = {"x-smg-priority": "interactive",
-                "authorization": f"Bearer {identity.token('acme')}"}
+        from tests.test_first_hour import example_request
+        _, acme, _ = example_request(ISTIO / "README.md")  # the README's own example
         spoofed = {"x-smg-priority": "interactive", "x-smg-tenant": "acme"}
         for path, headers in (("/chat-70b/v1/chat/completions", acme),
                               ("/small-8b/v1/chat/completions", spoofed),
