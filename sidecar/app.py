@@ -24,6 +24,7 @@ from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController, AdmissionService
 from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.capacity import CapacityReading
+from sidecar.classes import PriorityClass
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings, check_authz_timeout, check_pools
 from sidecar.coordination import server
@@ -67,6 +68,16 @@ async def build_runtime(settings: Settings) -> Runtime:
     if not s.scheduler.default_max_class_valid:
         log.warning("unknown_default_max_class_using_default",
                     flag="--priority-scheduler-default-max-class")
+    # No tenant above the default ceiling: whatever a request asks for, it is admitted at
+    # most at that ceiling (a clamp, counted but silent); tell the operator at start-up.
+    ceiling = s.scheduler.default_max_class
+    if s.scheduler.scheduler_enabled and ceiling < PriorityClass.SYSTEM and all(
+            c <= ceiling for c in s.scheduler.priority.tenant_policies.values()):
+        log.warning("no_tenant_above_default_ceiling", default_max_class=ceiling.label,
+                    tenant_source=f"{s.scheduler.tenant_source.kind}:"
+                                  f"{s.scheduler.tenant_source.name}".rstrip(":"),
+                    hint="every request is clamped to this class; give tenant_policies "
+                         "a tenant above it and a --tenant-source Envoy sets")
     sources = s.capacity.pool_sources()
     # With named pools, every pool's series and log lines name it (sidecar.metrics).
     labelled = len(sources) > 1
