@@ -43,8 +43,9 @@ class Pool:
     Trimmed for the hot path: no cookie jar, no decompression, no auto headers.
     """
 
-    def __init__(self, port: int, timeout: float) -> None:
+    def __init__(self, port: int, timeout: float, body: bytes = BODY) -> None:
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        self.body = body
         self.connector = _CountingConnector(limit=0)
         self.session = aiohttp.ClientSession(
             connector=self.connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
@@ -57,7 +58,7 @@ class Pool:
 
     async def send(self, headers: dict[str, str]) -> tuple[int, str]:
         """One request within the session's timeout; returns (status, x-smg-error-code)."""
-        async with self.session.post(self.url, data=BODY, headers=headers) as resp:
+        async with self.session.post(self.url, data=self.body, headers=headers) as resp:
             await resp.read()
             return resp.status, resp.headers.get("x-smg-error-code", "")
 
@@ -74,7 +75,8 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     seconds = float(spec["seconds"])
     timeout = float(spec.get("timeout", 30))
     pids = [int(p) for p in spec.get("pids", [])]
-    pool = Pool(port, timeout)
+    # spec["body"]: the request body (text) instead of the small chat request.
+    pool = Pool(port, timeout, str(spec["body"]).encode() if spec.get("body") else BODY)
     records: list[tuple[str, float, float, int, str]] = []
     errors = 0
 

@@ -7,6 +7,15 @@ handler, and the worker records it as cancelled. The worker records what it
 really saw (headers, outcome, timing) so tests can assert on admission
 behaviour from the upstream's point of view.
 
+Each completion counts its tokens as an engine would and reports them in the response's
+``usage`` block (a streamed one in a final chunk when the request sets
+``stream_options.include_usage``): prompt tokens from the prompt's text
+(:func:`prompt_tokens`), completion tokens as many as it generates (``tokens``, at most
+the request's ``max_completion_tokens`` / ``max_tokens``). ``x-fake-usage: JSON`` replaces
+the block with what a test wants an engine to claim (a lying one); ``x-fake-usage: none``
+leaves it out. The record keeps what the worker really served: the ground truth of the
+token-budget tests.
+
 Tests hold a request at the worker with a *gate* rather than a long service
 time: ``x-fake-gate: NAME`` holds the response until the gate is opened,
 ``x-fake-stream-gate: NAME`` holds a stream after its first token.
@@ -49,6 +58,10 @@ SERVER_HEADER = "fake-llm-worker"
 SERVICE_TIME_HEADER = "x-fake-service-time"
 GATE_HEADER = "x-fake-gate"
 STREAM_GATE_HEADER = "x-fake-stream-gate"
+USAGE_HEADER = "x-fake-usage"  # a JSON usage block to report instead, or "none"
+COMPLETION_TOKENS_HEADER = "x-fake-completion-tokens"  # generate this many (≤ max_tokens)
+BYTES_PER_TOKEN = 3  # the fake tokenizer: a token per 3 bytes of prompt text (denser
+# than the sidecar's default estimate of 4: its estimates of a prompt run short)
 _FIELD_LIMIT = 1 << 20  # generous: Envoy and the sidecar may add long headers
 
 # engine names (as --worker-engine spells them); "generic" = this project's own shape.
@@ -146,6 +159,12 @@ class RequestRecord:
     ended_at: float | None = None
     outcome: Outcome = "running"
     service_started_at: float | None = None  # left the worker's own queue (batch_limit)
+    prompt_tokens: int = 0  # the fake tokenizer's count of the prompt
+    completion_tokens: int = 0  # tokens generated (sent, if it finished)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
     @property
     def duration(self) -> float | None:
@@ -209,6 +228,38 @@ def _json_object(body: bytes) -> JSONObject:
     if not isinstance(value, dict):
         raise ValueError("JSON body must be an object")
     return value
+
+
+def prompt_tokens(payload: JSONObject) -> int:
+    """The fake tokenizer: a token per :data:`BYTES_PER_TOKEN` bytes (rounded up) of the
+    prompt's text (a chat's message contents, text parts included, or ``prompt``), plus
+    3 per chat message for its role's markers, as chat templates add."""
+    def text_of(content: object) -> str:
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "".join(p.get("text", "") for p in content
+                           if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return ""
+
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        msgs = [m for m in messages if isinstance(m, dict)]
+        size = sum(len(text_of(m.get("content")).encode()) for m in msgs)
+        return -(-size // BYTES_PER_TOKEN) + 3 * len(msgs)
+    prompt = payload.get("prompt")
+    text = prompt if isinstance(prompt, str) else "".join(
+        p for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else ""
+    return -(-len(text.encode()) // BYTES_PER_TOKEN)
+
+
+def max_tokens_of(payload: JSONObject) -> int | None:
+    """The request's output limit, as an engine reads it (None: absent or unusable)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
 
 
 def _json(status: int, payload: JSONObject, **headers: str) -> web.Response:
@@ -538,6 +589,7 @@ class FakeWorker:
         try:
             payload = _json_object(await request.read())
             service_time = self._service_time_for(request)
+            generate = self._completion_tokens_for(request, payload)
         except ValueError as exc:
             return _json(400, {"error": str(exc)})
         stream = payload.get("stream") is True
@@ -548,6 +600,7 @@ class FakeWorker:
             headers={k.lower(): v for k, v in request.headers.items()},
             stream=stream,
             started_at=time.time(),
+            prompt_tokens=prompt_tokens(payload),
         )
         self.records.append(record)
         # An engine with a full batch queues the request FIFO, whatever its priority.
@@ -575,10 +628,15 @@ class FakeWorker:
             await asyncio.sleep(service_time)
             if gate := request.headers.get(GATE_HEADER):
                 await self.gates.wait(gate)
+            usage = self._usage_for(request, record, generate)
             if stream:
-                response = await self._serve_stream(request, completion_id, model)
+                options = payload.get("stream_options")
+                include = isinstance(options, dict) and options.get("include_usage") is True
+                response = await self._serve_stream(request, completion_id, model, record,
+                                                    generate, usage if include else None)
             else:
-                response = self._whole(completion_id, model)
+                record.completion_tokens = generate
+                response = self._whole(completion_id, model, generate, usage)
             outcome = "finished"
             return response
         except ConnectionError:
@@ -603,7 +661,33 @@ class FakeWorker:
             raise ValueError(f"bad {SERVICE_TIME_HEADER} {raw!r}")
         return value
 
-    def _whole(self, completion_id: str, model: str) -> web.Response:
+    def _completion_tokens_for(self, request: web.Request, payload: JSONObject) -> int:
+        """How many tokens this completion generates: ``tokens`` (or the header's), at most
+        the request's max_tokens."""
+        raw = request.headers.get(COMPLETION_TOKENS_HEADER)
+        n = self.tokens
+        if raw is not None:
+            if not raw.isdigit():
+                raise ValueError(f"bad {COMPLETION_TOKENS_HEADER} {raw!r}")
+            n = int(raw)
+        limit = max_tokens_of(payload)
+        return n if limit is None else min(n, limit)
+
+    @staticmethod
+    def _usage_for(request: web.Request, record: RequestRecord, generate: int
+                   ) -> JSONObject | str | None:
+        """The usage block to report: the true one, a test's claim (raw JSON text), or
+        None (``x-fake-usage: none``)."""
+        claim = request.headers.get(USAGE_HEADER)
+        if claim == "none":
+            return None
+        if claim is not None:
+            return claim
+        return {"prompt_tokens": record.prompt_tokens, "completion_tokens": generate,
+                "total_tokens": record.prompt_tokens + generate}
+
+    def _whole(self, completion_id: str, model: str, generate: int,
+               usage: JSONObject | str | None) -> web.Response:
         """Non-streaming completion, answered in one go."""
         body = {
             "id": completion_id,
@@ -613,18 +697,23 @@ class FakeWorker:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(self._words())},
+                    "message": {"role": "assistant",
+                                "content": "".join(self._words(generate))},
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {"prompt_tokens": 0, "completion_tokens": self.tokens,
-                      "total_tokens": self.tokens},
             "worker": self.name,
         }
-        return _json(200, body, **{"x-fake-worker": self.name})
+        text = json.dumps(body)
+        if usage is not None:  # last, as engines put it (a claim goes in verbatim)
+            block = usage if isinstance(usage, str) else json.dumps(usage)
+            text = text[:-1] + f', "usage": {block}}}'
+        return web.Response(status=200, body=text.encode(), content_type="application/json",
+                            headers={"x-fake-worker": self.name})
 
     async def _serve_stream(
-        self, request: web.Request, completion_id: str, model: str
+        self, request: web.Request, completion_id: str, model: str, record: RequestRecord,
+        generate: int, usage: JSONObject | str | None
     ) -> web.StreamResponse:
         """SSE completion: headers and first token now (time to first byte), then
         one token every ``stream_interval`` s, then ``[DONE]``."""
@@ -636,7 +725,7 @@ class FakeWorker:
         })
         response.enable_chunked_encoding()
         await response.prepare(request)
-        words = self._words()
+        words = self._words(generate)
         for i, word in enumerate(words):
             if i == 1 and (gate := request.headers.get(STREAM_GATE_HEADER)):
                 await self.gates.wait(gate)
@@ -655,12 +744,18 @@ class FakeWorker:
                 "worker": self.name,
             }
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            record.completion_tokens = i + 1
+        if usage is not None:  # stream_options.include_usage: a last chunk, no choices
+            block = usage if isinstance(usage, str) else json.dumps(usage)
+            head = json.dumps({"id": completion_id, "object": "chat.completion.chunk",
+                               "created": int(time.time()), "model": model, "choices": []})
+            await response.write(f"data: {head[:-1]}, \"usage\": {block}}}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    def _words(self) -> list[str]:
-        return [f"tok{i} " for i in range(self.tokens)]
+    def _words(self, n: int) -> list[str]:
+        return [f"tok{i} " for i in range(n)]
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float) -> None:
@@ -713,6 +808,12 @@ class Fleet:
     @property
     def urls(self) -> list[str]:
         return [w.url for w in self.workers]
+
+    def tokens_served(self) -> int:
+        """Tokens (prompt + completion) of every completion the workers finished, by
+        their own count: a token-budget test's ground truth."""
+        return sum(r.total_tokens for w in self.workers for r in w.records
+                   if r.outcome == "finished")
 
     @property
     def addresses(self) -> list[tuple[str, int]]:

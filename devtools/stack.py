@@ -128,6 +128,12 @@ class StackConfig:
     # On, as the product ships (envoy/render.py, the demo, k8s/base); a mesh-shaped config
     # (mesh=True) has no edge path and needs edge_shed=False.
     edge_shed: bool = True
+    # Token budgets' Envoy filters (render.py --tokens, on as shipped), and the request body
+    # in the Check too (--with-request-body BYTES).
+    envoy_tokens: bool = True
+    with_request_body: int | None = None
+    # Tokens each fake worker generates per completion (at most the request's max_tokens).
+    completion_tokens: int = 5
 
 
 class Stack:
@@ -149,7 +155,8 @@ class Stack:
         self.owns_fleet = fleet is None
         self.fleet: Fleet | Engines = engines or fleet or Fleet(
             config.workers, base_port=config.worker_base_port,
-            max_running_requests=config.max_running_requests, service_time=config.service_time)
+            max_running_requests=config.max_running_requests, service_time=config.service_time,
+            tokens=config.completion_tokens)
         self.owns_pool_fleets = pool_fleets is None
         self.pool_fleets = pool_fleets if pool_fleets is not None else pool_fleets_of(config)
         self.sidecar: subprocess.Popen[bytes] | None = None
@@ -278,7 +285,8 @@ class Stack:
             jwt_hs256_secret=c.jwt_secret, jwt_jwks=c.jwt_jwks, jwt_issuer=c.jwt_issuer,
             engine_key_file=c.engine_key_file,
             sidecar_pipe=str(self.grpc_socket) if self.grpc_socket is not None else None,
-            edge_shed=c.edge_shed,
+            edge_shed=c.edge_shed, tokens=c.envoy_tokens,
+            with_request_body=c.with_request_body,
             pools=[(name, f"/{name}/", f.addresses) for name, f in self.pool_fleets.items()]
             + [(name, f"/{name}/", self.fleet.addresses) for name in c.envoy_extra_pools])
         if c.mesh:
@@ -388,7 +396,7 @@ class Replicas:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="smg-replicas-"))
         self.fleet = Fleet(config.workers, base_port=config.worker_base_port,
                            max_running_requests=config.max_running_requests,
-                           service_time=config.service_time)
+                           service_time=config.service_time, tokens=config.completion_tokens)
         # Each named pool's workers too: one set for all replicas, as in a real fleet.
         self.pool_fleets = pool_fleets_of(config)
         self.server = ValkeyServer(self.workdir / "valkey")

@@ -50,6 +50,11 @@ EDGE_LOG_FLUSH_SECS: float = 0.25
 # The edge route reads a request's body before answering (so the connection stays open);
 # a larger body is answered 413 by Envoy's buffer filter instead of the 429.
 EDGE_MAX_BODY_BYTES: int = 8 * 1024 * 1024
+# Token budgets: the namespace json_to_metadata writes max_tokens to (sidecar.codec
+# REQUEST_NAMESPACE), forwarded to the Check; and the most body bytes --with-request-body
+# may send with it.
+TOKENS_NAMESPACE: str = "priority-gate.request"
+MAX_REQUEST_BODY_BYTES: int = 8 * 1024 * 1024
 
 # Pools (the sidecar's --worker-urls POOL=URL): a route per pool, matched on a path
 # prefix (rewritten to "/"), to a cluster of its own, naming the pool to the sidecar in
@@ -193,6 +198,8 @@ def render(
     edge_shed: bool = True,
     engine_key_file: str | None = None,
     pools: Sequence[tuple[str, str, list[tuple[str, int]]]] = (),
+    tokens: bool = True,
+    with_request_body: int | None = None,
 ) -> str:
     """Return the Envoy bootstrap YAML (comments preserved) for these settings.
 
@@ -208,6 +215,10 @@ def render(
     POOL=URL``): a route matching the prefix, to a cluster of the pool's workers, with
     ``smg-pool: name`` in ext_authz's context extensions. Other paths stay on the
     default pool's ``workers`` cluster.
+    ``tokens`` (default on): json_to_metadata (max_tokens to the Check) and the Lua filter
+    (the response's usage to the access log) for token budgets (sidecar/tokens.py);
+    False opts out. ``with_request_body``: also send the body to the Check, cut at that
+    many bytes (measured slower; docs/design.md, "Token budgets").
 
     Raises ValueError on invalid input (bad port/IP, no workers, idle timeout not above
     the authz timeout, ...). The result is also parsed with yaml.safe_load as a check.
@@ -257,6 +268,16 @@ def render(
         enabled.add("preemption")
     if edge_shed:
         enabled.add("edge")
+    namespaces = ["envoy.filters.http.jwt_authn"]
+    if tokens:
+        enabled.add("tokens")
+        namespaces.append(TOKENS_NAMESPACE)
+    if with_request_body is not None:
+        if (isinstance(with_request_body, bool) or not isinstance(with_request_body, int)
+                or not 1 <= with_request_body <= MAX_REQUEST_BODY_BYTES):
+            raise ValueError(f"with_request_body must be 1..{MAX_REQUEST_BODY_BYTES} bytes, got "
+                             f"{with_request_body!r}")
+        enabled.add("request_body")
     if jwt_hs256_secret is not None and jwt_jwks is not None:
         raise ValueError("give jwt_jwks or jwt_hs256_secret, not both")
     if jwt_hs256_secret is not None:
@@ -301,6 +322,8 @@ def render(
         edge_reply_body=json.dumps(EDGE_REPLY_BODY),
         edge_log_flush=_duration(EDGE_LOG_FLUSH_SECS),
         edge_max_body=EDGE_MAX_BODY_BYTES,
+        authz_namespaces="[" + ", ".join(namespaces) + "]",
+        max_request_bytes=with_request_body or 0,
         **pool_endpoints,
     )
     yaml.safe_load(rendered)  # fail here, not in Envoy, if a substitution broke the YAML
@@ -426,6 +449,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--edge-shed", action=argparse.BooleanOptionalAction, default=True,
                    help="Envoy answers the share of bulk the sidecar sets (sidecar "
                         "--edge-shed); on by default, --no-edge-shed opts out")
+    p.add_argument("--tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="token budgets' filters: max_tokens to the Check (json_to_metadata), "
+                        "the response's usage to the access log (Lua); on by default")
+    p.add_argument("--with-request-body", type=int, default=None, metavar="BYTES",
+                   help="also send the request body to the Check, cut at BYTES")
     p.add_argument("--pool", nargs=3, action="append", default=[],
                    metavar=("NAME", "PREFIX", "HOST:PORT[,HOST:PORT...]"),
                    help="a pool's route (path prefix, rewritten to /) and workers; "
@@ -455,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             edge_shed=a.edge_shed,
             engine_key_file=a.engine_key_file,
             pools=[(n, prefix, _workers(w)) for n, prefix, w in a.pool],
+            tokens=a.tokens,
+            with_request_body=a.with_request_body,
         )
     except (OSError, ValueError, argparse.ArgumentTypeError) as exc:
         p.error(str(exc))

@@ -25,7 +25,7 @@ from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
-from sidecar.pools import Pools
+from sidecar.pools import BudgetDenied, Pools
 from sidecar.scheduler import Outcome
 
 ANONYMOUS = "anonymous"
@@ -179,7 +179,16 @@ class AuthzService:
             self._rejected(c.effective, "unknown_pool", tenant)
             return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         try:
-            admitted = await pool.admit(c.effective, tenant)
+            admitted = await pool.admit(c.effective, tenant, None if pool.tokens is None
+                                        else codec.token_facts(view))
+        except BudgetDenied as b:  # the tenant's token budget: a Retry-After of its own
+            log.debug("rejected", tenant=tenant, effective=c.effective.label,
+                      outcome="over_budget", window=b.verdict.window, request_id=request_id,
+                      **pool.log_fields)
+            self._rejected(c.effective, "over_budget", tenant)
+            over = b.verdict
+            return codec.encode_deny(responses.over_budget(over.window, over.retry_after,
+                                                           over.never))
         except Denied as d:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,
                                              rate_limited=d.rate_limited)
@@ -226,7 +235,11 @@ class AuthzService:
         allow = codec.encode_allow(aid, c.effective.label, tenant,
                                    c.effective in self.preemptible or not periodic)
         if pool.shadow is not None and (v := pool.shadow.take_verdict(aid)) is not None:
-            allow += codec.shadow_suffix(v.outcome, v.code)
+            # Over its token budget, enforcement would have refused it before its class
+            # queue saw it: that is the would-be answer.
+            allow += (codec.shadow_suffix("over_budget", responses.OVER_BUDGET_CODE)
+                      if pool.take_budget_verdict(aid) is not None
+                      else codec.shadow_suffix(v.outcome, v.code))
         if self._hints:
             allow += codec.wait_hint_suffix(round(admitted.waited * 1000))
         return allow

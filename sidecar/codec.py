@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -30,6 +30,7 @@ from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
 from sidecar.responses import WAIT_HINT_HEADER, Reply
+from sidecar.tokens import RequestFacts, Usage
 
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 JWT_NAMESPACE = "envoy.filters.http.jwt_authn"
@@ -49,6 +50,15 @@ MAX_CLASS_LEN = 32
 ADMISSION_ID_HEADER = "x-smg-admission-id"
 POOL_KEY = "smg-pool"  # ext_authz per-route context extension: the route's pool
 EFFECTIVE_CLASS_HEADER = "x-smg-effective-class"
+# Token accounting (sidecar.tokens): what Envoy's json_to_metadata filter read from the
+# request body (forwarded to the Check), and what its Lua filter read from the response's
+# usage block (carried by the access log). envoy/envoy.yaml.tmpl, block "tokens".
+REQUEST_NAMESPACE = "priority-gate.request"
+USAGE_NAMESPACE = "priority-gate.usage"
+# Set by Envoy on a Check whose body was cut at with_request_body's max_request_bytes.
+PARTIAL_BODY_HEADER = "x-envoy-auth-partial-body"
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
+_MAX_USAGE_CHARS = 32  # a usage count is a few digits; anything longer is not one
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _END = accesslog_pb2.DownstreamEnd
@@ -65,6 +75,10 @@ class CheckView:
     filter_metadata: Mapping[str, struct_pb2.Struct]
     # The route's ext_authz context extension naming its pool (sidecar.pools), if any.
     pool: str | None = None
+    # The request body, where Envoy sends it (with_request_body), and its size as Envoy
+    # says (-1: unknown).
+    body: bytes | None = None
+    size: int = -1
 
     def metadata_string(self, namespace: str, *path: str) -> str | None:
         """A string at ``path`` inside a metadata namespace, or ``None``.
@@ -90,6 +104,41 @@ class CheckView:
         out: str = value.string_value
         return out
 
+    def metadata_scalar(self, namespace: str, key: str) -> object:
+        """A top-level number (float), string or bool in a metadata namespace; None if
+        absent or of another kind."""
+        ns = self.filter_metadata.get(namespace)
+        if ns is None or key not in ns.fields:
+            return None
+        value = ns.fields[key]
+        kind = value.WhichOneof("kind")
+        if kind == "number_value":
+            return float(value.number_value)
+        if kind == "string_value":
+            return str(value.string_value)
+        if kind == "bool_value":
+            return bool(value.bool_value)
+        return None
+
+
+def token_facts(view: CheckView) -> RequestFacts:
+    """What the Check says about the request's size (sidecar.tokens judges it): the body
+    when Envoy sent it whole, else the content-length (or Envoy's size) and the
+    max_tokens json_to_metadata read."""
+    raw = view.metadata_scalar(REQUEST_NAMESPACE, "max_completion_tokens")
+    if raw is None:
+        raw = view.metadata_scalar(REQUEST_NAMESPACE, "max_tokens")
+    body = view.body
+    if body is not None and view.headers.get(PARTIAL_BODY_HEADER) != "true":
+        return RequestFacts(length=len(body), body=body, max_tokens=raw)
+    length: int | None = None
+    text = view.headers.get("content-length")
+    if text is not None and text.isascii() and text.isdigit() and len(text) <= 15:
+        length = int(text)
+    elif view.size >= 0:
+        length = view.size
+    return RequestFacts(length=length, max_tokens=raw)
+
 
 def decode_check(data: bytes) -> CheckView:
     req = external_auth_pb2.CheckRequest.FromString(data)
@@ -103,9 +152,14 @@ def decode_check(data: bytes) -> CheckView:
         headers = {h.key.lower(): h.raw_value.decode("utf-8", "replace")
                    for h in http.header_map.headers}
     ext = attrs.context_extensions
+    body: bytes | None = None
+    if http.raw_body:
+        body = http.raw_body
+    elif http.body:
+        body = http.body.encode()
     return CheckView(headers=headers, principal=attrs.source.principal,
                      filter_metadata=attrs.metadata_context.filter_metadata,
-                     pool=ext.get(POOL_KEY, None))
+                     pool=ext.get(POOL_KEY, None), body=body, size=http.size)
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -260,6 +314,30 @@ class LogEntry:
     # engine's (from the request reaching the worker to the first byte back).
     ttft_secs: float | None = None
     engine_ttfb_secs: float | None = None
+    # Final entries: the response's usage block as Envoy's Lua filter read it, and the
+    # body bytes Envoy counted each way (sidecar.tokens settles on them).
+    usage: Usage = field(default_factory=Usage)
+
+
+def _usage(cp: accesslog_pb2.AccessLogCommon, entry: accesslog_pb2.HTTPAccessLogEntry
+           ) -> Usage:
+    ns = cp.metadata.filter_metadata.get(USAGE_NAMESPACE)
+    raw: list[str | None] = [None, None, None]
+    if ns is not None:
+        for i, key in enumerate(_USAGE_FIELDS):
+            v = ns.fields.get(key)
+            if v is None:
+                continue
+            kind = v.WhichOneof("kind")
+            if kind == "string_value":
+                raw[i] = v.string_value[:_MAX_USAGE_CHARS]
+            elif kind == "number_value":
+                n = v.number_value
+                raw[i] = str(int(n)) if n == n and abs(n) < 1e15 and n == int(n) else "nan"
+            else:
+                raw[i] = "invalid"
+    return Usage(raw[0], raw[1], raw[2], request_bytes=entry.request.request_body_bytes,
+                 response_bytes=entry.response.response_body_bytes)
 
 
 def decode_access_logs(data: bytes) -> list[LogEntry]:
@@ -298,6 +376,7 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             if shadow_value is not None else "",
             ttft_secs=_secs(cp, "time_to_first_downstream_tx_byte"),
             engine_ttfb_secs=_engine_ttfb(cp),
+            usage=_usage(cp, entry) if kind != _PERIODIC else Usage(),
         ))
     return out
 

@@ -118,6 +118,8 @@ class CompletionService:
                         pool = self.pools.of(entry.admission_id)
                         if pool is not None and result is ReleaseResult.RELEASED:
                             pool.completed(entry)
+                        if pool is not None:  # tokens: also after a preemption's release
+                            pool.settle(entry)
                         if liveness is not None:
                             liveness.ended(entry.admission_id)
                         if result is not ReleaseResult.RELEASED:

@@ -85,6 +85,13 @@ verb                        caller             metrics
 ``shadow_admit``            shadow (--shadow)  ``smg_sidecar_shadow_admit_total`` (pool)
 ``shadow_started``          app (build)        ``smg_sidecar_shadow_inflight`` (pool),
                                                ``smg_sidecar_shadow_queue_depth`` (pool)
+``tokens_reserved``         pool (Check)       ``smg_sidecar_tokens_reserved`` (pool)
+``tokens_settled``          pool (ALS, sweep)  ``smg_sidecar_tokens_settled`` (pool),
+                                               ``smg_sidecar_token_estimate_ratio`` (pool)
+``token_fallback``          pool (Check, ALS)  ``smg_sidecar_token_fallback_total`` (pool)
+``token_budget_refused``    pool (Check)       ``smg_sidecar_token_budget_refused_total`` (pool)
+``tokens_started``          pool (build)       ``smg_sidecar_token_budget_remaining`` (pool),
+                                               ``smg_sidecar_token_budget_exhausted`` (pool)
 ==========================  =================  ===================================================
 
 The snapshot gauges, registered by ``admission_started``, are computed when scraped
@@ -126,6 +133,7 @@ from sidecar.scheduler import (
     Snapshot,
 )
 from sidecar.scheduler.interface import capacity_pressure
+from sidecar.tokens import Remaining
 
 # Only the contract's series: no *_created timestamp per counter child.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -141,6 +149,10 @@ CAPACITY_SOURCES = ("workers", "fallback", "override")
 
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                       60, 120, 300)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+# settled / estimated: 1 is a perfect estimate; above 1.1 the estimate was short, which is
+# what lets a budget overshoot (docs/operations.md, PriorityGateTokenEstimateLow).
+TOKEN_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 2.0, 4.0, 10.0)
 
 
 
@@ -291,6 +303,24 @@ class PoolRecorder(Protocol):
     def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
         """--shadow: scrape-time gauges of the would-be in-flight and queued requests."""
 
+    def tokens_reserved(self, cls: PriorityClass, tokens: int) -> None:
+        """An admitted request's token estimate, reserved against its tenant's budgets."""
+
+    def tokens_settled(self, cls: PriorityClass, tokens: int, estimate: int | None) -> None:
+        """A request's tokens as settled (its usage, or a fallback), and the estimate it
+        was reserved at (None: not an estimate to judge, e.g. charged as estimated)."""
+
+    def token_fallback(self, reason: str) -> None:
+        """An estimate or settlement input that could not be used (sidecar.tokens
+        FALLBACKS): what was used instead is documented per reason."""
+
+    def token_budget_refused(self, cls: PriorityClass, window: str, enforced: bool) -> None:
+        """A request over its tenant's budget in ``window``: refused, or only counted
+        (``budget_mode: shadow``, ``--shadow``)."""
+
+    def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:
+        """Token budgets are on: scrape-time gauges over the pool's budget windows."""
+
 
 class NullRecorder:
     """Records nothing (the process's verbs)."""
@@ -398,6 +428,21 @@ class NullPoolRecorder:
     def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
         pass
 
+    def tokens_reserved(self, cls: PriorityClass, tokens: int) -> None:
+        pass
+
+    def tokens_settled(self, cls: PriorityClass, tokens: int, estimate: int | None) -> None:
+        pass
+
+    def token_fallback(self, reason: str) -> None:
+        pass
+
+    def token_budget_refused(self, cls: PriorityClass, window: str, enforced: bool) -> None:
+        pass
+
+    def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:
+        pass
+
 
 _M = TypeVar("_M", Counter, Gauge, Histogram)
 
@@ -417,6 +462,7 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.tenant = TenantLabels(tenant_top_n)
+        self.tenant_top_n = tenant_top_n
         self.named_pools = pools
         self._pools: dict[str, PoolMetrics] = {}
         pl = ["pool"] if pools else []  # the label of a pool's series
@@ -504,6 +550,28 @@ class Metrics:
             "--shadow: decisions enforcement would have made, by class and outcome (the "
             "requests were all admitted; smg_scheduler_admit_total counts that)",
             [*pl, "class", "outcome"], registry=r)
+        self.tokens_reserved = Histogram(
+            "smg_sidecar_tokens_reserved",
+            "Token estimate of each admitted request, reserved against its tenant's "
+            "budgets at the Check, by class", [*pl, "class"], buckets=TOKEN_BUCKETS,
+            registry=r)
+        self.tokens_settled = Histogram(
+            "smg_sidecar_tokens_settled",
+            "Tokens each request was charged when it ended (its usage, or a fallback), "
+            "by class", [*pl, "class"], buckets=TOKEN_BUCKETS, registry=r)
+        self.token_ratio = Histogram(
+            "smg_sidecar_token_estimate_ratio",
+            "Settled / estimated tokens per request (1 = exact; above 1 the estimate was "
+            "short), by class", [*pl, "class"], buckets=TOKEN_RATIO_BUCKETS, registry=r)
+        self.token_fallback = Counter(
+            "smg_sidecar_token_fallback",
+            "Token estimates and settlements that fell back, by reason (docs/reference.md)",
+            [*pl, "reason"], registry=r)
+        self.token_refused = Counter(
+            "smg_sidecar_token_budget_refused",
+            "Requests over their tenant's token budget, by class, window and action "
+            "(refused, or counted: budget_mode shadow, --shadow)",
+            [*pl, "class", "window", "action"], registry=r)
         # ------------------------------------ fed by a pool's verbs, summed over pools
         self.released = Counter("smg_sidecar_released", "Admissions ended, by reason",
                                 ["class", "reason"], registry=r)
@@ -605,6 +673,7 @@ class Metrics:
         r.register(_WorkerProblemCollector(pools_now))
         r.register(_SnapshotCollector(pools_now, self.tenant, pl))
         r.register(_ShadowCollector(pools_now, pl))
+        r.register(_BudgetCollector(pools_now, pl, tenant_top_n))
         # Label children resolved once: labels() costs a lock and a tuple per call.
         self._clamp_child: dict[tuple[str, PriorityClass, PriorityClass], Counter] = {}
         self._unknown_child: dict[str, Counter] = {}
@@ -724,6 +793,7 @@ class PoolMetrics:
         pl = self.label = (name,) if metrics.named_pools else ()
         self.snapshot: Callable[[], Snapshot] | None = None  # admission_started
         self.shadow_snapshot: Callable[[], Snapshot] | None = None  # shadow_started
+        self.budgets: Callable[[], Iterable[Remaining]] | None = None  # tokens_started
         self.worker_capacity: Mapping[tuple[str, str], int] = {}
         self.worker_problems: Mapping[tuple[str, str, str], int] = {}
         # Label children resolved once: these run on every admission.
@@ -854,6 +924,25 @@ class PoolMetrics:
     def shadow_started(self, snapshot: Callable[[], Snapshot]) -> None:
         self.shadow_snapshot = snapshot
 
+    def tokens_reserved(self, cls: PriorityClass, tokens: int) -> None:
+        self._m.tokens_reserved.labels(*self.label, cls.label).observe(tokens)
+
+    def tokens_settled(self, cls: PriorityClass, tokens: int, estimate: int | None) -> None:
+        self._m.tokens_settled.labels(*self.label, cls.label).observe(tokens)
+        if estimate is not None:
+            self._m.token_ratio.labels(*self.label, cls.label).observe(
+                tokens / max(1, estimate))
+
+    def token_fallback(self, reason: str) -> None:
+        self._m.token_fallback.labels(*self.label, reason).inc()
+
+    def token_budget_refused(self, cls: PriorityClass, window: str, enforced: bool) -> None:
+        self._m.token_refused.labels(*self.label, cls.label, window,
+                                     "refused" if enforced else "counted").inc()
+
+    def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:
+        self.budgets = remaining
+
 
 _Pools = Callable[[], Iterable[PoolMetrics]]
 
@@ -915,6 +1004,44 @@ class _ShadowCollector(Collector):
                 inflight.add_metric([*pl, cls.label], snap.classes[cls].inflight)
                 depth.add_metric([*pl, cls.label], snap.classes[cls].queue_depth)
         yield from (inflight, depth)
+
+
+class _BudgetCollector(Collector):
+    """Token budgets at scrape time: what is left in each tenant's windows (the ``top_n``
+    tenants with the least left, by share of their amount, so the series stay bounded
+    whatever the number of budgeted tenants), and how many tenants have nothing left."""
+
+    def __init__(self, pools: _Pools, pl: list[str], top_n: int) -> None:
+        self._pools = pools
+        self._pl = pl
+        self._top_n = top_n
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        views = [(p.label, list(p.budgets())) for p in self._pools() if p.budgets is not None]
+        if not views:
+            return
+        left = GaugeMetricFamily(
+            "smg_sidecar_token_budget_remaining",
+            "Tokens left in a tenant's budget window (amount - settled - reserved by running "
+            "requests); only the tenants with the least left, by share "
+            "(--priority-scheduler-tenant-metric-top-n)", labels=[*self._pl, "tenant", "window"])
+        spent = GaugeMetricFamily(
+            "smg_sidecar_token_budget_exhausted",
+            "Tenants with no tokens left in the window (every budgeted tenant counted)",
+            labels=[*self._pl, "window"])
+        for pl, rows in views:
+            rows.sort(key=lambda w: (w.remaining / w.limit if w.limit else -1.0, w.tenant))
+            shown: set[str] = set()
+            for w in rows:
+                if w.tenant in shown or len(shown) < self._top_n:
+                    shown.add(w.tenant)
+                    left.add_metric([*pl, w.tenant, w.window], w.remaining)
+            counts: dict[str, int] = {}
+            for w in rows:
+                counts[w.window] = counts.get(w.window, 0) + (1 if w.remaining <= 0 else 0)
+            for window, n in sorted(counts.items()):
+                spent.add_metric([*pl, window], n)
+        yield from (left, spent)
 
 
 class _SnapshotCollector(Collector):

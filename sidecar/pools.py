@@ -29,6 +29,8 @@ docs/design.md, "Pools in a fleet".
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -53,6 +55,17 @@ from sidecar.scheduler import (
     without_preemption,
 )
 from sidecar.shadow import ShadowCore
+from sidecar.tokens import (
+    Allowed,
+    OverBudget,
+    RequestFacts,
+    Reservation,
+    Stage,
+    TokenBook,
+    TokenSettings,
+    estimate,
+    settle_amount,
+)
 
 if TYPE_CHECKING:
     from sidecar.coordination.controller import FleetController
@@ -72,6 +85,7 @@ __all__ = [
     "CANNOT_CANCEL_ENGINES",
     "DEFAULT_POOL",
     "POOL_KEY",
+    "BudgetDenied",
     "Pool",
     "Pools",
     "id_factory",
@@ -80,6 +94,23 @@ __all__ = [
 ]
 
 log = logs.get("sidecar.pools")
+
+# Token accounting (sidecar.tokens): how often a pool looks for reservations whose
+# admission ended without a final access-log entry (an Envoy that died, a lease that ran
+# out). One found is marked; still without an entry at the next look, its estimate is
+# charged as used. So such a reservation holds its tenant's tokens 1 to 2 intervals.
+TOKEN_SWEEP_SECS = 5.0
+# Ids charged at their estimate, remembered so that a final entry arriving after all is
+# counted (settle_late) rather than unknown.
+CHARGED_MEMORY = 4096
+
+
+class BudgetDenied(Exception):
+    """The request does not fit its tenant's token budget (sidecar.tokens.OverBudget)."""
+
+    def __init__(self, verdict: OverBudget) -> None:
+        super().__init__(verdict.window)
+        self.verdict = verdict
 
 
 def id_factory(pool: str) -> Callable[[], str]:
@@ -108,7 +139,8 @@ class Pool:
                  reading: CapacityReading, config: PriorityConfig, metrics: PoolRecorder,
                  labelled: bool, fleet: FleetController | None = None,
                  shadow: ShadowCore | None = None,
-                 on_classes_changed: Callable[[], None] = lambda: None) -> None:
+                 on_classes_changed: Callable[[], None] = lambda: None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.name = name
         self.controller = controller
         self.monitor = monitor
@@ -148,6 +180,16 @@ class Pool:
             monitor.policy.held = lambda: self.controller.snapshot().inflight
         # From here on a new capacity reading also resizes admission.
         monitor.on_change = self.on_capacity
+        # Token accounting (sidecar.tokens): None while the file sets no `tokens:` and no
+        # budget. Budgets are on the wall clock (calendar windows).
+        self._wall = wall
+        self.tokens: TokenSettings | None = None
+        self.book = TokenBook({})
+        self._budget_verdicts: OrderedDict[str, OverBudget] = OrderedDict()  # --shadow
+        self._charged: OrderedDict[str, None] = OrderedDict()
+        self._sweep: asyncio.TimerHandle | None = None
+        self._configure_tokens(config)
+        metrics.tokens_started(lambda: self.book.remaining(self._wall()))
 
     @property
     def legacy(self) -> bool:
@@ -163,11 +205,121 @@ class Pool:
         """The classes whose requests can be preempted here (legacy admission: none)."""
         return frozenset() if self.legacy else preemptible_classes(self.classes)
 
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
+    async def admit(self, cls: PriorityClass, tenant: str,
+                    facts: RequestFacts | None = None) -> Admitted:
         """A Check of this pool's route: admitted, queued (awaited) or ``Denied``, within
-        the wait budget its class's target leaves (sidecar.deadlines)."""
-        return await self.controller.admit(cls, tenant, wait_budget=self.deadlines.budget(cls),
-                                           enforce=self.deadlines.enforce)
+        the wait budget its class's target leaves (sidecar.deadlines).
+
+        With token accounting, ``facts`` (the request's size) is estimated and reserved
+        against the tenant's budgets first: ``BudgetDenied`` when it does not fit (before
+        it takes a place in a queue). The reservation is given back if the request is not
+        admitted after all, and bound to its admission id if it is.
+        """
+        reservation, shadowed = (None, None) if facts is None else self._reserve(cls, tenant,
+                                                                                facts)
+        try:
+            admitted = await self.controller.admit(cls, tenant,
+                                                   wait_budget=self.deadlines.budget(cls),
+                                                   enforce=self.deadlines.enforce)
+        except BaseException:
+            if reservation is not None:
+                self.book.cancel(reservation)
+            raise
+        if reservation is not None:
+            aid = admitted.admission.id
+            self.book.bind(reservation, aid)
+            self.metrics.tokens_reserved(cls, reservation.estimate.total)
+            if shadowed is not None:
+                self._remember_verdict(aid, shadowed)
+            self._arm_sweep()
+        return admitted
+
+    # ------------------------------------------------------------------ tokens
+
+    def _configure_tokens(self, cfg: PriorityConfig) -> None:
+        self.tokens = cfg.tokens_for(self.name)
+        self.book.configure(cfg.budgets if self.tokens is not None else {},
+                            self.tokens or TokenSettings())
+        if self.fleet is not None and self.book.active:
+            # The fleet ledger keeps no token budgets yet: each replica's book counts only
+            # what it admitted, so a fleet of N passes a budget up to N times. Said loudly.
+            self.log.warning("token_budgets_per_replica",
+                             reason="with --coordination-url each replica enforces the "
+                                    "budgets on its own admissions only (the ledger keeps "
+                                    "no token budgets): a fleet of N replicas admits up to "
+                                    "N times a budget")
+
+    def _reserve(self, cls: PriorityClass, tenant: str, facts: RequestFacts
+                 ) -> tuple[Reservation | None, OverBudget | None]:
+        """The request's reservation (None: token accounting is off), and under --shadow
+        the refusal enforcement would have answered."""
+        settings = self.tokens
+        if settings is None:
+            return None, None
+        est = estimate(facts, settings)
+        for why in est.fallbacks:
+            self.metrics.token_fallback(why)
+        # --shadow refuses nothing; budget_mode: shadow counts what it would refuse.
+        enforce = settings.budget_mode == "enforce" and self.shadow is None
+        verdict = self.book.reserve(tenant, est, cls.label, self._wall(), enforce=enforce)
+        if isinstance(verdict, Allowed):
+            return verdict.reservation, None
+        self.metrics.token_budget_refused(cls, verdict.window, enforce)
+        if verdict.reservation is None:
+            raise BudgetDenied(verdict)
+        return verdict.reservation, verdict if self.shadow is not None else None
+
+    def _remember_verdict(self, aid: str, verdict: OverBudget) -> None:
+        self._budget_verdicts[aid] = verdict
+        while len(self._budget_verdicts) > CHARGED_MEMORY:
+            self._budget_verdicts.popitem(last=False)
+
+    def take_budget_verdict(self, aid: str) -> OverBudget | None:
+        """--shadow: the budget refusal enforcement would have answered ``aid``'s Check."""
+        return self._budget_verdicts.pop(aid, None)
+
+    def settle(self, entry: LogEntry) -> None:
+        """A final access-log entry: the request's tokens replace its reservation (whether
+        or not the entry released its slot: a preempted request's comes after)."""
+        settings = self.tokens
+        aid = entry.admission_id
+        r = self.book.reservation(aid)
+        if r is None:
+            if aid in self._charged:  # charged at its estimate already: nothing changes
+                del self._charged[aid]
+                self.metrics.token_fallback("settle_late")
+            return
+        used, why = settle_amount(entry.usage, r.estimate, settings or TokenSettings())
+        self.book.settle(aid, used, self._wall())
+        cls = PriorityClass.from_name(r.cls) or PriorityClass.DEFAULT
+        if why is not None:
+            self.metrics.token_fallback(why)
+        self.metrics.tokens_settled(cls, used, r.estimate.total if why is None else None)
+
+    def _arm_sweep(self) -> None:
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(TOKEN_SWEEP_SECS,
+                                                                self.sweep_tokens)
+
+    def sweep_tokens(self) -> None:
+        """Reservations whose admission this pool no longer holds and whose final entry
+        has not come: marked ENDED, then charged at their estimate a sweep later."""
+        self._sweep = None
+        now = self._wall()
+        for aid, stage in self.book.open_ids():
+            if self.controller.holds(aid):
+                continue
+            if stage is Stage.HELD:
+                self.book.ended(aid)
+            elif (r := self.book.charge(aid, now)) is not None:
+                self.metrics.token_fallback("charged_estimate")
+                cls = PriorityClass.from_name(r.cls) or PriorityClass.DEFAULT
+                self.metrics.tokens_settled(cls, r.estimate.total, None)
+                self._charged[aid] = None
+                while len(self._charged) > CHARGED_MEMORY:
+                    self._charged.popitem(last=False)
+        if self.book.open_ids():
+            self._arm_sweep()
 
     def predicted_wait(self, cls: PriorityClass) -> float | None:
         """The wait an arrival of ``cls`` would have now (None: no estimate)."""
@@ -206,6 +358,7 @@ class Pool:
         their place; in-flight ones are untouched; reservations follow the live capacity)."""
         self._config = cfg
         self.controller.update_config(self.classes)
+        self._configure_tokens(cfg)
         if self.fleet is None:
             self.deadlines.configure(cfg.classes_for(self.name), cfg.deadline_mode)
         if self.legacy:

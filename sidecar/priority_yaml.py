@@ -32,6 +32,16 @@ import yaml
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
 from sidecar.scheduler.reservations import reservations_fit
+from sidecar.tokens import (
+    ACCOUNTING_MODES,
+    BUDGET_MODES,
+    MAX_BUDGETS,
+    MAX_TOKENS_LIMIT,
+    WINDOW_RULE,
+    Budget,
+    TokenSettings,
+    Window,
+)
 
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest priority.yaml accepted (a ConfigMap cannot hold more); refused before parsing."""
@@ -87,8 +97,13 @@ _CLASS_FIELDS: dict[str, type] = {
     for name, hint in typing.get_type_hints(ClassSettings).items()
     if name != "tenant_weights"
 }
-_POLICY_KEYS = ("max_class", "weight")
-_TOP_KEYS = ("classes", "tenant_policies", "pools", "deadline_mode")
+_POLICY_KEYS = ("max_class", "weight", "budgets")
+_TOP_KEYS = ("classes", "tenant_policies", "pools", "deadline_mode", "tokens")
+_POOL_KEYS = ("classes", "tokens")
+# The keys of a `tokens:` section and their types (sidecar.tokens.TokenSettings).
+_TOKEN_FIELDS: dict[str, type] = {"default_max_tokens": int, "max_output_tokens": int,
+                                  "bytes_per_token": float, "accounting": str,
+                                  "budget_mode": str}
 DEADLINE_MODES = ("shadow", "enforce")
 _CLASS_NAMES = ", ".join(c.label for c in HIGH_TO_LOW)
 
@@ -113,9 +128,26 @@ class PriorityConfig:
     deadline_mode: str = "shadow"
     """``shadow``: predictions against ``ttft_target_ms`` are counted, never refuse;
     ``enforce``: a sheddable class's request predicted to miss its target is refused."""
+    tokens: TokenSettings | None = None
+    """The ``tokens:`` section (None: absent). Token accounting is on where this is set
+    or a tenant has budgets (:meth:`tokens_for`)."""
+    pool_tokens: Mapping[str, TokenSettings] = field(default_factory=dict)
+    """Per-pool ``pools.<p>.tokens``, each merged field-wise over ``tokens``."""
+    budgets: Mapping[str, tuple[Budget, ...]] = field(default_factory=dict)
+    """``tenant_policies.<t>.budgets``: each pool enforces them on its own tokens."""
 
     def classes_for(self, pool: str) -> Mapping[PriorityClass, ClassSettings]:
         return self.pools.get(pool, self.classes)
+
+    def tokens_for(self, pool: str) -> TokenSettings | None:
+        """The pool's token settings; None: token accounting is off (no ``tokens:``
+        section, no per-pool one and no budget anywhere)."""
+        own = self.pool_tokens.get(pool)
+        if own is not None:
+            return own
+        if self.tokens is not None:
+            return self.tokens
+        return TokenSettings() if self.budgets else None
 
     def max_queue_timeout(self) -> float:
         return max(c.queue_timeout_secs for table in (self.classes, *self.pools.values())
@@ -328,14 +360,16 @@ def _validate_class(c: ClassSettings, file: str, key: str) -> None:
 
 
 def _parse_policies(raw: object, file: str) -> tuple[dict[str, PriorityClass],
-                                                      dict[str, float]]:
-    """Ceilings and weights by tenant; a policy may give either or both."""
+                                                      dict[str, float],
+                                                      dict[str, tuple[Budget, ...]]]:
+    """Ceilings, weights and token budgets by tenant; a policy may give any of them."""
     if raw is None:
-        return {}, {}
+        return {}, {}, {}
     if not isinstance(raw, dict):
         raise ConfigError("must be a mapping of tenant -> policy", file=file, key="tenant_policies")
     out: dict[str, PriorityClass] = {}
     weights: dict[str, float] = {}
+    budgets: dict[str, tuple[Budget, ...]] = {}
     for tenant, policy in raw.items():
         key = f"tenant_policies.{key_segment(tenant)}"
         if not isinstance(tenant, str) or not tenant:
@@ -344,7 +378,8 @@ def _parse_policies(raw: object, file: str) -> tuple[dict[str, PriorityClass],
                 file=file, key=key
             )
         if not isinstance(policy, dict):
-            raise ConfigError("must be a mapping with max_class and/or weight", file=file, key=key)
+            raise ConfigError("must be a mapping with max_class, weight and/or budgets",
+                              file=file, key=key)
         for name in policy:
             if name not in _POLICY_KEYS:
                 raise ConfigError(f"unknown key (expected: {', '.join(_POLICY_KEYS)})",
@@ -354,6 +389,8 @@ def _parse_policies(raw: object, file: str) -> tuple[dict[str, PriorityClass],
             if not (math.isfinite(weight) and weight > 0):
                 raise ConfigError("must be a finite number > 0", file=file, key=f"{key}.weight")
             weights[tenant] = weight
+        if "budgets" in policy:
+            budgets[tenant] = _parse_budgets(policy["budgets"], file, f"{key}.budgets")
         if "max_class" not in policy:
             continue  # the default ceiling (--priority-scheduler-default-max-class)
         value = policy["max_class"]
@@ -365,7 +402,68 @@ def _parse_policies(raw: object, file: str) -> tuple[dict[str, PriorityClass],
                 key=f"{key}.max_class",
             )
         out[tenant] = cls
-    return out, weights
+    return out, weights, budgets
+
+
+def _parse_budgets(raw: object, file: str, key: str) -> tuple[Budget, ...]:
+    """``budgets: {WINDOW: TOKENS, ...}``: tokens per period of each window."""
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"must be a non-empty mapping of window -> tokens (windows: "
+                          f"{WINDOW_RULE}), got {quote(raw)}", file=file, key=key)
+    if len(raw) > MAX_BUDGETS:
+        raise ConfigError(f"more than {MAX_BUDGETS} windows", file=file, key=key)
+    out: list[Budget] = []
+    seen: dict[int | str, str] = {}
+    for name, amount in raw.items():
+        sub = f"{key}.{key_segment(name)}"
+        window = Window.parse(name)
+        if window is None:
+            raise ConfigError(f"unknown window (expected {WINDOW_RULE})", file=file, key=sub)
+        span: int | str = window.seconds or window.name
+        if span in seen:  # "1h" and "hour" are one window: which amount holds?
+            raise ConfigError(f"the same window as {seen[span]!r}", file=file, key=sub)
+        seen[span] = window.name
+        tokens = _check_type(amount, int, file, sub)
+        if not 0 <= tokens <= MAX_TOKENS_LIMIT:
+            raise ConfigError(f"must be between 0 and {MAX_TOKENS_LIMIT} tokens, got "
+                              f"{quote(amount)}", file=file, key=sub)
+        out.append(Budget(window, tokens))
+    return tuple(out)
+
+
+def _parse_tokens(raw: object, base: TokenSettings, file: str, key: str) -> TokenSettings:
+    """A ``tokens:`` section, field-wise over ``base``."""
+    if raw is None:
+        return base
+    if not isinstance(raw, dict):
+        raise ConfigError(f"must be a mapping of token settings, got {quote(raw)}",
+                          file=file, key=key)
+    updates: dict[str, Any] = {}
+    for name, value in raw.items():
+        sub = f"{key}.{key_segment(name)}"
+        want = _TOKEN_FIELDS.get(name) if isinstance(name, str) else None
+        if want is None:
+            raise ConfigError(f"unknown key (expected one of: {', '.join(_TOKEN_FIELDS)})",
+                              file=file, key=sub)
+        if want is str:
+            modes = ACCOUNTING_MODES if name == "accounting" else BUDGET_MODES
+            if value not in modes:
+                raise ConfigError(f"must be one of: {', '.join(modes)}, got {quote(value)}",
+                                  file=file, key=sub)
+            updates[name] = value
+        else:
+            updates[name] = _check_type(value, want, file, sub)
+    t = replace(base, **updates)
+    if not 1 <= t.max_output_tokens <= MAX_TOKENS_LIMIT:
+        raise ConfigError(f"must be between 1 and {MAX_TOKENS_LIMIT}", file=file,
+                          key=f"{key}.max_output_tokens")
+    if not 1 <= t.default_max_tokens <= t.max_output_tokens:
+        raise ConfigError(f"must be between 1 and max_output_tokens ({t.max_output_tokens})",
+                          file=file, key=f"{key}.default_max_tokens")
+    if not (math.isfinite(t.bytes_per_token) and 0.1 <= t.bytes_per_token <= 1000):
+        raise ConfigError("must be a finite number between 0.1 and 1000", file=file,
+                          key=f"{key}.bytes_per_token")
+    return t
 
 
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
@@ -424,13 +522,16 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
         raise ConfigError(f"must be one of: {', '.join(DEADLINE_MODES)}, got {quote(mode)}",
                           file=file, key="deadline_mode")
     classes = _parse_classes(doc.get("classes"), BUILTIN_CLASSES, file, "classes")
-    policies, weights = _parse_policies(doc.get("tenant_policies"), file)
+    policies, weights, budgets = _parse_policies(doc.get("tenant_policies"), file)
     if weights:  # the core reads a class's weights from its own settings
         classes = {cls: replace(c, tenant_weights=weights) for cls, c in classes.items()}
-    pools = _parse_pools(doc.get("pools"), classes, file)
+    tokens = (_parse_tokens(doc["tokens"], TokenSettings(), file, "tokens") if "tokens" in doc
+              else None)
+    pools, pool_tokens = _parse_pools(doc.get("pools"), classes, tokens, file)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return PriorityConfig(classes=classes, tenant_policies=policies, tenant_weights=weights,
-                          source=file, digest=digest, pools=pools, deadline_mode=mode)
+                          source=file, digest=digest, pools=pools, deadline_mode=mode,
+                          tokens=tokens, pool_tokens=pool_tokens, budgets=budgets)
 
 
 def _parse_classes(raw: object, base: Mapping[PriorityClass, ClassSettings], file: str,
@@ -456,14 +557,17 @@ POOL_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
 POOL_NAME_RULE = "1..31 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
 
 
-def _parse_pools(raw: object, classes: Mapping[PriorityClass, ClassSettings], file: str
-                 ) -> dict[str, Mapping[PriorityClass, ClassSettings]]:
-    """``pools.<name>.classes``: per-pool overrides over the top-level classes."""
+def _parse_pools(raw: object, classes: Mapping[PriorityClass, ClassSettings],
+                 tokens: TokenSettings | None, file: str
+                 ) -> tuple[dict[str, Mapping[PriorityClass, ClassSettings]],
+                            dict[str, TokenSettings]]:
+    """``pools.<name>.classes`` and ``.tokens``: per-pool overrides over the top level."""
     if raw is None:
-        return {}
+        return {}, {}
     if not isinstance(raw, dict):
         raise ConfigError("must be a mapping of pool name -> settings", file=file, key="pools")
     out: dict[str, Mapping[PriorityClass, ClassSettings]] = {}
+    pool_tokens: dict[str, TokenSettings] = {}
     for name, body in raw.items():
         key = f"pools.{key_segment(name)}"
         if not isinstance(name, str) or not POOL_NAME.match(name):
@@ -471,13 +575,17 @@ def _parse_pools(raw: object, classes: Mapping[PriorityClass, ClassSettings], fi
         if body is None:
             body = {}
         if not isinstance(body, dict):
-            raise ConfigError("must be a mapping with optional 'classes'", file=file, key=key)
+            raise ConfigError("must be a mapping with optional 'classes' and 'tokens'",
+                              file=file, key=key)
         for sub in body:
-            if sub != "classes":
-                raise ConfigError("unknown key (expected: classes)", file=file,
-                                  key=f"{key}.{key_segment(sub)}")
+            if sub not in _POOL_KEYS:
+                raise ConfigError(f"unknown key (expected: {', '.join(_POOL_KEYS)})",
+                                  file=file, key=f"{key}.{key_segment(sub)}")
         out[name] = _parse_classes(body.get("classes"), classes, file, f"{key}.classes")
-    return out
+        if "tokens" in body:
+            pool_tokens[name] = _parse_tokens(body["tokens"], tokens or TokenSettings(),
+                                              file, f"{key}.tokens")
+    return out, pool_tokens
 
 
 def read_config_file(path: str) -> bytes:

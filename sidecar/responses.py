@@ -16,13 +16,19 @@ LEGACY_QUEUE_FULL         429     ``admission_queue_full``    ``Retry-After: 2``
 LEGACY_QUEUE_TIMEOUT      503     ``admission_queue_timeout`` ``Retry-After: 2``
 UNKNOWN_POOL              429     ``scheduler_queue_full``    ``Retry-After: 2``
 OVER_TARGET               429     ``scheduler_over_target``   ``Retry-After: 2``
+OVER_BUDGET               429     ``scheduler_token_budget_   ``Retry-After`` computed:
+                                  exceeded``                  until the window frees
+                                                              enough tokens
 ========================  ======  ==========================  ============================
 
 OVER_TARGET is an extension, sent only with ``deadline_mode: enforce`` and a class's
 ``ttft_target_ms`` (docs/reference.md, "Deadlines"): the request would have queued
-past its target. With ``--overload-hints`` a refusal's ``Retry-After`` comes from the
-predicted drain time instead (:func:`with_hints`), and ``--busy-status`` changes the
-status of the refusals that mean "busy" (:data:`BUSY`).
+past its target. OVER_BUDGET is an extension too, sent only to a tenant with token
+budgets (``tenant_policies.<t>.budgets``, docs/reference.md "Token budgets") whose
+request does not fit one of its windows: :func:`over_budget` words it with the window and
+the ``Retry-After`` the budget computed. With ``--overload-hints`` a refusal's
+``Retry-After`` comes from the predicted drain time instead (:func:`with_hints`), and
+``--busy-status`` changes the status of the refusals that mean "busy" (:data:`BUSY`).
 
 Every reply also carries ``X-SMG-Error-Code``, ``content-type:
 application/json`` and the body
@@ -76,6 +82,8 @@ class Rejection(enum.Enum):
     UNKNOWN_POOL = enum.auto()
     # Predicted to wait past its class's time-to-first-token target (deadline_mode: enforce).
     OVER_TARGET = enum.auto()
+    # The tenant's token budget has no room for the request (sidecar.tokens).
+    OVER_BUDGET = enum.auto()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,7 @@ BUSY: Final = frozenset({"QUEUE_FULL", "RATE_LIMITED", "OVERLOADED", "QUEUE_TIME
                          "OVER_TARGET"})
 RETRY_AFTER_BOUNDS = (1, 60)  # seconds, for a computed Retry-After
 RETRY_AFTER_JITTER = 0.2  # ± this share, so refused clients do not come back together
+OVER_BUDGET_CODE = "scheduler_token_budget_exceeded"
 
 
 def reason_phrase(status: int) -> str:
@@ -178,6 +187,9 @@ def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
             return Reply(429, "scheduler_queue_full",
                          "No admission pool is configured for this route; retry later",
                          retry_after=2)
+        case Rejection.OVER_BUDGET:
+            raise ValueError("OVER_BUDGET names its window and computes its Retry-After: "
+                             "over_budget()")
         case Rejection.OVER_TARGET:
             return Reply(429, "scheduler_over_target",
                          f"The '{c}' priority queue would not start this request within "
@@ -186,10 +198,24 @@ def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
             assert_never(rejection)
 
 
+def over_budget(window: str, retry_after: float, never: bool = False) -> Reply:
+    """The OVER_BUDGET reply for a request that does not fit the tenant's ``window``:
+    ``Retry-After`` is when the window frees enough tokens (whole seconds, at least 1);
+    ``never``: the request alone is larger than the window's amount."""
+    if never:
+        message = (f"This request's estimated tokens exceed the tenant's whole '{window}' "
+                   "token budget; it cannot be admitted in any window (lower max_tokens)")
+    else:
+        message = f"The tenant's '{window}' token budget has no room for this request"
+    return Reply(429, OVER_BUDGET_CODE, message, retry_after=max(1, math.ceil(retry_after)))
+
+
 # Every reply the sidecar can send, by (rejection, effective class): the senders
 # serialise these once at start-up.
+# (OVER_BUDGET is not one: it is worded and timed per refusal, by over_budget.)
 REPLIES: Final[Mapping[tuple[Rejection, PriorityClass], Reply]] = {
-    (r, cls): reply(r, cls) for r in Rejection for cls in HIGH_TO_LOW}
+    (r, cls): reply(r, cls) for r in Rejection if r is not Rejection.OVER_BUDGET
+    for cls in HIGH_TO_LOW}
 
 
 def for_denial(outcome: Outcome, *, legacy: bool, rate_limited: bool) -> Rejection:

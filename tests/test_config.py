@@ -110,7 +110,7 @@ def test_int_accepted_for_float_fields() -> None:
         ("tenant_policies:\n  acme: {weight: '2'}\n", "tenant_policies.acme.weight",
          "must be a number"),
         ("tenant_policies:\n  acme: {wieght: 2}\n", "tenant_policies.acme.wieght",
-         "unknown key (expected: max_class, weight)"),
+         "unknown key (expected: max_class, weight, budgets)"),
         ("classes:\n  bulk:\n    max_queued_per_tenant: 0\n",
          "classes.bulk.max_queued_per_tenant", "must be >= 1"),
         ("classes:\n  bulk:\n    max_queued_per_tenant: 2.5\n",

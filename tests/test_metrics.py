@@ -33,6 +33,7 @@ from sidecar.scheduler import (
     ReleaseReason,
     Scheduler,
 )
+from sidecar.tokens import Remaining
 
 S, I, D, B = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEFAULT,
               PriorityClass.BULK)
@@ -135,6 +136,12 @@ POOL_CALLS: dict[str, Callable[[PoolRecorder], None]] = {
     "edge_share": lambda r: r.edge_share(B, 0.5),
     "shadow_admit": lambda r: r.shadow_admit(B, Outcome.REJECTED_QUEUE_TIMEOUT),
     "shadow_started": lambda r: r.shadow_started(SNAPSHOT),
+    "tokens_reserved": lambda r: r.tokens_reserved(B, 300),
+    "tokens_settled": lambda r: r.tokens_settled(B, 280, 300),
+    "token_fallback": lambda r: r.token_fallback("usage_missing"),
+    "token_budget_refused": lambda r: r.token_budget_refused(I, "minute", True),
+    "tokens_started": lambda r: r.tokens_started(lambda: [
+        Remaining("acme", "minute", 1000, 900, 150), Remaining("beta", "month", 10, 2, 0)]),
 }
 
 
@@ -196,6 +203,7 @@ def test_every_exported_metric_is_fed_by_some_verb() -> None:
     p = m.pool(DEFAULT_POOL)
     p.admission_started(legacy=False, snapshot=SNAPSHOT)
     p.shadow_started(SNAPSHOT)  # registered only in shadow mode
+    POOL_CALLS["tokens_started"](p)  # only where token accounting is on
     exported = {name for name, _ in samples(m)} | {
         f.name + ("_total" if f.type == "counter" else "") for f in m.registry.collect()}
     fed = set().union(*(set(v) for v in (*process.values(), *pool.values())))

@@ -64,7 +64,7 @@ pools:
 @pytest.mark.parametrize(("text", "key", "reason"), [
     ("pools: {Big: {}}", "pools.Big", "pool name must be"),
     ("pools: [a]", "pools", "mapping of pool name"),
-    ("pools: {a: {queues: 1}}", "pools.a.queues", "unknown key (expected: classes)"),
+    ("pools: {a: {queues: 1}}", "pools.a.queues", "unknown key (expected: classes, tokens)"),
     ("pools: {a: {classes: {urgent: {}}}}", "pools.a.classes.urgent", "unknown class"),
     ("pools: {a: {classes: {bulk: {nope: 1}}}}", "pools.a.classes.bulk.nope", "unknown key"),
     ("pools: {a: {classes: {bulk: {queue_size: -1}}}}", "pools.a.classes.bulk.queue_size",

@@ -15,7 +15,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import ProcessingResponse
 
 from sidecar import codec
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.responses import REPLIES, Rejection, for_denial, reply
+from sidecar.responses import REPLIES, Rejection, for_denial, over_budget, reply
 from sidecar.scheduler import Outcome
 
 # rejection -> (status, code, extra headers), as the contract's table says
@@ -32,9 +32,12 @@ CONTRACT: dict[Rejection, tuple[int, str, dict[str, str]]] = {
     Rejection.LEGACY_QUEUE_TIMEOUT: (503, "admission_queue_timeout", {"retry-after": "2"}),
     # An extension (deadline_mode: enforce only), beside the contract's codes.
     Rejection.OVER_TARGET: (429, "scheduler_over_target", {"retry-after": "2"}),
+    # An extension (tenants with token budgets only), worded and timed per refusal
+    # (over_budget, below): not a row serialised once.
+    Rejection.OVER_BUDGET: (429, "scheduler_token_budget_exceeded", {}),
 }
 REASON = {429: "Too Many Requests", 503: "Service Unavailable"}
-ROWS = [(r, cls) for r in Rejection for cls in HIGH_TO_LOW]
+ROWS = [(r, cls) for r in Rejection if r is not Rejection.OVER_BUDGET for cls in HIGH_TO_LOW]
 
 
 def expected_headers(r: Rejection) -> dict[str, str]:
@@ -79,7 +82,11 @@ def test_ext_proc_immediate_response(r: Rejection, cls: PriorityClass) -> None:
 
 
 def test_class_queue_messages_name_the_class_and_nothing_else_does() -> None:
+    with pytest.raises(ValueError, match="over_budget"):
+        reply(Rejection.OVER_BUDGET, PriorityClass.BULK)
     for r in Rejection:
+        if r is Rejection.OVER_BUDGET:
+            continue
         messages = {reply(r, cls).message for cls in HIGH_TO_LOW}
         if r in (Rejection.QUEUE_FULL, Rejection.QUEUE_TIMEOUT, Rejection.OVER_TARGET):
             for cls in HIGH_TO_LOW:
@@ -102,3 +109,26 @@ def test_every_refusal_the_controller_can_raise_has_a_row(legacy: bool) -> None:
     for outcome in (Outcome.CLIENT_CANCELLED, Outcome.ADMITTED, Outcome.PREEMPTED):
         with pytest.raises(ValueError):
             for_denial(outcome, legacy=legacy, rate_limited=False)
+
+
+@pytest.mark.parametrize(("wait", "header"), [(0.0, "1"), (0.2, "1"), (1.0, "1"),
+                                               (1.01, "2"), (59.5, "60"),
+                                               (31 * 86400 - 0.5, str(31 * 86400))])
+def test_an_over_budget_reply_carries_the_windows_retry_after(wait: float,
+                                                              header: str) -> None:
+    """The budget's own Retry-After, rounded up to whole seconds (at least 1), on the
+    contract's JSON shape with the extension's code, decoded by the reference decoder."""
+    resp = CheckResponse.FromString(codec.encode_deny(over_budget("minute", wait)))
+    denied = resp.denied_response
+    assert denied.status.code == 429
+    headers = {h.header.key: h.header.value for h in denied.headers}
+    assert headers == {"x-smg-error-code": "scheduler_token_budget_exceeded",
+                       "content-type": "application/json", "retry-after": header}
+    check_body(denied.body, Rejection.OVER_BUDGET)
+    assert "'minute'" in json.loads(denied.body)["error"]["message"]
+
+
+def test_an_over_budget_reply_says_when_a_request_can_never_fit() -> None:
+    never = over_budget("day", 3600.0, never=True)
+    assert "exceed" in never.message and "'day'" in never.message
+    assert never.message != over_budget("day", 3600.0).message
