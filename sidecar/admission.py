@@ -106,7 +106,8 @@ class AdmissionService(AdmissionsById, Protocol):
     @property
     def legacy(self) -> bool: ...
     async def admit(self, cls: PriorityClass, tenant: str, *,
-                    wait_budget: float | None = None, enforce: bool = False) -> Admitted: ...
+                    wait_budget: float | None = None, enforce: bool = False,
+                    cost: float = 1.0) -> Admitted: ...
     def set_capacity(self, capacity: int) -> None: ...
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None: ...
     def snapshot(self) -> Snapshot: ...
@@ -146,9 +147,12 @@ class AdmissionController:
     # ------------------------------------------------------------------ admission
 
     async def admit(self, cls: PriorityClass, tenant: str, *,
-                    wait_budget: float | None = None, enforce: bool = False) -> Admitted:
+                    wait_budget: float | None = None, enforce: bool = False,
+                    cost: float = 1.0) -> Admitted:
         """Admit now, wait in the class queue, or raise :class:`Denied`. ``wait_budget``
-        and ``enforce``: the pool's deadline for this arrival (``Scheduler.arrive``).
+        and ``enforce``: the pool's deadline for this arrival (``Scheduler.arrive``);
+        ``cost``: what it costs its tenant's fair turn (its tokens, ``fair_queuing:
+        tokens``).
 
         Cancelling the awaiting task (Envoy cancels Check when the client leaves)
         removes the waiter, or gives back a slot granted in the same instant.
@@ -160,7 +164,8 @@ class AdmissionController:
                 raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=self.core.legacy,
                              rate_limited=True)
         aid = self._new_id()
-        decision = self.core.arrive(aid, cls, tenant, wait_budget=wait_budget, enforce=enforce)
+        decision = self.core.arrive(aid, cls, tenant, wait_budget=wait_budget, enforce=enforce,
+                                    cost=cost)
         fut: asyncio.Future[Admitted] | None = None
         if isinstance(decision, Queued):
             fut = asyncio.get_running_loop().create_future()

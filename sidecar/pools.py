@@ -218,9 +218,11 @@ class Pool:
         reservation, shadowed = (None, None) if facts is None else self._reserve(cls, tenant,
                                                                                 facts)
         try:
-            admitted = await self.controller.admit(cls, tenant,
-                                                   wait_budget=self.deadlines.budget(cls),
-                                                   enforce=self.deadlines.enforce)
+            # fair_queuing: tokens serves a class's tenants by these tokens.
+            admitted = await self.controller.admit(
+                cls, tenant, wait_budget=self.deadlines.budget(cls),
+                enforce=self.deadlines.enforce,
+                cost=1.0 if reservation is None else float(reservation.estimate.total))
         except BaseException:
             if reservation is not None:
                 self.book.cancel(reservation)
@@ -240,6 +242,12 @@ class Pool:
         self.tokens = cfg.tokens_for(self.name)
         self.book.configure(cfg.budgets if self.tokens is not None else {},
                             self.tokens or TokenSettings())
+        if self.fleet is not None and any(c.fair_cost == "tokens"
+                                          for c in cfg.classes_for(self.name).values()):
+            self.log.warning("token_fairness_per_request_in_a_fleet",
+                             reason="the fleet ledger's fair queuing counts requests: "
+                                    "fair_queuing: tokens serves tenants by requests "
+                                    "with --coordination-url")
         if self.fleet is not None and self.book.active:
             # The fleet ledger keeps no token budgets yet: each replica's book counts only
             # what it admitted, so a fleet of N passes a budget up to N times. Said loudly.

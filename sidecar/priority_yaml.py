@@ -95,8 +95,9 @@ class ConfigError(Exception):
 _CLASS_FIELDS: dict[str, type] = {
     name: {"max_queued_per_tenant": int, "ttft_target_ms": float}.get(name, hint)
     for name, hint in typing.get_type_hints(ClassSettings).items()
-    if name != "tenant_weights"
+    if name not in ("tenant_weights", "fair_cost")  # fair_cost: `fair_queuing: tokens`
 }
+FAIR_TOKENS = "tokens"
 _POLICY_KEYS = ("max_class", "weight", "budgets")
 _TOP_KEYS = ("classes", "tenant_policies", "pools", "deadline_mode", "tokens")
 _POOL_KEYS = ("classes", "tokens")
@@ -141,13 +142,15 @@ class PriorityConfig:
 
     def tokens_for(self, pool: str) -> TokenSettings | None:
         """The pool's token settings; None: token accounting is off (no ``tokens:``
-        section, no per-pool one and no budget anywhere)."""
+        section, no per-pool one, no budget anywhere and no class of the pool with
+        ``fair_queuing: tokens``)."""
         own = self.pool_tokens.get(pool)
         if own is not None:
             return own
         if self.tokens is not None:
             return self.tokens
-        return TokenSettings() if self.budgets else None
+        by_tokens = any(c.fair_cost == "tokens" for c in self.classes_for(pool).values())
+        return TokenSettings() if self.budgets or by_tokens else None
 
     def max_queue_timeout(self) -> float:
         return max(c.queue_timeout_secs for table in (self.classes, *self.pools.values())
@@ -333,6 +336,14 @@ def _merge_class(base: ClassSettings, raw: object, file: str, key: str) -> Class
         if want is None:
             known = ", ".join(_CLASS_FIELDS)
             raise ConfigError(f"unknown key (expected one of: {known})", file=file, key=sub)
+        if name == "fair_queuing" and value == FAIR_TOKENS:  # token-weighted fairness
+            updates["fair_queuing"], updates["fair_cost"] = True, FAIR_TOKENS
+            continue
+        if name == "fair_queuing":
+            if not isinstance(value, bool):
+                raise ConfigError(f"must be a boolean or tokens, got {quote(value)}",
+                                  file=file, key=sub)
+            updates["fair_cost"] = "requests"
         updates[name] = _check_type(value, want, file, sub)
     merged = replace(base, **updates)
     _validate_class(merged, file, key)
@@ -632,6 +643,8 @@ def load_priority_config(path: str | None) -> PriorityConfig:
 
 
 def _effective(c: ClassSettings, name: str) -> str:
+    if name == "fair_queuing" and c.fair_queuing and c.fair_cost == FAIR_TOKENS:
+        return FAIR_TOKENS
     # A per-tenant limit that cannot bite (unset, or not below queue_size) is none.
     value = c.tenant_queue_limit if name == "max_queued_per_tenant" else getattr(c, name)
     return f"{value!s}".lower()

@@ -135,23 +135,24 @@ class ShadowCore:
     # ------------------------------------------------------------------ AdmissionCore
 
     def arrive(self, id: str, cls: PriorityClass, tenant: str, *,
-               wait_budget: float | None = None, enforce: bool = False) -> Decision:
+               wait_budget: float | None = None, enforce: bool = False,
+               cost: float = 1.0) -> Decision:
         now = self._clock()
         adm = Admission(id, cls, tenant, now)
         self._held[id] = adm
         self._inflight[cls] += 1
         admitted = Admitted(adm, waited=0.0, queued=False)
         self._events.append(admitted)
-        self._remember(id, self._shadow_arrive(id, cls, tenant, wait_budget, enforce))
+        self._remember(id, self._shadow_arrive(id, cls, tenant, wait_budget, enforce, cost))
         return admitted
 
     def _shadow_arrive(self, id: str, cls: PriorityClass, tenant: str,
-                       wait_budget: float | None, enforce: bool) -> Verdict:
+                       wait_budget: float | None, enforce: bool, cost: float) -> Verdict:
         if self._bucket is not None and not self._bucket.try_take():
             self._decided(cls, tenant, Outcome.REJECTED_QUEUE_FULL)
             return self._rate_limited
         decision = self.shadow.arrive(id, cls, tenant, wait_budget=wait_budget,
-                                      enforce=enforce)
+                                      enforce=enforce, cost=cost)
         if isinstance(decision, Queued):
             self._shadow_queued.add(id)
         self._drain()  # counts an Admitted or Rejected decision from its event

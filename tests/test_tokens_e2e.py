@@ -190,3 +190,69 @@ async def test_a_burst_of_200_stays_within_the_budget_and_settle_only_overshoots
     print(f"settle-after-completion only: {len(over)} of {N} admitted, {total2} tokens served "
           f"(budget {BUDGET}, bound {BUDGET + errors})")
     assert len(over) == N and total2 > BUDGET + errors
+
+
+FAIR = """
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0}
+  bulk: {fair_queuing: tokens, queue_size: 200, queue_timeout_secs: 60}
+"""
+
+
+async def test_two_backlogged_tenants_one_with_20x_longer_requests_get_equal_tokens(
+        make_stack: StackFactory) -> None:
+    """One slot, held by a gated request while every request of both tenants queues;
+    then they are served one at a time. The workers' record of who ran in which order is
+    the ground truth; each request's cost is the documented estimate, computed here.
+    While both tenants wait, the tokens served to each stay within the bound (design:
+    "Token budgets", fairness): |S_a − S_b| ≤ C_a + C_b, C the tenant's largest request."""
+    stack = await make_stack(priority_yaml=FAIR, jwt_secret=SECRET, workers=1,
+                             max_running_requests=1, service_time=0.01, edge_shed=False)
+    fleet = stack.fleet
+    assert isinstance(fleet, Fleet)
+
+    def body(content: int, max_tokens: int) -> bytes:
+        return json.dumps({"model": "m", "max_tokens": max_tokens, "messages": [
+            {"role": "user", "content": "x" * content}]}).encode()
+
+    short, long = body(60, 10), body(2700, 200)
+    cost = {"acme": math.ceil(len(short) / 4) + 10, "beta": math.ceil(len(long) / 4) + 200}
+    assert 19 <= cost["beta"] / cost["acme"] <= 21  # 20x longer requests
+    head = {"x-smg-priority": "bulk"}
+    blocker = await Exchange.send(stack.listen_port, headers={
+        **head, "authorization": f"Bearer {make_token('holder', SECRET)}",
+        "x-fake-gate": "hold"}, body=short)
+    await until(stack, lambda m: m.get('smg_scheduler_inflight{class="bulk"}') == 1)
+    sent = []
+    for i in range(60):
+        for tenant, data in (("acme", short), ("beta", long)) if i < 8 else (("acme", short),):
+            sent.append(await Exchange.send(stack.listen_port, headers={
+                **head, "authorization": f"Bearer {make_token(tenant, SECRET)}",
+                "x-test-tenant": tenant}, body=data))
+    await until(stack, lambda m: m.get('smg_scheduler_queue_depth{class="bulk"}') == len(sent),
+                timeout=30)
+    fleet.gates.open("hold")
+    for ex in [blocker, *sent]:
+        await asyncio.wait_for(ex.read_head(), 60)
+        assert ex.status == 200
+        await ex.read_body()
+        await ex.close()
+    records = sorted((r for r in fleet.workers[0].records if "x-test-tenant" in r.headers),
+                     key=lambda r: r.service_started_at or 0.0)
+    order = [r.headers["x-test-tenant"] for r in records]
+    served = {"acme": 0, "beta": 0}
+    left = {"acme": order.count("acme"), "beta": order.count("beta")}
+    worst = 0
+    for tenant in order:
+        if min(left.values()) == 0:
+            break  # one tenant no longer waits: the stretch is over
+        served[tenant] += cost[tenant]
+        left[tenant] -= 1
+        worst = max(worst, abs(served["acme"] - served["beta"]))
+    bound = cost["acme"] + cost["beta"]
+    print(f"token service while both waited: acme {served['acme']}, beta {served['beta']}; "
+          f"largest gap {worst} (bound {bound}); order {''.join(t[0] for t in order[:30])}...")
+    assert worst <= bound
+    assert served["beta"] >= cost["beta"]  # the long tenant was served, not starved

@@ -458,11 +458,14 @@ class FleetController:
     # ------------------------------------------------------------------ admission
 
     async def admit(self, cls: PriorityClass, tenant: str, *,
-                    wait_budget: float | None = None, enforce: bool = False) -> Admitted:
+                    wait_budget: float | None = None, enforce: bool = False,
+                    cost: float = 1.0) -> Admitted:
         """Admit through the ledger (or locally while degraded), wait, or raise :class:`Denied`.
 
         The ledger predicts no waits: ``wait_budget`` and ``enforce`` are not used (a
-        pool in a fleet has no deadline: docs/design.md, "Deadlines")."""
+        pool in a fleet has no deadline: docs/design.md, "Deadlines"). Its fair queuing
+        counts requests: ``cost`` is not used either (``fair_queuing: tokens`` is per
+        request in a fleet)."""
         if self._bucket is not None:
             allowed = self._bucket.try_take()
             self._metrics.rate_limit(allowed)

@@ -56,8 +56,10 @@ class LegacyAdmission:
         return self.limit is None or len(self._admitted) < self.limit
 
     def arrive(self, id: str, cls: PriorityClass, tenant: str, *,
-               wait_budget: float | None = None, enforce: bool = False) -> Decision:
-        """Legacy admission predicts nothing: a wait budget never refuses here."""
+               wait_budget: float | None = None, enforce: bool = False,
+               cost: float = 1.0) -> Decision:
+        """Legacy admission predicts nothing: a wait budget never refuses here (one FIFO:
+        a cost changes nothing)."""
         now = self.clock()
         self._dispatch(now)
         if not self._queue and self._has_slot():

@@ -171,6 +171,7 @@ class Waiter:
     deadline: float
     predicted: float | None = None  # its predicted wait when it queued (None: no estimate)
     ahead: int = 0  # waiters of its class in front of it when it queued
+    cost: float = 1.0  # what serving it costs its tenant's turn: 1, or its tokens
 
 
 # ----------------------------------------------------------------------------- events

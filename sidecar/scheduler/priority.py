@@ -181,7 +181,8 @@ class Scheduler:
     # ---------------------------------------------------------------- mutations
 
     def arrive(self, id: str, cls: PriorityClass, tenant: str, *,
-               wait_budget: float | None = None, enforce: bool = False) -> Decision:
+               wait_budget: float | None = None, enforce: bool = False,
+               cost: float = 1.0) -> Decision:
         """new → ADMITTED, QUEUED, rejected_queue_full or (``wait_budget`` given and
         ``enforce``) rejected_over_target.
 
@@ -209,7 +210,7 @@ class Scheduler:
                 return admitted
         # Earlier arrivals of this class keep FIFO order: this one queues behind
         # them (the dispatch above already preempted for their head if it could).
-        return self._enqueue(id, cls, tenant, now, wait_budget, enforce)
+        return self._enqueue(id, cls, tenant, now, wait_budget, enforce, cost)
 
     def cancel(self, id: str) -> bool:
         """QUEUED → client_cancelled (the client went away). False if ``id`` is not queued."""
@@ -356,7 +357,7 @@ class Scheduler:
         self._ended.add(adm.id, reason)
 
     def _enqueue(self, id: str, cls: PriorityClass, tenant: str, now: float,
-                 wait_budget: float | None, enforce: bool) -> Decision:
+                 wait_budget: float | None, enforce: bool, cost: float = 1.0) -> Decision:
         cfg = self._cfg[cls]
         queue = self._queue[cls]
         limit = cfg.tenant_queue_limit  # not None: the queue is a TenantQueue
@@ -375,7 +376,7 @@ class Scheduler:
                 self._events.append(event)
                 return event
         waiter = Waiter(id, cls, tenant, now, now + cfg.queue_timeout_secs, predicted,
-                        ahead=len(queue))
+                        ahead=len(queue), cost=cost)
         self._queues.push(waiter)
         return Queued(waiter)
 

@@ -35,6 +35,16 @@ credit for having been idle. Chosen over the alternatives because:
   timed-out waiter needs no re-tagging (its tenant's next waiter inherits the
   turn) and a tenant's own requests stay FIFO.
 
+**Token-weighted** (``fair_queuing: tokens``, the class's ``fair_cost``): a turn costs the
+served waiter's tokens (its estimate at the Check, at least 1) over its tenant's weight,
+so tenants are served equal *tokens* by weight, not equal requests: VTC's fairness (Sheng
+et al., OSDI 2024: the least-served backlogged client goes next; a client that becomes
+backlogged starts from the others' virtual time, so idleness earns no credit), with
+SCFQ's bound for packets of different sizes: over any stretch in which tenants i and j
+both wait, the tokens served to each satisfy |S_i/w_i − S_j/w_j| ≤ C_i/w_i + C_j/w_j,
+C_t the largest request tenant t had served in it (tests/test_token_fairness.py). A
+waiter's tag is set when it reaches the head of its tenant's FIFO, from its own cost.
+
 Ties (equal tags) go to the turn tagged first, so equal-weight tenants
 alternate in the order they started waiting. Tags restart from 0 whenever the
 class queue empties, which keeps the floats small.
@@ -101,7 +111,9 @@ class _Flow:
 
     def __init__(self, cost: float) -> None:
         self.queue: OrderedDict[str, Waiter] = OrderedDict()
-        self.cost = cost  # 1 / weight: how far one served request moves the tag
+        # 1 / weight: how far serving one request (by requests) or one token (by tokens)
+        # moves the tag.
+        self.cost = cost
         self.tag = 0.0  # virtual finish time of its next turn
         self.seq = 0  # identifies its live heap entry (older entries are stale)
 
@@ -109,11 +121,13 @@ class _Flow:
 class TenantQueue:
     """A class's waiters in per-tenant FIFOs, served by fair queuing or by arrival."""
 
-    __slots__ = ("_all", "_flows", "_heap", "_seq", "_vtime", "fair", "weights")
+    __slots__ = ("_all", "_flows", "_heap", "_seq", "_vtime", "fair", "tokens", "weights")
 
-    def __init__(self, *, fair: bool, weights: Mapping[str, float]) -> None:
+    def __init__(self, *, fair: bool, weights: Mapping[str, float],
+                 tokens: bool = False) -> None:
         self.fair = fair
         self.weights = weights
+        self.tokens = tokens  # a turn costs the waiter's tokens, not 1
         self._all: OrderedDict[str, Waiter] = OrderedDict()  # every waiter, by arrival
         self._flows: dict[str, _Flow] = {}  # tenants with a waiter
         # (tag, seq, tenant): one live entry per flow under fair queuing.
@@ -153,7 +167,7 @@ class TenantQueue:
             flow = self._flows[waiter.tenant] = _Flow(1.0 / self.weights.get(waiter.tenant, 1.0))
             if self.fair:
                 # Joins at the current virtual time: no credit for having been idle.
-                flow.tag = self._vtime + flow.cost
+                flow.tag = self._vtime + self._step(flow, waiter)
                 self._push(flow, waiter.tenant)
         flow.queue[waiter.id] = waiter
 
@@ -168,7 +182,7 @@ class TenantQueue:
         del self._all[waiter.id]
         self._vtime = flow.tag
         if flow.queue:
-            flow.tag += flow.cost
+            flow.tag += self._step(flow, next(iter(flow.queue.values())))
             flow.seq = next(self._seq)
             heapq.heapreplace(self._heap, (flow.tag, flow.seq, waiter.tenant))
         else:
@@ -184,12 +198,23 @@ class TenantQueue:
 
     # ------------------------------------------------------------------ internals
 
+    def _step(self, flow: _Flow, waiter: Waiter) -> float:
+        """How far serving ``waiter`` moves its tenant's tag."""
+        return flow.cost * max(1.0, waiter.cost) if self.tokens else flow.cost
+
     def _drop(self, waiter: Waiter) -> None:
         flow = self._flows[waiter.tenant]
+        was_head = self.fair and self.tokens and next(iter(flow.queue)) == waiter.id
         del flow.queue[waiter.id]
         if not flow.queue:
             del self._flows[waiter.tenant]  # its heap entry goes stale
             self._maybe_reset()
+        elif was_head:
+            # The turn was tagged with the head's tokens: the next waiter takes it at its
+            # own (by requests every waiter costs the same, so the tag stands).
+            flow.tag += self._step(flow, next(iter(flow.queue.values()))) - self._step(
+                flow, waiter)
+            self._push(flow, waiter.tenant)
 
     def _maybe_reset(self) -> None:
         if not self._all:
@@ -221,7 +246,8 @@ ClassQueue = FifoQueue | TenantQueue
 def queue_for(settings: ClassSettings) -> ClassQueue:
     """The kind of queue ``settings`` ask for (empty)."""
     if settings.fair_queuing or settings.tenant_queue_limit is not None:
-        return TenantQueue(fair=settings.fair_queuing, weights=settings.tenant_weights)
+        return TenantQueue(fair=settings.fair_queuing, weights=settings.tenant_weights,
+                           tokens=settings.fair_queuing and settings.fair_cost == "tokens")
     return FifoQueue()
 
 
@@ -229,7 +255,8 @@ def _same_kind(queue: ClassQueue, settings: ClassSettings) -> bool:
     if isinstance(queue, FifoQueue):
         return not settings.fair_queuing and settings.tenant_queue_limit is None
     if settings.fair_queuing:
-        return queue.fair and queue.weights == settings.tenant_weights
+        return (queue.fair and queue.weights == settings.tenant_weights
+                and queue.tokens == (settings.fair_cost == "tokens"))
     return not queue.fair and settings.tenant_queue_limit is not None
 
 

@@ -33,6 +33,9 @@ class ClassSettings:
     """Whether an arrival of this class may stop a lower-class request before its first byte."""
     fair_queuing: bool = False
     """Serve the class's waiters across tenants by weighted fair queuing (False: one FIFO)."""
+    fair_cost: str = "requests"
+    """What a fair turn costs: ``requests`` (one per request) or ``tokens`` (its token
+    estimate: YAML ``fair_queuing: tokens``, token-weighted fairness as VTC's)."""
     max_queued_per_tenant: int | None = None
     """A tenant's waiters at most; one more is refused with 429 (None: no per-tenant limit)."""
     ttft_target_ms: float | None = None
