@@ -29,9 +29,10 @@ docs/design.md, "Pools in a fleet".
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from sidecar import logs
@@ -57,7 +58,9 @@ from sidecar.scheduler import (
 from sidecar.shadow import ShadowCore
 from sidecar.tokens import (
     Allowed,
+    Budget,
     OverBudget,
+    Remaining,
     RequestFacts,
     Reservation,
     Stage,
@@ -103,6 +106,11 @@ TOKEN_SWEEP_SECS = 5.0
 # Ids charged at their estimate, remembered so that a final entry arriving after all is
 # counted (settle_late) rather than unknown.
 CHARGED_MEMORY = 4096
+# With --coordination-url: how long a Check waits for the ledger's budget answer (then it
+# is admitted unreserved, counted ledger_unavailable), and how often a settle or cancel the
+# ledger did not take is sent again (1 s apart) before it is left to the replica's reaping.
+LEDGER_TOKEN_TIMEOUT = 1.0
+LEDGER_TOKEN_RETRIES = 60
 
 
 class BudgetDenied(Exception):
@@ -188,8 +196,10 @@ class Pool:
         self._budget_verdicts: OrderedDict[str, OverBudget] = OrderedDict()  # --shadow
         self._charged: OrderedDict[str, None] = OrderedDict()
         self._sweep: asyncio.TimerHandle | None = None
+        self._budgets: Mapping[str, tuple[Budget, ...]] = {}
+        self._ledger_tasks: set[asyncio.Task[None]] = set()
         self._configure_tokens(config)
-        metrics.tokens_started(lambda: self.book.remaining(self._wall()))
+        metrics.tokens_started(self._remaining)
 
     @property
     def legacy(self) -> bool:
@@ -215,8 +225,12 @@ class Pool:
         it takes a place in a queue). The reservation is given back if the request is not
         admitted after all, and bound to its admission id if it is.
         """
-        reservation, shadowed = (None, None) if facts is None else self._reserve(cls, tenant,
-                                                                                facts)
+        if facts is None:
+            reservation, shadowed = None, None
+        elif self.fleet is not None:
+            reservation, shadowed = await self._reserve_in_ledger(cls, tenant, facts)
+        else:
+            reservation, shadowed = self._reserve(cls, tenant, facts)
         try:
             # fair_queuing: tokens serves a class's tenants by these tokens.
             admitted = await self.controller.admit(
@@ -226,6 +240,7 @@ class Pool:
         except BaseException:
             if reservation is not None:
                 self.book.cancel(reservation)
+                self._ledger_cancel(reservation)
             raise
         if reservation is not None:
             aid = admitted.admission.id
@@ -240,7 +255,10 @@ class Pool:
 
     def _configure_tokens(self, cfg: PriorityConfig) -> None:
         self.tokens = cfg.tokens_for(self.name)
-        self.book.configure(cfg.budgets if self.tokens is not None else {},
+        self._budgets = cfg.budgets if self.tokens is not None else {}
+        # In a fleet the ledger keeps the budgets; the book here only follows each
+        # reservation's stages (settle, cancel, the sweep).
+        self.book.configure(self._budgets if self.fleet is None else {},
                             self.tokens or TokenSettings())
         if self.fleet is not None and any(c.fair_cost == "tokens"
                                           for c in cfg.classes_for(self.name).values()):
@@ -248,14 +266,6 @@ class Pool:
                              reason="the fleet ledger's fair queuing counts requests: "
                                     "fair_queuing: tokens serves tenants by requests "
                                     "with --coordination-url")
-        if self.fleet is not None and self.book.active:
-            # The fleet ledger keeps no token budgets yet: each replica's book counts only
-            # what it admitted, so a fleet of N passes a budget up to N times. Said loudly.
-            self.log.warning("token_budgets_per_replica",
-                             reason="with --coordination-url each replica enforces the "
-                                    "budgets on its own admissions only (the ledger keeps "
-                                    "no token budgets): a fleet of N replicas admits up to "
-                                    "N times a budget")
 
     def _reserve(self, cls: PriorityClass, tenant: str, facts: RequestFacts
                  ) -> tuple[Reservation | None, OverBudget | None]:
@@ -276,6 +286,82 @@ class Pool:
         if verdict.reservation is None:
             raise BudgetDenied(verdict)
         return verdict.reservation, verdict if self.shadow is not None else None
+
+    async def _reserve_in_ledger(self, cls: PriorityClass, tenant: str, facts: RequestFacts
+                                 ) -> tuple[Reservation | None, OverBudget | None]:
+        """The Check's reservation in the fleet's ledger (one call, only for a tenant with
+        budgets), the book here following its stages."""
+        settings, fleet = self.tokens, self.fleet
+        if settings is None or fleet is None:
+            return None, None
+        est = estimate(facts, settings)
+        for why in est.fallbacks:
+            self.metrics.token_fallback(why)
+        local = self.book.reserve(tenant, est, cls.label, self._wall())
+        assert isinstance(local, Allowed)  # no budgets here: the ledger decides
+        r = local.reservation
+        budgets = self._budgets.get(tenant, ())
+        if not budgets:
+            return r, None
+        enforce = settings.budget_mode == "enforce" and self.shadow is None
+        r.ledger_id = secrets.token_hex(16)
+        try:
+            verdict = await asyncio.wait_for(fleet.ledger.tok_reserve(
+                r.ledger_id, tenant, est.total, budgets, enforce=enforce,
+                reserve=settings.accounting == "reserve"), LEDGER_TOKEN_TIMEOUT)
+        except asyncio.CancelledError:
+            self.book.cancel(r)
+            self._ledger_cancel(r)  # it may have been taken before the client left
+            raise
+        except Exception as exc:  # unreachable, slow, refused: admitted unreserved
+            self.log.debug("token_ledger_unavailable", error=str(exc)[:200])
+            self.metrics.token_fallback("ledger_unavailable")
+            r.ledger_id = ""
+            return r, None
+        if verdict is None:
+            return r, None
+        self.metrics.token_budget_refused(cls, verdict.window, enforce)
+        if enforce:
+            self.book.cancel(r)
+            raise BudgetDenied(verdict)
+        return r, verdict if self.shadow is not None else None
+
+    def _ledger_send(self, what: str, make: Callable[[], Awaitable[object]]) -> None:
+        """Send a settle or cancel to the ledger in the background, again every second
+        while it fails (the ledger charges a reaped replica's reservations anyway)."""
+        async def send() -> None:
+            for _ in range(LEDGER_TOKEN_RETRIES):
+                try:
+                    await asyncio.wait_for(make(), LEDGER_TOKEN_TIMEOUT)
+                    return
+                except Exception as exc:
+                    self.log.debug("token_ledger_retry", op=what, error=str(exc)[:200])
+                await asyncio.sleep(1.0)
+        task = asyncio.get_running_loop().create_task(send())
+        self._ledger_tasks.add(task)
+        task.add_done_callback(self._ledger_tasks.discard)
+
+    def _ledger_cancel(self, r: Reservation) -> None:
+        if self.fleet is not None and r.ledger_id:
+            ledger, lid = self.fleet.ledger, r.ledger_id
+            self._ledger_send("tok_cancel", lambda: ledger.tok_cancel(lid))
+
+    def _ledger_settle(self, r: Reservation, used: int) -> None:
+        if self.fleet is not None and r.ledger_id:
+            ledger, lid = self.fleet.ledger, r.ledger_id
+            budgets = self._budgets.get(r.tenant, ())
+            self._ledger_send("tok_settle", lambda: ledger.tok_settle(lid, used, budgets))
+
+    def _remaining(self) -> Iterator[Remaining]:
+        """Each budgeted tenant's windows: the book's, or in a fleet what the ledger
+        answered this replica's last accepted Check of the tenant."""
+        if self.fleet is None:
+            yield from self.book.remaining(self._wall())
+            return
+        for tenant, (reserved, used) in self.fleet.ledger.token_views.items():
+            for b in self._budgets.get(tenant, ()):
+                yield Remaining(tenant, b.window.name, b.tokens, used.get(b.window.name, 0),
+                                reserved)
 
     def _remember_verdict(self, aid: str, verdict: OverBudget) -> None:
         self._budget_verdicts[aid] = verdict
@@ -299,6 +385,7 @@ class Pool:
             return
         used, why = settle_amount(entry.usage, r.estimate, settings or TokenSettings())
         self.book.settle(aid, used, self._wall())
+        self._ledger_settle(r, used)
         cls = PriorityClass.from_name(r.cls) or PriorityClass.DEFAULT
         if why is not None:
             self.metrics.token_fallback(why)
@@ -320,6 +407,7 @@ class Pool:
             if stage is Stage.HELD:
                 self.book.ended(aid)
             elif (r := self.book.charge(aid, now)) is not None:
+                self._ledger_settle(r, r.estimate.total)
                 self.metrics.token_fallback("charged_estimate")
                 cls = PriorityClass.from_name(r.cls) or PriorityClass.DEFAULT
                 self.metrics.tokens_settled(cls, r.estimate.total, None)

@@ -147,7 +147,7 @@ class Budget:
 
 FALLBACKS = ("not_json", "no_length", "max_tokens_missing", "max_tokens_invalid",
              "max_tokens_clamped", "usage_missing", "usage_invalid", "usage_absurd",
-             "charged_estimate", "settle_late")
+             "charged_estimate", "settle_late", "ledger_unavailable")
 """Every counted fallback (``smg_sidecar_token_fallback_total{reason}``): where an input
 was missing or could not be used, and what was used instead (docs/reference.md)."""
 
@@ -325,6 +325,7 @@ class Reservation:
     cls: str
     stage: Stage = Stage.PENDING
     key: str = ""
+    ledger_id: str = ""  # with --coordination-url: its reservation in the fleet's ledger
 
 
 @dataclass(slots=True)

@@ -18,13 +18,16 @@ import json
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
 from devtools.demo import make_token
 from devtools.fleet import Fleet
 from devtools.httpclient import Exchange
-from devtools.stack import Stack
+from devtools.stack import Replicas, Stack, StackConfig
+from sidecar.coordination.ledger import FleetLedger
 from tests.conftest import StackFactory, settle, until
 
 pytestmark = pytest.mark.e2e
@@ -85,12 +88,15 @@ def worker_tokens(fleet: Fleet) -> dict[int, int]:
             for r in w.records if r.outcome == "finished"}
 
 
-async def burst(stack: Stack, sent: list[Sent]) -> None:
-    """All at once; each held at its worker until every Check is answered."""
+async def burst(stack: Stack, sent: list[Sent], ports: list[int] | None = None) -> None:
+    """All at once (round robin over ``ports``, several replicas' Envoys); each held at its
+    worker until every Check is answered."""
     head = {"authorization": f"Bearer {make_token('acme', SECRET)}",
             "x-smg-priority": "interactive", "x-fake-gate": "burst"}
-    exchanges = [await Exchange.send(stack.listen_port, headers={**head, "x-test-id": str(s.i)},
-                                     body=s.body) for s in sent]
+    ports = ports or [stack.listen_port]
+    exchanges = [await Exchange.send(ports[s.i % len(ports)],
+                                     headers={**head, "x-test-id": str(s.i)}, body=s.body)
+                 for s in sent]
 
     async def answered(s: Sent, ex: Exchange) -> None:
         await asyncio.wait_for(ex.read_head(), 60)
@@ -256,3 +262,56 @@ async def test_two_backlogged_tenants_one_with_20x_longer_requests_get_equal_tok
           f"largest gap {worst} (bound {bound}); order {''.join(t[0] for t in order[:30])}...")
     assert worst <= bound
     assert served["beta"] >= cost["beta"]  # the long tenant was served, not starved
+
+
+async def test_fleet_wide_the_same_burst_over_three_replicas_stays_within_the_bound(
+        tmp_path: Path) -> None:
+    """Three replicas (an Envoy and a sidecar each) on one valkey-server and one fleet of
+    workers; the burst is spread over their three Envoys. The budget is the ledger's, so the
+    same bound holds fleet-wide: the workers' own count within the budget plus the
+    estimates' error, each refusal the 429 with its code, and the remaining budget (what
+    the ledger answered) the budget less what the workers served."""
+    seed = random.randrange(2**32)
+    print(f"seed {seed}")
+    reps = Replicas(StackConfig(priority_yaml=PRIORITY.format(mode="reserve", budget=BUDGET),
+                                jwt_secret=SECRET, workers=2, max_running_requests=N // 2,
+                                completion_tokens=GENERATED), n=3, workdir=tmp_path)
+    await reps.start()
+    try:
+        if _seconds_to_midnight() < 120:
+            await asyncio.sleep(_seconds_to_midnight() + 1)
+        sent = requests(seed)
+        await burst(reps.stacks[0], sent, [s.listen_port for s in reps.stacks])
+        served = worker_tokens(reps.fleet)
+        admitted = [s for s in sent if s.status == 200]
+        refused = [s for s in sent if s.status != 200]
+        assert {s.i for s in admitted} == set(served)
+        total = sum(served.values())
+        errors = sum(max(0, served[s.i] - s.estimate) for s in admitted)
+        print(f"three replicas: {len(admitted)} of {N} admitted, {total} tokens served "
+              f"(budget {BUDGET}, bound {BUDGET + errors})")
+        assert total <= BUDGET + errors
+        assert refused and sum(s.estimate for s in admitted) + min(
+            s.estimate for s in refused) > BUDGET
+        for s in refused:
+            assert s.status == 429 and s.headers is not None
+            assert s.headers["x-smg-error-code"] == "scheduler_token_budget_exceeded"
+        per_replica = [await st.metric("smg_sidecar_token_budget_refused_total",
+                                       action="refused", window="day",
+                                       **{"class": "interactive"}) for st in reps.stacks]
+        assert sum(per_replica) == len(refused) and min(per_replica) > 0, per_replica
+        # Every settle reached the ledger: nothing is reserved any more, and the day's use
+        # there is, to the token, what the workers served.
+        observer = FleetLedger(aioredis.from_url(reps.server.url, decode_responses=True),
+                               reps.fleet_id, "observer")
+        try:
+            for _ in range(200):
+                reserved, used = (await observer.tok_view("acme"))["acme"]
+                if reserved == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert (reserved, used["day"]) == (0, total)
+        finally:
+            await observer.client.aclose()
+    finally:
+        await reps.stop()

@@ -93,6 +93,13 @@
 --               (ttl, keep, settle_secs, the settling window: settle, frozen) and of the class
 --               settings as last stored (class0..3: encode_class's text), so that losing
 --               P:fleet, P:cfg, P:tcfg or P:wt:<c> loses nothing (see "Keys lost" below)
+--   P:tok:<t>   HASH, tenant t's token budgets (sidecar/tokens.py's TokenBook, fleet-wide):
+--               r (tokens reserved by its running requests), w (its windows as last given,
+--               "name secs;..." for a reaped reservation's charge), u:<name> (tokens settled
+--               in the window's period), s:<name> (that period's start)
+--   P:tokres    HASH id -> "replica amount tenant": an open reservation
+--   P:tokown:<r> SET of replica r's open reservations: charged at their amount when r is
+--               reaped (no final entry will settle them), as a pool's sweep does in process
 --   P:ghosts    ZSET id -> expiry: admissions the ledger knows it counted but whose ids were
 --               lost (see rebuild_admissions()); held by the pseudo-owner GHOST, "{lost}",
 --               which no replica id can be (no braces), in P:adm and P:own:{lost}
@@ -135,7 +142,7 @@ local function note(cause)
 end
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
   K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT, K_REG, K_HEARD, K_LAPSED,
-  K_RETIRED, K_META, K_GHOSTS
+  K_RETIRED, K_META, K_GHOSTS, K_TOKRES
 
 local function set_prefix(p)
   P = p
@@ -163,6 +170,7 @@ local function set_prefix(p)
   K_RETIRED = P .. ':retired'
   K_META = P .. ':meta'
   K_GHOSTS = P .. ':ghosts'
+  K_TOKRES = P .. ':tokres'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
@@ -171,6 +179,8 @@ local function k_turn(c) return P .. ':turn:' .. c end
 local function k_flow(c) return P .. ':flow:' .. c end
 local function k_wt(c) return P .. ':wt:' .. c end
 local function k_own(r) return P .. ':own:' .. r end
+local function k_tok(t) return P .. ':tok:' .. t end
+local function k_tokown(r) return P .. ':tokown:' .. r end
 local function k_ev(r) return P .. ':ev:' .. r end
 
 local REAPED = 'replica_expired'
@@ -410,6 +420,44 @@ CHECK.cancel = function(a)
 end
 CHECK.mark_preemptible = check_ids
 CHECK.mark_first_byte = check_ids
+-- Token budgets: windows as "name secs limit" triplets after their count (tokens.Window:
+-- secs 0 is the calendar month).
+local MAX_TOKENS = 1e12
+local MAX_WINDOW = 31 * 86400
+local function check_windows(a, from, op)
+  local n = a_int('windows', a[from], 0, 8)
+  if #a ~= from + 3 * n then fail(op, #a, 'takes ' .. (from + 3 * n) .. ' arguments') end
+  for i = from + 1, from + 3 * n, 3 do
+    if type(a[i]) ~= 'string' or not string.find(a[i], '^%w+$') or #a[i] > 16 then
+      fail('window', a[i], 'must be 1..16 letters and digits')
+    end
+    local secs = a_int('window seconds', a[i + 1], 0, MAX_WINDOW)
+    if secs ~= 0 and secs < 60 then fail('window seconds', a[i + 1], 'must be 0 or >= 60') end
+    a_int('window tokens', a[i + 2], 0, MAX_TOKENS)
+  end
+end
+CHECK.tok_reserve = function(a, who)
+  if a[1] ~= who or who == '' then fail('replica', a[1], 'must be the calling replica') end
+  a_id('id', a[2])
+  a_tenant('tenant', a[3])
+  a_int('tokens', a[4], 0, MAX_TOKENS)
+  a_flag('enforce', a[5])
+  a_flag('reserve', a[6])
+  check_windows(a, 7, 'tok_reserve')
+end
+CHECK.tok_settle = function(a)
+  a_id('id', a[1])
+  a_int('tokens', a[2], 0, MAX_TOKENS)
+  check_windows(a, 3, 'tok_settle')
+end
+CHECK.tok_cancel = function(a)
+  a_arity('tok_cancel', a, 1)
+  a_id('id', a[1])
+end
+CHECK.tok_view = function(a)
+  if #a < 1 or #a > 64 then fail('tok_view', #a, 'takes 1..64 tenants') end
+  for _, t in ipairs(a) do a_tenant('tenant', t) end
+end
 CHECK.tick = function(a) a_arity('tick', a, 0) end
 CHECK.snapshot = function(a) a_arity('snapshot', a, 0) end
 CHECK.multi = function(a, who)
@@ -978,6 +1026,119 @@ local function dispatch()
   while admit_starved() or admit_by_priority() or preempt_for_queued() do end
 end
 
+-- ------------------------------------------------------------------------ token budgets
+-- A port of sidecar/tokens.py's TokenBook (tests/test_ledger_tokens.py drives both with the
+-- same operations and requires the same answers): fixed windows on the server's clock, a
+-- reservation per running request, settled by its usage.
+
+-- Days since 1970-01-01 of a civil date, and back (Howard Hinnant's algorithms).
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doy = math.floor((153 * mp + 2) / 5) + d - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+local function civil_from_days(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+
+-- (start, end) of a window's period holding t (tokens.Window.period).
+local function period(name, secs, t)
+  if secs == 0 then
+    local y, m = civil_from_days(math.floor(t / 86400))
+    local ny, nm = y, m + 1
+    if nm > 12 then ny, nm = y + 1, 1 end
+    return days_from_civil(y, m, 1) * 86400, days_from_civil(ny, nm, 1) * 86400
+  end
+  local off = name == 'week' and 4 * 86400 or 0
+  local start = math.floor((t - off) / secs) * secs + off
+  return start, start + secs
+end
+
+-- The tenant's settled tokens in each window's current period (periods roll on read).
+local function tok_used(t, windows)
+  local key, out = k_tok(t), {}
+  for i, w in ipairs(windows) do
+    local start, stop = period(w.name, w.secs, now)
+    local s = tonumber(redis.call('HGET', key, 's:' .. w.name))
+    if s == nil or s ~= start then
+      redis.call('HSET', key, 's:' .. w.name, fmt(start), 'u:' .. w.name, '0')
+      out[i] = {used = 0, stop = stop}
+    else
+      out[i] = {used = tonumber(redis.call('HGET', key, 'u:' .. w.name)) or 0, stop = stop}
+    end
+  end
+  return out
+end
+
+local function tok_windows(a, from)
+  local windows = {}
+  for i = from + 1, from + 3 * tonumber(a[from]), 3 do
+    windows[#windows + 1] = {name = a[i], secs = tonumber(a[i + 1]), limit = tonumber(a[i + 2])}
+  end
+  return windows
+end
+
+local function encode_windows(windows)
+  local parts = {}
+  for _, w in ipairs(windows) do parts[#parts + 1] = w.name .. ' ' .. int(w.secs) end
+  return table.concat(parts, ';')
+end
+
+local function decode_windows(s)
+  local windows = {}
+  if s == false or s == nil or s == '' then return windows end
+  for part in string.gmatch(s, '[^;]+') do
+    local name, secs = string.match(part, '^(%w+) (%d+)$')
+    if name ~= nil then windows[#windows + 1] = {name = name, secs = tonumber(secs)} end
+  end
+  return windows
+end
+
+-- used tokens settled to the tenant in every window's current period.
+local function tok_charge(t, used, windows)
+  if #windows == 0 then return end
+  tok_used(t, windows)
+  for _, w in ipairs(windows) do redis.call('HINCRBY', k_tok(t), 'u:' .. w.name, int(used)) end
+end
+
+-- An open reservation out of the book: its tokens no longer reserved. -> the record.
+local function tok_take(id)
+  local rec = redis.call('HGET', K_TOKRES, id)
+  if rec == false then return nil end
+  local r, amount, tenant = string.match(rec, '^(%S+) (%d+) (.*)$')
+  redis.call('HDEL', K_TOKRES, id)
+  redis.call('SREM', k_tokown(r), id)
+  if amount ~= '0' then redis.call('HINCRBY', k_tok(tenant), 'r', '-' .. amount) end
+  return {replica = r, amount = tonumber(amount), tenant = tenant}
+end
+
+-- A reaped replica's reservations: no final entry will settle them; their estimate counts.
+local function tok_drop_replica(r)
+  for _, id in ipairs(redis.call('SMEMBERS', k_tokown(r))) do
+    local rec = tok_take(id)
+    if rec ~= nil then
+      tok_charge(rec.tenant, rec.amount,
+                 decode_windows(redis.call('HGET', k_tok(rec.tenant), 'w')))
+    end
+  end
+  redis.call('DEL', k_tokown(r))
+end
+
 -- A replica whose heartbeat lapsed loses its admissions and waiters; its notifications go.
 local function drop_replica(r)
   for _, id in ipairs(redis.call('SMEMBERS', k_own(r))) do
@@ -990,6 +1151,7 @@ local function drop_replica(r)
     end
   end
   redis.call('DEL', k_own(r), k_ev(r))
+  tok_drop_replica(r)
   redis.call('SREM', K_RETURNING, r)
   redis.call('HDEL', K_INC, r)
   redis.call('HDEL', K_RETIRED, r)
@@ -1313,6 +1475,9 @@ local function take_over()
     end
   end
   redis.call('DEL', k_ev(caller))
+  -- The old process's token reservations: the new one cannot tell which request each was
+  -- (its ids were the old process's own), so none will be settled: their estimates count.
+  tok_drop_replica(caller)
 end
 
 -- A call from an incarnation a newer process of its replica id took over: refused before it
@@ -1744,6 +1909,97 @@ ops.arrive = function(a)
   redis.call('SADD', k_own(r), id)
   if cf[c].tenant then join(c, cf[c], id, tenant, seq) end
   return {'queued', fmt(cf[c].timeout)}
+end
+
+-- tok_reserve replica id tenant tokens enforce reserve n [name secs limit]*n
+-- The Check of a request estimated at ``tokens`` (TokenBook.reserve): in every window,
+-- settled + reserved + tokens <= limit, else refused. reserve 0: settle_only (nothing held
+-- while it runs). enforce 0: a refusal is reported, the request reserved all the same.
+-- Reply: {"ok"} | {"refused"|"counted", window, retry_after, limit, used, reserved, never}
+ops.tok_reserve = function(a)
+  local r, id, t, amount = a[1], a[2], a[3], tonumber(a[4])
+  local enforce, reserve = a[5] == '1', a[6] == '1'
+  local windows = tok_windows(a, 7)
+  if redis.call('HEXISTS', K_TOKRES, id) == 1 then return {'duplicate'} end
+  local refusal = nil
+  if #windows > 0 then
+    local reserved = reserve and (tonumber(redis.call('HGET', k_tok(t), 'r')) or 0) or 0
+    local used = tok_used(t, windows)
+    for i, w in ipairs(windows) do
+      local u = used[i].used
+      if u + reserved + amount > w.limit then
+        local wait, never
+        if amount > w.limit then
+          wait, never = used[i].stop - now, 1
+        elseif u + amount > w.limit then
+          wait, never = used[i].stop - now, 0
+        else
+          wait, never = 1.0, 0
+        end
+        if refusal == nil or wait > refusal.wait then
+          refusal = {name = w.name, wait = math.max(1.0, wait), limit = w.limit, used = u,
+                     reserved = reserved, never = never}
+        end
+      end
+    end
+    redis.call('HSET', k_tok(t), 'w', encode_windows(windows))
+  end
+  if refusal ~= nil and enforce then
+    return {'refused', refusal.name, fmt(refusal.wait), int(refusal.limit), int(refusal.used),
+            int(refusal.reserved), int(refusal.never)}
+  end
+  local held = (reserve and #windows > 0) and amount or 0
+  redis.call('HSET', K_TOKRES, id, r .. ' ' .. int(held) .. ' ' .. t)
+  redis.call('SADD', k_tokown(r), id)
+  if held > 0 then redis.call('HINCRBY', k_tok(t), 'r', int(held)) end
+  if refusal ~= nil then
+    return {'counted', refusal.name, fmt(refusal.wait), int(refusal.limit), int(refusal.used),
+            int(refusal.reserved), int(refusal.never)}
+  end
+  -- What the tenant has now (its reservation counted): for this replica's gauges.
+  local view = {'ok', int(tonumber(redis.call('HGET', k_tok(t), 'r')) or 0)}
+  if #windows > 0 then
+    for _, w in ipairs(windows) do
+      view[#view + 1] = w.name .. ' ' .. int(tonumber(redis.call('HGET', k_tok(t),
+                                                                'u:' .. w.name)) or 0)
+    end
+  end
+  return view
+end
+
+-- tok_settle id tokens n [name secs limit]*n: its usage replaces its reservation.
+-- -> "settled" | "unknown" (never reserved, already settled, cancelled or charged)
+ops.tok_settle = function(a)
+  local rec = tok_take(a[1])
+  if rec == nil then return 'unknown' end
+  tok_charge(rec.tenant, tonumber(a[2]), tok_windows(a, 3))
+  return 'settled'
+end
+
+-- tok_cancel id: the request never ran; its reservation is given back. -> "cancelled" |
+-- "unknown"
+ops.tok_cancel = function(a)
+  if tok_take(a[1]) == nil then return 'unknown' end
+  return 'cancelled'
+end
+
+-- tok_view tenant...: per tenant {reserved, "name used start"...} (periods as last rolled).
+ops.tok_view = function(a)
+  local out = {}
+  for _, t in ipairs(a) do
+    local key = k_tok(t)
+    local row = {int(tonumber(redis.call('HGET', key, 'r')) or 0)}
+    for _, w in ipairs(decode_windows(redis.call('HGET', key, 'w'))) do
+      local s = tonumber(redis.call('HGET', key, 's:' .. w.name))
+      local start = period(w.name, w.secs, now)
+      local used = (s ~= nil and s == start) and (tonumber(redis.call('HGET', key,
+                                                                         'u:' .. w.name)) or 0)
+        or 0
+      row[#row + 1] = w.name .. ' ' .. int(used)
+    end
+    out[#out + 1] = row
+  end
+  return out
 end
 
 -- release id reason -> "released" | "already_released" | "unknown"; exactly once fleet-wide.

@@ -77,6 +77,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from sidecar import logs
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import ClassSettings, ReleaseReason, ReleaseResult, scaled_reservations
+from sidecar.tokens import Budget, OverBudget
 
 _SOURCE = resources.files("sidecar.coordination").joinpath("ledger.lua").read_text()
 # The library and its function are named after the code: a server shared by replicas of
@@ -297,6 +298,19 @@ class FleetSnapshot:
     @property
     def total_inflight(self) -> int:
         return sum(self.inflight.values())
+
+
+def _window_args(budgets: Sequence[Budget]) -> list[str | int]:
+    """A tenant's budgets as the library takes them: their count, then name, seconds (0:
+    the calendar month) and amount of each."""
+    out: list[str | int] = [len(budgets)]
+    for b in budgets:
+        out += [b.window.name, b.window.seconds, b.tokens]
+    return out
+
+
+# A tok_reserve's answer: None (reserved), or the refusal.
+TokenVerdict = OverBudget | None
 
 
 def _holding_args(h: Holding) -> list[str | int]:
@@ -570,6 +584,9 @@ class FleetLedger:
         # a second deployment under the same fleet id (sidecar.coordination.server).
         self.identity = ""
         self.calls = 0  # ledger calls sent (round trips; for tests and benchmarks)
+        # Token budgets: each tenant's (reserved, settled per window) as the last accepted
+        # tok_reserve of this replica saw it (the pool's gauges, sidecar.pools).
+        self.token_views: dict[str, tuple[int, dict[str, int]]] = {}
         # The highest ledger generation acknowledged to us: a ledger found below it is an
         # older copy (ledger.lua, lose()). Per process, like the incarnation.
         self.generation = 0
@@ -870,6 +887,49 @@ class FleetLedger:
         if len(reply) == 3:
             return Arrival(status, victim=reply[1], victim_owner=reply[2])
         return Arrival(status)
+
+    # ----------------------------------------------------------------- token budgets
+
+    async def tok_reserve(self, id: str, tenant: str, tokens: int,
+                          budgets: Sequence[Budget], *, enforce: bool = True,
+                          reserve: bool = True) -> TokenVerdict:
+        """A request's Check against its tenant's budgets, fleet-wide (TokenBook.reserve on
+        the server's clock): ``None`` when it fits (reserved), else the refusal (reserved
+        all the same when not ``enforce``: ``reserved`` in the verdict says so)."""
+        reply = await self._call("tok_reserve", self.replica, id, tenant, tokens,
+                                 int(enforce), int(reserve), *_window_args(budgets))
+        status = str(reply[0])
+        if status == "ok":
+            used = {}
+            for cell in reply[2:]:
+                name, _, n = str(cell).partition(" ")
+                used[name] = int(n)
+            self.token_views[tenant] = (int(reply[1]), used)
+            return None
+        if status not in ("refused", "counted"):
+            raise ResponseError(f"tok_reserve: {status}")
+        return OverBudget(str(reply[1]), float(reply[2]), int(reply[3]), int(reply[4]),
+                          int(reply[5]), reply[6] == "1")
+
+    async def tok_settle(self, id: str, tokens: int, budgets: Sequence[Budget]) -> bool:
+        """Its usage replaces its reservation; False: no open reservation by that id."""
+        return str(await self._call("tok_settle", id, tokens, *_window_args(budgets))) == (
+            "settled")
+
+    async def tok_cancel(self, id: str) -> bool:
+        return str(await self._call("tok_cancel", id)) == "cancelled"
+
+    async def tok_view(self, *tenants: str) -> dict[str, tuple[int, dict[str, int]]]:
+        """Per tenant: tokens reserved by its running requests, and settled per window."""
+        rows = await self._call("tok_view", *tenants)
+        out: dict[str, tuple[int, dict[str, int]]] = {}
+        for tenant, row in zip(tenants, rows, strict=True):
+            used = {}
+            for cell in row[1:]:
+                name, _, n = str(cell).partition(" ")
+                used[name] = int(n)
+            out[tenant] = (int(row[0]), used)
+        return out
 
     async def release(self, id: str,
                       reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
