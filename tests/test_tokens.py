@@ -5,6 +5,7 @@ send, access-log entries carrying the usage), every figure against the test's ow
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import datetime
 import json
@@ -551,3 +552,77 @@ async def test_over_grpc_reserve_settle_refuse_with_the_windows_retry_after(h: H
     assert h.sample("smg_sidecar_token_fallback_total", reason="usage_missing") == 3
     assert h.sample("smg_sidecar_token_budget_exhausted", window="day") == 0
     assert h.app.pools[DEFAULT_POOL].book.reserved_total() == 0  # beta's counts nowhere
+
+
+async def _harness(tmp_path: Path, text: str, *extra: str) -> Harness:
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(text)
+    app = await build_runtime(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg),
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+        "--worker-capacity-override", "100", "--log-format", "json",
+        "--config-poll-secs", "0.1", *extra]))
+    await app.serve()
+    return Harness(app, EnvoyStandIn(app.grpc_port))
+
+
+SMALL = "tokens: {{budget_mode: {mode}}}\ntenant_policies:\n  acme: {{budgets: {{day: 300}}}}\n"
+
+
+@pytest.mark.parametrize("how", ["budget_mode", "--shadow"])
+async def test_shadow_admits_everything_and_reports_what_budgets_would_refuse(
+        tmp_path: Path, how: str) -> None:
+    if _seconds_to_midnight() < 30:
+        pytest.skip("too close to the day window's end")
+    mode = "shadow" if how == "budget_mode" else "enforce"
+    h = await _harness(tmp_path, SMALL.format(mode=mode),
+                       *(("--shadow",) if how == "--shadow" else ()))
+    try:
+        resps = [await h.check("acme", 400, 100.0) for _ in range(3)]  # 200 tokens each
+        assert all(r.status.code == 0 for r in resps)
+        assert h.sample("smg_sidecar_token_budget_refused_total", window="day",
+                        action="counted", **{"class": "default"}) == 2
+        assert h.sample("smg_sidecar_token_budget_refused_total", window="day",
+                        action="refused", **{"class": "default"}) == 0
+        if how == "--shadow":  # the would-be answer rides on the allow, for the access log
+            md = [r.dynamic_metadata.fields for r in resps]
+            assert [m["shadow_outcome"].string_value for m in md] == [
+                "admitted", "over_budget", "over_budget"]
+            assert md[1]["shadow_code"].string_value == "scheduler_token_budget_exceeded"
+        assert h.left() == 300 - 600  # reserved all the same: the gauge shows the overshoot
+        for r in resps:
+            await h.end(admission_id(r), {"total_tokens": "100"})
+        assert h.left() == 0
+    finally:
+        await h.envoy.close()
+        await h.app.stop()
+
+
+async def test_a_bad_budget_on_reload_is_refused_and_the_old_budgets_stay(
+        tmp_path: Path) -> None:
+    if _seconds_to_midnight() < 30:
+        pytest.skip("too close to the day window's end")
+    h = await _harness(tmp_path, SMALL.format(mode="enforce"))
+    try:
+        r = await h.check("acme", 400, 100.0)
+        await h.end(admission_id(r), {"total_tokens": "150"})
+        (tmp_path / "priority.yaml").write_text(
+            "tenant_policies:\n  acme: {budgets: {day: -5}}\n")
+        for _ in range(100):
+            if h.sample("smg_sidecar_config_reload_total", result="error") >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert h.sample("smg_sidecar_config_reload_total", result="error") >= 1
+        assert h.left() == 150  # the old budget, and what was used under it
+        assert (await h.check("acme", 400, 100.0)).status.code != 0  # 150 + 200 > 300
+        # A good reload raising the amount keeps the day's use.
+        (tmp_path / "priority.yaml").write_text(
+            "tenant_policies:\n  acme: {budgets: {day: 1000}}\n")
+        for _ in range(100):
+            if h.sample("smg_sidecar_config_reload_total", result="ok") >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert h.left() == 850
+    finally:
+        await h.envoy.close()
+        await h.app.stop()
