@@ -106,9 +106,9 @@ TOKEN_SWEEP_SECS = 5.0
 # Ids charged at their estimate, remembered so that a final entry arriving after all is
 # counted (settle_late) rather than unknown.
 CHARGED_MEMORY = 4096
-# With --coordination-url: how long a Check waits for the ledger's budget answer (then it
-# is admitted unreserved, counted ledger_unavailable), and how often a settle or cancel the
-# ledger did not take is sent again (1 s apart) before it is left to the replica's reaping.
+# With --coordination-url: how long a settle or cancel waits for the ledger, and how often
+# one it did not take is sent again (1 s apart) before it is left to the replica's reaping.
+# (A Check waits for its reservation at most the controller's call timeout.)
 LEDGER_TOKEN_TIMEOUT = 1.0
 LEDGER_TOKEN_RETRIES = 60
 
@@ -304,11 +304,14 @@ class Pool:
         if not budgets:
             return r, None
         enforce = settings.budget_mode == "enforce" and self.shadow is None
+        if fleet.core.local:  # away from the ledger: admission does not wait for it
+            self.metrics.token_fallback("ledger_unavailable")
+            return r, None
         r.ledger_id = secrets.token_hex(16)
         try:
             verdict = await asyncio.wait_for(fleet.ledger.tok_reserve(
                 r.ledger_id, tenant, est.total, budgets, enforce=enforce,
-                reserve=settings.accounting == "reserve"), LEDGER_TOKEN_TIMEOUT)
+                reserve=settings.accounting == "reserve"), fleet.call_timeout)
         except asyncio.CancelledError:
             self.book.cancel(r)
             self._ledger_cancel(r)  # it may have been taken before the client left
@@ -316,6 +319,9 @@ class Pool:
         except Exception as exc:  # unreachable, slow, refused: admitted unreserved
             self.log.debug("token_ledger_unavailable", error=str(exc)[:200])
             self.metrics.token_fallback("ledger_unavailable")
+            # The call may have run all the same (its reply lost): give it back. A cancel
+            # that overtakes it makes the ledger refuse it if it comes later.
+            self._ledger_cancel(r)
             r.ledger_id = ""
             return r, None
         if verdict is None:

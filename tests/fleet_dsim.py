@@ -114,6 +114,8 @@ from sidecar.scheduler import (
     Released,
     ReleaseResult,
 )
+from sidecar.tokens import Budget
+from sidecar.tokens import Window as TokenWindow
 
 FLEET = "sim"
 PREFIX = f"pg:{{{FLEET}}}"
@@ -130,6 +132,11 @@ REPLICA_FAULTS = ("replica_kill", "replica_restart", "partition", "slow_replies"
 # answer: the fleet's views disagree on N, the moment the share rule is for.
 COMBINED_FAULTS = ("join_then_pause",)
 DSIM_FAULTS = SERVER_FAULTS + REPLICA_FAULTS + COMBINED_FAULTS
+# Token budgets (DSimConfig.tokens): the faults that keep the ledger's data, so that its
+# token keys can be held to exact conservation (the data-loss faults reset budgets, which
+# the reference documents; the admissions' ledger has its own repair, the budgets none).
+TOKEN_FAULTS = ("pause", *REPLICA_FAULTS, *COMBINED_FAULTS)
+TOKEN_WINDOW = TokenWindow("day", 86400)  # a run's virtual time stays in its first day
 
 # Violations found and not yet fixed, each with a strict-xfail regression test in
 # tests/test_fleet_dsim.py: a run counts them (stats known_*) and goes on, unless strict.
@@ -225,6 +232,10 @@ class DSimConfig:
     # The order of the fault kinds each run draws first (None: ties by the RNG); the CI
     # profile gives its seeds different offsets, so that together they draw every kind.
     fault_offset: int | None = None
+    # Every request also reserves tokens in the ledger before its admit and settles them
+    # (or cancels) in the background after, as sidecar.pools does, through the same
+    # simulated connection, so the token operations meet every fault and reorder too.
+    tokens: bool = False
 
     @functools.cached_property
     def call_timeout(self) -> float:
@@ -692,6 +703,9 @@ class Req:
     done: bool = False
     outcome: str = ""  # "admitted" or "denied <outcome>", once answered
     aid: str = ""  # admitted: its id
+    # cfg.tokens: awaiting its token reservation (up to one call timeout, before admission:
+    # not yet a waiter of the admission bounds, which count from its end).
+    reserving: bool = False
 
 
 @dataclass
@@ -763,6 +777,20 @@ class DSim:
         self.closing = False
         self.undelivered: set[str] = set()  # preemptions the controller could not deliver
         self._seq = 0
+        # Token budgets (cfg.tokens), the harness's own record: per request its tokens and
+        # what it used, what each reserve and settle answered; the background sends.
+        self.tok_tokens: dict[int, tuple[int, int]] = {}  # rid -> (estimate, used)
+        self.tok_tenant: dict[int, str] = {}
+        self.tok_proc: dict[int, Proc] = {}  # the process that reserved it
+        # Per tenant: the reserves sent whose reservation may be held or charged (not
+        # refused, not given back by an answered cancel).
+        self.tok_sent: dict[str, set[int]] = {t: set() for t in TENANTS}
+        self.tok_reserved: set[int] = set()  # reserve answered: it holds a reservation
+        self.tok_settled: dict[int, bool] = {}  # settle answered: True (settled) or False
+        self.tok_served: Counter[str] = Counter()  # served under reservations, per tenant
+        self.tok_over: Counter[str] = Counter()  # of which past their estimates
+        self.tok_of_aid: dict[str, int] = {}
+        self.tok_tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ trace
 
@@ -1228,10 +1256,13 @@ class DSim:
     def pod_dies(self, s: Slot) -> None:
         """The pod is lost: its Envoy and its streams with it (the ledger counts them until
         the registration lapses, or a new process takes them over until its ack timeout)."""
-        for st in [st for st in self.running.values() if st.replica == s.name]:
+        dead = [st for st in self.running.values() if st.replica == s.name]
+        for st in dead:
             del self.running[st.aid]
             self.ended_at[st.aid] = self.now
         self.stop_process(s)
+        for st in dead:  # served so far (counted whole), and nobody left to settle it
+            self._tok_stream_ended(st.aid)
         self.fleet_exempt(self.bounds.dead_replica_slots, f"{s.name} died")
 
     def close(self) -> None:
@@ -1443,20 +1474,175 @@ class DSim:
         self.reachable_since[name] = self.now
         self.heal(w)
 
+    def waiting(self) -> list[Req]:
+        """The requests waiting for admission (not those still reserving their tokens)."""
+        return [r for r in self.reqs.values() if not r.reserving]
+
     def stream(self, aid: str) -> DStream:
         return self.running[aid]
 
     async def _client(self, r: Req) -> None:
         ctrl = r.proc.ctrl
         assert ctrl is not None
+        if self.cfg.tokens:
+            r.reserving = True
+            self.tok_tenant[r.rid], self.tok_proc[r.rid] = r.tenant, r.proc
+            if not await self._tok_reserve(ctrl, r):
+                return
+            r.reserving, r.arrived = False, self.now
         try:
             adm = await ctrl.admit(r.cls, r.tenant)
         except Denied as d:
+            self._tok_send(r.proc, "cancel", r.rid)
             self.answer(r, f"denied {d.outcome.value}", None, d.outcome)
             return
         except asyncio.CancelledError:
+            self._tok_send(r.proc, "cancel", r.rid)
             return  # its client left, or the process died
+        if self.cfg.tokens:
+            self.tok_of_aid[adm.admission.id] = r.rid
         self.answer(r, "admitted", adm)
+
+    # ------------------------------------------------------------------ token budgets
+
+    def tok_amount(self, tenant: str) -> int:
+        """Each tenant's budget (one day window, never rolled over within a run): t0's is
+        spent early in the run, t1's about at its end, t2's never."""
+        return {"t0": self.cfg.steps // 20, "t1": self.cfg.steps // 3}.get(tenant, 10**9)
+
+    def tok_budgets(self, tenant: str) -> tuple[Budget, ...]:
+        return (Budget(TOKEN_WINDOW, self.tok_amount(tenant)),)
+
+    def tok_bound(self, tenant: str) -> int:
+        """What the ledger may count for ``tenant`` now, at most (the harness's own
+        record): a settled request its use, any other whose reservation may have been
+        made (sent, and not given back by an answered cancel) its estimate (held, or
+        charged at it when its replica went), or its use where that is more."""
+        total = 0
+        for rid in self.tok_sent[tenant]:
+            est, used = self.tok_tokens[rid]
+            total += used if self.tok_settled.get(rid) else max(est, used)
+        return total
+
+    async def _tok_reserve(self, ctrl: FleetController, r: Req) -> bool:
+        """The Check's reservation (Pool._reserve_in_ledger's calls); False: the client
+        left meanwhile, or its tenant's budget refused it. A replica deciding locally does
+        not wait for the ledger; no answer within a call timeout: admitted unreserved, and
+        the reservation cancelled in the background (its call may still run). A refusal
+        is held to the harness's count (the liveness twin of the budget): it must not fit
+        even what the ledger may count at most."""
+        est = self.rng.randint(1, 400)
+        # Usage above the estimate (a prompt with more tokens than its bytes suggest) on
+        # one request in ten: the documented bound's error term.
+        used = (self.rng.randint(est, est + est // 2) if self.rng.random() < 0.1
+                else self.rng.randint(0, est))
+        self.tok_tokens[r.rid] = (est, used)
+        if ctrl.core.local:
+            self.stats["tok_unreserved_local"] += 1
+            return True
+        self.tok_sent[r.tenant].add(r.rid)
+        try:
+            over = await asyncio.wait_for(ctrl.ledger.tok_reserve(
+                f"tok{r.rid}", r.tenant, est, self.tok_budgets(r.tenant)),
+                self.cfg.call_timeout)
+        except asyncio.CancelledError:
+            self._tok_send(r.proc, "cancel", r.rid)
+            return False
+        except Exception as exc:
+            self.say(f"{r.proc.name} tok_reserve {r.rid} failed: {type(exc).__name__}")
+            self.stats["tok_unreserved_failed"] += 1
+            self._tok_send(r.proc, "cancel", r.rid)
+            return True
+        if over is None:
+            self.tok_reserved.add(r.rid)
+            self.stats["tok_reserved"] += 1
+            return True
+        # Refused: nothing held (the ledger reserves nothing for a refusal it enforces).
+        self.tok_sent[r.tenant].discard(r.rid)
+        may = self.tok_bound(r.tenant)
+        amount = self.tok_amount(r.tenant)
+        self.stats["tok_refused"] += 1
+        if self.cfg.liveness and may + est <= amount:
+            self.fail(f"tok_reserve {r.rid} ({r.tenant}, {est} tokens) refused ({over}) "
+                      f"though at most {may} of its {amount} can be counted: a tenant under "
+                      f"its budget is refused")
+        self.answer(r, "denied token_budget", None)
+        return False
+
+    def _tok_send(self, proc: Proc, op: str, rid: int) -> None:
+        """A settle or cancel sent in the background, again every 0.1 s while it fails
+        (Pool._ledger_send), until it has an answer or its process is gone."""
+        ctrl = proc.ctrl
+        tenant = self.tok_tenant.get(rid, "")
+        if (not self.cfg.tokens or rid in self.tok_settled or ctrl is None
+                or rid not in self.tok_sent.get(tenant, ())):
+            return  # no reservation it may hold (Pool: no ledger id)
+        self.tok_settled[rid] = False  # pending; its answer below
+
+        async def go() -> None:
+            while proc.alive:
+                try:
+                    if op == "settle":
+                        ok = await asyncio.wait_for(ctrl.ledger.tok_settle(
+                            f"tok{rid}", self.tok_tokens[rid][1], self.tok_budgets(tenant)),
+                            self.cfg.call_timeout)
+                    else:
+                        ok = await asyncio.wait_for(ctrl.ledger.tok_cancel(f"tok{rid}"),
+                                                    self.cfg.call_timeout)
+                except Exception:
+                    await asyncio.sleep(0.1)
+                    continue
+                self.say(f"tok_{op} {rid}: {ok}")
+                if op == "settle":
+                    self.tok_settled[rid] = ok
+                elif ok:  # given back: nothing of it is counted
+                    self.tok_sent[tenant].discard(rid)
+                return
+        task = asyncio.ensure_future(go())
+        self.tok_tasks.add(task)
+        task.add_done_callback(self.tok_tasks.discard)
+
+    def _tok_stream_ended(self, aid: str) -> None:
+        """Its worker served it: counted; settled by the process that reserved it (a
+        successor does not know its reservation: charged with the takeover)."""
+        rid = self.tok_of_aid.pop(aid, None)
+        if rid is None:
+            return
+        est, used = self.tok_tokens[rid]
+        if rid in self.tok_reserved:
+            # Served under a reservation: the workers' count the budget bounds.
+            tenant = self.tok_tenant[rid]
+            self.tok_served[tenant] += used
+            self.tok_over[tenant] += max(0, used - est)
+            amount = self.tok_amount(tenant)
+            if self.tok_served[tenant] > amount + self.tok_over[tenant]:
+                self.fail(f"{tenant} served {self.tok_served[tenant]} tokens under "
+                          f"reservations, past its budget {amount} + the estimates' error "
+                          f"{self.tok_over[tenant]}")
+            self._tok_send(self.tok_proc[rid], "settle", rid)
+
+    def tok_check(self) -> None:
+        """After the drain: no reservation left (every one settled, cancelled, or charged
+        with its reaped or taken-over replica), and each tenant's use is its settled
+        requests' use plus at most the estimates of those it holds nobody settled."""
+        srv = self.server
+        assert srv is not None
+        for t in TENANTS:
+            settled = sum(self.tok_tokens[rid][1] for rid in self.tok_sent[t]
+                          if self.tok_settled.get(rid))
+            most = self.tok_bound(t)
+            fields = {(k.decode() if isinstance(k, bytes) else k): int(v)
+                      for k, v in srv.c.hgetall(f"{PREFIX}:tok:{t}").items()
+                      if k in (b"r", b"u:day", "r", "u:day")}
+            reserved, used = fields.get("r", 0), fields.get("u:day", 0)
+            self.say(f"tokens {t}: reserved {reserved}, used {used}, settled {settled}, at "
+                     f"most {most}, served under reservations {self.tok_served[t]} of "
+                     f"{self.tok_amount(t)}")
+            if reserved != 0:
+                self.fail(f"{t}: {reserved} tokens still reserved after the drain (a leak)")
+            if not settled <= used <= most:
+                self.fail(f"{t}: tokens used {used} outside [{settled}, {most}] (the settled "
+                          f"requests' use; their use or estimate with those charged unsettled)")
 
     def answer(self, r: Req, what: str, adm: Admitted | None,
                outcome: Outcome | None = None) -> None:
@@ -1524,6 +1710,7 @@ class DSim:
         assert proc is not None and proc.ctrl is not None
         del self.running[st.aid]
         self._release(proc.ctrl, proc, st.aid, "end")
+        self._tok_stream_ended(st.aid)
         self.ended.append((st.replica, st.aid))
         self.ended_at[st.aid] = self.now
         if self.rng.random() < 0.1:
@@ -1537,6 +1724,7 @@ class DSim:
         del self.running[st.aid]
         self.ended.append((st.replica, st.aid))
         self.ended_at[st.aid] = self.now
+        self._tok_stream_ended(st.aid)
         proc = self.slot(st.replica).proc
         if proc is None or proc.ctrl is None:
             self.say(f"{st.replica} stream {st.aid} ended, its sidecar down")
@@ -1589,6 +1777,7 @@ class DSim:
 
         def final() -> None:
             self.stopped_pending.pop(st.aid, None)
+            self._tok_stream_ended(st.aid)
             p = self.slot(st.replica).proc
             if p is not None and p is proc and p.ctrl is not None:
                 self._release(p.ctrl, p, st.aid, "final entry of the stopped")
@@ -2019,7 +2208,7 @@ class DSim:
         for cls in (SYS, INT, DEF, BULK):
             if not CAN_PREEMPT[cls]:
                 continue
-            queued = [r for r in self.reqs.values() if r.proc is proc and r.cls is cls]
+            queued = [r for r in self.waiting() if r.proc is proc and r.cls is cls]
             if not queued or any(r.arrived <= since for r in queued):
                 continue
             r = min(queued, key=lambda r: (r.arrived, r.rid))
@@ -2118,7 +2307,7 @@ class DSim:
             # local may still wait for its arrive at the ledger: one call timeout.
             if local:
                 since = proc.local_since or now
-                waiters = [r for r in self.reqs.values() if r.proc is proc and (
+                waiters = [r for r in self.waiting() if r.proc is proc and (
                     r.arrived > since or now - r.arrived > b.local_wait)]
                 starving = ""
                 if waiters:
@@ -2142,13 +2331,13 @@ class DSim:
         # What the replicas count: what runs, and what they may still hold for a
         # documented reason (effective_held); a slot beyond that is free.
         counted = (sum(self.effective_held(s.proc) for s in self.slots if s.proc is not None)
-                   if checked and self.reqs else self.cfg.capacity)
+                   if checked and self.waiting() else self.cfg.capacity)
         if counted < self.cfg.capacity:
             if self.fleet_starved_since is None:
                 self.fleet_starved_since = now
             elif now - self.fleet_starved_since > b.fleet_idle:
                 waits = sorted((round(now - r.arrived, 3), r.rid, r.proc.name)
-                               for r in self.reqs.values())
+                               for r in self.waiting())
                 self.fail(f"a slot idles {now - self.fleet_starved_since:.3f} s (running "
                           f"{len(self.running)}, counted {counted} of {self.cfg.capacity}, "
                           f"every replica ok) while requests wait: {waits[-5:]}")
@@ -2189,6 +2378,7 @@ class DSim:
             assert proc is not None and proc.ctrl is not None
             del self.running[st.aid]
             self._release(proc.ctrl, proc, st.aid, "final")
+            self._tok_stream_ended(st.aid)
         if not await until(self._settled, "nothing held anywhere"):
             nodes = {s.name: (s.proc.ctrl.mode.value, len(s.proc.ctrl.held))
                      for s in self.slots if s.proc is not None and s.proc.ctrl is not None}
@@ -2213,6 +2403,13 @@ class DSim:
                  if a not in admitted]
         if never:
             self.fail(f"released but never admitted: {never[:5]}")
+        if self.cfg.tokens:
+            # The background sends finish (or give up with their process), then every
+            # replica heartbeats on: a reaped one's reservations are charged by then.
+            if not await until(lambda: not self.tok_tasks, "token sends done"):
+                return
+            await asyncio.sleep(3 * self.cfg.ttl)
+            self.tok_check()
 
     def _settled(self) -> bool:
         ctrls = [s.proc.ctrl for s in self.slots if s.proc is not None]

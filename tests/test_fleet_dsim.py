@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,18 @@ from devtools.valkey import ValkeyServer
 from sidecar.admission import Denied
 from sidecar.classes import PriorityClass
 from sidecar.coordination.controller import FleetController
+from sidecar.coordination.ledger import FleetLedger
 from sidecar.coordination.outbox import Outbox, Release
 from sidecar.coordination.replica import Effect, IllegalTransition, Replica, Stop
 from sidecar.scheduler import Outcome, ReleaseResult
+from sidecar.tokens import Budget, OverBudget
 from tests.fleet_dsim import (
     BULK,
     DEF,
     DSIM_FAULTS,
     FLEET,
     SYS,
+    TOKEN_FAULTS,
     CountingRecorder,
     DSim,
     DSimConfig,
@@ -109,6 +112,95 @@ def test_the_fleet_keeps_its_promises_under_faults(tmp_path: Path, seed: int) ->
     sim = simulate(DSimConfig(seed=seed, steps=STEPS, vary=bool(os.environ.get("SIM_VARY")),
                               strict=os.environ.get("SIM_STRICT") == "1"), tmp_path)
     print(stats_line(sim, time.monotonic() - t))
+
+
+# ------------------------------------------------------------------------ token budgets
+
+# Every request reserves its tokens in the ledger before its admission, through the same
+# simulated connections (every fault, lost reply and reorder), settles or cancels them in
+# the background, as sidecar.pools does; t0's budget is spent early, t1's near the end.
+TOKEN_SEEDS = [20261204, 1]
+TOKEN_STEPS = 27_000
+
+
+def _token_run(tmp_path: Path, seed: int, steps: int, **kw: Any) -> DSim:
+    t = time.monotonic()
+    sim = simulate(DSimConfig(seed=seed, steps=steps, tokens=True, faults=TOKEN_FAULTS, **kw),
+                   tmp_path / f"tok{seed}")
+    tok = {k: v for k, v in sorted(sim.stats.items()) if k.startswith("tok_")}
+    print(stats_line(sim, time.monotonic() - t), tok)
+    print("  served under reservations / budget: " + ", ".join(
+        f"{t} {sim.tok_served[t]}/{sim.tok_amount(t)} (error {sim.tok_over[t]})"
+        for t in ("t0", "t1", "t2")))
+    return sim
+
+
+@pytest.mark.skipif(LONG, reason="SIM_SEED / SIM_SEEDS: the long profile runs instead")
+def test_token_budgets_keep_their_promises_under_faults(tmp_path: Path) -> None:
+    # Safety, counted by the harness at every stream's end: a tenant's tokens served under
+    # reservations stay within its budget plus the estimates' error. Liveness: every
+    # refusal is held to what the ledger may count at most (a tenant under its budget is
+    # admitted). After the drain: no reservation left, the use the settled requests'
+    # (plus the estimates of those charged with a gone replica).
+    drawn: set[str] = set()
+    for seed in TOKEN_SEEDS:
+        sim = _token_run(tmp_path, seed, TOKEN_STEPS)
+        assert sim.stats["tok_reserved"] > 100 and sim.stats["tok_refused"] > 10
+        assert sim.tok_served["t0"] > sim.tok_amount("t0") // 2, "t0 never neared its budget"
+        drawn |= {k[6:] for k in sim.stats if k.startswith("fault_")}
+    assert drawn == set(TOKEN_FAULTS), f"never drawn: {set(TOKEN_FAULTS) - drawn}"
+
+
+@pytest.mark.parametrize("seed", _seeds())
+def test_token_budgets_keep_their_promises_under_faults_long(tmp_path: Path, seed: int) -> None:
+    _token_run(tmp_path, seed, STEPS)
+
+
+def _broken_lua(monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:
+    import sidecar.coordination.ledger as ledger
+    import tests.fleet_dsim as fleet_dsim
+
+    assert ledger.TEST_LUA.count(old) == 1, old
+    monkeypatch.setattr(ledger, "TEST_LUA", ledger.TEST_LUA.replace(old, new))
+    monkeypatch.setattr(fleet_dsim, "TEST_LUA", ledger.TEST_LUA)
+
+
+def test_the_simulation_catches_a_ledger_that_forgets_running_reservations(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ledger.lua checking settled use only (charging after completion): concurrent
+    # requests of t0 overshoot its budget.
+    _broken_lua(monkeypatch, "local reserved = reserve and (tonumber(redis.call('HGET', "
+                "k_tok(t), 'r')) or 0) or 0", "local reserved = 0")
+    with pytest.raises(SimViolation, match="past its budget"):
+        _token_run(tmp_path, TOKEN_SEEDS[0], TOKEN_STEPS)
+
+
+def test_the_simulation_catches_a_ledger_that_leaks_a_settled_reservation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # tok_settle charging the use but leaving (part of) the reservation held: the tenant
+    # is refused before its budget is spent, or the drain finds tokens still reserved.
+    _broken_lua(monkeypatch, "  local rec = tok_take(a[1])\n  if rec == nil then return "
+                "'unknown' end\n  tok_charge(", "  local rec = tok_take(a[1])\n  if rec == "
+                "nil then return 'unknown' end\n  redis.call('HINCRBY', k_tok(rec.tenant), "
+                "'r', 1)\n  tok_charge(")
+    with pytest.raises(SimViolation,
+                       match=r"under its budget is refused|still reserved after the drain"):
+        _token_run(tmp_path, TOKEN_SEEDS[0], 5_000)
+
+
+def test_the_simulation_catches_a_ledger_that_refuses_every_budgeted_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every budget's safety holds for a ledger that refuses everything; its liveness twin
+    # does not.
+    async def refuse(self: FleetLedger, id: str, tenant: str, tokens: int,
+                     budgets: Sequence[Budget], **kw: Any) -> OverBudget:
+        return OverBudget("day", 1.0, budgets[0].tokens, 0, 0)
+
+    monkeypatch.setattr(FleetLedger, "tok_reserve", refuse)
+    with pytest.raises(SimViolation, match="under its budget is refused"):
+        _token_run(tmp_path, TOKEN_SEEDS[0], 5_000)
+    # Without the liveness checks, the same run passes: they are what catches it.
+    _token_run(tmp_path / "safety", TOKEN_SEEDS[0], 5_000, liveness=False)
 
 
 def test_one_seed_gives_one_trace(tmp_path: Path) -> None:

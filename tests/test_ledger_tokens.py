@@ -164,6 +164,33 @@ async def test_a_dead_or_restarted_replicas_reservations_are_charged_once(
     assert isinstance(over, OverBudget) and over.used == 1000 and not over.never
 
 
+async def test_a_reservation_that_comes_after_its_cancel_or_its_replica_holds_nothing(
+        client: redis.Redis) -> None:
+    """A Check that gave up on its reservation cancels it; the reservation's call may still
+    run later (its connection dropped, sent again): it is refused ("gone"), as is one of a
+    replica the ledger no longer has ("unregistered"): neither holds a token nobody would
+    settle."""
+    clock = FakeClock(START)
+    budgets = (Budget(Window("day", 86400), 1000),)
+    a = FleetLedger(client, "t", "a", ttl=5.0, clock=clock)
+    b = FleetLedger(client, "t", "b", ttl=5.0, clock=clock)
+    for led in (a, b):
+        await led.register(PLAIN, 4)
+    assert await a.tok_cancel("late") is False  # overtook its reservation
+    with pytest.raises(ResponseError, match="gone"):
+        await a.tok_reserve("late", "acme", 400, budgets)
+    assert (await a.tok_view("acme"))["acme"] == (0, {})  # never touched
+    # Forgotten after ten minutes: the id is a new request's again.
+    clock.advance(601.0)
+    await b.register(PLAIN, 4)
+    assert await b.tok_reserve("late", "acme", 400, budgets) is None
+    assert await b.tok_cancel("late") is True
+    # a lapsed and was reaped: a call of its that runs late reserves nothing.
+    with pytest.raises(ResponseError, match="unregistered"):
+        await a.tok_reserve("a2", "acme", 400, budgets)
+    assert (await b.tok_view("acme"))["acme"] == (0, {"day": 0})
+
+
 BAD = {
     "tokens": ("tok_reserve", 3, ["-1", "1e13", "nan", "1.5", "x"]),
     "enforce": ("tok_reserve", 4, ["2", "", "yes"]),

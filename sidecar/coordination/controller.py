@@ -384,6 +384,11 @@ class FleetController:
         return DEGRADED if self._core.local else OK
 
     @property
+    def call_timeout(self) -> float:
+        """How long a ledger call may take before this replica stops waiting for it."""
+        return self._call_timeout
+
+    @property
     def mode(self) -> Mode:
         """The replica's mode (see :mod:`sidecar.coordination.replica`)."""
         return self._core.mode

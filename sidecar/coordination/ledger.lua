@@ -100,6 +100,9 @@
 --   P:tokres    HASH id -> "replica amount tenant": an open reservation
 --   P:tokown:<r> SET of replica r's open reservations: charged at their amount when r is
 --               reaped (no final entry will settle them), as a pool's sweep does in process
+--   P:tokgone   ZSET id -> until when: reservations cancelled before they were made (a
+--               tok_reserve whose reply was lost, run after its caller's cancel): refused
+--               if they come, for TOK_GONE_SECS
 --   P:ghosts    ZSET id -> expiry: admissions the ledger knows it counted but whose ids were
 --               lost (see rebuild_admissions()); held by the pseudo-owner GHOST, "{lost}",
 --               which no replica id can be (no braces), in P:adm and P:own:{lost}
@@ -142,7 +145,7 @@ local function note(cause)
 end
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
   K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT, K_REG, K_HEARD, K_LAPSED,
-  K_RETIRED, K_META, K_GHOSTS, K_TOKRES
+  K_RETIRED, K_META, K_GHOSTS, K_TOKRES, K_TOKGONE
 
 local function set_prefix(p)
   P = p
@@ -171,6 +174,7 @@ local function set_prefix(p)
   K_META = P .. ':meta'
   K_GHOSTS = P .. ':ghosts'
   K_TOKRES = P .. ':tokres'
+  K_TOKGONE = P .. ':tokgone'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
@@ -1116,6 +1120,14 @@ local function tok_charge(t, used, windows)
   for _, w in ipairs(windows) do redis.call('HINCRBY', k_tok(t), 'u:' .. w.name, int(used)) end
 end
 
+-- A cancel that found nothing may have overtaken its reservation (sent on a connection that
+-- was dropped, run later): the id is refused for this long, then forgotten.
+local TOK_GONE_SECS = 600
+local function tok_forget_gone()
+  local old = redis.call('ZRANGEBYSCORE', K_TOKGONE, '-inf', fmt(now), 'LIMIT', 0, 64)
+  for _, id in ipairs(old) do redis.call('ZREM', K_TOKGONE, id) end
+end
+
 -- An open reservation out of the book: its tokens no longer reserved. -> the record.
 local function tok_take(id)
   local rec = redis.call('HGET', K_TOKRES, id)
@@ -1915,12 +1927,18 @@ end
 -- The Check of a request estimated at ``tokens`` (TokenBook.reserve): in every window,
 -- settled + reserved + tokens <= limit, else refused. reserve 0: settle_only (nothing held
 -- while it runs). enforce 0: a refusal is reported, the request reserved all the same.
--- Reply: {"ok"} | {"refused"|"counted", window, retry_after, limit, used, reserved, never}
+-- Reply: {"ok", reserved, "name used"...} | {"refused"|"counted", window, retry_after, limit,
+-- used, reserved, never} | {"unregistered"} | {"duplicate"} | {"gone"} (cancelled before)
 ops.tok_reserve = function(a)
   local r, id, t, amount = a[1], a[2], a[3], tonumber(a[4])
   local enforce, reserve = a[5] == '1', a[6] == '1'
   local windows = tok_windows(a, 7)
+  -- Only a live replica reserves: a call of one reaped (or run late, after its process was
+  -- taken over) would hold tokens nobody charges; its Check is admitted unreserved.
+  if not live(r) then return {'unregistered'} end
+  tok_forget_gone()
   if redis.call('HEXISTS', K_TOKRES, id) == 1 then return {'duplicate'} end
+  if redis.call('ZSCORE', K_TOKGONE, id) ~= false then return {'gone'} end
   local refusal = nil
   if #windows > 0 then
     local reserved = reserve and (tonumber(redis.call('HGET', k_tok(t), 'r')) or 0) or 0
@@ -1977,9 +1995,13 @@ ops.tok_settle = function(a)
 end
 
 -- tok_cancel id: the request never ran; its reservation is given back. -> "cancelled" |
--- "unknown"
+-- "unknown" (then a tok_reserve of that id arriving later is refused: "gone")
 ops.tok_cancel = function(a)
-  if tok_take(a[1]) == nil then return 'unknown' end
+  tok_forget_gone()
+  if tok_take(a[1]) == nil then
+    redis.call('ZADD', K_TOKGONE, fmt(now + TOK_GONE_SECS), a[1])
+    return 'unknown'
+  end
   return 'cancelled'
 end
 

@@ -906,7 +906,7 @@ class FleetLedger:
                 used[name] = int(n)
             self.token_views[tenant] = (int(reply[1]), used)
             return None
-        if status not in ("refused", "counted"):
+        if status not in ("refused", "counted"):  # duplicate, gone: not a Check's answer
             raise ResponseError(f"tok_reserve: {status}")
         return OverBudget(str(reply[1]), float(reply[2]), int(reply[3]), int(reply[4]),
                           int(reply[5]), reply[6] == "1")
