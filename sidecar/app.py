@@ -47,6 +47,7 @@ from sidecar.scheduler import (
 )
 from sidecar.shadow import ShadowCore
 from sidecar.status import StatusPage
+from sidecar.tracing import Tracing
 
 log = logs.get("sidecar")
 
@@ -125,7 +126,8 @@ async def build_runtime(settings: Settings) -> Runtime:
                 raise failed[0]
         return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
                        serving=serving, monitors=monitors, readings=readings, fleets=fleets,
-                       bucket=bucket)
+                       bucket=bucket,
+                       tracing=Tracing.build(s.tracing, instance=s.fleet.replica_id))
     except BaseException:
         for f in fleets.values():  # connected, or a Runtime that failed to build
             await f.aclose()
@@ -246,8 +248,10 @@ class Runtime:
                  monitors: Mapping[str, CapacityMonitor],
                  readings: Mapping[str, CapacityReading],
                  fleets: Mapping[str, FleetController],
-                 bucket: TokenBucket | None = None) -> None:
+                 bucket: TokenBucket | None = None, tracing: Tracing | None = None) -> None:
         s = self.settings = settings
+        # --otlp-endpoint: admission spans (sidecar.tracing); flushed, bounded, in stop().
+        self.tracing = tracing
         self.metrics = metrics
         self.http_port = http_port
         self._admin = admin
@@ -282,7 +286,8 @@ class Runtime:
                                                s.scheduler.default_max_class),
                                   self.pools.preemptible(), liveness=self.liveness,
                                   shadow=s.scheduler.shadow, busy_status=s.scheduler.busy_status,
-                                  hints=s.scheduler.overload_hints)
+                                  hints=s.scheduler.overload_hints,
+                                  tracer=None if tracing is None else tracing.tracer)
         self.features = FeatureDetector(metrics, lease_secs=s.liveness.admission_lease_secs,
                                         wall_clock=time.time)
         self.completion = CompletionService(self.pools, metrics, self.features, self.liveness)
@@ -311,7 +316,7 @@ class Runtime:
         self._grpc.add_generic_rpc_handlers([
             grpc.method_handlers_generic_handler(AUTHZ_SERVICE, {
                 "Check": grpc.unary_unary_rpc_method_handler(
-                    self.authz.check, request_deserializer=p_, response_serializer=p_)}),
+                    self.authz.handler, request_deserializer=p_, response_serializer=p_)}),
             grpc.method_handlers_generic_handler(ALS_SERVICE, {
                 "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
                     als, request_deserializer=p_, response_serializer=p_)}),
@@ -414,6 +419,8 @@ class Runtime:
             lease_secs=s.liveness.admission_lease_secs,
             coordination="fleet" if s.fleet.coordination_url is not None else "in-process",
             shadow=s.scheduler.shadow,
+            traces=None if self.tracing is None else {
+                "endpoint": self.tracing.endpoint, "sample_ratio": self.tracing.ratio},
         )
         if s.liveness.envoy_authz_timeout is None and s.scheduler.scheduler_enabled:
             log.info("envoy_authz_timeout_reminder",
@@ -513,6 +520,8 @@ class Runtime:
             p.controller.close()
             if p.fleet is not None:
                 await p.fleet.aclose()
+        if self.tracing is not None:
+            await self.tracing.close()  # the last decisions' spans, for a bounded time
         log.info("stopped")
 
 

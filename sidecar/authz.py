@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 
 from sidecar import codec, logs, responses
 from sidecar.admission import Denied
-from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
+from sidecar.classes import PRIORITY_HEADER, Classification, PriorityClass, classify
 from sidecar.config import TenantSource
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
-from sidecar.pools import Pools
+from sidecar.pools import Pool, Pools
 from sidecar.scheduler import Outcome
+from sidecar.tracing import AdmissionSpan, AdmissionTracer
 
 ANONYMOUS = "anonymous"
 # Checks held open at once (queued, or being decided) before a new one is shed with
@@ -108,8 +110,11 @@ class AuthzService:
                  tenant_source: TenantSource, policy: TenantPolicy,
                  preemptible: frozenset[PriorityClass] = frozenset(PriorityClass),
                  liveness: EnvoyLiveness | None = None, *, shadow: bool = False,
-                 busy_status: int | None = None, hints: bool = False) -> None:
+                 busy_status: int | None = None, hints: bool = False,
+                 tracer: AdmissionTracer | None = None) -> None:
         self.pools = pools
+        # --otlp-endpoint: spans for the decisions its sampler keeps (sidecar.tracing).
+        self.tracer = tracer
         self.liveness = liveness
         self.metrics = metrics
         self.tenant_source = tenant_source
@@ -141,19 +146,61 @@ class AuthzService:
         self.metrics.tenant_rejected(cls, tenant, outcome)
         self._rejections.add(cls.label, outcome, tenant)
 
+    @property
+    def handler(self) -> Callable[[bytes, grpc.aio.ServicerContext[bytes, bytes]],
+                                  Awaitable[bytes]]:
+        """The Check handler to serve: the traced one only when tracing is on, so that off,
+        a decision pays one ``is None`` test for it (sidecar.tracing)."""
+        return self.check if self.tracer is None else self.check_traced
+
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
         try:
-            return await self._check(data, context)
+            try:
+                view = codec.decode_check(data)
+            except Exception as exc:  # a malformed message must not become an INTERNAL error
+                await self._malformed(exc, context)
+            return await self._check(view, context, None)
         finally:
             self.open_checks -= 1
 
-    async def _check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+    async def check_traced(self, data: bytes,
+                           context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        """:meth:`check`, with a span for each decision the sampler keeps."""
+        assert self.tracer is not None
+        self.open_checks += 1
         try:
-            view = codec.decode_check(data)
-        except Exception as exc:  # a malformed message must not become an INTERNAL error
-            self._decode_failed_log.event(error=str(exc)[:200])
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed CheckRequest")
+            try:
+                view = codec.decode_check(data)
+            except Exception as exc:
+                await self._malformed(exc, context)
+            span = self.tracer.start(view.headers)
+            try:
+                return await self._check(view, context, span)
+            finally:
+                if span is not None:
+                    span.close()  # ends it only if no decision did
+        finally:
+            self.open_checks -= 1
+
+    async def _malformed(self, exc: Exception,
+                         context: grpc.aio.ServicerContext[bytes, bytes]) -> NoReturn:
+        self._decode_failed_log.event(error=str(exc)[:200])
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed CheckRequest")
+        raise AssertionError("abort returned")  # grpc.aio's abort always raises
+
+    def _answered(self, span: AdmissionSpan, c: Classification, tenant: str,
+                  pool: Pool | None, view: codec.CheckView, outcome: str, **kw: Any) -> None:
+        """A traced decision: the pool's part of its span (sidecar.tracing names the rest)."""
+        if pool is None:  # the route's name, clipped as the unknown_pool line clips it
+            span.answered(c, tenant, (view.pool or "")[:64], outcome, **kw)
+            return
+        span.answered(c, tenant, pool.name, outcome, legacy=pool.legacy,
+                      coordination=None if pool.fleet is None else pool.fleet.state, **kw)
+
+    async def _check(self, view: codec.CheckView,
+                     context: grpc.aio.ServicerContext[bytes, bytes],
+                     span: AdmissionSpan | None) -> bytes:
         tenant = resolve_tenant(self.tenant_source, view)
         # For logs only: x-request-id is client-settable, so it never correlates a release.
         request_id = view.headers.get("x-request-id")
@@ -169,14 +216,24 @@ class AuthzService:
         if self.open_checks > MAX_OPEN_CHECKS and not self.shadow:
             self.metrics.overloaded(c.effective)
             self._overload_log.event(open_checks=self.open_checks)
+            if span is not None:
+                self._answered(span, c, tenant, pool, view, "overloaded",
+                               reply=self._replies[(responses.Rejection.OVERLOADED, c.effective)])
             return self._deny[(responses.Rejection.OVERLOADED, c.effective)]
         if pool is None:  # the route and the pools disagree: counted, 429
             self.metrics.unknown_pool(c.effective)
             self._unknown_pool_log.event(pool=(view.pool or "")[:64])
             if self.shadow:  # --shadow refuses nothing: the would-be 429, held by no pool
+                if span is not None:
+                    self._answered(span, c, tenant, None, view, "admitted",
+                                   shadow=_UNKNOWN_POOL_VERDICT[0])
                 return (codec.encode_unheld_allow(c.effective.label, tenant)
                         + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))
             self._rejected(c.effective, "unknown_pool", tenant)
+            if span is not None:
+                self._answered(span, c, tenant, None, view, "unknown_pool",
+                               reply=self._replies[(responses.Rejection.UNKNOWN_POOL,
+                                                    c.effective)])
             return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         try:
             admitted = await pool.admit(c.effective, tenant)
@@ -192,6 +249,9 @@ class AuthzService:
                       legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id,
                       **pool.log_fields)
             self._rejected(c.effective, outcome, tenant)
+            if span is not None:
+                self._answered(span, c, tenant, pool, view, outcome, waited=d.waited,
+                               reply=self._replies[(rejection, c.effective)])
             if self._hints:
                 return codec.encode_deny(responses.with_hints(
                     self._replies[(rejection, c.effective)],
@@ -205,6 +265,8 @@ class AuthzService:
                       effective=c.effective.label, outcome=outcome, request_id=request_id,
                       **pool.log_fields)
             self._rejected(c.effective, outcome, tenant)
+            if span is not None:
+                self._answered(span, c, tenant, pool, view, outcome)
             raise
         if edge is not None and not admitted.queued:
             edge.admitted_at_once(c.effective)  # the class's queue had room: no shedding
@@ -225,8 +287,13 @@ class AuthzService:
                       request_id=request_id, **pool.log_fields)
         allow = codec.encode_allow(aid, c.effective.label, tenant,
                                    c.effective in self.preemptible or not periodic)
-        if pool.shadow is not None and (v := pool.shadow.take_verdict(aid)) is not None:
+        v = None if pool.shadow is None else pool.shadow.take_verdict(aid)
+        if v is not None:
             allow += codec.shadow_suffix(v.outcome, v.code)
         if self._hints:
             allow += codec.wait_hint_suffix(round(admitted.waited * 1000))
+        if span is not None:
+            self._answered(span, c, tenant, pool, view, Outcome.ADMITTED.value,
+                           waited=admitted.waited, queued=admitted.queued, admission_id=aid,
+                           shadow=None if v is None else v.outcome)
         return allow
