@@ -90,10 +90,12 @@ class OtlpReceiver:
 
     def __init__(self, port: int = 0,
                  on_span: Callable[[ReceivedSpan], None] | None = None, *,
-                 tls: tuple[bytes, bytes] | None = None) -> None:
+                 tls: tuple[bytes, bytes] | None = None, keep: bool = True) -> None:
         self.port = port
         self.tls = tls  # (certificate chain PEM, private key PEM): serve TLS
+        self.keep = keep  # False: count spans only (the benchmarks' receiver)
         self.spans: list[ReceivedSpan] = []
+        self.received = 0  # spans received, kept or not
         self.exports = 0  # Export calls answered
         self.metadata: list[dict[str, str]] = []
         self._on_span = on_span
@@ -138,10 +140,15 @@ class OtlpReceiver:
                       context: grpc.aio.ServicerContext[Any, Any]
                       ) -> ts.ExportTraceServiceResponse:
         await self._running.wait()
+        self.exports += 1
+        if not self.keep:
+            self.received += sum(len(ss.spans) for rs in request.resource_spans
+                                 for ss in rs.scope_spans)
+            return ts.ExportTraceServiceResponse()
         self.metadata.append({k: str(v) for k, v in (context.invocation_metadata() or ())})
         got = spans_of(request)
+        self.received += len(got)
         self.spans.extend(got)
-        self.exports += 1
         if self._on_span is not None:
             for s in got:
                 self._on_span(s)
@@ -169,24 +176,28 @@ def as_json(span: ReceivedSpan) -> str:
     return json.dumps({k: v for k, v in record.items() if k != "received_at"}, sort_keys=True)
 
 
-async def _main(port: int) -> None:
-    receiver = OtlpReceiver(port, on_span=lambda s: print(as_json(s), flush=True))
+async def _main(port: int, quiet: bool) -> None:
+    receiver = OtlpReceiver(port, keep=not quiet,
+                            on_span=lambda s: print(as_json(s), flush=True))
     await receiver.start()
-    print(f"OTLP/gRPC trace receiver on {receiver.endpoint} (one JSON line per span)",
-          flush=True)
+    print(f"OTLP/gRPC trace receiver on {receiver.endpoint} "
+          f"({'counting spans' if quiet else 'one JSON line per span'})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await receiver.stop()
+    print(f"received {receiver.received} spans in {receiver.exports} exports", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=4317, help="loopback port (0: a free one)")
+    p.add_argument("--quiet", action="store_true",
+                   help="count spans, print nothing per span (the benchmarks)")
     args = p.parse_args(argv)
-    asyncio.run(_main(args.port))
+    asyncio.run(_main(args.port, args.quiet))
     return 0
 
 
