@@ -249,8 +249,13 @@ class Tracing:
             return True
         except TimeoutError:
             log.warning("trace_flush_incomplete", timeout_secs=timeout, endpoint=self.endpoint)
+            _mute_sdk_logs(True)
             self._exporter.shutdown()
             return False
+        finally:
+            # What the SDK says from here on is about the abandoned flush (aborted retries,
+            # "already shut down"): told once above, not line by line.
+            _mute_sdk_logs(True)
 
 
 class _ThrottledSdkLog(logging.Handler):
@@ -261,8 +266,11 @@ class _ThrottledSdkLog(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self._kinds: dict[tuple[str, object], logs.Throttled] = {}
+        self.muted = False  # a stopped runtime's exporter: nothing more to tell
 
     def emit(self, record: logging.LogRecord) -> None:  # under the handler's lock
+        if self.muted:
+            return
         key = (record.name, record.msg)
         throttled = self._kinds.get(key)
         if throttled is None:
@@ -283,13 +291,21 @@ _handler: _ThrottledSdkLog | None = None
 
 
 def _bridge_sdk_logs() -> None:
-    """Route the ``opentelemetry`` loggers through :class:`_ThrottledSdkLog`, once."""
+    """Route the ``opentelemetry`` loggers through :class:`_ThrottledSdkLog`, once; a new
+    :class:`Tracing` is heard again."""
     global _handler
     with _bridged:
         if _handler is not None:
+            _handler.muted = False
             return
         _handler = _ThrottledSdkLog()
         sdk = logging.getLogger("opentelemetry")
         sdk.addHandler(_handler)
         sdk.setLevel(logging.WARNING)
         sdk.propagate = False
+
+
+def _mute_sdk_logs(muted: bool) -> None:
+    with _bridged:
+        if _handler is not None:
+            _handler.muted = muted
