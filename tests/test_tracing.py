@@ -8,8 +8,10 @@ over real gRPC exporting to a real OTLP receiver (devtools.otlp).
   one never, an absent or invalid one starts a trace kept at the ratio (counted against
   the binomial bounds, seed printed).
 - Each decision's span through the real handler: admitted, queued then admitted, queue
-  full (429), queue timeout (503), rate limited, cancelled by the client; the tenant
-  redacted as logs redact it, the admission id only as its tag.
+  full (429), queue timeout (503), rate limited, cancelled by the client, a named pool, an
+  unknown pool (429, or allowed under --shadow with the would-be answer); the tenant
+  redacted as logs redact it, the admission id only as its tag; a fleet pool's
+  coordination state, ``ok`` and then ``degraded`` with its valkey-server paused.
 - The receiver stalled (accepts, never answers) or down: thousands of sampled Checks still
   answer, none waits for an export, the SDK's per-span warnings are throttled to a few
   lines, and stop() returns within its flush bound. With the receiver healthy, stop()
@@ -509,3 +511,48 @@ async def test_a_fleet_pool_names_its_coordination_state(
         if app is not None:
             await app.stop()
         server.stop()
+
+
+@pytest.mark.parametrize("shadow", [False, True])
+async def test_pools_name_themselves_and_an_unknown_pool_its_route(
+        tmp_path: Path, receiver: OtlpReceiver, shadow: bool) -> None:
+    """With named pools the span names the pool that decided; a route naming no pool here
+    is refused 429 (``unknown_pool``), or under --shadow allowed with the would-be answer."""
+    from tests.grpc_client import check_request
+
+    app = await build_runtime(parse_settings([
+        "--priority-scheduler-enabled", "--worker-urls", "http://127.0.0.1:9",
+        "big=http://127.0.0.1:9", "--worker-capacity-override", "300",
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--log-format", "json",
+        "--otlp-endpoint", receiver.endpoint, "--trace-sample-ratio", "1",
+        *(["--shadow"] if shadow else [])]))
+    await app.serve()
+    envoy = EnvoyStandIn(app.grpc_port)
+    try:
+        answers = {}
+        for route in ("big", "ghost"):
+            req = check_request({"x-smg-priority": "bulk",
+                                 "traceparent": traceparent(True, new_trace_id())})
+            req.attributes.context_extensions["smg-pool"] = route
+            answers[route] = await envoy._check(req)
+        assert answers["big"].status.code == code_pb2.OK
+        if shadow:
+            assert answers["ghost"].status.code == code_pb2.OK
+        else:
+            assert answers["ghost"].denied_response.status.code == 429
+        spans = await receiver.wait_for(lambda s: len(s) == 2, 10, "both routes' spans")
+        by_pool = {s.attributes["smg.pool"]: s.attributes for s in spans}
+        assert by_pool["big"]["smg.outcome"] == "admitted"
+        assert by_pool["big"]["smg.legacy"] is False
+        ghost = by_pool["ghost"]
+        assert "smg.legacy" not in ghost  # no pool decided
+        if shadow:
+            assert ghost["smg.outcome"] == "admitted"
+            assert ghost["smg.shadow.outcome"] == "unknown_pool"
+        else:
+            assert (ghost["smg.outcome"], ghost["http.response.status_code"],
+                    ghost["smg.error_code"]) == ("unknown_pool", 429, "scheduler_queue_full")
+        await envoy.log((admission_id(answers["big"]), "end"))
+    finally:
+        await envoy.close()
+        await app.stop()
