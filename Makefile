@@ -17,6 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# xds-protos ships OTLP 0.9's modules under opentelemetry/proto/, the paths of
+	# opentelemetry-proto's: whichever pip installs last owns them. Put the OTLP exporter's back.
+	$(PY) -m pip install --quiet --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+	$(PY) -c 'from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope'
 	$(PY) -c 'import subprocess, devtools.valkey as v; subprocess.run([v.server_binary(), "--version"], check=True)'
 	touch $@
 

@@ -248,7 +248,31 @@ def _otlp_endpoint(name: str, value: str | None) -> str | None:
         raise ConfigError(f"{name}: OTLP/gRPC has no path or query, got {clip(value)!r}")
     if not 1 <= port <= 65535:
         raise ConfigError(f"{name}: port must be 1..65535")
+    _check_otlp_protos(name)
     return value
+
+
+def _check_otlp_protos(name: str) -> None:
+    """The OTLP exporter needs opentelemetry-proto's generated modules. xds-protos ships
+    OTLP 0.9's under the same paths (``opentelemetry/proto/``): whichever of the two was
+    installed last owns the files, and 0.9's break the exporter. Said here, before anything
+    listens, with the command that repairs it (the Makefile and the Dockerfile run it)."""
+    from importlib import metadata
+
+    try:
+        from opentelemetry.proto.common.v1 import common_pb2
+    except ImportError as exc:
+        raise ConfigError(f"{name}: the OTLP protobuf modules cannot be imported ({exc}); "
+                          "install opentelemetry-proto") from None
+    if not hasattr(common_pb2, "InstrumentationScope"):
+        try:
+            pin = f"=={metadata.version('opentelemetry-proto')}"
+        except metadata.PackageNotFoundError:
+            pin = ""
+        raise ConfigError(f"{name}: opentelemetry/proto/ holds OTLP 0.9's modules (xds-protos, "
+                          "installed after opentelemetry-proto, replaced its files); put "
+                          "them back: pip install --force-reinstall --no-deps "
+                          f"opentelemetry-proto{pin}")
 
 
 def _sample_ratio(name: str, value: float) -> float:

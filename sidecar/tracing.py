@@ -33,10 +33,9 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from opentelemetry import trace
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -44,6 +43,7 @@ import sidecar
 from sidecar import logs
 from sidecar.classes import Classification
 from sidecar.config import TracingSettings
+from sidecar.health import credential_secrets
 from sidecar.responses import Reply
 
 log = logs.get("sidecar.tracing")
@@ -99,10 +99,6 @@ class AdmissionSpan:
         self._span = span
         self._t0 = time.monotonic()
         self._ended = False
-
-    @property
-    def context(self) -> trace.SpanContext:
-        return self._span.get_span_context()
 
     def answered(self, c: Classification, tenant: str, pool: str, outcome: str, *,
                  reply: Reply | None = None, waited: float | None = None,
@@ -185,19 +181,20 @@ class AdmissionTracer:
 class Tracing:
     """The tracer provider and its OTLP exporter: built at start-up, flushed at stop."""
 
-    def __init__(self, settings: TracingSettings, *, instance: str,
-                 exporter: SpanExporter | None = None) -> None:
+    def __init__(self, settings: TracingSettings, *, instance: str) -> None:
         if settings.otlp_endpoint is None or settings.trace_sample_ratio <= 0:
             raise ValueError("tracing is off: build none (Tracing.build)")
         _bridge_sdk_logs()
-        for _, value in settings.otlp_headers:
-            logs.register_secret(value)
+        for secret in credential_secrets(dict(settings.otlp_headers)):
+            logs.register_secret(secret)  # the workers' key's rule: no log line shows it
+        # Imported here, not at the top: with tracing off nothing imports the OTLP protobuf
+        # modules, which an xds-protos installed after them can break (sidecar.config).
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
         endpoint = settings.otlp_endpoint
-        if exporter is None:
-            exporter = OTLPSpanExporter(
-                endpoint=endpoint, insecure=endpoint.lower().startswith("http://"),
-                headers=settings.otlp_headers or None, timeout=EXPORT_TIMEOUT_SECS)
-        self._exporter = exporter
+        self._exporter = exporter = OTLPSpanExporter(
+            endpoint=endpoint, insecure=endpoint.lower().startswith("http://"),
+            headers=settings.otlp_headers or None, timeout=EXPORT_TIMEOUT_SECS)
         resource = Resource.create({"service.name": SERVICE_NAME,
                                     "service.version": sidecar.__version__,
                                     "service.instance.id": instance})

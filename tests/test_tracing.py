@@ -22,9 +22,12 @@ over real gRPC exporting to a real OTLP receiver (devtools.otlp).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import secrets
 import shutil
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -556,3 +559,39 @@ async def test_pools_name_themselves_and_an_unknown_pool_its_route(
     finally:
         await envoy.close()
         await app.stop()
+
+
+def test_otlp_0_9_modules_in_place_of_opentelemetry_protos_are_a_clear_start_up_error(
+        tmp_path: Path) -> None:
+    """What an xds-protos installed after opentelemetry-proto leaves behind: OTLP 0.9's
+    modules at opentelemetry-proto's paths (stood in for here by a ``common_pb2`` with
+    0.9's message and not 1.x's, first on the path). Tracing off, the sidecar imports and
+    starts as before (nothing imports those modules); with --otlp-endpoint, start-up stops
+    before anything listens with one line saying how to repair it."""
+    root = tmp_path / "shadow"
+    pkg = root / "opentelemetry"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "__path__ = __import__('pkgutil').extend_path(__path__, __name__)\n")
+    v1 = pkg / "proto" / "common" / "v1"
+    v1.mkdir(parents=True)
+    for d in (pkg / "proto", pkg / "proto" / "common", v1):
+        (d / "__init__.py").write_text("")
+    (v1 / "common_pb2.py").write_text("class InstrumentationLibrary:\n    pass\n")
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{repo}"}
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, *argv], env=env, cwd=repo, capture_output=True,
+                              text=True, timeout=60, check=False)
+
+    off = run("-c", "import opentelemetry.proto.common.v1.common_pb2 as m; "
+                    "assert not hasattr(m, 'InstrumentationScope'), 'not shadowed'; "
+                    "import sidecar.app; from sidecar.config import parse_settings; "
+                    "parse_settings(['--worker-capacity-override', '1'])")
+    assert off.returncode == 0, off.stderr
+    on = run("-m", "sidecar", "--otlp-endpoint", "http://127.0.0.1:4317")
+    assert on.returncode == 2, on.stderr
+    assert "--otlp-endpoint: opentelemetry/proto/ holds OTLP 0.9's modules" in on.stderr
+    assert "pip install --force-reinstall --no-deps opentelemetry-proto==" in on.stderr
+    assert len(on.stderr.strip().splitlines()) == 1, on.stderr
