@@ -1,0 +1,453 @@
+"""Mixed priorities on a real engine: interactive bursts beside a bulk backlog, six fronts.
+
+A real llama.cpp ``llama-server`` (the binary ``devtools/build-llama-server.sh`` builds;
+4 slots, its default, one thread) serves a random-weight llama written with ``gguf``
+(devtools/llama.py). The model is the ``medium`` one by default (12 layers, width 768,
+171 MB): on this box it answers a short prompt's first token in ~0.1 s and then
+generates a token every 6-17 ms per stream, ~200 tokens/s in all, the time scales of a
+GPU serving a large model (llm-d's baseline: TTFT 73-97 ms, inter-token p99 25 ms). The
+project's ``small`` test model (8 x 512) is 5-10x faster, which would make the proxy's
+fixed per-request costs look 5-10x larger than they are in production. The workload
+(bench/qos/workload.py) is llm-d-batch-gateway's shape scaled to that engine; the
+scenarios (bench/qos/scenarios.py) are the fronts an operator could deploy.
+
+Per round, every scenario runs the same seeded requests against the same engine, in
+alternating order (S0..S5, then S5..S0), so drift on the shared box hits all alike; the
+engine is idle (its own /metrics) before each. The load client (bench/qos/client.py)
+streams every response and times each token; the driver reads the engine's /metrics
+every 0.25 s (slots processing, requests deferred: the engine's own account of its
+busy time and queue). Reported per scenario: interactive TTFT p50/p95/p99 and the
+ratio of p99 to S0's, inter-token p99, bulk completed / refused / timed out / still
+open at the window's end, bulk tokens/s received, the engine's busy time while bulk
+waits, and the CPU of Envoy, the sidecar, the client and the engine. Writes
+bench/out/qos.txt, qos.json, qos.png and each scenario's rendered configuration under
+bench/out/qos-configs/.
+
+    python -m bench.qos [--quick] [--rounds 3] [--seconds 60] [--seed N]
+                        [--model medium|small] [--scenarios S0,S1,...]
+                        [--interactive-rps R --bulk-rps R]   (skip the calibration)
+
+Without rates, a calibration first measures the engine's token rate with every slot
+busy (T tokens/s): interactive bursts then ask for a fifth of it (T x 0.2 / 16-token
+outputs), bulk for 1.2x what the engine can serve (T x 1.2 / mean bulk output), and S3's
+bucket lets through 0.8x of that capacity. The command printed at the top reruns the
+same load without calibrating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench._util import loadavg, out_path
+from bench.qos import report
+from bench.qos.scenarios import (
+    BY_NAME,
+    ENVOY,
+    RATELIMIT_SHARE,
+    SCENARIOS,
+    Scenario,
+    envoy_bootstrap,
+    priority_yaml,
+    reservation,
+)
+from bench.qos.workload import BULK, Request, Workload, bulk_tokens, schedule
+from devtools.httpclient import HTTP_ERRORS
+from devtools.httpclient import get as http_get
+from devtools.llama import LlamaFleet, LlamaServer, llama_server_binary, write_tiny_model
+from devtools.proc import die_with_parent
+from devtools.stack import REPO, Stack, StackConfig, envoy_binary, free_port, terminate
+
+MODELS: dict[str, dict[str, int]] = {
+    "medium": {"layers": 12, "dim": 768, "heads": 12, "ff": 2048},
+    "small": {"layers": 8, "dim": 512, "heads": 8, "ff": 1024},  # the tests' model
+}
+SLOTS = 4  # llama-server's own default (--parallel -1 = 4)
+POLL_SECS = 0.25
+INTERACTIVE_SHARE = 0.2  # of the engine's tokens/s, during a burst
+BULK_OVERLOAD = 1.2  # bulk arrivals / what the engine serves
+HEALTH_INTERVAL = 1.0  # the sidecar's default --health-interval-secs; Envoy's checks alike
+CONFIGS = "qos-configs"
+FULL = {"rounds": 3, "seconds": 60.0, "on_secs": 10.0, "calibrate_secs": 10.0}
+QUICK = {"rounds": 1, "seconds": 20.0, "on_secs": 5.0, "calibrate_secs": 5.0}
+
+
+class SharedEngine:
+    """The running llama-server fleet, handed to each :class:`Stack` without giving it the
+    engine's life: the stack neither starts nor stops it (one engine for all scenarios)."""
+
+    def __init__(self, fleet: LlamaFleet) -> None:
+        self.fleet = fleet
+
+    @property
+    def workers(self) -> list[LlamaServer]:
+        return self.fleet.workers
+
+    @property
+    def urls(self) -> list[str]:
+        return self.fleet.urls
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return self.fleet.addresses
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("llamacpp:"):
+            name, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[name.removeprefix("llamacpp:")] = float(value)
+    return out
+
+
+async def engine_metrics(url: str) -> dict[str, float]:
+    status, body = await http_get(f"{url}/metrics", 2.0)
+    if status != 200:
+        raise RuntimeError(f"engine /metrics answered {status}")
+    return parse_metrics(body.decode())
+
+
+async def engine_idle(url: str, timeout: float = 300.0) -> float:
+    """Wait until the engine runs and defers nothing (its own /metrics); seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        with contextlib.suppress(*HTTP_ERRORS):
+            m = await engine_metrics(url)
+            if m.get("requests_processing") == 0 and m.get("requests_deferred") == 0:
+                return time.monotonic() - t0
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"engine {url} still busy after {timeout:.0f} s")
+
+
+async def poll_engine(url: str, samples: list[dict[str, float]], stop: asyncio.Event) -> None:
+    """The engine's /metrics every POLL_SECS, stamped with the monotonic clock the client
+    also uses (one CLOCK_MONOTONIC for every process)."""
+    while not stop.is_set():
+        with contextlib.suppress(*HTTP_ERRORS):
+            m = await engine_metrics(url)
+            m["t"] = time.monotonic()
+            samples.append(m)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), POLL_SECS)
+
+
+async def run_client(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
+    path = workdir / f"client-{spec['tag']}.json"
+    spec = {**spec, "out": str(workdir / f"result-{spec['tag']}.json")}
+    path.write_text(json.dumps(spec))
+    proc = await asyncio.create_subprocess_exec(
+        *die_with_parent([sys.executable, "-m", "bench.qos.client", str(path)]),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"load client failed ({proc.returncode}): {err.decode()[-3000:]}")
+    result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
+    return result
+
+
+def requests_json(reqs: list[Request]) -> list[list[Any]]:
+    return [[r.at, r.cls, r.prompt, r.tokens, r.seed] for r in reqs]
+
+
+class EnvoyAlone:
+    """A plain Envoy (bench/qos/scenarios.py's bootstrap) in front of the engine."""
+
+    def __init__(self, scenario: Scenario, workdir: Path, fleet: LlamaFleet,
+                 bulk_rps_limit: float) -> None:
+        self.scenario = scenario
+        self.workdir = workdir
+        self.fleet = fleet
+        self.bulk_rps_limit = bulk_rps_limit
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.listen_port = self.admin_port = 0
+        self.config_text = ""
+
+    async def start(self) -> None:
+        for attempt in range(3):
+            self.listen_port, self.admin_port = free_port(), free_port()
+            self.config_text = envoy_bootstrap(
+                self.scenario, listen_port=self.listen_port, admin_port=self.admin_port,
+                workers=self.fleet.addresses, slots=SLOTS, bulk_rps_limit=self.bulk_rps_limit,
+                health_interval_secs=HEALTH_INTERVAL)
+            cfg = self.workdir / f"envoy-{self.scenario.name}.yaml"
+            cfg.write_text(self.config_text)
+            log = self.workdir / f"envoy-{self.scenario.name}.log"
+            with open(log, "ab") as f:
+                self.proc = subprocess.Popen(
+                    die_with_parent([envoy_binary(), "-c", str(cfg), "--concurrency", "1",
+                                     "-l", "warning", "--disable-hot-restart"]),
+                    stdout=f, stderr=f, stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                await self.wait_ready(log)
+                return
+            except RuntimeError:
+                terminate(self.proc)
+                if attempt == 2:
+                    raise
+
+    async def wait_ready(self, log: Path, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        stat = "cluster.workers.membership_healthy"
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited: {log.read_text()[-2000:]}")
+            with contextlib.suppress(*HTTP_ERRORS):
+                status, body = await http_get(
+                    f"http://127.0.0.1:{self.admin_port}/stats?filter=^{stat}$", 0.5)
+                if status == 200 and body.decode().strip().endswith(": 1"):
+                    return
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"envoy not ready: {log.read_text()[-2000:]}")
+
+    async def stats(self) -> dict[str, float]:
+        _, body = await http_get(
+            f"http://127.0.0.1:{self.admin_port}/stats?filter=adaptive_concurrency|"
+            "rate_limit|upstream_rq_retry$", 2.0)
+        out = {}
+        for line in body.decode().splitlines():
+            name, _, value = line.partition(": ")
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+        return out
+
+    async def stop(self) -> None:
+        terminate(self.proc)
+        self.proc = None
+
+
+def gate_stack(scenario: Scenario, workdir: Path, fleet: LlamaFleet, w: Workload) -> Stack:
+    cfg = StackConfig(
+        workers=len(fleet.workers), max_running_requests=None,
+        priority_yaml=priority_yaml(w.bulk_timeout, scenario.priority_overrides),
+        # Anonymous clients may ask for interactive (no tenant ceilings in this bench).
+        sidecar_args=("--priority-scheduler-default-max-class", "interactive",
+                      *scenario.sidecar_args),
+        health_interval_secs=HEALTH_INTERVAL, log_level="warning",
+        edge_shed=scenario.edge_shed)
+    return Stack(cfg, workdir=workdir / scenario.name, engines=SharedEngine(fleet))
+
+
+SIDECAR_KEEP = ("smg_scheduler_admit_total", "smg_sidecar_edge_shed_total",
+                "smg_sidecar_preemption_suspended", "smg_scheduler_preemption_total",
+                "smg_sidecar_capacity", "smg_sidecar_reserved_slots")
+
+
+async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFleet,
+                       w: Workload, workdir: Path, tag: str, bulk_rps_limit: float,
+                       keep_configs: bool) -> dict[str, Any]:
+    url = fleet.urls[0]
+    idle = await engine_idle(url)
+    front: EnvoyAlone | Stack
+    if scenario.front == ENVOY:
+        front = EnvoyAlone(scenario, workdir, fleet, bulk_rps_limit)
+    else:
+        front = gate_stack(scenario, workdir, fleet, w)
+    await front.start()
+    samples: list[dict[str, float]] = []
+    stop = asyncio.Event()
+    try:
+        if isinstance(front, Stack):
+            assert front.envoy is not None and front.sidecar is not None
+            port, pids = front.listen_port, [front.envoy.pid, front.sidecar.pid]
+        else:
+            assert front.proc is not None
+            port, pids = front.listen_port, [front.proc.pid, 0]
+        engine = fleet.workers[0].proc
+        assert engine is not None
+        spec = {"tag": tag, "port": port, "window": w.seconds,
+                "timeouts": {"interactive": w.interactive_timeout, "bulk": w.bulk_timeout},
+                "requests": requests_json(reqs), "pids": [*[p for p in pids if p], engine.pid]}
+        poller = asyncio.ensure_future(poll_engine(url, samples, stop))
+        la = loadavg()
+        result = await run_client(spec, workdir, w.seconds + w.interactive_timeout + 120)
+        stop.set()
+        await poller
+        cpu = dict(zip(["envoy", "sidecar", "engine"] if pids[1] else ["envoy", "engine"],
+                       result["cpu"], strict=True))
+        extra: dict[str, float] = {}
+        if isinstance(front, Stack):
+            m = await front.metrics()
+            extra = {k: v for k, v in m.items() if k.startswith(SIDECAR_KEEP)}
+        else:
+            extra = await front.stats()
+        if keep_configs:
+            save_configs(scenario, front)
+    finally:
+        stop.set()
+        await front.stop()
+    return {"scenario": scenario.name, "tag": tag, "loadavg": la, "idle_wait": idle,
+            "t0": result["t0"], "window": result["window"], "records": result["records"],
+            "cpu": {**cpu, "client": result["client_cpu"]}, "engine": samples,
+            "front": extra}
+
+
+def save_configs(scenario: Scenario, front: EnvoyAlone | Stack) -> None:
+    d = out_path(CONFIGS)
+    d.mkdir(exist_ok=True)
+    if isinstance(front, EnvoyAlone):
+        (d / f"{scenario.name}-envoy.yaml").write_text(front.config_text)
+        return
+    (d / f"{scenario.name}-envoy.yaml").write_text(front.envoy_config.read_text())
+    (d / f"{scenario.name}-priority.yaml").write_text(front.priority_path.read_text())
+    argv = front.sidecar_argv()
+    at = argv.index("sidecar")  # python -m sidecar ...: the flags, not the interpreter
+    (d / f"{scenario.name}-sidecar.args").write_text(
+        "priority-sidecar " + " ".join(argv[at + 1:]) + "\n")
+
+
+async def calibrate(url: str, w: Workload, seconds: float, seed: int, workdir: Path
+                    ) -> float:
+    """Tokens/s the engine streams with every slot busy, on bulk's own requests (sent
+    straight to the engine, more than it can serve, all at once)."""
+    rng = random.Random(f"{seed}/calibrate")
+    reqs = [Request(0.0, BULK, w.bulk_prompt, bulk_tokens(rng, w), rng.randrange(1 << 30))
+            for _ in range(int(seconds * 8) + 2 * SLOTS)]
+    port = int(url.rpartition(":")[2])
+    spec = {"tag": "calibrate", "port": port, "window": seconds,
+            "timeouts": {"interactive": seconds + 30, "bulk": seconds + 30},
+            "requests": requests_json(reqs), "pids": [], "warmup": 2}
+    res = await run_client(spec, workdir, seconds + 120)
+    skip = min(2.0, seconds / 4)  # the first prefills: not the steady state
+    n = sum(1 for r in res["records"] for t in r["tokens"] if skip <= t <= seconds)
+    await engine_idle(url)
+    return n / (seconds - skip)
+
+
+def mean_bulk_tokens(w: Workload) -> float:
+    rng = random.Random(0)
+    return statistics.fmean(bulk_tokens(rng, w) for _ in range(100_000))
+
+
+async def run(args: argparse.Namespace) -> int:
+    binary = llama_server_binary()
+    if binary is None:
+        print("qos: no llama-server binary: run `make llama-server` (or set LLAMA_SERVER_BIN)")
+        return 1
+    names = args.scenarios.split(",")
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown or "S0" not in names or "S1" not in names:
+        print(f"qos: scenarios must include S0 and S1 and be among {sorted(BY_NAME)}; "
+              f"got {names}")
+        return 2
+    scenarios = [BY_NAME[n] for n in names]
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    w = Workload(seconds=args.seconds, on_secs=args.on_secs, off_secs=args.on_secs)
+    workdir = Path(tempfile.mkdtemp(prefix="smg-qos-"))
+    t_start = time.monotonic()
+    model = write_tiny_model(workdir / f"qos-{args.model}.gguf", **MODELS[args.model])
+    fleet = LlamaFleet(1, workdir=workdir, model=model, parallel=SLOTS)
+    await fleet.start()
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    try:
+        mean_bulk = mean_bulk_tokens(w)
+        tok_s = None
+        if args.interactive_rps and args.bulk_rps:
+            w = replace(w, interactive_rps=args.interactive_rps, bulk_rps=args.bulk_rps)
+            cap_bulk = w.bulk_rps / BULK_OVERLOAD
+        else:
+            tok_s = await calibrate(fleet.urls[0], w, args.calibrate_secs, seed, workdir)
+            cap_bulk = tok_s / mean_bulk
+            w = replace(w, interactive_rps=INTERACTIVE_SHARE * tok_s / w.interactive_tokens,
+                        bulk_rps=BULK_OVERLOAD * cap_bulk)
+        limit = RATELIMIT_SHARE * cap_bulk
+        say(f"qos: {time.strftime('%F %T')}, load average {loadavg()}; llama-server "
+            f"{Path(binary).parent.parent.name}, {SLOTS} slots, 1 thread, model "
+            f"{args.model} {MODELS[args.model]} ({model.stat().st_size / 1e6:.0f} MB)")
+        if tok_s is not None:
+            say(f"  calibration: {tok_s:.0f} tokens/s with every slot busy on bulk requests "
+                f"(mean output {mean_bulk:.1f} tokens: {cap_bulk:.2f} bulk req/s)")
+        say(f"  workload: {w.seconds:g} s windows; interactive {w.interactive_prompt}-token "
+            f"prompts, {w.interactive_tokens}-token outputs, {w.interactive_rps:.2f} req/s "
+            f"for {w.on_secs:g} s then {w.off_rps:.2f} req/s for {w.off_secs:g} s; bulk "
+            f"{w.bulk_prompt}-token prompts, outputs lognormal mean {w.bulk_mean:g} sd "
+            f"{w.bulk_sd:g} in [{w.bulk_min}, {w.bulk_max}], a backlog of {w.backlog} then "
+            f"{w.bulk_rps:.2f} req/s ({BULK_OVERLOAD:g}x the engine's bulk capacity); "
+            f"timeouts interactive {w.interactive_timeout:g} s, bulk {w.bulk_timeout:g} s")
+        say(f"  S3's bucket: {limit:.2f} bulk req/s ({RATELIMIT_SHARE:g}x capacity), bursts "
+            f"of {SLOTS}; S4/S5 reserve {reservation(SLOTS)} of {SLOTS} slots for interactive")
+        say(f"  rerun: python -m bench.qos --rounds {args.rounds} --seconds {w.seconds:g} "
+            f"--on-secs {w.on_secs:g} --seed {seed} --model {args.model} --scenarios "
+            f"{args.scenarios} --interactive-rps {w.interactive_rps:.3f} --bulk-rps "
+            f"{w.bulk_rps:.3f}")
+        results = []
+        for rnd in range(args.rounds):
+            reqs = schedule(w, seed + rnd)
+            order = scenarios if rnd % 2 == 0 else scenarios[::-1]
+            for sc in order:
+                mine = reqs if sc.bulk else [r for r in reqs if r.cls != BULK]
+                res = await run_scenario(sc, mine, fleet, w, workdir, f"{rnd}-{sc.name}",
+                                         limit, keep_configs=rnd == 0)
+                res["round"] = rnd
+                results.append(res)
+                say("  " + report.one_line(res, w, SLOTS))
+        summary = report.summarize(results, w, SLOTS, [s.name for s in scenarios])
+        for line in report.table(summary, {s.name: s.title for s in scenarios},
+                                 [s.name for s in scenarios if s.front != ENVOY]):
+            say(line)
+        plot = report.plot(results, w, [s.name for s in scenarios], out_path(
+            f"{args.out}.png"))
+        say(f"  plot: bench/out/{plot.name}; configs: bench/out/{CONFIGS}/; "
+            f"{time.monotonic() - t_start:.0f} s in all, load average {loadavg()}")
+        out_path(f"{args.out}.json").write_text(json.dumps({
+            "workload": w.as_dict(), "seed": seed, "model": args.model, "slots": SLOTS,
+            "calibrated_tokens_per_s": tok_s, "summary": summary, "runs": results}))
+        out_path(f"{args.out}.txt").write_text("\n".join(lines) + "\n")
+    finally:
+        await fleet.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="one round of 20 s windows, 5 s phases, 5 s calibration (flags "
+                        "given explicitly win)")
+    p.add_argument("--rounds", type=int, default=None, help="default 3")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="each scenario's window (default 60)")
+    p.add_argument("--on-secs", type=float, default=None,
+                   help="length of an interactive burst and of the pause after it "
+                        "(default 10)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--model", choices=tuple(MODELS), default="medium")
+    p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS))
+    p.add_argument("--interactive-rps", type=float, default=0.0)
+    p.add_argument("--bulk-rps", type=float, default=0.0)
+    p.add_argument("--calibrate-secs", type=float, default=None, help="default 10")
+    p.add_argument("--out", default="qos", help="bench/out/OUT.txt, .json, .png")
+    args = p.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return asyncio.run(run(args))

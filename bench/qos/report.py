@@ -1,0 +1,311 @@
+"""Figures, goals and the plot of bench.qos, from the client's records and the engine's samples.
+
+Definitions (one place):
+
+* TTFT: first token received minus request sent, client side. Interactive percentiles
+  are over every interactive request sent, a refused or timed-out one counting as never
+  answered (infinite): a limiter that refuses interactive requests does not get a better
+  percentile for it (the percentile over the answered ones alone is shown beside it);
+* inter-token latency: gaps between a request's consecutive tokens;
+* bulk completed: ended ``ok`` within the window; refused: a 429/503 other than a queue
+  timeout; timed out: the client's timeout or the sidecar's ``scheduler_queue_timeout``;
+  open: still waiting or streaming when the window closed;
+* bulk tokens/s: bulk tokens received within the window, over the window;
+* bulk waits at instant t: some bulk request was sent and has neither a token nor an end;
+* engine busy while bulk waits: over the engine's /metrics samples taken while bulk
+  waits, the share with at least one slot processing (``llamacpp:requests_processing``
+  >= 1), and the mean share of its slots processing (what an idle reserved slot costs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench._util import pct
+from bench.qos.workload import BULK, INTERACTIVE, Workload
+
+QUEUE_TIMEOUT = "scheduler_queue_timeout"
+GOAL_TTFT_RATIO = 1.5
+GOAL_BULK_SHARE = 0.995
+GOAL_BUSY = 0.95
+BASELINE, UNPROTECTED, ALTERNATIVES = "S0", "S1", ("S1", "S2", "S3")
+
+
+def outcome(rec: dict[str, Any]) -> str:
+    """completed | refused | timed out | open | failed (error, cut)."""
+    if rec["outcome"] == "ok":
+        return "completed"
+    if rec["outcome"] == "timeout" or rec["code"] == QUEUE_TIMEOUT:
+        return "timed out"
+    if rec["outcome"] == "refused":
+        return "refused"
+    return "open" if rec["outcome"] == "open" else "failed"
+
+
+def ttfts(recs: Iterable[dict[str, Any]], unanswered: bool = False) -> list[float]:
+    """TTFT of each request that got a token; ``unanswered``: also +inf for each that
+    ended without one (refused, timed out, failed)."""
+    return [r["tokens"][0] - r["sent"] if r["tokens"] else math.inf for r in recs
+            if r["tokens"] or (unanswered and r["outcome"] != "open")]
+
+
+def gaps(recs: Iterable[dict[str, Any]]) -> list[float]:
+    return [b - a for r in recs for a, b in zip(r["tokens"], r["tokens"][1:], strict=False)]
+
+
+def bulk_waiting(bulk: Sequence[dict[str, Any]], t: float) -> bool:
+    for r in bulk:
+        until = r["tokens"][0] if r["tokens"] else r["end"]
+        if r["sent"] <= t and (math.isnan(until) or t < until):
+            return True
+    return False
+
+
+def run_figures(res: dict[str, Any], slots: int) -> dict[str, Any]:
+    """One scenario's run: its lists (for pooling) and counts."""
+    w = res["window"]
+    recs = res["records"]
+    inter = [r for r in recs if r["cls"] == INTERACTIVE]
+    bulk = [r for r in recs if r["cls"] == BULK]
+    counts = {cls: {k: 0 for k in ("sent", "completed", "refused", "timed out", "open",
+                                   "failed")} for cls in (INTERACTIVE, BULK)}
+    for r in recs:
+        c = counts[r["cls"]]
+        c["sent"] += 1
+        o = outcome(r)
+        if o == "completed" and r["end"] > w and r["cls"] == BULK:
+            o = "open"  # finished after the window: not completed within it
+        c[o] += 1
+    short = sum(1 for r in recs if r["outcome"] == "ok" and len(r["tokens"]) != r["expected"])
+    samples = [s for s in res["engine"] if 0.0 <= s["t"] - res["t0"] <= w]
+    waiting = [s for s in samples if bulk_waiting(bulk, s["t"] - res["t0"])]
+    tokens_engine = float("nan")
+    if len(samples) >= 2:
+        span = samples[-1]["t"] - samples[0]["t"]
+        tokens_engine = (samples[-1]["tokens_predicted_total"]
+                         - samples[0]["tokens_predicted_total"]) / span
+    return {
+        "ttft": {INTERACTIVE: ttfts(inter), BULK: ttfts(bulk)},
+        "ttft_all": ttfts(inter, unanswered=True),
+        "itl": {INTERACTIVE: gaps(inter), BULK: gaps(bulk)},
+        "counts": counts, "short_streams": short,
+        "bulk_tokens": sum(1 for r in bulk for t in r["tokens"] if t <= w),
+        "window": w,
+        "samples": len(samples), "waiting_samples": len(waiting),
+        "busy_any": [1.0 if s["requests_processing"] >= 1 else 0.0 for s in waiting],
+        "slot_share": [s["requests_processing"] / slots for s in waiting],
+        "slot_share_all": [s["requests_processing"] / slots for s in samples],
+        "deferred": [s["requests_deferred"] for s in waiting],
+        "engine_tokens_per_s": tokens_engine,
+        "cpu": res["cpu"],
+    }
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
+              names: Sequence[str]) -> dict[str, Any]:
+    """Per scenario, the rounds pooled (percentiles over all samples, counts summed), the
+    per-round values of the headline figures, and the goals."""
+    del w
+    out: dict[str, Any] = {}
+    for name in names:
+        runs = [run_figures(r, slots) for r in results if r["scenario"] == name]
+        if not runs:
+            continue
+        pooled: dict[str, Any] = {"rounds": len(runs)}
+        for cls in (INTERACTIVE, BULK):
+            t = [x for r in runs for x in r["ttft"][cls]]
+            g = [x for r in runs for x in r["itl"][cls]]
+            pooled[cls] = {
+                "ttft_samples": len(t),
+                **{f"ttft_p{q}_ms": pct(t, q / 100) * 1e3 for q in (50, 95, 99)},
+                "itl_samples": len(g), "itl_p50_ms": pct(g, 0.5) * 1e3,
+                "itl_p99_ms": pct(g, 0.99) * 1e3,
+                "counts": {k: sum(r["counts"][cls][k] for r in runs)
+                           for k in runs[0]["counts"][cls]}}
+        t_all = [x for r in runs for x in r["ttft_all"]]
+        pooled[INTERACTIVE].update({f"ttft_all_p{q}_ms": pct(t_all, q / 100) * 1e3
+                                    for q in (50, 95, 99)})
+        seconds = sum(r["window"] for r in runs)
+        pooled["bulk_tokens_per_s"] = sum(r["bulk_tokens"] for r in runs) / seconds
+        pooled["short_streams"] = sum(r["short_streams"] for r in runs)
+        pooled["waiting_samples"] = sum(r["waiting_samples"] for r in runs)
+        pooled["busy_any"] = _mean([x for r in runs for x in r["busy_any"]])
+        pooled["slot_share"] = _mean([x for r in runs for x in r["slot_share"]])
+        pooled["slot_share_all"] = _mean([x for r in runs for x in r["slot_share_all"]])
+        pooled["deferred_mean"] = _mean([x for r in runs for x in r["deferred"]])
+        pooled["engine_tokens_per_s"] = _mean([r["engine_tokens_per_s"] for r in runs])
+        pooled["cpu"] = {k: _mean([r["cpu"][k] for r in runs]) for k in runs[0]["cpu"]}
+        pooled["per_round"] = {
+            "interactive_ttft_p99_ms": [pct(r["ttft_all"], 0.99) * 1e3 for r in runs],
+            "bulk_completed": [r["counts"][BULK]["completed"] for r in runs],
+            "bulk_tokens_per_s": [r["bulk_tokens"] / r["window"] for r in runs]}
+        out[name] = pooled
+    for s in out.values():
+        base = out.get(BASELINE, {}).get(INTERACTIVE, {}).get("ttft_all_p99_ms", math.nan)
+        s["ttft_p99_ratio"] = s[INTERACTIVE]["ttft_all_p99_ms"] / base
+        if UNPROTECTED in out:
+            ref = out[UNPROTECTED]
+            s["bulk_completed_vs_s1"] = (s[BULK]["counts"]["completed"]
+                                         / max(1, ref[BULK]["counts"]["completed"]))
+            s["bulk_tokens_vs_s1"] = (s["bulk_tokens_per_s"]
+                                      / max(1e-9, ref["bulk_tokens_per_s"]))
+    return out
+
+
+def goals(summary: dict[str, Any], name: str) -> dict[str, bool]:
+    """The issue's goals for one (priority-gate) scenario."""
+    s = summary[name]
+    out = {
+        f"interactive TTFT p99 <= {GOAL_TTFT_RATIO}x S0's ({s['ttft_p99_ratio']:.2f}x)":
+            s["ttft_p99_ratio"] <= GOAL_TTFT_RATIO,
+        f"bulk completed >= {GOAL_BULK_SHARE:.1%} of S1's "
+        f"({s.get('bulk_completed_vs_s1', float('nan')):.1%})":
+            s.get("bulk_completed_vs_s1", 0.0) >= GOAL_BULK_SHARE,
+    }
+    for alt in ALTERNATIVES:
+        if alt in summary:
+            a = summary[alt]
+            mine, theirs = s[INTERACTIVE]["ttft_all_p99_ms"], a[INTERACTIVE]["ttft_all_p99_ms"]
+            out[f"TTFT p99 below {alt}'s ({_ms(mine)} vs {_ms(theirs)} ms) at >= its bulk "
+                f"tokens/s ({s['bulk_tokens_per_s']:.1f} vs {a['bulk_tokens_per_s']:.1f})"] = (
+                mine < theirs
+                and s["bulk_tokens_per_s"] >= a["bulk_tokens_per_s"])
+    out[f"engine busy >= {GOAL_BUSY:.0%} while bulk waits: a slot processing "
+        f"({s['busy_any']:.1%})"] = s["busy_any"] >= GOAL_BUSY
+    out[f"engine busy >= {GOAL_BUSY:.0%} while bulk waits: share of its slots processing "
+        f"({s['slot_share']:.1%})"] = s["slot_share"] >= GOAL_BUSY
+    return out
+
+
+def one_line(res: dict[str, Any], w: Workload, slots: int) -> str:
+    f = run_figures(res, slots)
+    i, b = f["counts"][INTERACTIVE], f["counts"][BULK]
+    t = f["ttft_all"]
+    return (f"round {res['round'] + 1} {res['scenario']:<5} interactive TTFT p50 "
+            f"{_ms(pct(t, 0.5) * 1e3):>6} p99 {_ms(pct(t, 0.99) * 1e3):>6} ms "
+            f"({i['completed']} of {i['sent']} answered); bulk done {b['completed']:3} "
+            f"refused {b['refused']:3} timed out {b['timed out']:2}, "
+            f"{f['bulk_tokens'] / w.seconds:5.1f} tok/s; slots busy while bulk waits "
+            f"{_mean(f['slot_share']):.0%}; cpu "
+            + " ".join(f"{k} {v:.0%}" for k, v in f["cpu"].items())
+            + f"; load {res['loadavg']}")
+
+
+def _ms(x: float) -> str:
+    return "—" if math.isnan(x) else "∞" if math.isinf(x) else f"{x:,.0f}"
+
+
+def table(summary: dict[str, Any], titles: dict[str, str], gate: Sequence[str] = ()
+          ) -> list[str]:
+    rounds = max(s["rounds"] for s in summary.values())
+    lines = ["", f"  Interactive ({rounds} round(s) pooled; TTFT and inter-token latency "
+             "measured by the client, ms; TTFT over every request sent, a refused or "
+             "timed-out one counted as never answered, ∞):", "",
+             "| scenario | TTFT p50 | p95 | p99 | p99 / S0 | p99 per round | p99 of those "
+             "answered | ITL p99 | sent | completed | refused | timed out |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        i = s[INTERACTIVE]
+        c = i["counts"]
+        ratio = s["ttft_p99_ratio"]
+        lines.append(
+            f"| {name} {titles.get(name, '')} | {_ms(i['ttft_all_p50_ms'])} | "
+            f"{_ms(i['ttft_all_p95_ms'])} | {_ms(i['ttft_all_p99_ms'])} | "
+            f"{'∞' if math.isinf(ratio) else f'{ratio:.2f}x'} | "
+            + ", ".join(_ms(x) for x in s["per_round"]["interactive_ttft_p99_ms"])
+            + f" | {_ms(i['ttft_p99_ms'])} | {_ms(i['itl_p99_ms'])} | {c['sent']} | "
+            f"{c['completed']} | "
+            f"{c['refused']} | {c['timed out']} |")
+    lines += ["", "  Bulk and the engine (busy: the engine's own /metrics, sampled every "
+              "0.25 s while bulk waits; CPU: share of one core over the window):", "",
+              "| scenario | bulk sent | completed (vs S1) | per round | refused | timed out | "
+              "open at end | TTFT p50 / p99 ms | tokens/s (vs S1) | ITL p99 | engine busy "
+              "| slots busy | engine queue | CPU envoy / sidecar / client / engine |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        b = s[BULK]
+        c = b["counts"]
+        cpu = s["cpu"]
+        if c["sent"] == 0:
+            lines.append(f"| {name} | 0 | — | — | — | — | — | — | — | — | — | "
+                         f"{s['slot_share_all']:.0%} (all samples) | — | "
+                         f"{cpu['envoy']:.0%} / — / {cpu['client']:.0%} / "
+                         f"{cpu['engine']:.0%} |")
+            continue
+        lines.append(
+            f"| {name} | {c['sent']} | {c['completed']} ({s['bulk_completed_vs_s1']:.1%}) | "
+            + ", ".join(str(x) for x in s["per_round"]["bulk_completed"])
+            + f" | {c['refused']} | {c['timed out']} | {c['open']} | "
+            f"{_ms(b['ttft_p50_ms'])} / {_ms(b['ttft_p99_ms'])} | "
+            f"{s['bulk_tokens_per_s']:.1f} ({s['bulk_tokens_vs_s1']:.1%}) | "
+            f"{_ms(b['itl_p99_ms'])} | {s['busy_any']:.1%} | {s['slot_share']:.1%} | "
+            f"{s['deferred_mean']:.1f} | {cpu['envoy']:.0%} / "
+            + (f"{cpu['sidecar']:.0%}" if "sidecar" in cpu else "—")
+            + f" / {cpu['client']:.0%} / {cpu['engine']:.0%} |")
+    for name in gate:
+        if name in summary:
+            lines += ["", f"  Goals, {name}:"]
+            lines += [f"    {'PASS' if ok else 'FAIL'}  {text}"
+                      for text, ok in goals(summary, name).items()]
+    short = sum(s["short_streams"] for s in summary.values())
+    lines.append(f"\n  streams that ended ok with fewer or more tokens than asked: {short}")
+    return lines
+
+
+def plot(results: list[dict[str, Any]], w: Workload, names: Sequence[str], path: Path
+         ) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 2
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 2.9 * rows), sharex=True, sharey=True,
+                             squeeze=False)
+    floor = 0.01  # refusals are drawn here (they have no first token)
+    for ax, name in zip(axes.flat, names, strict=False):
+        runs = [r for r in results if r["scenario"] == name]
+        start = 0.0
+        while start < w.seconds:
+            ax.axvspan(start, min(w.seconds, start + w.on_secs), color="0.92", lw=0)
+            start += w.on_secs + w.off_secs
+        for cls, color, size in ((BULK, "tab:orange", 6), (INTERACTIVE, "tab:blue", 9)):
+            recs = [x for r in runs for x in r["records"] if x["cls"] == cls]
+            got = [x for x in recs if x["tokens"]]
+            ax.scatter([x["sent"] for x in got], [x["tokens"][0] - x["sent"] for x in got],
+                       s=size, color=color, alpha=0.6, lw=0, label=f"{cls} TTFT")
+            no = [x for x in recs if not x["tokens"] and x["outcome"] != "open"]
+            if no:
+                ax.scatter([x["sent"] for x in no], [floor] * len(no), marker="x", s=14,
+                           color=color, alpha=0.8, label=f"{cls} refused / timed out")
+        t = ttfts([x for r in runs for x in r["records"] if x["cls"] == INTERACTIVE],
+                  unanswered=True)
+        ax.set_title(f"{name}: interactive TTFT p99 {_ms(pct(t, 0.99) * 1e3)} ms", fontsize=10)
+        ax.set_yscale("log")
+        ax.set_ylim(floor / 2, max(w.bulk_timeout, w.interactive_timeout))
+        ax.grid(True, which="major", alpha=0.3)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("request sent at (s into the window; grey: interactive burst)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("time to first token (s)")
+    seen: dict[str, Any] = {}
+    for ax in axes.flat[:len(names)]:
+        handles, labels = ax.get_legend_handles_labels()
+        for handle, label in zip(handles, labels, strict=True):
+            seen.setdefault(label, handle)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="upper center", ncol=4,
+               fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
