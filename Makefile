@@ -79,9 +79,11 @@ front: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.front \
 		$(if $(LLAMA),--llama $(LLAMA),--worker-urls $(WORKERS)) $(FRONT_ARGS)
 
-bench: install envoy
+# bench.qos runs a real llama-server: built first (cached) like test-llama's.
+bench: install envoy llama-server
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
-	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m bench
+	ENVOY_BIN=$(abspath $(ENVOY)) LLAMA_SERVER_BIN=$$(devtools/build-llama-server.sh | tail -n 1) \
+		$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) $(ENVOY_VENV) .pytest_cache .mypy_cache .ruff_cache bench/out

@@ -50,7 +50,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench._util import loadavg, out_path
+from bench import slots as slot_trace
+from bench._util import OUT, loadavg
 from bench.qos import report
 from bench.qos.scenarios import (
     BY_NAME,
@@ -68,6 +69,7 @@ from devtools.httpclient import get as http_get
 from devtools.llama import LlamaFleet, LlamaServer, llama_server_binary, write_tiny_model
 from devtools.proc import die_with_parent
 from devtools.stack import REPO, Stack, StackConfig, envoy_binary, free_port, terminate
+from sidecar.slottrace import ENV as SLOT_TRACE_ENV
 
 MODELS: dict[str, dict[str, int]] = {
     "medium": {"layers": 12, "dim": 768, "heads": 12, "ff": 2048},
@@ -248,17 +250,40 @@ def gate_stack(scenario: Scenario, workdir: Path, fleet: LlamaFleet, w: Workload
                       *scenario.sidecar_args),
         health_interval_secs=HEALTH_INTERVAL, log_level="warning",
         edge_shed=scenario.edge_shed)
-    return Stack(cfg, workdir=workdir / scenario.name, engines=SharedEngine(fleet))
+    stack = Stack(cfg, workdir=workdir / scenario.name, engines=SharedEngine(fleet))
+    stack.workdir.mkdir(parents=True, exist_ok=True)
+    trace = stack.workdir / "slots.trace"
+    trace.unlink(missing_ok=True)
+    stack.config.extra_env[SLOT_TRACE_ENV] = str(trace)
+    return stack
 
 
 SIDECAR_KEEP = ("smg_scheduler_admit_total", "smg_sidecar_edge_shed_total",
                 "smg_sidecar_preemption_suspended", "smg_scheduler_preemption_total",
-                "smg_sidecar_capacity", "smg_sidecar_reserved_slots")
+                "smg_sidecar_capacity", "smg_sidecar_reserved_slots",
+                "smg_scheduler_queue_wait_seconds")
+
+
+def slot_breakdown(stack: Stack, t0_wall: float, window: float, reserved: int
+                   ) -> dict[str, float]:
+    """The sidecar's own account of its slots over the window (bench.slots, from its slot
+    trace): shares of slot-seconds held by an admission, idle while a request waited
+    (kept for interactive's unused reservation, or a gap a waiter could have taken) and
+    idle with nobody waiting. There are no worker records here (the engine is real), so
+    'held' is admission to release, engine time and the loop's two legs together."""
+    trace = slot_trace.read_trace(Path(stack.config.extra_env[SLOT_TRACE_ENV]))
+    b = slot_trace.account(trace, [], SLOTS, t0_wall, t0_wall + window,
+                           reserved={"interactive": reserved})
+    total = b.slot_seconds
+    return {"held": b.total("to worker") / total,
+            "idle_reserved": b.idle_reserved / total,
+            "idle_takeable": (b.idle_waiting - b.idle_reserved) / total,
+            "idle_none_waiting": b.idle / total}
 
 
 async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFleet,
                        w: Workload, workdir: Path, tag: str, bulk_rps_limit: float,
-                       keep_configs: bool) -> dict[str, Any]:
+                       configs: Path | None) -> dict[str, Any]:
     url = fleet.urls[0]
     idle = await engine_idle(url)
     front: EnvoyAlone | Stack
@@ -294,20 +319,23 @@ async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFlee
             extra = {k: v for k, v in m.items() if k.startswith(SIDECAR_KEEP)}
         else:
             extra = await front.stats()
-        if keep_configs:
-            save_configs(scenario, front)
+        if configs is not None:
+            save_configs(scenario, front, configs)
     finally:
         stop.set()
         await front.stop()
+    slot_time: dict[str, float] = {}
+    if isinstance(front, Stack):  # stopped: the trace is flushed
+        slot_time = slot_breakdown(front, result["t0_wall"], result["window"],
+                                   reservation(SLOTS, scenario.priority_overrides))
     return {"scenario": scenario.name, "tag": tag, "loadavg": la, "idle_wait": idle,
             "t0": result["t0"], "window": result["window"], "records": result["records"],
             "cpu": {**cpu, "client": result["client_cpu"]}, "engine": samples,
-            "front": extra}
+            "front": extra, "slot_time": slot_time}
 
 
-def save_configs(scenario: Scenario, front: EnvoyAlone | Stack) -> None:
-    d = out_path(CONFIGS)
-    d.mkdir(exist_ok=True)
+def save_configs(scenario: Scenario, front: EnvoyAlone | Stack, d: Path) -> None:
+    d.mkdir(parents=True, exist_ok=True)
     if isinstance(front, EnvoyAlone):
         (d / f"{scenario.name}-envoy.yaml").write_text(front.config_text)
         return
@@ -337,6 +365,14 @@ async def calibrate(url: str, w: Workload, seconds: float, seed: int, workdir: P
     return n / (seconds - skip)
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def mean_bulk_tokens(w: Workload) -> float:
     rng = random.Random(0)
     return statistics.fmean(bulk_tokens(rng, w) for _ in range(100_000))
@@ -357,6 +393,8 @@ async def run(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     w = Workload(seconds=args.seconds, on_secs=args.on_secs, off_secs=args.on_secs)
     workdir = Path(tempfile.mkdtemp(prefix="smg-qos-"))
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     model = write_tiny_model(workdir / f"qos-{args.model}.gguf", **MODELS[args.model])
     fleet = LlamaFleet(1, workdir=workdir, model=model, parallel=SLOTS)
@@ -405,7 +443,7 @@ async def run(args: argparse.Namespace) -> int:
             for sc in order:
                 mine = reqs if sc.bulk else [r for r in reqs if r.cls != BULK]
                 res = await run_scenario(sc, mine, fleet, w, workdir, f"{rnd}-{sc.name}",
-                                         limit, keep_configs=rnd == 0)
+                                         limit, out_dir / CONFIGS if rnd == 0 else None)
                 res["round"] = rnd
                 results.append(res)
                 say("  " + report.one_line(res, w, SLOTS))
@@ -413,17 +451,22 @@ async def run(args: argparse.Namespace) -> int:
         for line in report.table(summary, {s.name: s.title for s in scenarios},
                                  [s.name for s in scenarios if s.front != ENVOY]):
             say(line)
-        plot = report.plot(results, w, [s.name for s in scenarios], out_path(
-            f"{args.out}.png"))
-        say(f"  plot: bench/out/{plot.name}; configs: bench/out/{CONFIGS}/; "
+        bad = report.problems(summary, [s.name for s in scenarios],
+                              [s.name for s in scenarios if s.bulk],
+                              [s.name for s in scenarios if s.front != ENVOY])
+        for line in bad:
+            say(f"  NOT RUN: {line}")
+        plot = report.plot(results, w, [s.name for s in scenarios],
+                           out_dir / f"{args.out}.png")
+        say(f"  plot: {shown(plot)}; configs: {shown(out_dir / CONFIGS)}/; "
             f"{time.monotonic() - t_start:.0f} s in all, load average {loadavg()}")
-        out_path(f"{args.out}.json").write_text(json.dumps({
+        (out_dir / f"{args.out}.json").write_text(json.dumps({
             "workload": w.as_dict(), "seed": seed, "model": args.model, "slots": SLOTS,
             "calibrated_tokens_per_s": tok_s, "summary": summary, "runs": results}))
-        out_path(f"{args.out}.txt").write_text("\n".join(lines) + "\n")
+        (out_dir / f"{args.out}.txt").write_text("\n".join(lines) + "\n")
     finally:
         await fleet.stop()
-    return 0
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interactive-rps", type=float, default=0.0)
     p.add_argument("--bulk-rps", type=float, default=0.0)
     p.add_argument("--calibrate-secs", type=float, default=None, help="default 10")
-    p.add_argument("--out", default="qos", help="bench/out/OUT.txt, .json, .png")
+    p.add_argument("--out", default="qos", help="OUT.txt, .json, .png in --out-dir")
+    p.add_argument("--out-dir", default=str(OUT), help="default bench/out")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():

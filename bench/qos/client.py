@@ -229,7 +229,7 @@ class Client:
             self.all_interactive_done.set()
         cpu0 = time.process_time()
         pcpu0 = [cpu_seconds(p) for p in self.pids]
-        self.t0 = time.monotonic()
+        self.t0, t0_wall = time.monotonic(), time.time()
         tasks = set()
         for req, data in zip(self.requests, encoded, strict=True):
             delay = req.at - self.now()
@@ -246,8 +246,8 @@ class Client:
         await self.all_interactive_done.wait()  # each has its timeout, so this ends
         for stream in list(self.streams.values()):
             stream.finish(self.now(), "open")
-        return {"t0": self.t0, "window": self.window, "wall": wall, "client_cpu": cpu,
-                "cpu": pcpu, "records": [r.row() for r in self.records]}
+        return {"t0": self.t0, "t0_wall": t0_wall, "window": self.window, "wall": wall,
+                "client_cpu": cpu, "cpu": pcpu, "records": [r.row() for r in self.records]}
 
 
 def main(argv: list[str] | None = None) -> int:

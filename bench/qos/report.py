@@ -104,6 +104,34 @@ def run_figures(res: dict[str, Any], slots: int) -> dict[str, Any]:
     }
 
 
+def queue_wait(fronts: Sequence[dict[str, float]], cls: str) -> dict[str, float]:
+    """The sidecar's own queue-wait histogram for ``cls``, summed over runs: the mean
+    and the upper bucket bound holding the 50th/99th percentile (whole sidecar life:
+    the window plus the warm-up before and the drain after it)."""
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for m in fronts:
+        for k, v in m.items():
+            if f'class="{cls}"' not in k:
+                continue
+            if k.startswith("smg_scheduler_queue_wait_seconds_bucket{"):
+                le = float(k.split('le="')[1].split('"')[0])
+                buckets[le] = buckets.get(le, 0.0) + v
+            elif k.startswith("smg_scheduler_queue_wait_seconds_sum"):
+                total += v
+            elif k.startswith("smg_scheduler_queue_wait_seconds_count"):
+                count += v
+    out = {"count": count, "mean_ms": total / count * 1e3 if count else math.nan}
+    for q in (0.5, 0.99):
+        bound = math.nan
+        for le, n in sorted(buckets.items()):
+            if count and n >= q * count:
+                bound = le
+                break
+        out[f"p{round(q * 100)}_le_ms"] = bound * 1e3
+    return out
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -142,6 +170,12 @@ def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
         pooled["deferred_mean"] = _mean([x for r in runs for x in r["deferred"]])
         pooled["engine_tokens_per_s"] = _mean([r["engine_tokens_per_s"] for r in runs])
         pooled["cpu"] = {k: _mean([r["cpu"][k] for r in runs]) for k in runs[0]["cpu"]}
+        mine = [r for r in results if r["scenario"] == name]
+        if any(r.get("slot_time") for r in mine):
+            pooled["slot_time"] = {k: _mean([r["slot_time"][k] for r in mine])
+                                   for k in mine[0]["slot_time"]}
+            pooled["queue_wait"] = {cls: queue_wait([r["front"] for r in mine], cls)
+                                    for cls in (INTERACTIVE, BULK)}
         pooled["per_round"] = {
             "interactive_ttft_p99_ms": [pct(r["ttft_all"], 0.99) * 1e3 for r in runs],
             "bulk_completed": [r["counts"][BULK]["completed"] for r in runs],
@@ -156,6 +190,33 @@ def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
                                          / max(1, ref[BULK]["counts"]["completed"]))
             s["bulk_tokens_vs_s1"] = (s["bulk_tokens_per_s"]
                                       / max(1e-9, ref["bulk_tokens_per_s"]))
+    return out
+
+
+def problems(summary: dict[str, Any], names: Sequence[str], bulk: Sequence[str],
+             gate: Sequence[str]) -> list[str]:
+    """What says a scenario did not really run: missing, no interactive request timed, no
+    bulk token, no engine sample taken while bulk waited, a sidecar that admitted
+    nothing or left no slot trace. Empty when the report can be read."""
+    out = []
+    for name in names:
+        s = summary.get(name)
+        if s is None:
+            out.append(f"{name}: no run")
+            continue
+        i = s[INTERACTIVE]
+        if i["counts"]["sent"] == 0 or math.isnan(i["ttft_all_p99_ms"]):
+            out.append(f"{name}: no interactive request timed")
+        if name in bulk:
+            if s[BULK]["counts"]["sent"] == 0 or not s["bulk_tokens_per_s"] > 0:
+                out.append(f"{name}: no bulk token received")
+            if s["waiting_samples"] == 0:
+                out.append(f"{name}: no engine sample while bulk waited")
+        if name in gate:
+            if "slot_time" not in s or not s["slot_time"]["held"] > 0:
+                out.append(f"{name}: the sidecar's slot trace holds no admission")
+            if not s.get("queue_wait", {}).get(INTERACTIVE, {}).get("count", 0) > 0:
+                out.append(f"{name}: the sidecar admitted no interactive request")
     return out
 
 
@@ -249,6 +310,23 @@ def table(summary: dict[str, Any], titles: dict[str, str], gate: Sequence[str] =
             f"{s['deferred_mean']:.1f} | {cpu['envoy']:.0%} / "
             + (f"{cpu['sidecar']:.0%}" if "sidecar" in cpu else "—")
             + f" / {cpu['client']:.0%} / {cpu['engine']:.0%} |")
+    gated = [n for n in gate if n in summary and "slot_time" in summary[n]]
+    if gated:
+        lines += ["", "  priority-gate's side (the sidecar's slot trace over the window, "
+                  "bench/slots.py, and its queue-wait histogram; 'held' is admission to "
+                  "release: the engine's time and the loop's legs together):", "",
+                  "| scenario | slots held | idle, kept for interactive's reservation | "
+                  "idle, a waiter could take it | idle, nobody waiting | interactive queue "
+                  "wait mean / p50 / p99 (bucket bound) | bulk queue wait mean |",
+                  "|---|---|---|---|---|---|---|"]
+        for name in gated:
+            st, qw = summary[name]["slot_time"], summary[name]["queue_wait"]
+            qi = qw[INTERACTIVE]
+            lines.append(
+                f"| {name} | {st['held']:.1%} | {st['idle_reserved']:.1%} | "
+                f"{st['idle_takeable']:.1%} | {st['idle_none_waiting']:.1%} | "
+                f"{_ms(qi['mean_ms'])} / ≤ {_ms(qi['p50_le_ms'])} / ≤ {_ms(qi['p99_le_ms'])} "
+                f"ms | {_ms(qw[BULK]['mean_ms'])} ms |")
     for name in gate:
         if name in summary:
             lines += ["", f"  Goals, {name}:"]

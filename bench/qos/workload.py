@@ -65,8 +65,8 @@ class Workload:
     def phase_on(self, t: float) -> bool:
         return (t % (self.on_secs + self.off_secs)) < self.on_secs
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
