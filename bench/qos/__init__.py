@@ -23,7 +23,7 @@ waits, and the CPU of Envoy, the sidecar, the client and the engine. Writes
 bench/out/qos.txt, qos.json, qos.png and each scenario's rendered configuration under
 bench/out/qos-configs/.
 
-    python -m bench.qos [--quick] [--rounds 3] [--seconds 60] [--seed N]
+    python -m bench.qos [--quick] [--rounds 6] [--seconds 30] [--on-secs 7.5] [--seed N]
                         [--model medium|small] [--scenarios S0,S1,...]
                         [--interactive-rps R --bulk-rps R]   (skip the calibration)
 
@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,7 +82,9 @@ INTERACTIVE_SHARE = 0.2  # of the engine's tokens/s, during a burst
 BULK_OVERLOAD = 1.2  # bulk arrivals / what the engine serves
 HEALTH_INTERVAL = 1.0  # the sidecar's default --health-interval-secs; Envoy's checks alike
 CONFIGS = "qos-configs"
-FULL = {"rounds": 3, "seconds": 60.0, "on_secs": 10.0, "calibrate_secs": 10.0}
+# Many short rounds rather than a few long ones: on the shared box the other jobs' load
+# comes in spikes, and each scenario should meet as many of them as the others.
+FULL = {"rounds": 6, "seconds": 30.0, "on_secs": 7.5, "calibrate_secs": 10.0}
 QUICK = {"rounds": 1, "seconds": 20.0, "on_secs": 5.0, "calibrate_secs": 5.0}
 
 
@@ -281,6 +284,20 @@ def slot_breakdown(stack: Stack, t0_wall: float, window: float, reserved: int
             "idle_none_waiting": b.idle / total}
 
 
+def sidecar_waits(stack: Stack, t0_wall: float) -> dict[str, list[float]]:
+    """Per class, how long each request the sidecar admitted after the window opened
+    waited in its queue (0: admitted at once), from the slot trace's Q and A lines."""
+    trace = slot_trace.read_trace(Path(stack.config.extra_env[SLOT_TRACE_ENV]))
+    queued: dict[str, float] = {}
+    out: dict[str, list[float]] = {}
+    for t, kind, aid, cls in trace:
+        if kind == "Q":
+            queued[aid] = t
+        elif kind == "A" and t >= t0_wall:
+            out.setdefault(cls, []).append(t - queued.pop(aid, t))
+    return out
+
+
 async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFleet,
                        w: Workload, workdir: Path, tag: str, bulk_rps_limit: float,
                        configs: Path | None) -> dict[str, Any]:
@@ -325,13 +342,15 @@ async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFlee
         stop.set()
         await front.stop()
     slot_time: dict[str, float] = {}
+    waits: dict[str, list[float]] = {}
     if isinstance(front, Stack):  # stopped: the trace is flushed
         slot_time = slot_breakdown(front, result["t0_wall"], result["window"],
                                    reservation(SLOTS, scenario.priority_overrides))
+        waits = sidecar_waits(front, result["t0_wall"])
     return {"scenario": scenario.name, "tag": tag, "loadavg": la, "idle_wait": idle,
             "t0": result["t0"], "window": result["window"], "records": result["records"],
             "cpu": {**cpu, "client": result["client_cpu"]}, "engine": samples,
-            "front": extra, "slot_time": slot_time}
+            "front": extra, "slot_time": slot_time, "sidecar_waits": waits}
 
 
 def save_configs(scenario: Scenario, front: EnvoyAlone | Stack, d: Path) -> None:
@@ -466,6 +485,7 @@ async def run(args: argparse.Namespace) -> int:
         (out_dir / f"{args.out}.txt").write_text("\n".join(lines) + "\n")
     finally:
         await fleet.stop()
+        shutil.rmtree(workdir, ignore_errors=True)  # the model file is 171 MB
     return 1 if bad else 0
 
 
@@ -475,12 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="one round of 20 s windows, 5 s phases, 5 s calibration (flags "
                         "given explicitly win)")
-    p.add_argument("--rounds", type=int, default=None, help="default 3")
+    p.add_argument("--rounds", type=int, default=None, help="default 6")
     p.add_argument("--seconds", type=float, default=None,
-                   help="each scenario's window (default 60)")
+                   help="each scenario's window (default 30)")
     p.add_argument("--on-secs", type=float, default=None,
                    help="length of an interactive burst and of the pause after it "
-                        "(default 10)")
+                        "(default 7.5)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--model", choices=tuple(MODELS), default="medium")
     p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS))

@@ -151,7 +151,7 @@ def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
             t = [x for r in runs for x in r["ttft"][cls]]
             g = [x for r in runs for x in r["itl"][cls]]
             pooled[cls] = {
-                "ttft_samples": len(t),
+                "ttft_samples": len(t), "ttft_mean_ms": _mean(t) * 1e3,
                 **{f"ttft_p{q}_ms": pct(t, q / 100) * 1e3 for q in (50, 95, 99)},
                 "itl_samples": len(g), "itl_p50_ms": pct(g, 0.5) * 1e3,
                 "itl_p99_ms": pct(g, 0.99) * 1e3,
@@ -162,6 +162,10 @@ def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
                                     for q in (50, 95, 99)})
         seconds = sum(r["window"] for r in runs)
         pooled["bulk_tokens_per_s"] = sum(r["bulk_tokens"] for r in runs) / seconds
+        # Per second of engine CPU: the box is shared, and the engine's share of a core
+        # moves between scenarios with the other jobs' load; this takes that out.
+        pooled["bulk_tokens_per_engine_cpu_s"] = sum(r["bulk_tokens"] for r in runs) / sum(
+            r["cpu"]["engine"] * r["window"] for r in runs)
         pooled["short_streams"] = sum(r["short_streams"] for r in runs)
         pooled["waiting_samples"] = sum(r["waiting_samples"] for r in runs)
         pooled["busy_any"] = _mean([x for r in runs for x in r["busy_any"]])
@@ -176,6 +180,13 @@ def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
                                    for k in mine[0]["slot_time"]}
             pooled["queue_wait"] = {cls: queue_wait([r["front"] for r in mine], cls)
                                     for cls in (INTERACTIVE, BULK)}
+            for cls in (INTERACTIVE, BULK):
+                waits = [x for r in mine for x in r.get("sidecar_waits", {}).get(cls, [])]
+                pooled["queue_wait"][cls].update({
+                    "admitted": len(waits), "trace_mean_ms": _mean(waits) * 1e3,
+                    "trace_p50_ms": pct(waits, 0.5) * 1e3,
+                    "trace_p99_ms": pct(waits, 0.99) * 1e3,
+                    "waited": sum(1 for x in waits if x > 0)})
         pooled["per_round"] = {
             "interactive_ttft_p99_ms": [pct(r["ttft_all"], 0.99) * 1e3 for r in runs],
             "bulk_completed": [r["counts"][BULK]["completed"] for r in runs],
@@ -190,6 +201,8 @@ def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
                                          / max(1, ref[BULK]["counts"]["completed"]))
             s["bulk_tokens_vs_s1"] = (s["bulk_tokens_per_s"]
                                       / max(1e-9, ref["bulk_tokens_per_s"]))
+            s["bulk_per_cpu_vs_s1"] = (s["bulk_tokens_per_engine_cpu_s"]
+                                       / max(1e-9, ref["bulk_tokens_per_engine_cpu_s"]))
     return out
 
 
@@ -215,7 +228,7 @@ def problems(summary: dict[str, Any], names: Sequence[str], bulk: Sequence[str],
         if name in gate:
             if "slot_time" not in s or not s["slot_time"]["held"] > 0:
                 out.append(f"{name}: the sidecar's slot trace holds no admission")
-            if not s.get("queue_wait", {}).get(INTERACTIVE, {}).get("count", 0) > 0:
+            if not s.get("queue_wait", {}).get(INTERACTIVE, {}).get("admitted", 0) > 0:
                 out.append(f"{name}: the sidecar admitted no interactive request")
     return out
 
@@ -287,15 +300,16 @@ def table(summary: dict[str, Any], titles: dict[str, str], gate: Sequence[str] =
     lines += ["", "  Bulk and the engine (busy: the engine's own /metrics, sampled every "
               "0.25 s while bulk waits; CPU: share of one core over the window):", "",
               "| scenario | bulk sent | completed (vs S1) | per round | refused | timed out | "
-              "open at end | TTFT p50 / p99 ms | tokens/s (vs S1) | ITL p99 | engine busy "
-              "| slots busy | engine queue | CPU envoy / sidecar / client / engine |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "open at end | TTFT p50 / p99 ms | tokens/s (vs S1) | per engine CPU-s (vs S1) "
+              "| ITL p99 | engine busy | slots busy | engine queue | CPU envoy / sidecar / "
+              "client / engine |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         b = s[BULK]
         c = b["counts"]
         cpu = s["cpu"]
         if c["sent"] == 0:
-            lines.append(f"| {name} | 0 | — | — | — | — | — | — | — | — | — | "
+            lines.append(f"| {name} | 0 | — | — | — | — | — | — | — | — | — | — | "
                          f"{s['slot_share_all']:.0%} (all samples) | — | "
                          f"{cpu['envoy']:.0%} / — / {cpu['client']:.0%} / "
                          f"{cpu['engine']:.0%} |")
@@ -306,27 +320,34 @@ def table(summary: dict[str, Any], titles: dict[str, str], gate: Sequence[str] =
             + f" | {c['refused']} | {c['timed out']} | {c['open']} | "
             f"{_ms(b['ttft_p50_ms'])} / {_ms(b['ttft_p99_ms'])} | "
             f"{s['bulk_tokens_per_s']:.1f} ({s['bulk_tokens_vs_s1']:.1%}) | "
+            f"{s['bulk_tokens_per_engine_cpu_s']:.0f} ({s['bulk_per_cpu_vs_s1']:.1%}) | "
             f"{_ms(b['itl_p99_ms'])} | {s['busy_any']:.1%} | {s['slot_share']:.1%} | "
             f"{s['deferred_mean']:.1f} | {cpu['envoy']:.0%} / "
             + (f"{cpu['sidecar']:.0%}" if "sidecar" in cpu else "—")
             + f" / {cpu['client']:.0%} / {cpu['engine']:.0%} |")
     gated = [n for n in gate if n in summary and "slot_time" in summary[n]]
     if gated:
-        lines += ["", "  priority-gate's side (the sidecar's slot trace over the window, "
-                  "bench/slots.py, and its queue-wait histogram; 'held' is admission to "
-                  "release: the engine's time and the loop's legs together):", "",
-                  "| scenario | slots held | idle, kept for interactive's reservation | "
-                  "idle, a waiter could take it | idle, nobody waiting | interactive queue "
-                  "wait mean / p50 / p99 (bucket bound) | bulk queue wait mean |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "  priority-gate's side (the sidecar's slot trace, bench/slots.py: slot "
+                  "time over the window, 'held' being admission to release, i.e. the engine's "
+                  "time and the loop's legs together; queue waits of the requests admitted "
+                  "from the window's start on, drain included):", "",
+                  "| scenario | slots held | the engine's own slots processing | idle, kept "
+                  "for interactive's reservation | "
+                  "idle, a waiter could take it | idle, nobody waiting | interactive: queued / "
+                  "admitted | its queue wait mean / p50 / p99 | its TTFT mean | bulk queue "
+                  "wait mean |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name in gated:
             st, qw = summary[name]["slot_time"], summary[name]["queue_wait"]
             qi = qw[INTERACTIVE]
             lines.append(
-                f"| {name} | {st['held']:.1%} | {st['idle_reserved']:.1%} | "
+                f"| {name} | {st['held']:.1%} | {summary[name]['slot_share_all']:.1%} | "
+                f"{st['idle_reserved']:.1%} | "
                 f"{st['idle_takeable']:.1%} | {st['idle_none_waiting']:.1%} | "
-                f"{_ms(qi['mean_ms'])} / ≤ {_ms(qi['p50_le_ms'])} / ≤ {_ms(qi['p99_le_ms'])} "
-                f"ms | {_ms(qw[BULK]['mean_ms'])} ms |")
+                f"{qi['waited']} / {qi['admitted']} | {_ms(qi['trace_mean_ms'])} / "
+                f"{_ms(qi['trace_p50_ms'])} / {_ms(qi['trace_p99_ms'])} ms | "
+                f"{_ms(summary[name][INTERACTIVE]['ttft_mean_ms'])} ms | "
+                f"{_ms(qw[BULK]['trace_mean_ms'])} ms |")
     for name in gate:
         if name in summary:
             lines += ["", f"  Goals, {name}:"]

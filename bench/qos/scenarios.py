@@ -62,6 +62,9 @@ EXTRA_SCENARIOS: tuple[Scenario, ...] = (
              priority_overrides={"interactive": {"reserved_per_slot": 0.0}}),
     Scenario("S4-r2", "priority-gate, interactive reserves 2 slots", GATE,
              priority_overrides={"interactive": {"reserved_floor": 2}}),
+    Scenario("S4-guard", "priority-gate + saturation guard", GATE,
+             sidecar_args=("--saturation-guard",)),
+    Scenario("S4-edge", "priority-gate + edge shed", GATE, edge_shed=True),
 )
 BY_NAME = {s.name: s for s in SCENARIOS + EXTRA_SCENARIOS}
 
