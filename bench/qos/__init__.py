@@ -284,17 +284,22 @@ def slot_breakdown(stack: Stack, t0_wall: float, window: float, reserved: int
             "idle_none_waiting": b.idle / total}
 
 
-def sidecar_waits(stack: Stack, t0_wall: float) -> dict[str, list[float]]:
-    """Per class, how long each request the sidecar admitted after the window opened
-    waited in its queue (0: admitted at once), from the slot trace's Q and A lines."""
+def sidecar_waits(stack: Stack, t0_wall: float) -> dict[str, list[tuple[float, float]]]:
+    """Per class, (arrival, queue wait) of each request the sidecar saw from the window's
+    start on and admitted (a wait of 0: at once), in arrival order, from the slot
+    trace's Q and A lines (wall clock)."""
     trace = slot_trace.read_trace(Path(stack.config.extra_env[SLOT_TRACE_ENV]))
     queued: dict[str, float] = {}
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[tuple[float, float]]] = {}
     for t, kind, aid, cls in trace:
         if kind == "Q":
             queued[aid] = t
-        elif kind == "A" and t >= t0_wall:
-            out.setdefault(cls, []).append(t - queued.pop(aid, t))
+        elif kind == "A":
+            arrived = queued.pop(aid, t)
+            if arrived >= t0_wall:
+                out.setdefault(cls, []).append((arrived, t - arrived))
+    for rows in out.values():
+        rows.sort()
     return out
 
 
@@ -342,7 +347,7 @@ async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFlee
         stop.set()
         await front.stop()
     slot_time: dict[str, float] = {}
-    waits: dict[str, list[float]] = {}
+    waits: dict[str, list[tuple[float, float]]] = {}
     if isinstance(front, Stack):  # stopped: the trace is flushed
         slot_time = slot_breakdown(front, result["t0_wall"], result["window"],
                                    reservation(SLOTS, scenario.priority_overrides))
@@ -350,7 +355,8 @@ async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFlee
     return {"scenario": scenario.name, "tag": tag, "loadavg": la, "idle_wait": idle,
             "t0": result["t0"], "window": result["window"], "records": result["records"],
             "cpu": {**cpu, "client": result["client_cpu"]}, "engine": samples,
-            "front": extra, "slot_time": slot_time, "sidecar_waits": waits}
+            "t0_wall": result["t0_wall"], "front": extra, "slot_time": slot_time,
+            "sidecar_waits": waits}
 
 
 def save_configs(scenario: Scenario, front: EnvoyAlone | Stack, d: Path) -> None:

@@ -132,6 +132,27 @@ def queue_wait(fronts: Sequence[dict[str, float]], cls: str) -> dict[str, float]
     return out
 
 
+def split_ttft(res: dict[str, Any]) -> tuple[list[float], list[float], int]:
+    """Interactive TTFT of the requests the sidecar admitted at once and of those it
+    queued: the client's records joined, in arrival order, with the sidecar's arrivals
+    (its slot trace). A refused or unanswered request, or counts that do not match,
+    leave the pair out; the last value is how many were left out."""
+    arrivals = res.get("sidecar_waits", {}).get(INTERACTIVE, [])
+    recs = sorted((r for r in res["records"] if r["cls"] == INTERACTIVE),
+                  key=lambda r: r["sent"])
+    if not arrivals or len(arrivals) != len(recs):
+        return [], [], len(recs)
+    at_once: list[float] = []
+    queued: list[float] = []
+    left = 0
+    for rec, (_, wait) in zip(recs, arrivals, strict=True):
+        if not rec["tokens"]:
+            left += 1
+            continue
+        (queued if wait > 0 else at_once).append(rec["tokens"][0] - rec["sent"])
+    return at_once, queued, left
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -181,12 +202,21 @@ def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
             pooled["queue_wait"] = {cls: queue_wait([r["front"] for r in mine], cls)
                                     for cls in (INTERACTIVE, BULK)}
             for cls in (INTERACTIVE, BULK):
-                waits = [x for r in mine for x in r.get("sidecar_waits", {}).get(cls, [])]
+                waits = [w for r in mine for _, w in r.get("sidecar_waits", {}).get(cls, [])]
                 pooled["queue_wait"][cls].update({
                     "admitted": len(waits), "trace_mean_ms": _mean(waits) * 1e3,
                     "trace_p50_ms": pct(waits, 0.5) * 1e3,
                     "trace_p99_ms": pct(waits, 0.99) * 1e3,
                     "waited": sum(1 for x in waits if x > 0)})
+            splits = [split_ttft(r) for r in mine]
+            at_once = [x for a, _, _ in splits for x in a]
+            queued = [x for _, q, _ in splits for x in q]
+            pooled["ttft_split"] = {
+                "at_once": len(at_once), "at_once_p50_ms": pct(at_once, 0.5) * 1e3,
+                "at_once_p99_ms": pct(at_once, 0.99) * 1e3,
+                "queued": len(queued), "queued_p50_ms": pct(queued, 0.5) * 1e3,
+                "queued_p99_ms": pct(queued, 0.99) * 1e3,
+                "left_out": sum(n for _, _, n in splits)}
         pooled["per_round"] = {
             "interactive_ttft_p99_ms": [pct(r["ttft_all"], 0.99) * 1e3 for r in runs],
             "bulk_completed": [r["counts"][BULK]["completed"] for r in runs],
@@ -334,11 +364,12 @@ def table(summary: dict[str, Any], titles: dict[str, str], gate: Sequence[str] =
                   "| scenario | slots held | the engine's own slots processing | idle, kept "
                   "for interactive's reservation | "
                   "idle, a waiter could take it | idle, nobody waiting | interactive: queued / "
-                  "admitted | its queue wait mean / p50 / p99 | its TTFT mean | bulk queue "
-                  "wait mean |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "admitted | its queue wait mean / p50 / p99 | TTFT p50 / p99 of those "
+                  "admitted at once | of those queued | bulk queue wait mean |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in gated:
             st, qw = summary[name]["slot_time"], summary[name]["queue_wait"]
+            sp = summary[name]["ttft_split"]
             qi = qw[INTERACTIVE]
             lines.append(
                 f"| {name} | {st['held']:.1%} | {summary[name]['slot_share_all']:.1%} | "
@@ -346,7 +377,8 @@ def table(summary: dict[str, Any], titles: dict[str, str], gate: Sequence[str] =
                 f"{st['idle_takeable']:.1%} | {st['idle_none_waiting']:.1%} | "
                 f"{qi['waited']} / {qi['admitted']} | {_ms(qi['trace_mean_ms'])} / "
                 f"{_ms(qi['trace_p50_ms'])} / {_ms(qi['trace_p99_ms'])} ms | "
-                f"{_ms(summary[name][INTERACTIVE]['ttft_mean_ms'])} ms | "
+                f"{_ms(sp['at_once_p50_ms'])} / {_ms(sp['at_once_p99_ms'])} ms | "
+                f"{_ms(sp['queued_p50_ms'])} / {_ms(sp['queued_p99_ms'])} ms | "
                 f"{_ms(qw[BULK]['trace_mean_ms'])} ms |")
     for name in gate:
         if name in summary:
