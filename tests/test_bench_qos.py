@@ -307,8 +307,9 @@ def test_smallest_real_run_runs_every_scenario(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "qos.json").read_text())
     names = [s.name for s in SCENARIOS]
     assert list(data["summary"]) == names
-    w = Workload(**data["workload"])
-    expected = sum(1 for r in schedule(w, 11) if r.cls == INTERACTIVE)
+    (rnd,) = data["rounds"]
+    expected = sum(1 for r in schedule(Workload(**rnd["workload"]), 11)
+                   if r.cls == INTERACTIVE)
     for name in names:
         s = data["summary"][name]
         assert s[INTERACTIVE]["counts"]["sent"] == expected, name

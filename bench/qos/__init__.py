@@ -27,11 +27,12 @@ bench/out/qos-configs/.
                         [--model medium|small] [--scenarios S0,S1,...]
                         [--interactive-rps R --bulk-rps R]   (skip the calibration)
 
-Without rates, a calibration first measures the engine's token rate with every slot
-busy (T tokens/s): interactive bursts then ask for a fifth of it (T x 0.2 / 16-token
-outputs), bulk for 1.2x what the engine can serve (T x 1.2 / mean bulk output), and S3's
-bucket lets through 0.8x of that capacity. The command printed at the top reruns the
-same load without calibrating.
+Without rates, each round starts with a calibration: the engine's token rate with every
+slot busy on bulk requests (T tokens/s; the engine's speed moves with the shared box's
+load, so each round measures it anew). Interactive bursts then ask for a fifth of it
+(T x 0.2 / 16-token outputs), bulk for 1.2x what the engine can serve (T x 1.2 / mean
+bulk output), and S3's bucket lets through 0.8x of that capacity. Each round's line
+gives its rates; ``--interactive-rps R --bulk-rps R`` reruns with fixed ones.
 """
 
 from __future__ import annotations
@@ -432,46 +433,56 @@ async def run(args: argparse.Namespace) -> int:
 
     try:
         mean_bulk = mean_bulk_tokens(w)
-        tok_s = None
-        if args.interactive_rps and args.bulk_rps:
-            w = replace(w, interactive_rps=args.interactive_rps, bulk_rps=args.bulk_rps)
-            cap_bulk = w.bulk_rps / BULK_OVERLOAD
-        else:
-            tok_s = await calibrate(fleet.urls[0], w, args.calibrate_secs, seed, workdir)
-            cap_bulk = tok_s / mean_bulk
-            w = replace(w, interactive_rps=INTERACTIVE_SHARE * tok_s / w.interactive_tokens,
-                        bulk_rps=BULK_OVERLOAD * cap_bulk)
-        limit = RATELIMIT_SHARE * cap_bulk
+        fixed = bool(args.interactive_rps and args.bulk_rps)
         say(f"qos: {time.strftime('%F %T')}, load average {loadavg()}; llama-server "
             f"{Path(binary).parent.parent.name}, {SLOTS} slots, 1 thread, model "
             f"{args.model} {MODELS[args.model]} ({model.stat().st_size / 1e6:.0f} MB)")
-        if tok_s is not None:
-            say(f"  calibration: {tok_s:.0f} tokens/s with every slot busy on bulk requests "
-                f"(mean output {mean_bulk:.1f} tokens: {cap_bulk:.2f} bulk req/s)")
+        rates = (f"{args.interactive_rps:.2f} req/s" if fixed else
+                 f"{INTERACTIVE_SHARE:.0%} of the engine's tokens/s (calibrated each round)")
         say(f"  workload: {w.seconds:g} s windows; interactive {w.interactive_prompt}-token "
-            f"prompts, {w.interactive_tokens}-token outputs, {w.interactive_rps:.2f} req/s "
-            f"for {w.on_secs:g} s then {w.off_rps:.2f} req/s for {w.off_secs:g} s; bulk "
-            f"{w.bulk_prompt}-token prompts, outputs lognormal mean {w.bulk_mean:g} sd "
-            f"{w.bulk_sd:g} in [{w.bulk_min}, {w.bulk_max}], a backlog of {w.backlog} then "
-            f"{w.bulk_rps:.2f} req/s ({BULK_OVERLOAD:g}x the engine's bulk capacity); "
-            f"timeouts interactive {w.interactive_timeout:g} s, bulk {w.bulk_timeout:g} s")
-        say(f"  S3's bucket: {limit:.2f} bulk req/s ({RATELIMIT_SHARE:g}x capacity), bursts "
-            f"of {SLOTS}; S4/S5 reserve {reservation(SLOTS)} of {SLOTS} slots for interactive")
+            f"prompts, {w.interactive_tokens}-token outputs, at {rates} for {w.on_secs:g} s "
+            f"then a fifteenth of that for {w.off_secs:g} s; bulk {w.bulk_prompt}-token "
+            f"prompts, outputs lognormal mean {w.bulk_mean:g} sd {w.bulk_sd:g} in "
+            f"[{w.bulk_min}, {w.bulk_max}] (mean {mean_bulk:.1f}), a backlog of {w.backlog} "
+            f"then {BULK_OVERLOAD:g}x the engine's bulk capacity; timeouts interactive "
+            f"{w.interactive_timeout:g} s, bulk {w.bulk_timeout:g} s")
+        say(f"  S3's bucket: {RATELIMIT_SHARE:g}x the engine's bulk capacity, bursts of "
+            f"{SLOTS}; S4/S5 reserve {reservation(SLOTS)} of {SLOTS} slots for interactive")
         say(f"  rerun: python -m bench.qos --rounds {args.rounds} --seconds {w.seconds:g} "
             f"--on-secs {w.on_secs:g} --seed {seed} --model {args.model} --scenarios "
-            f"{args.scenarios} --interactive-rps {w.interactive_rps:.3f} --bulk-rps "
-            f"{w.bulk_rps:.3f}")
-        results = []
+            f"{args.scenarios}" + (f" --interactive-rps {args.interactive_rps:g} --bulk-rps "
+                                   f"{args.bulk_rps:g}" if fixed else "")
+            + "  (--interactive-rps R --bulk-rps R: a round's rates, without calibrating)")
+        results: list[dict[str, Any]] = []
+        rounds: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
-            reqs = schedule(w, seed + rnd)
+            # The engine's speed moves with the box's other load: each round's rates come
+            # from the engine as it is then, and the round's scenarios share them.
+            tok_s = None
+            if fixed:
+                wr = replace(w, interactive_rps=args.interactive_rps, bulk_rps=args.bulk_rps)
+            else:
+                tok_s = await calibrate(fleet.urls[0], w, args.calibrate_secs, seed + rnd,
+                                        workdir)
+                wr = replace(w, interactive_rps=INTERACTIVE_SHARE * tok_s / w.interactive_tokens,
+                             bulk_rps=BULK_OVERLOAD * tok_s / mean_bulk)
+            limit = RATELIMIT_SHARE * wr.bulk_rps / BULK_OVERLOAD
+            say(f"  round {rnd + 1}: "
+                + (f"engine {tok_s:.0f} tokens/s with every slot busy; " if tok_s else "")
+                + f"interactive {wr.interactive_rps:.2f} req/s in bursts ({wr.off_rps:.2f} "
+                f"between), bulk {wr.bulk_rps:.2f} req/s, S3's bucket {limit:.2f} req/s; "
+                f"load average {loadavg()}")
+            rounds.append({"round": rnd, "tokens_per_s": tok_s, "bucket_rps": limit,
+                           "workload": wr.as_dict()})
+            reqs = schedule(wr, seed + rnd)
             order = scenarios if rnd % 2 == 0 else scenarios[::-1]
             for sc in order:
                 mine = reqs if sc.bulk else [r for r in reqs if r.cls != BULK]
-                res = await run_scenario(sc, mine, fleet, w, workdir, f"{rnd}-{sc.name}",
+                res = await run_scenario(sc, mine, fleet, wr, workdir, f"{rnd}-{sc.name}",
                                          limit, out_dir / CONFIGS if rnd == 0 else None)
                 res["round"] = rnd
                 results.append(res)
-                say("  " + report.one_line(res, w, SLOTS))
+                say("  " + report.one_line(res, wr, SLOTS))
         summary = report.summarize(results, w, SLOTS, [s.name for s in scenarios])
         for line in report.table(summary, {s.name: s.title for s in scenarios},
                                  [s.name for s in scenarios if s.front != ENVOY]):
@@ -487,7 +498,7 @@ async def run(args: argparse.Namespace) -> int:
             f"{time.monotonic() - t_start:.0f} s in all, load average {loadavg()}")
         (out_dir / f"{args.out}.json").write_text(json.dumps({
             "workload": w.as_dict(), "seed": seed, "model": args.model, "slots": SLOTS,
-            "calibrated_tokens_per_s": tok_s, "summary": summary, "runs": results}))
+            "rounds": rounds, "summary": summary, "runs": results}))
         (out_dir / f"{args.out}.txt").write_text("\n".join(lines) + "\n")
     finally:
         await fleet.stop()
