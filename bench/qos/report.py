@@ -153,6 +153,30 @@ def split_ttft(res: dict[str, Any]) -> tuple[list[float], list[float], int]:
     return at_once, queued, left
 
 
+def victim_share(res: dict[str, Any]) -> float:
+    """Share of the window in which some bulk request was admitted by the sidecar and had
+    no token yet: when a preemption (allowed only before the first byte, which
+    llama.cpp sends with the first token) would have found a victim. Bulk arrivals
+    from the slot trace joined in order with the client's bulk records (one FIFO
+    queue; the backlog sent at once may pair up out of order, which moves single spans
+    but hardly their union); nan when there are more arrivals than records."""
+    arrivals = res.get("sidecar_waits", {}).get(BULK, [])
+    recs = sorted((r for r in res["records"] if r["cls"] == BULK), key=lambda r: r["sent"])
+    recs = recs[:len(arrivals)]  # FIFO: the ones admitted are the first ones sent
+    if not arrivals or len(arrivals) != len(recs):
+        return math.nan
+    w, t0 = float(res["window"]), float(res["t0_wall"])
+    spans = sorted((arrived + wait - t0, r["tokens"][0] if r["tokens"] else r["end"])
+                   for (arrived, wait), r in zip(arrivals, recs, strict=True))
+    covered, reach = 0.0, 0.0
+    for a, b in spans:
+        a, b = max(a, reach, 0.0), min(b, w)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered / w
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -208,6 +232,8 @@ def summarize(results: list[dict[str, Any]], w: Workload, slots: int,
                     "trace_p50_ms": pct(waits, 0.5) * 1e3,
                     "trace_p99_ms": pct(waits, 0.99) * 1e3,
                     "waited": sum(1 for x in waits if x > 0)})
+            pooled["victim_share"] = _mean([v for r in mine
+                                            if not math.isnan(v := victim_share(r))])
             splits = [split_ttft(r) for r in mine]
             at_once = [x for a, _, _ in splits for x in a]
             queued = [x for _, q, _ in splits for x in q]
@@ -365,8 +391,9 @@ def table(summary: dict[str, Any], titles: dict[str, str], gate: Sequence[str] =
                   "for interactive's reservation | "
                   "idle, a waiter could take it | idle, nobody waiting | interactive: queued / "
                   "admitted | its queue wait mean / p50 / p99 | TTFT p50 / p99 of those "
-                  "admitted at once | of those queued | bulk queue wait mean |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "admitted at once | of those queued | bulk queue wait mean | a bulk "
+                  "request admitted and before its first token (a preemption victim) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in gated:
             st, qw = summary[name]["slot_time"], summary[name]["queue_wait"]
             sp = summary[name]["ttft_split"]
@@ -379,7 +406,8 @@ def table(summary: dict[str, Any], titles: dict[str, str], gate: Sequence[str] =
                 f"{_ms(qi['trace_p50_ms'])} / {_ms(qi['trace_p99_ms'])} ms | "
                 f"{_ms(sp['at_once_p50_ms'])} / {_ms(sp['at_once_p99_ms'])} ms | "
                 f"{_ms(sp['queued_p50_ms'])} / {_ms(sp['queued_p99_ms'])} ms | "
-                f"{_ms(qw[BULK]['trace_mean_ms'])} ms |")
+                f"{_ms(qw[BULK]['trace_mean_ms'])} ms | "
+                f"{summary[name]['victim_share']:.0%} of the time |")
     for name in gate:
         if name in summary:
             lines += ["", f"  Goals, {name}:"]
