@@ -85,8 +85,12 @@ HEALTH_INTERVAL = 1.0  # the sidecar's default --health-interval-secs; Envoy's c
 CONFIGS = "qos-configs"
 # Many short rounds rather than a few long ones: on the shared box the other jobs' load
 # comes in spikes, and each scenario should meet as many of them as the others.
-FULL = {"rounds": 6, "seconds": 30.0, "on_secs": 7.5, "calibrate_secs": 10.0}
-QUICK = {"rounds": 1, "seconds": 20.0, "on_secs": 5.0, "calibrate_secs": 5.0}
+FULL = {"rounds": 6, "seconds": 30.0, "on_secs": 7.5, "calibrate_secs": 10.0,
+        "interactive_timeout": 30.0}
+# A shape check in a few minutes: one round, and interactive requests stuck in an
+# engine's FIFO queue given up after 15 s rather than 30 (the drain after the window).
+QUICK = {"rounds": 1, "seconds": 20.0, "on_secs": 5.0, "calibrate_secs": 5.0,
+         "interactive_timeout": 15.0}
 
 
 class SharedEngine:
@@ -417,7 +421,8 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     scenarios = [BY_NAME[n] for n in names]
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
-    w = Workload(seconds=args.seconds, on_secs=args.on_secs, off_secs=args.on_secs)
+    w = Workload(seconds=args.seconds, on_secs=args.on_secs, off_secs=args.on_secs,
+                 interactive_timeout=args.interactive_timeout)
     workdir = Path(tempfile.mkdtemp(prefix="smg-qos-"))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -449,7 +454,9 @@ async def run(args: argparse.Namespace) -> int:
         say(f"  S3's bucket: {RATELIMIT_SHARE:g}x the engine's bulk capacity, bursts of "
             f"{SLOTS}; S4/S5 reserve {reservation(SLOTS)} of {SLOTS} slots for interactive")
         say(f"  rerun: python -m bench.qos --rounds {args.rounds} --seconds {w.seconds:g} "
-            f"--on-secs {w.on_secs:g} --seed {seed} --model {args.model} --scenarios "
+            f"--on-secs {w.on_secs:g} --interactive-timeout {w.interactive_timeout:g} "
+            f"--calibrate-secs {args.calibrate_secs:g} --seed {seed} --model {args.model} "
+            f"--scenarios "
             f"{args.scenarios}" + (f" --interactive-rps {args.interactive_rps:g} --bulk-rps "
                                    f"{args.bulk_rps:g}" if fixed else "")
             + "  (--interactive-rps R --bulk-rps R: a round's rates, without calibrating)")
@@ -524,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interactive-rps", type=float, default=0.0)
     p.add_argument("--bulk-rps", type=float, default=0.0)
     p.add_argument("--calibrate-secs", type=float, default=None, help="default 10")
+    p.add_argument("--interactive-timeout", type=float, default=None,
+                   help="the client gives up on an interactive request after this long "
+                        "(default 30)")
     p.add_argument("--out", default="qos", help="OUT.txt, .json, .png in --out-dir")
     p.add_argument("--out-dir", default=str(OUT), help="default bench/out")
     args = p.parse_args(argv)
