@@ -325,4 +325,9 @@ def test_smallest_real_run_runs_every_scenario(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "qos-configs").iterdir()) == sorted(
         [f"{n}-envoy.yaml" for n in names]
         + [f"{n}-{part}" for n in ("S4", "S5") for part in ("priority.yaml", "sidecar.args")])
+    # The report renders again from the JSON alone, the same tables.
+    tables = text[text.index("Interactive ("):text.index("streams that ended ok")]
+    assert qos_main(["--from-json", str(tmp_path / "qos.json")]) == 0
+    again = (tmp_path / "qos.txt").read_text()
+    assert again[again.index("Interactive ("):again.index("streams that ended ok")] == tables
     print(f"smallest run: {time.monotonic() - t:.0f} s")

@@ -513,6 +513,33 @@ async def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+TABLES_START = "\n  Interactive ("
+
+
+def rerender(path: Path) -> int:
+    """The tables, goals and plot again from a run's JSON (OUT.json), with the run's own
+    header and per-run lines from OUT.txt beside it: for a report that changed after
+    the run, without running it again."""
+    data = json.loads(path.read_text())
+    txt = path.with_suffix(".txt")
+    head = txt.read_text().split(TABLES_START)[0].rstrip("\n").splitlines()
+    names = list(data["summary"])
+    gate = [n for n in names if n in BY_NAME and BY_NAME[n].front != ENVOY]
+    w = Workload(**data["workload"])
+    summary = report.summarize(data["runs"], w, data["slots"], names)
+    lines = head + report.table(summary, {n: BY_NAME[n].title for n in names}, gate)
+    bad = report.problems(summary, names, [n for n in names if BY_NAME[n].bulk], gate)
+    lines += [f"  NOT RUN: {line}" for line in bad]
+    plot = report.plot(data["runs"], w, names, path.with_suffix(".png"))
+    lines.append(f"  plot: {shown(plot)} (tables and plot rendered again from "
+                 f"{shown(path)} on {time.strftime('%F %T')})")
+    print("\n".join(lines))
+    data["summary"] = summary
+    path.write_text(json.dumps(data))
+    txt.write_text("\n".join(lines) + "\n")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -536,7 +563,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 30)")
     p.add_argument("--out", default="qos", help="OUT.txt, .json, .png in --out-dir")
     p.add_argument("--out-dir", default=str(OUT), help="default bench/out")
+    p.add_argument("--from-json", metavar="OUT.json",
+                   help="run nothing: render the tables and plot again from a run's JSON")
     args = p.parse_args(argv)
+    if args.from_json:
+        return rerender(Path(args.from_json))
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:
