@@ -160,6 +160,46 @@ async def poll_engine(url: str, samples: list[dict[str, float]], stop: asyncio.E
             await asyncio.wait_for(stop.wait(), POLL_SECS)
 
 
+WARMUP_LIMIT_SECS = 180.0
+MIN_RTT_STATS = ("http.ingress.adaptive_concurrency.gradient_controller."
+                 "min_rtt_calculation_active", "http.ingress.adaptive_concurrency."
+                 "gradient_controller.min_rtt_msecs")
+
+
+async def warm_adaptive(front: EnvoyAlone, w: Workload, seed: int, workdir: Path, tag: str
+                        ) -> float | None:
+    """Drive the round's kind of traffic through S2's filter until its first minRTT
+    measurement is done (a fresh Envoy starts with one: the limit pinned at its floor
+    until 50 whole streams have ended), so that the window sees the controller at work
+    rather than its start-up. Seconds it took, or None if not done within
+    WARMUP_LIMIT_SECS."""
+    reqs = schedule(replace(w, seconds=WARMUP_LIMIT_SECS), seed)
+    spec = {"tag": f"{tag}-warm", "port": front.listen_port, "window": WARMUP_LIMIT_SECS,
+            "timeouts": {"interactive": w.interactive_timeout, "bulk": w.bulk_timeout},
+            "requests": requests_json(reqs), "pids": [], "warmup": 0,
+            "out": str(workdir / f"result-{tag}-warm.json")}
+    path = workdir / f"client-{tag}-warm.json"
+    path.write_text(json.dumps(spec))
+    proc = await asyncio.create_subprocess_exec(
+        *die_with_parent([sys.executable, "-m", "bench.qos.client", str(path)]),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, cwd=REPO)
+    t0 = time.monotonic()
+    took = None
+    try:
+        while time.monotonic() - t0 < WARMUP_LIMIT_SECS and proc.returncode is None:
+            with contextlib.suppress(*HTTP_ERRORS):
+                stats = await front.stats()
+                if (stats.get(MIN_RTT_STATS[0]) == 0 and stats.get(MIN_RTT_STATS[1], 0) > 0):
+                    took = time.monotonic() - t0
+                    break
+            await asyncio.sleep(0.5)
+    finally:
+        if proc.returncode is None:
+            proc.kill()  # its connections close: Envoy resets them, no latency sample
+        await proc.wait()
+    return took
+
+
 async def run_client(spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
     path = workdir / f"client-{spec['tag']}.json"
     spec = {**spec, "out": str(workdir / f"result-{spec['tag']}.json")}
@@ -310,7 +350,7 @@ def sidecar_waits(stack: Stack, t0_wall: float) -> dict[str, list[tuple[float, f
 
 async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFleet,
                        w: Workload, workdir: Path, tag: str, bulk_rps_limit: float,
-                       configs: Path | None) -> dict[str, Any]:
+                       configs: Path | None, warmup_seed: int = 0) -> dict[str, Any]:
     url = fleet.urls[0]
     idle = await engine_idle(url)
     front: EnvoyAlone | Stack
@@ -321,6 +361,15 @@ async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFlee
     await front.start()
     samples: list[dict[str, float]] = []
     stop = asyncio.Event()
+    warmed: float | None = None
+    adaptive = isinstance(front, EnvoyAlone) and scenario.envoy_filter == "adaptive_concurrency"
+    if isinstance(front, EnvoyAlone) and adaptive:
+        try:
+            warmed = await warm_adaptive(front, w, warmup_seed, workdir, tag)
+            await engine_idle(url)
+        except BaseException:
+            await front.stop()
+            raise
     try:
         if isinstance(front, Stack):
             assert front.envoy is not None and front.sidecar is not None
@@ -361,7 +410,7 @@ async def run_scenario(scenario: Scenario, reqs: list[Request], fleet: LlamaFlee
             "t0": result["t0"], "window": result["window"], "records": result["records"],
             "cpu": {**cpu, "client": result["client_cpu"]}, "engine": samples,
             "t0_wall": result["t0_wall"], "front": extra, "slot_time": slot_time,
-            "sidecar_waits": waits}
+            "sidecar_waits": waits, **({"adaptive_warmup_secs": warmed} if adaptive else {})}
 
 
 def save_configs(scenario: Scenario, front: EnvoyAlone | Stack, d: Path) -> None:
@@ -486,7 +535,8 @@ async def run(args: argparse.Namespace) -> int:
             for sc in order:
                 mine = reqs if sc.bulk else [r for r in reqs if r.cls != BULK]
                 res = await run_scenario(sc, mine, fleet, wr, workdir, f"{rnd}-{sc.name}",
-                                         limit, out_dir / CONFIGS if rnd == 0 else None)
+                                         limit, out_dir / CONFIGS if rnd == 0 else None,
+                                         warmup_seed=seed + 1000 + rnd)
                 res["round"] = rnd
                 results.append(res)
                 say("  " + report.one_line(res, wr, SLOTS))

@@ -382,6 +382,11 @@ def one_line(res: dict[str, Any], w: Workload, slots: int) -> str:
     f = run_figures(res, slots)
     i, b = f["counts"][INTERACTIVE], f["counts"][BULK]
     t = f["ttft_all"]
+    note = ""
+    if "adaptive_warmup_secs" in res:
+        warm = res["adaptive_warmup_secs"]
+        note = ("; its first minRTT not done within the warm-up" if warm is None
+                else f"; its first minRTT done after {warm:.0f} s of warm-up")
     return (f"round {res['round'] + 1} {res['scenario']:<5} interactive TTFT p50 "
             f"{_ms(pct(t, 0.5) * 1e3):>6} p99 {_ms(pct(t, 0.99) * 1e3):>6} ms "
             f"({i['completed']} of {i['sent']} answered); bulk done {b['completed']:3} "
@@ -389,7 +394,7 @@ def one_line(res: dict[str, Any], w: Workload, slots: int) -> str:
             f"{f['bulk_tokens'] / w.seconds:5.1f} tok/s; slots busy while bulk waits "
             f"{_mean(f['slot_share']):.0%}; cpu "
             + " ".join(f"{k} {v:.0%}" for k, v in f["cpu"].items())
-            + f"; load {res['loadavg']}")
+            + f"; load {res['loadavg']}{note}")
 
 
 def _ms(x: float) -> str:
