@@ -668,3 +668,37 @@ async def test_resync_keeps_listed_waiters_and_drops_unlisted_ones(client: redis
     await a.release("x")  # the kept waiter is granted, never admitted twice
     assert [e.id for e in await a.take_events() if e.kind == "grant"] == ["w2"]
     assert (await a.snapshot()).total_inflight == 1
+
+
+async def test_a_resync_that_runs_after_a_newer_one_of_its_process_changes_nothing(
+        client: redis.Redis) -> None:
+    """Found by the deterministic fleet simulation (seed 20261204): a server pause outlasted
+    replica a's registration. The connection a gave up on still held its recovery resync,
+    listing nothing; on resume its new connection's resync re-added the two streams a was
+    running, then the old one ran (min_age 0) and dropped them: the ledger counted a as
+    holding nothing while both ran on, and the fleet ran 7 of 6. A resync older than one
+    of its process already applied now changes nothing: not its list, not its capacity
+    report."""
+    clock = FakeClock()
+    a, b = await replicas(client, 9, "a", "b", clock=clock)
+    late = a._resync_args([], 9)  # sent first (a held nothing), run last
+    clock.advance(2.0)
+    running = [Holding("s1", DEF, "t", first_byte=True), Holding("s2", BULK, "t")]
+    fresh = a._status(await a._call("resync", *a._resync_args(running, 3)))
+    assert fresh.held == 2 and fresh.capacity == 3
+    clock.advance(0.001)
+    stale = a._status(await a._call("resync", *late))
+    snap = await a.snapshot()
+    assert snap.total_inflight == 2 and snap.capacity == 3  # the newer list and report
+    assert not stale.known  # ("stale": nobody reads it, its caller gave up)
+    # So b gets the one slot left, not three.
+    assert (await b.arrive("b1", DEF, "t")).status is ArriveStatus.ADMITTED
+    assert (await b.arrive("b2", DEF, "t")).status is ArriveStatus.QUEUED
+    # The next resync of a's applies, as does a new process's first one (its numbers start
+    # again: the order is kept per incarnation).
+    assert (await a.resync(running[:1])).held == 1
+    a2 = FleetLedger(client, "f", "a", ttl=10.0, clock=clock)
+    await a2.register(PLAIN, 3)
+    assert a2.resyncs == 0
+    assert (await a2.resync([])).held == 0
+    assert (await b.snapshot()).total_inflight == 2  # b1, and b2 granted
