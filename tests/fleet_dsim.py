@@ -100,6 +100,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from devtools.valkey import ValkeyServer
+from sidecar import logs
 from sidecar.admission import Denied
 from sidecar.classes import PriorityClass
 from sidecar.coordination.controller import FleetController, call_timeout_for
@@ -761,7 +762,9 @@ class DSim:
         self.fleet_starved_since: float | None = None
         self.refusals: list[tuple[Req, bool, int, int]] = []  # to check at the instant's end
         self.closing = False
-        self.undelivered: set[str] = set()  # preemptions the controller could not deliver
+        # Preemptions the controller could not deliver, by the tag its warning names them by
+        # (logs.id_tag: info and warning lines carry no admission id).
+        self.undelivered: set[str] = set()
         self._seq = 0
 
     # ------------------------------------------------------------------ trace
@@ -818,7 +821,10 @@ class DSim:
         if name == "preemption_delivery_failed":
             # The reference's "preemption cannot be delivered": its response runs on,
             # its slot given away (counted: smg_sidecar_preemption_delivery_failed_total).
-            self.undelivered.add(str(event.get("admission_id")))
+            tag = event.get("admission_tag")
+            if tag is None:  # the exemption below would silently stop matching
+                self.fail(f"preemption_delivery_failed names no admission_tag: {event}")
+            self.undelivered.add(str(tag))
         rest = " ".join(f"{k}={event[k]}" for k in sorted(event))
         self.say(f"log {method} {name} {rest}")
         raise structlog.DropEvent
@@ -2099,7 +2105,7 @@ class DSim:
             if now - proc.taken_at > self.cfg.periodic_every + 1e-6:
                 for st in self.running.values():
                     if (st.replica == s.name and st.aid not in ctrl.held
-                            and st.aid not in self.undelivered):
+                            and logs.id_tag(st.aid) not in self.undelivered):
                         self.fail(f"{st.aid} runs on {s.name} uncounted: its process does "
                                   "not hold it")
                         return
