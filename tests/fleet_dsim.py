@@ -1353,7 +1353,9 @@ class DSim:
         self.at(self.now + self.rng.uniform(1.0, 4.0), "sim", "load", self.load_phase)
 
     def periodic(self) -> None:
-        if not self.quiet:
+        # Envoy's periodic entries go on while streams run, the drain's included (a process
+        # that restarted during it adopts them by the next one, as the checks assume).
+        if not self.quiet or self.running:
             self.at(self.now + self.cfg.periodic_every, "sim", "periodic", self.periodic)
         self.periodic_entries()
 
