@@ -165,7 +165,12 @@ from SETTLING admits nothing new while it flies (``recycle`` 0): its list is wha
 ledger will count, and a slot reused meanwhile would be in neither; if the server hangs
 then, the call fails within a call timeout and the outage rule (L) applies again. An id the
 answer says the ledger had ended is released locally without its slot being reused (the
-ledger gave it to another request: ``LocalRelease(reuse=False)``).
+ledger gave it to another request: ``LocalRelease(reuse=False)``). A resync given up on
+(failed or timed out here) may still run later: a paused server, resumed, runs what a
+connection dropped meanwhile had sent, possibly after the next resync. The ledger applies
+only the newest resync of a process (``ledger.lua``, ``stale_resync()``), so a late one
+never puts back an older list (it once dropped two running streams that the newer one
+had re-added).
 
 One held admission
 ==================
