@@ -37,8 +37,9 @@ from sidecar.admission import Denied
 from sidecar.classes import PriorityClass
 from sidecar.coordination.controller import FleetController
 from sidecar.coordination.outbox import Outbox, Release
-from sidecar.coordination.replica import Effect, IllegalTransition, Replica, Stop
+from sidecar.coordination.replica import Effect, IllegalTransition, Mode, Replica, Stop
 from sidecar.scheduler import Outcome, ReleaseResult
+from tests import fleet_dsim
 from tests.fleet_dsim import (
     BULK,
     DEF,
@@ -564,6 +565,64 @@ def test_a_degraded_replica_admits_within_its_share_while_a_recovery_resync_hang
     sim = simulate(_cfg(replicas=2, capacity=4, strict=True), tmp_path,
                    hung_server_within_the_share)
     assert set(sim.result) == {"admitted"}, sim.result
+
+
+async def late_resync_after_a_pause(sim: DSim) -> None:
+    """Two replicas, capacity 4, nothing held when the server hangs: r0's heartbeat resync
+    and then its recovery resync, both listing nothing, wait on a connection r0 then gives
+    up on. Meanwhile r0 admits two streams on its own (its share), past their first byte.
+    The server resumes and runs r0's new resync, listing both, before what the old
+    connection had sent (a server serves its connections in no set order). Back to ok,
+    r1 asks for the whole capacity: how many it gets."""
+    for s in sim.slots:
+        await sim.process_up(s.name)
+    await sim.until(lambda: all(c is not None and c.share == 2
+                                for c in map(sim.ctrl, ("r0", "r1"))), 3.0, "shares 2")
+    r0 = sim.slot("r0").proc
+    assert r0 is not None and r0.ctrl is not None
+    w = sim.pause_server()
+    await sim.until(lambda: r0.ctrl is not None and r0.ctrl.state == "degraded", 2.0,
+                    "r0 degraded")
+    for aid in await _admit(sim, "r0", DEF, 2):
+        sim.stream(aid).first_byte = True
+        sim.signal("r0", aid)
+        r0.ctrl.mark_first_byte(aid)
+    await sim.until(lambda: any(c.closed and any(x.op == "resync" for x in c.pipe)
+                                for c in r0.conns), 2.0,
+                    "r0's old connection dropped, its resyncs not run")
+    old = [c for c in r0.conns if c.closed and c.pipe]
+    for c in old:
+        r0.conns.remove(c)  # what it sent runs only after r0's next resync
+    sim.resume_server(w)
+    await sim.until(lambda: r0.ctrl is not None and r0.ctrl.mode in (Mode.SETTLING, Mode.OK),
+                    2.0, "r0's new resync answered")
+    r0.conns.extend(old)
+    sim.release_held(r0)
+    await sim.until(lambda: all(c is not None and c.mode is Mode.OK
+                                for c in map(sim.ctrl, ("r0", "r1"))), 3 * sim.cfg.ttl,
+                    "both ok")
+    r1 = sim.slot("r1").proc
+    assert r1 is not None
+    admitted = 0
+    for _ in range(sim.cfg.capacity):
+        r = sim.request(r1, DEF, "t0")
+        if await sim.answered(r, 2 * sim.cfg.call_timeout) == "admitted":
+            admitted += 1
+    sim.result = admitted
+    await _end_all(sim)
+
+
+def test_a_resync_given_up_on_that_runs_after_a_newer_one_changes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by the CI profile's first seed (20261204) once both merged branches ran
+    # together: the old connection's recovery resync (min_age 0, listing nothing) ran on
+    # resume after r0's newer one and dropped its two running streams from the ledger;
+    # r0's next resync found them ended and let them run on uncounted (a preemption it
+    # could not deliver), and the others filled their slots: 7 of 6 there, 6 of 4 here.
+    # Fixed in the ledger (ledger.lua, stale_resync()).
+    monkeypatch.setattr(fleet_dsim, "LATE", 1.0)  # what a dropped connection sent runs
+    sim = simulate(_cfg(replicas=2, capacity=4), tmp_path, late_resync_after_a_pause)
+    assert sim.result == 2, f"r1 got {sim.result} of the 2 slots r0's streams leave"
 
 
 async def restarts_into_the_drain(sim: DSim) -> None:
