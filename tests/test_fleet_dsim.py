@@ -14,7 +14,8 @@ Besides the random runs: the harness is shown to have teeth (the core and the co
 broken on purpose, a controller that refuses everything: each run must fail), scripted
 cases on the same harness (what the real-time simulation found: an outage right after the
 fleet grew, the shares as replicas join, a partition past the share; a carried-over
-candidate preempted locally), and two cases it found as plain tests on a real server.
+candidate preempted locally; a resync given up on that runs after a newer one; a process
+back during the drain), and two cases it found as plain tests on a real server.
 """
 
 from __future__ import annotations
