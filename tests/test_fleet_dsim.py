@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from devtools.valkey import ValkeyServer
 from sidecar.admission import Denied
 from sidecar.classes import PriorityClass
 from sidecar.coordination.controller import FleetController
+from sidecar.coordination.ledger import encode_class
 from sidecar.coordination.outbox import Outbox, Release
 from sidecar.coordination.replica import Effect, IllegalTransition, Mode, Replica, Stop
 from sidecar.scheduler import Outcome, ReleaseResult
@@ -624,6 +626,41 @@ def test_a_resync_given_up_on_that_runs_after_a_newer_one_changes_nothing(
     monkeypatch.setattr(fleet_dsim, "LATE", 1.0)  # what a dropped connection sent runs
     sim = simulate(_cfg(replicas=2, capacity=4), tmp_path, late_resync_after_a_pause)
     assert sim.result == 2, f"r1 got {sim.result} of the 2 slots r0's streams leave"
+
+
+async def reload_while_the_server_hangs(sim: DSim) -> None:
+    """r0 is ok when the server hangs; a hot reload (bulk's queue size 8 → 3) sends its
+    registration, whose call times out: r0 degrades, and drops the stalled connection,
+    with the registration in it. The server resumes, r0 returns to ok: the class settings
+    the ledger stores for bulk, a heartbeat interval later."""
+    r0 = await sim.process_up("r0")
+    assert r0.ctrl is not None
+    w = sim.pause_server()
+    r0.ctrl.update_config({**classes(), BULK: replace(classes()[BULK], queue_size=3)})
+
+    def registering() -> bool:  # (a registration is a "heartbeat" call)
+        return any(x.op == "heartbeat" for c in r0.conns for x in c.pipe)
+
+    await sim.until(registering, 1.0, "the reload's registration sent")
+    await sim.until(lambda: not registering(), 2.0, "its connection dropped")
+    assert r0.ctrl.state == "degraded"
+    sim.resume_server(w)
+    await sim.until(lambda: r0.ctrl is not None and r0.ctrl.mode is Mode.OK,
+                    3 * sim.cfg.ttl, "r0 ok")
+    await asyncio.sleep(sim.cfg.interval)
+    assert sim.server is not None
+    sim.result = sim.server.c.hget(f"{fleet_dsim.PREFIX}:meta", "class0")
+
+
+def test_a_reload_whose_registration_failed_reaches_the_ledger_on_the_return(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reload's registration is the only call that stores the class settings (a resync
+    # carries them but stores them only where none are): lost with its failed call, or
+    # dropped from the outbox when the replica went local, the fleet kept the old settings
+    # until the next reload.
+    monkeypatch.setattr(fleet_dsim, "LATE", 0.0)  # what a dropped connection sent is lost
+    sim = simulate(_cfg(replicas=1, strict=True), tmp_path, reload_while_the_server_hangs)
+    assert sim.result == encode_class(replace(classes()[BULK], queue_size=3)), sim.result
 
 
 async def restarts_into_the_drain(sim: DSim) -> None:
