@@ -15,7 +15,8 @@ broken on purpose, a controller that refuses everything: each run must fail), sc
 cases on the same harness (what the real-time simulation found: an outage right after the
 fleet grew, the shares as replicas join, a partition past the share; a carried-over
 candidate preempted locally; a resync given up on that runs after a newer one; a process
-back during the drain), and two cases it found as plain tests on a real server.
+back during the drain; a reload whose registration was lost), and two cases it found as
+plain tests on a real server.
 """
 
 from __future__ import annotations
