@@ -295,9 +295,9 @@ def documented_limit(ctrl: FleetController, own_capacity: int) -> int:
     """What a replica in a local mode may hold, as the reference states it (stated here on
     its own, from the replica's view, not taken from the controller's limit):
     L = max(0, min(floor(C/N), h + floor((C − H)/N))) from its last view of the ledger, N
-    its newest reply's live count (the view's if larger); 0 while another replica may not
-    count it yet; while settling, at most what it held when the resync was answered
-    (only slots freed since are reused)."""
+    the largest live count of that view and of every reply since; 0 while another replica
+    may not count it yet; while settling, at most what it held when the resync was
+    answered (only slots freed since are reused)."""
     core = ctrl.core
     v = core.view
     limit = degraded_limit(min(v.capacity, own_capacity), core.live_replicas, v.inflight,

@@ -759,3 +759,31 @@ def test_a_reply_from_a_ledger_that_lost_its_data_does_not_raise_the_share() -> 
     r.resync_sent()
     r.recovery_answered(FleetStatus(True, 8, 1, 0), [])  # held: SETTLING, old view kept
     assert r.live_replicas == 2
+
+
+def test_a_count_read_since_the_view_holds_when_a_ledger_that_lost_its_data_counts_fewer(
+        ) -> None:
+    # Found by the long profile (seed 1004, step 413,236): r0's view counted 2 (r2 joined
+    # after its last heartbeat); back from a server pause, still settling, it read a reply
+    # counting 3, and r2 took its share of C/3 once r0 had read one; then the server
+    # restarted empty and r0's first reply counted 1. Taking the newest reply's count, N
+    # fell back to the view's 2: shares 3 + 2 + 2 of 6. N now only grows until the next
+    # view.
+    r, clock = _ok()  # view: C 8, N 2
+    r.lost("TimeoutError")
+    r.resync_sent()
+    r.live_seen(3)  # the recovery resync's envelope: r2 joined
+    r.recovery_answered(FleetStatus(True, 8, 3, 0), [])  # back less than an interval ago
+    assert r.mode is Mode.SETTLING and r.live_replicas == 3 and r.share(8) == 2
+    r.live_seen(1)  # a server restarted empty: only r0 registered again so far
+    r.data_loss("stale_copy")
+    r.resync_sent()
+    r.recovery_answered(FleetStatus(False, 8, 1, 0, settling=0.8), [])
+    assert r.live_replicas == 3 and r.share(8) == 2 and r.degraded_limit(8) == 0
+    # The next view (back to ok, the fleet settled) is the count from then on: a replica
+    # that left is no longer counted.
+    r.resync_sent()
+    clock.advance(INTERVAL)
+    r.live_seen(2)
+    r.recovery_answered(FleetStatus(True, 8, 2, 0), [])
+    assert r.mode is Mode.OK and r.live_replicas == 2 and r.share(8) == 4

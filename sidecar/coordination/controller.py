@@ -408,7 +408,8 @@ class FleetController:
 
     @property
     def live_replicas(self) -> int:
-        """Live replicas as the newest ledger reply counted them."""
+        """N for the degraded share: the largest live count of the last view and of every
+        ledger reply since (Replica.live_replicas)."""
         return self._core.live_replicas
 
     @property
