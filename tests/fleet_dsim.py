@@ -1700,6 +1700,19 @@ class DSim:
         return (all(s.fault is None for s in self.slots) and self.server_fault is None
                 and any(s.proc is not None and s.proc.ctrl is not None for s in self.slots))
 
+    def holds_now(self, name: str) -> int:
+        """h of the outage bound: what ``name`` holds as the fault hits, its streams and the
+        admissions the ledger made for it (the server's records), one id once. An
+        admission whose answer (a grant, an arrive's reply) is on its way is the
+        replica's already: it holds it when it goes local (the long profile, seed 1011:
+        a grant decided just before a restore from a snapshot and read just after)."""
+        ids = {st.aid for st in self.running.values() if st.replica == name}
+        srv = self.server
+        if srv is not None and srv.up:
+            ids |= {aid for aid, rec in srv.admissions().items()
+                    if rec.split(" ", 1)[0] == name}
+        return len(ids)
+
     def shares(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for s in self.slots:
@@ -1738,7 +1751,7 @@ class DSim:
         the admissions the ledger made after the oldest of the replicas' views (counted
         from the server's admission records)."""
         self.check_shares()
-        b = sum(max(0, self.held_by(n) - v) for n, v in self.shares().items())
+        b = sum(max(0, self.holds_now(n) - v) for n, v in self.shares().items())
         if not whole:
             return b
         srv = self.server
