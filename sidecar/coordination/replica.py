@@ -712,7 +712,10 @@ class Replica:
 
     def _take_view(self, view: View) -> None:
         """A consistent view of a ledger that knows us, settled: N is its count from here
-        (a replica that left is no longer counted)."""
+        (a replica that left is no longer counted). No reply read after the view's own
+        is lost by this: the driver hands the core a call's answer in the step its reply
+        is read in (``FleetLedger._call`` reports the live count, the caller goes on
+        without waiting in between), before any later reply's count."""
         self._view = view
         self._live = view.live_replicas
 
