@@ -702,3 +702,30 @@ async def test_a_resync_that_runs_after_a_newer_one_of_its_process_changes_nothi
     assert a2.resyncs == 0
     assert (await a2.resync([])).held == 0
     assert (await b.snapshot()).total_inflight == 2  # b1, and b2 granted
+
+
+async def test_after_a_loss_nobody_is_told_that_every_other_replica_counts_it(
+        client: redis.Redis) -> None:
+    """Found by the deterministic fleet simulation (SIM_VARY=1, seed 2014): c registered
+    after a and b last read a reply (unheard 2, no share); the server restarted empty
+    before their next heartbeat. c's first call found the loss and was alone in the new
+    ledger: unheard 0, so c took its share of C/3 while a and b kept their shares of C/2
+    (3 + 4 + 4 of 9). While the fleet is frozen after a loss, the ledger says at least one
+    may not have heard; once it has settled, the others' own registrations tell."""
+    clock = FakeClock()
+    a, b = await replicas(client, 9, "a", "b", clock=clock)
+    c = FleetLedger(client, "f", "c", ttl=10.0, clock=clock)
+    for led in (a, b, c):
+        led.settle = 3.0  # the window a call that finds a loss opens (as the controller's)
+    assert (await c.register(PLAIN, 9)).unheard == 2
+    await client.flushall()  # a restart without persistence (the library stays loaded)
+    lost = await c.resync([], settle=3.0)
+    assert lost.settling > 0 and lost.live_replicas == 1
+    assert lost.unheard >= 1
+    for led in (a, b):  # they re-register within the window, from what they last read
+        assert not (await led.resync([], settle=3.0)).known
+    clock.advance(3.1)
+    assert (await c.resync([], settle=3.0)).unheard == 2  # settled: neither has heard
+    for led in (a, b):  # their next calls carry a generation after c's registration
+        await led.resync([], settle=3.0)
+    assert (await c.resync([], settle=3.0)).unheard == 0
