@@ -84,7 +84,8 @@ is 0 while another replica may not have read a reply that counts it (each status
 many: ``FleetStatus.unheard``; the ledger keeps when each replica registered and the
 newest generation each has read, from the ``seen`` its heartbeats carry, and counts a
 replica whose registration lapsed within a ttl as not having heard: alive, it may still
-divide by a count from before). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
+divide by a count from before; after a loss, at least one until the fleet has settled:
+the replicas alive are registered again one by one). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
 share; each i in S has its share only because every other replica then registered, or
 lapsed within a ttl, had read a reply made after i registered, and that reply counts i;
 N_j is at least that count until j takes a new view, which (a settled ledger that knows j)
