@@ -1397,12 +1397,9 @@ local function unheard_by(r)
       end
     end
   end
-  -- After a loss (frozen()) the replicas alive are registered again one by one, so those
-  -- not back yet are in neither count, and each may still divide by a count from the lost
-  -- ledger without r: the ledger cannot say that none is left. (The deterministic
-  -- simulation found a replica alone in a ledger restarted empty told 0, which took its
-  -- share beside the two that had never counted it: 3 + 4 + 4 of 9.)
-  if n == 0 and frozen() then n = 1 end
+  -- (After a loss the replicas alive are registered again one by one: those not back yet
+  -- are in no count here. A replica takes no share from a status answered while the fleet
+  -- settles: sidecar/coordination/replica.py, Replica._note.)
   return n
 end
 

@@ -84,8 +84,11 @@ is 0 while another replica may not have read a reply that counts it (each status
 many: ``FleetStatus.unheard``; the ledger keeps when each replica registered and the
 newest generation each has read, from the ``seen`` its heartbeats carry, and counts a
 replica whose registration lapsed within a ttl as not having heard: alive, it may still
-divide by a count from before; after a loss, at least one until the fleet has settled:
-the replicas alive are registered again one by one). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
+divide by a count from before; a status answered while the fleet settles never gives a
+share, only takes one away: after a loss the replicas alive are registered again one by
+one, and those not back yet are in no count, so a replica alone in a ledger restarted
+empty was told none had not heard, and took its share of C/3 beside two that had never
+counted it, 3 + 4 + 4 of 9). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
 share; each i in S has its share only because every other replica then registered, or
 lapsed within a ttl, had read a reply made after i registered, and that reply counts i;
 N_j is at least that count until j takes a new view, which (a settled ledger that knows j)
@@ -721,8 +724,13 @@ class Replica:
         self._live = view.live_replicas
 
     def _note(self, status: FleetStatus) -> None:
-        """An answered status: may the other replicas all count us?"""
-        self._heard = status.unheard == 0
+        """An answered status: may the other replicas all count us? While the fleet
+        settles, a status says so only for the replicas registered again so far: it takes
+        the share away (someone has not heard), never gives it."""
+        if status.unheard > 0:
+            self._heard = False
+        elif status.settling <= 0:
+            self._heard = True
 
     def _move(self, trigger: Trigger) -> Mode:
         old = self._mode
