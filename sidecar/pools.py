@@ -42,6 +42,7 @@ from sidecar.coordination import server
 from sidecar.deadlines import Deadlines
 from sidecar.edge import ShedController
 from sidecar.health import CapacityMonitor
+from sidecar.limiter import INTERVAL, AdaptiveLimit
 from sidecar.metrics import PoolRecorder, Recorder
 from sidecar.priority_yaml import PriorityConfig
 from sidecar.scheduler import (
@@ -108,7 +109,8 @@ class Pool:
                  reading: CapacityReading, config: PriorityConfig, metrics: PoolRecorder,
                  labelled: bool, fleet: FleetController | None = None,
                  shadow: ShadowCore | None = None,
-                 on_classes_changed: Callable[[], None] = lambda: None) -> None:
+                 on_classes_changed: Callable[[], None] = lambda: None,
+                 limiter: AdaptiveLimit | None = None) -> None:
         self.name = name
         self.controller = controller
         self.monitor = monitor
@@ -133,6 +135,13 @@ class Pool:
             self.log.warning("ttft_targets_not_enforced_in_a_fleet",
                              reason="the fleet's ledger predicts no waits: targets are "
                                     "measured (smg_sidecar_ttft_seconds), never applied")
+        # --adaptive-capacity: the pool's capacity tunes itself below its workers' (legacy
+        # admission does not follow capacity: nothing to tune).
+        self.limiter = None if controller.legacy else limiter
+        if self.limiter is not None:
+            self.limiter.set_ceiling(reading.capacity)
+            controller.set_capacity(self.capacity)
+            metrics.adaptive_limit(self.limiter.limit, "start", False)
         self.uncancellable = uncancellable_workers(reading)
         if self.uncancellable:
             self._preemption_suspended()
@@ -152,6 +161,12 @@ class Pool:
     @property
     def legacy(self) -> bool:
         return self.controller.legacy
+
+    @property
+    def capacity(self) -> int:
+        """What admission counts: the workers' capacity, or the tuned limit below it."""
+        cap = self.reading.capacity
+        return cap if self.limiter is None else min(cap, self.limiter.limit)
 
     @property
     def classes(self) -> Mapping[PriorityClass, ClassSettings]:
@@ -180,6 +195,8 @@ class Pool:
             return
         if entry.engine_ttfb_secs is not None:
             self.deadlines.observed(cls, entry.engine_ttfb_secs)
+            if self.limiter is not None and entry.engine_secs is not None:
+                self.limiter.sample(entry.engine_ttfb_secs, entry.engine_secs)
         self.metrics.completed(cls, entry.ttft_secs, entry.engine_ttfb_secs)
 
     def on_capacity(self, reading: CapacityReading) -> None:
@@ -199,7 +216,28 @@ class Pool:
             self.controller.update_config(self.classes)
             self.metrics.preemption_suspended(bool(self.uncancellable))
             self._on_classes_changed()
-        self.controller.set_capacity(reading.capacity)
+        if self.limiter is not None:
+            t = self.limiter.set_ceiling(reading.capacity)
+            self.metrics.adaptive_limit(t.limit, t.reason, t.changed)
+        self.controller.set_capacity(self.capacity)
+
+    async def tune(self) -> None:
+        """--adaptive-capacity: one tuning step every interval (sidecar.limiter)."""
+        limiter = self.limiter
+        if limiter is None:
+            return
+        while True:
+            await asyncio.sleep(INTERVAL)
+            snap = self.controller.snapshot()
+            used = (snap.inflight >= limiter.limit
+                    or any(c.queue_depth for c in snap.classes.values()))
+            t = limiter.tick(used=used)
+            self.metrics.adaptive_limit(t.limit, t.reason, t.changed)
+            if t.changed:
+                self.log.info("adaptive_limit_changed", limit=t.limit, reason=t.reason.value,
+                              workers_capacity=self.reading.capacity, samples=t.samples,
+                              engine_queued=None if t.queued is None else round(t.queued, 2))
+                self.controller.set_capacity(self.capacity)
 
     def apply_config(self, cfg: PriorityConfig) -> None:
         """A valid new config: new class knobs for new decisions (queued requests keep
