@@ -17,13 +17,16 @@ the requests that completed meanwhile (Envoy's access log, ``sidecar.deadlines``
   ``SLACK_SECS`` are floors for requests too short to tell). By Little's law the engine
   held ``Lq`` = (their seconds above the baseline) / (the interval) requests queued on
   average: it had room for that many fewer than were in flight. When ``Lq`` is half a
-  request or more the limit drops by it (at least by one, at most by half), and not
+  request or more the limit drops to the most requests in flight during the
+  interval less ``Lq`` (at least by one, at most by half), and not
   again for ``SETTLE`` intervals (requests admitted under the old limit still come back
   queued meanwhile).
 * Else, if the limit was used (requests waited in the sidecar's queues, or as many as
-  the limit were in flight) for ``GROW_AFTER`` intervals in a row and no drop came in
-  the last ``COOLDOWN``, it grows by one: a probe, whose next interval says whether the
-  engine had room.
+  the limit were in flight) for ``GROW_AFTER`` intervals in a row, no drop came in the
+  last ``COOLDOWN``, and the samples taken since the limit last moved showed the engine
+  all but idle of queued requests (``Lq`` below ``QUIET``), it grows by one: a probe.
+  An engine one request short of the limit shows an ``Lq`` between the two thresholds:
+  the limit then holds there rather than probing further.
 * Else it holds (nothing to learn: demand below the limit, or fewer than
   ``MIN_SAMPLES`` completions yet: they are then kept for the next interval, and ``Lq``
   is taken over all the intervals they span).
@@ -46,7 +49,8 @@ from dataclasses import dataclass
 INTERVAL = 1.0
 TOLERANCE = 3.0
 SLACK_SECS = 0.01  # differences below this are noise, whatever the ratio
-QUEUE_SHARE = 0.2
+QUEUE_SHARE = 0.1
+QUIET = 0.25  # Lq below this: the engine had room
 DRIFT = 0.01
 GROW_AFTER = 2
 COOLDOWN = 5
@@ -87,6 +91,7 @@ class AdaptiveLimit:
         self._baseline: float | None = None
         self._used = 0  # intervals in a row in which the limit was used
         self._since_shrink = COOLDOWN
+        self._quiet = False  # the samples since the limit last moved showed room
 
     @property
     def limit(self) -> int:
@@ -110,9 +115,9 @@ class AdaptiveLimit:
         return Tick(self.limit, Reason.CEILING if self.limit != before else Reason.HOLD,
                     self.limit != before)
 
-    def tick(self, *, used: bool) -> Tick:
+    def tick(self, *, used: bool, inflight: int | None = None) -> Tick:
         """One interval passed; ``used``: requests waited in the sidecar, or as many as the
-        limit were in flight."""
+        limit were in flight; ``inflight``: the most that were in flight during it."""
         self._span += 1
         samples = self._samples
         if len(samples) >= MIN_SAMPLES:
@@ -130,20 +135,25 @@ class AdaptiveLimit:
             base = low if self._baseline is None else min(self._baseline * (1 + DRIFT), low)
             self._baseline = base
             floor = max(TOLERANCE * base, base + SLACK_SECS)
-            queued = sum(t - base for t, g in samples
-                         if t > max(floor, base + QUEUE_SHARE * g)) / (span * INTERVAL)
+            waited = [t - base for t, g in samples if t > max(floor, base + QUEUE_SHARE * g)]
+            queued = sum(waited) / (span * INTERVAL)
+            self._quiet = queued < QUIET
             if queued >= 0.5 and self._since_shrink > SETTLE:
-                # Down by Lq, at least one and at most half: what comes back soon after a
+                # Down by Lq from what was in flight (a limit above the demand taught
+                # nothing), at least one and at most half: what comes back soon after a
                 # big cut was admitted under the limit before it.
+                held = self._limit if inflight is None else min(self._limit, float(inflight))
                 lower = min(math.floor(self._limit) - 1.0,
-                            max(self._limit / 2, round(self._limit - queued)))
+                            max(held / 2, round(held - queued)))
                 self._limit = max(float(self.floor), float(lower))
                 self._since_shrink = 0
                 self._used = 0
                 reason = Reason.QUEUEING
-        if (reason is Reason.HOLD and self._used >= GROW_AFTER
+        if (reason is Reason.HOLD and self._used >= GROW_AFTER and self._quiet
                 and self._since_shrink >= COOLDOWN and self._limit < self.ceiling):
             self._limit = min(float(self.ceiling), math.floor(self._limit) + 1.0)
             self._used = 0
             reason = Reason.PROBE
+        if self.limit != before:
+            self._quiet = False  # what the new limit does is still to be seen
         return Tick(self.limit, reason, self.limit != before, queued, len(samples))

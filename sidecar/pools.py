@@ -222,16 +222,20 @@ class Pool:
         self.controller.set_capacity(self.capacity)
 
     async def tune(self) -> None:
-        """--adaptive-capacity: one tuning step every interval (sidecar.limiter)."""
+        """--adaptive-capacity: one tuning step every interval (sidecar.limiter), with the
+        most requests in flight during it (looked at ten times per interval)."""
         limiter = self.limiter
         if limiter is None:
             return
         while True:
-            await asyncio.sleep(INTERVAL)
-            snap = self.controller.snapshot()
-            used = (snap.inflight >= limiter.limit
-                    or any(c.queue_depth for c in snap.classes.values()))
-            t = limiter.tick(used=used)
+            peak, used = 0, False
+            for _ in range(10):
+                await asyncio.sleep(INTERVAL / 10)
+                snap = self.controller.snapshot()
+                peak = max(peak, snap.inflight)
+                used = used or snap.inflight >= limiter.limit or any(
+                    c.queue_depth for c in snap.classes.values())
+            t = limiter.tick(used=used, inflight=peak)
             self.metrics.adaptive_limit(t.limit, t.reason, t.changed)
             if t.changed:
                 self.log.info("adaptive_limit_changed", limit=t.limit, reason=t.reason.value,

@@ -44,7 +44,7 @@ def simulate(limiter: AdaptiveLimit, slots: int, seconds: float,
         if next_tick <= end:
             now = next_tick
             queued_here = demand is None or demand > limiter.limit
-            t = limiter.tick(used=queued_here or inflight >= limiter.limit)
+            t = limiter.tick(used=queued_here or inflight >= limiter.limit, inflight=inflight)
             assert limiter.floor <= t.limit <= limiter.ceiling
             limits.append(t.limit)
             next_tick += INTERVAL
@@ -72,6 +72,14 @@ def test_the_limit_converges_near_the_engines_slots_and_stays(start: int, slots:
     # spends most of the time at the slot count itself (probes are single steps).
     assert all(slots - 1 <= v <= slots + 1 for v in tail), tail
     assert sum(v == slots for v in tail) >= 0.6 * len(tail)
+
+
+def test_a_limit_far_above_the_demand_drops_from_what_is_in_flight() -> None:
+    # 12 clients, a limit of 64: the drop starts from the 12 in flight, not from 64, so the
+    # limit is at the slots within a few seconds.
+    limits, _ = simulate(AdaptiveLimit(start=64, floor=1, ceiling=64), 4, 30.0, demand=12)
+    assert limits[1] <= 12 and next(i for i, v in enumerate(limits) if v <= 5) <= 8, limits
+    assert all(4 <= v <= 5 for v in limits[8:]), limits
 
 
 def test_it_never_exceeds_the_workers_capacity_and_follows_it_down() -> None:
