@@ -81,7 +81,8 @@ BAD = {
                        f"more than {MAX_NODES} YAML values", "classes["),
     "not_yaml_secret": Bad(_text(f"password: {SECRET}: x\nuser: admin\n"),
                            "invalid YAML: mapping values are not allowed here at line 1"),
-    "shadow_like": Bad(_shadow, "unknown key (expected: classes, tenant_policies, pools, deadline_mode)", "?"),
+    "shadow_like": Bad(
+        _shadow, "unknown key (expected: classes, tenant_policies, pools, deadline_mode)", "?"),
 }
 
 
