@@ -57,14 +57,15 @@ fuzz: install
 	FUZZ_EXAMPLES=10000 HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py \
 		tests/test_scheduler_properties.py
 
-# The long fleet simulation under faults: SIM_SEEDS seeds of SIM_STEPS steps each (no time cap).
+# The long fleet simulation under faults (the deterministic one: the shipped controller on a
+# virtual clock): SIM_SEEDS seeds of SIM_STEPS steps each, every seed's trace reproducible
+# (SIM_SEED=N SIM_STEPS=M runs one; SIM_VARY=1 draws the fleet too; SIM_TRACE_DIR=DIR keeps
+# a failing run's trace).
 sim-long: install
 	SIM_SEEDS=$${SIM_SEEDS:-20} SIM_STEPS=$${SIM_STEPS:-200000} $(PY) -m pytest -q -s \
-		tests/test_fleet_sim.py -k promises
+		tests/test_fleet_dsim.py -k promises
 
-# The long deterministic fleet simulation: SIM_SEEDS seeds of SIM_STEPS steps each, every
-# seed's trace reproducible (SIM_SEED=N SIM_STEPS=M runs one; SIM_TRACE_DIR=DIR keeps a
-# failing run's trace).
+# The same, longer by default: 20 seeds of 500,000 steps.
 dsim-long: install
 	SIM_SEEDS=$${SIM_SEEDS:-20} SIM_STEPS=$${SIM_STEPS:-500000} $(PY) -m pytest -q -s \
 		tests/test_fleet_dsim.py -k promises

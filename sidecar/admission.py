@@ -208,7 +208,7 @@ class AdmissionController:
             if cls is None or not self.core.adopt(aid, cls, tenant):
                 return False
             self._apply_events()  # its Admitted event creates the lease
-            log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
+            log.info("adopted", admission_tag=logs.id_tag(aid), cls=cls.label, tenant=tenant)
         return True
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:

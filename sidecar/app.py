@@ -24,6 +24,7 @@ from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController, AdmissionService
 from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.capacity import CapacityReading
+from sidecar.classes import PriorityClass
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings, check_authz_timeout, check_pools
 from sidecar.coordination import server
@@ -46,6 +47,7 @@ from sidecar.scheduler import (
     reservations_fit,
 )
 from sidecar.shadow import ShadowCore
+from sidecar.status import StatusPage
 
 log = logs.get("sidecar")
 
@@ -67,6 +69,16 @@ async def build_runtime(settings: Settings) -> Runtime:
     if not s.scheduler.default_max_class_valid:
         log.warning("unknown_default_max_class_using_default",
                     flag="--priority-scheduler-default-max-class")
+    # No tenant above the default ceiling: whatever a request asks for, it is admitted at
+    # most at that ceiling (a clamp, counted but silent); tell the operator at start-up.
+    ceiling = s.scheduler.default_max_class
+    if s.scheduler.scheduler_enabled and ceiling < PriorityClass.SYSTEM and all(
+            c <= ceiling for c in s.scheduler.priority.tenant_policies.values()):
+        log.warning("no_tenant_above_default_ceiling", default_max_class=ceiling.label,
+                    tenant_source=f"{s.scheduler.tenant_source.kind}:"
+                                  f"{s.scheduler.tenant_source.name}".rstrip(":"),
+                    hint="every request is clamped to this class; give tenant_policies "
+                         "a tenant above it and a --tenant-source Envoy sets")
     sources = s.capacity.pool_sources()
     # With named pools, every pool's series and log lines name it (sidecar.metrics).
     labelled = len(sources) > 1
@@ -145,6 +157,8 @@ def _monitor(s: Settings, worker_urls: tuple[str, ...], envoy_admin_url: str | N
         default_cap=s.capacity.worker_max_running_requests,
         saturation_guard=s.capacity.saturation_guard,
         credential=s.capacity.worker_credential,
+        credential_over_http=s.capacity.worker_auth_allow_http,
+        envoy_cluster_scheme=s.capacity.envoy_cluster_scheme,
         pool=log_fields.get("pool"),
     )
 
@@ -179,6 +193,10 @@ async def _first_reading(s: Settings, monitor: CapacityMonitor, pool: str,
     return reading
 
 
+class UncappedFallbackRefused(RuntimeError):
+    """--refuse-uncapped-fallback: a pool would serve with legacy admission and no cap."""
+
+
 def _build_core(s: Settings, pool: str, reading: CapacityReading,
                 log_fields: Mapping[str, str]) -> AdmissionCore:
     """A pool's in-process core: the scheduler where its reservations fit its capacity,
@@ -199,6 +217,12 @@ def _build_core(s: Settings, pool: str, reading: CapacityReading,
                          "--check-config FILE --check-capacity N) or restart once the "
                          "fleet is larger")
         if limit is None:
+            if s.scheduler.refuse_uncapped_fallback:
+                raise UncappedFallbackRefused(
+                    f"pool {pool!r}: its reservations ({sum(desired.values())} slots) exceed "
+                    f"its capacity of {reading.capacity} and --max-concurrent-requests <= 0 "
+                    "leaves legacy admission without a cap; --refuse-uncapped-fallback refuses "
+                    "to serve it so")
             # Without a cap it admits everything at once, whatever the workers can run.
             log.error("legacy_admission_uncapped", mode=mode, reason=FALLBACK_REASON,
                       capacity=reading.capacity, **log_fields,
@@ -314,6 +338,8 @@ class Runtime:
             interval=s.scheduler.config_poll_secs,
             apply=self._apply_config, on_error=self._reload_failed,
             validate=self._validate_reload)
+        self.status = StatusPage(self)  # /status, /status.json on the admin port
+        admin.serve_status(self.status)
 
     def _build_pool(self, name: str, *, monitor: CapacityMonitor, reading: CapacityReading,
                     fleet: FleetController | None, metrics: PoolRecorder, labelled: bool,
@@ -330,7 +356,9 @@ class Runtime:
         else:
             core = _build_core(s, name, reading, _log_fields(name, labelled))
             if s.scheduler.shadow:
-                shadow = core = ShadowCore(core, time.monotonic, metrics, bucket=bucket)
+                shadow = core = ShadowCore(
+                    core, time.monotonic, metrics, bucket=bucket,
+                    summary=logs.ShadowSummary(log.bind(**_log_fields(name, labelled))))
                 bucket = None
             controller = AdmissionController(core, lease_secs=s.liveness.admission_lease_secs,
                                              bucket=bucket, metrics=metrics,
@@ -375,6 +403,7 @@ class Runtime:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         if self.edge is not None:
             self._tasks.append(asyncio.create_task(self.edge.run()))
+        self._tasks.append(asyncio.create_task(self.status.run()))  # its rates' samples
         self._serving.set()
         default = self.pools[DEFAULT_POOL]
         log.info(
@@ -415,17 +444,53 @@ class Runtime:
                                          self.settings.scheduler.default_max_class)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
+        self.status.reloaded(cfg)
 
     def _validate_reload(self, cfg: PriorityConfig) -> None:
-        """The start-up rules hold on reload too: the pools are the workers', and Envoy
-        must outwait every queue."""
+        """The start-up rules hold on reload too: the pools are the workers', Envoy
+        must outwait every queue, and a reload must not make the next restart uncapped."""
         check_pools(cfg, self.settings.capacity.pool_workers)
         s = self.settings
         check_authz_timeout(s.liveness.envoy_authz_timeout, cfg, s.scheduler.scheduler_enabled,
                             file=cfg.source)
+        self._check_restart_fits(cfg)
+
+    def _check_restart_fits(self, cfg: PriorityConfig) -> None:
+        """A reload whose reservations do not fit a pool's capacity now, where the file in
+        force fits it, would leave the next restart on legacy admission for that pool (the
+        start-up check; in-process pools only, a fleet's ledger scales its reservations).
+        Uncapped (--max-concurrent-requests <= 0): refused, the file in force stays. Capped:
+        applied, with a warning (the restart would serve without priorities, capped)."""
+        s = self.settings
+        if not s.scheduler.scheduler_enabled:
+            return
+        limit = s.legacy.limits.cap
+        for p in self.pools:
+            if p.fleet is not None:
+                continue
+            capacity = p.reading.capacity
+            new = cfg.classes_for(p.name)
+            if reservations_fit(new, capacity) or not reservations_fit(
+                    self._config.classes_for(p.name), capacity):
+                continue  # fits, or the file in force does not fit either: not this reload
+            reserved = sum(desired_reservations(new, capacity).values())
+            if limit is None:
+                raise ConfigError(
+                    f"its reservations ({reserved} slots) exceed pool {p.name!r}'s capacity of "
+                    f"{capacity}: the next restart would serve that pool with legacy admission "
+                    "and no cap (--max-concurrent-requests <= 0); lower the reservations "
+                    "(--check-config FILE --check-capacity N) or give the pool more capacity",
+                    file=cfg.source, key=f"pools.{p.name}.classes" if p.name in cfg.pools
+                    else "classes")
+            p.log.warning("config_reload_reservations_exceed_capacity", capacity=capacity,
+                          reserved_total=reserved, concurrency_cap=limit,
+                          hint="applied; the next restart would serve this pool with legacy "
+                               "admission capped at --max-concurrent-requests, without "
+                               "priorities, until the reservations fit")
 
     def _reload_failed(self, exc: ConfigError) -> None:
         self.metrics.config_reload_failed()
+        self.status.reload_failed(exc)
 
     async def reload_now(self) -> bool:
         """Check the config file at once (what SIGHUP asks the watcher for)."""

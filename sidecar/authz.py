@@ -130,8 +130,16 @@ class AuthzService:
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
         self._rejections = logs.RejectionSummary(log)
-        self.rejection_counted = self._rejections.add  # edge sheds join the same line
+        # Edge sheds join the same line; they name no tenant (Envoy answered before any
+        # was resolved), so not the tenant metric (they are smg_sidecar_edge_shed_total).
+        self.rejection_counted = self._rejections.add
         self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
+        self._decode_failed_log = logs.Throttled(log, "check_decode_failed")
+
+    def _rejected(self, cls: PriorityClass, outcome: str, tenant: str) -> None:
+        """A refused Check: counted by tenant, and summed in the ``rejections`` line."""
+        self.metrics.tenant_rejected(cls, tenant, outcome)
+        self._rejections.add(cls.label, outcome, tenant)
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
@@ -144,7 +152,7 @@ class AuthzService:
         try:
             view = codec.decode_check(data)
         except Exception as exc:  # a malformed message must not become an INTERNAL error
-            log.warning("check_decode_failed", error=str(exc))
+            self._decode_failed_log.event(error=str(exc)[:200])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed CheckRequest")
         tenant = resolve_tenant(self.tenant_source, view)
         # For logs only: x-request-id is client-settable, so it never correlates a release.
@@ -168,7 +176,7 @@ class AuthzService:
             if self.shadow:  # --shadow refuses nothing: the would-be 429, held by no pool
                 return (codec.encode_unheld_allow(c.effective.label, tenant)
                         + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))
-            self._rejections.add(c.effective.label, "unknown_pool", tenant)
+            self._rejected(c.effective, "unknown_pool", tenant)
             return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         try:
             admitted = await pool.admit(c.effective, tenant)
@@ -183,7 +191,7 @@ class AuthzService:
                       effective=c.effective.label, outcome=outcome,
                       legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id,
                       **pool.log_fields)
-            self._rejections.add(c.effective.label, outcome, tenant)
+            self._rejected(c.effective, outcome, tenant)
             if self._hints:
                 return codec.encode_deny(responses.with_hints(
                     self._replies[(rejection, c.effective)],
@@ -196,7 +204,7 @@ class AuthzService:
             log.debug("rejected", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, outcome=outcome, request_id=request_id,
                       **pool.log_fields)
-            self._rejections.add(c.effective.label, outcome, tenant)
+            self._rejected(c.effective, outcome, tenant)
             raise
         if edge is not None and not admitted.queued:
             edge.admitted_at_once(c.effective)  # the class's queue had room: no shedding
@@ -210,6 +218,7 @@ class AuthzService:
         if logs.debug_enabled():
             log.debug("admitted", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, admission_id=aid,
+                      admission_tag=logs.id_tag(aid),
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
                       predicted=None if admitted.predicted is None
                       else round(admitted.predicted, 6),

@@ -68,6 +68,9 @@ class CompletionService:
         self.features = features
         self.liveness = liveness
         self._refused_log = logs.Throttled(log, "adoption_refused")
+        # Per message on a port anyone in the pod may call: one line per 10 s each.
+        self._decode_failed_log = logs.Throttled(log, "access_log_decode_failed")
+        self._unmatched_log = logs.Throttled(log, "completion_unmatched", level="info")
 
     def adoption_bound(self, aid: str) -> int:
         """How many admissions the pool ``aid`` names may hold before adoption is refused."""
@@ -104,7 +107,7 @@ class CompletionService:
                 try:
                     entries = codec.decode_access_logs(data)
                 except Exception as exc:
-                    log.warning("access_log_decode_failed", error=str(exc))
+                    self._decode_failed_log.event(error=str(exc)[:200])
                     continue
                 if self.features is not None:
                     self._observe(entries)
@@ -118,8 +121,9 @@ class CompletionService:
                         if liveness is not None:
                             liveness.ended(entry.admission_id)
                         if result is not ReleaseResult.RELEASED:
-                            log.info("completion_unmatched", admission_id=entry.admission_id,
-                                     reason=result.value, response_code=entry.response_code)
+                            self._unmatched_log.event(
+                                admission_tag=logs.id_tag(entry.admission_id),
+                                reason=result.value, response_code=entry.response_code)
                         if entry.shadow_outcome:  # --shadow: what the access log carried
                             log.debug("shadow_completed", admission_id=entry.admission_id,
                                       shadow_outcome=entry.shadow_outcome,
@@ -164,6 +168,7 @@ class ResponsePathService:
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self.features = features
         self.liveness = liveness
+        self._decode_failed_log = logs.Throttled(log, "ext_proc_decode_failed")
 
     async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]
                     ) -> codec.ProcessingEvent | None:
@@ -174,7 +179,7 @@ class ResponsePathService:
         try:
             return codec.decode_processing_request(raw)
         except Exception as exc:  # malformed: a clear gRPC error, not INTERNAL
-            log.warning("ext_proc_decode_failed", error=str(exc))
+            self._decode_failed_log.event(error=str(exc)[:200])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ProcessingRequest")
             raise  # abort() raises; this line only satisfies the type checker
 
@@ -203,7 +208,7 @@ class ResponsePathService:
             if watch is not None and watch.done():
                 # A queued higher-class request took it the moment it became a
                 # candidate: answer 503 before the request ever reaches a worker.
-                log.info("preempted", admission_id=aid)
+                log.info("preempted", admission_tag=logs.id_tag(aid))
                 await context.write(_IMMEDIATE_PREEMPTED)
                 return
             await context.write(codec.CONTINUE_REQUEST_HEADERS)
@@ -226,7 +231,7 @@ class ResponsePathService:
                 # callback and the read loop may both get here, in either order.
                 if stopped or finished:
                     return
-                log.info("preempted", admission_id=aid)
+                log.info("preempted", admission_tag=logs.id_tag(aid))
                 stopped.append(asyncio.ensure_future(locked_write(_IMMEDIATE_PREEMPTED)))
 
             watch.add_done_callback(preempt)
@@ -258,8 +263,8 @@ class ResponsePathService:
                     except Exception as exc:
                         # The slot is already given away; the victim may run on
                         # uncounted until it ends. Say so loudly.
-                        log.warning("preemption_delivery_failed", admission_id=aid,
-                                    error=str(exc))
+                        log.warning("preemption_delivery_failed",
+                                    admission_tag=logs.id_tag(aid), error=str(exc))
                         self.pools.preemption_undelivered(aid)
             finally:
                 finished = True

@@ -140,6 +140,16 @@ def _at_least(low: int) -> Check:
     return check
 
 
+def _ttl(name: str, value: float) -> float:
+    value = _finite_above_zero(name, value)
+    if value > MAX_REPLICA_TTL_SECS:
+        raise ConfigError(f"{name} must be at most {MAX_REPLICA_TTL_SECS:g}")
+    return value
+
+
+MAX_REPLICA_TTL_SECS = 86_400.0  # the ledger refuses a longer registration
+
+
 def _busy_status(name: str, value: int | None) -> int | None:
     if value is not None and value not in BUSY_STATUSES:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, BUSY_STATUSES))}")
@@ -322,6 +332,18 @@ class SchedulerSettings:
              "(Dynamo's \"busy\"). Unset: the contract's statuses (429 full, 503 timed out). "
              "Set, a 503 is left to mean down: the sidecar or the workers unreachable (Envoy's "
              "own), or a preemption ([Deadlines](#deadlines-ttft-targets-and-overload-answers))."))
+    refuse_uncapped_fallback: bool = flag(
+        "--refuse-uncapped-fallback", default=False, switch=True,
+        help=("start-up fails (exit 1) instead of serving a pool whose reservations do not "
+              "fit its capacity with legacy admission and no cap (--max-concurrent-requests "
+              "<= 0)"),
+        doc=("Opt-in refusal of the contract's uncapped fallback: when a pool's reservations "
+             "do not fit its capacity at start-up ([the start-up reservation "
+             "check](#the-start-up-reservation-check-and-the-legacy-fallback)) and "
+             "`--max-concurrent-requests` ≤ 0 leaves legacy admission without a cap, start-up "
+             "fails (`startup_failed`, exit 1) instead of serving that pool uncapped. Off (the "
+             "contract's default): it serves, loudly (`legacy_admission_uncapped`, "
+             "`smg_sidecar_admission_fallback{mode=\"legacy_uncapped\"}`)."))
     default_max_class_valid: bool = derived()
     """False: --priority-scheduler-default-max-class named no class (default is used)."""
 
@@ -429,6 +451,14 @@ class CapacitySettings:
         "--envoy-cluster", default="workers", metavar="NAME",
         help="Envoy cluster holding the workers (with --envoy-admin-url)",
         doc="The Envoy cluster holding the workers (with `--envoy-admin-url`).")
+    envoy_cluster_scheme: str = flag(
+        "--envoy-cluster-scheme", default="http", choices=("http", "https"),
+        help=("how the hosts found through --envoy-admin-url are probed: http, or https "
+              "for workers that serve TLS"),
+        doc=("How the hosts found through `--envoy-admin-url` are probed: `http://` or "
+             "`https://ADDRESS:PORT` (workers that serve TLS; their certificate is checked "
+             "against the system's CAs, or `$SSL_CERT_FILE`, for the address Envoy lists). "
+             "With `--worker-auth-file`, `http` needs `--worker-auth-allow-http`."))
     health_interval_secs: float = flag(
         "--health-interval-secs", default=1.0, type=float, metavar="SECS", check=_finite_above_zero,
         help="worker health poll interval",
@@ -496,10 +526,13 @@ class CapacitySettings:
               "Bearer KEY' (never put the key itself in argv)"),
         doc=("The workers' API key (llama-server/vLLM/SGLang `--api-key`): FILE holds it on "
              "one line (a final line break is dropped; ≤ 8 KiB, ASCII, no control characters). "
-             "Sent with every probe to the workers as `Authorization: Bearer KEY`, never to "
+             "Sent with every probe to the workers as `Authorization: Bearer KEY`, over "
+             "`https://` only (plain `http://` needs `--worker-auth-allow-http`), never to "
              "Envoy's admin API; with it, probes follow no redirect. Never give the key in argv "
-             "(every process on the host can read argv); it is never logged, and errors about "
-             "the file never quote it. Unset: probes carry no credential, and an engine that "
+             "(every process on the host can read argv); no log line shows it or any 8 "
+             "characters of it, even where a worker echoes it back into a value the sidecar "
+             "quotes, and errors about the file never quote it. Unset: probes carry no "
+             "credential, and an engine that "
              "answers 401 is counted as "
              "[refused](#engines-where-each-workers-capacity-comes-from)."))
     worker_auth_header: str | None = flag(
@@ -509,6 +542,16 @@ class CapacitySettings:
         doc=("With `--worker-auth-file`: send the key verbatim as header NAME (e.g. "
              "`x-api-key`) instead of `Authorization: Bearer KEY`. Without `--worker-auth-file` "
              "it is a start-up error."))
+    worker_auth_allow_http: bool = flag(
+        "--worker-auth-allow-http", default=False, switch=True,
+        help=("send the --worker-auth-file key to workers over plain http:// too (default: "
+              "only over https://; an http:// worker with a key is a start-up error)"),
+        doc=("With `--worker-auth-file`: also send the key to workers over plain `http://` "
+             "(anyone on the path reads it). Without it the key goes over TLS only: an "
+             "`http://` entry of `--worker-urls`, or `--envoy-admin-url` with "
+             "`--envoy-cluster-scheme http`, is a start-up error naming the worker, and a probe "
+             "to an `http://` worker never carries the key (`worker_credential_withheld`). "
+             "For workers on loopback or a network you trust, as the demo's are."))
     startup_capacity_wait_secs: float = flag(
         "--startup-capacity-wait-secs", default=0, type=float, metavar="SECS",
         check=_finite_at_least_zero,
@@ -609,19 +652,26 @@ class FleetSettings:
              "characters, no spaces or braces."))
     replica_id: str = flag(
         "--replica-id", default=None, metavar="NAME",
-        check=_replica_id, shown_default="`<hostname>-<pid>`",
-        help="this replica's name in the fleet (default: <hostname>-<pid>)",
-        doc=("This replica's name in the fleet; must be unique within it. 1..128 "
-             "characters, no spaces or braces."))
+        check=_replica_id, shown_default="`<hostname>`",
+        help="this replica's name in the fleet (default: the hostname: in Kubernetes the "
+             "pod's name, kept across a container restart)",
+        doc=("This replica's name in the fleet; one live sidecar per name. The default, "
+             "the hostname, is the pod's name in Kubernetes: a restarted sidecar container "
+             "keeps it and takes over the admissions its predecessor left running. Two "
+             "sidecars sharing a hostname (two on one host outside Kubernetes) each need "
+             "their own: once the second registers, the ledger refuses the first "
+             "(`coordination_replica_id_in_use`, and it admits within its degraded share). "
+             "1..128 characters, no spaces or braces (others in a hostname become `_`)."))
     replica_ttl_secs: float = flag(
-        "--replica-ttl-secs", default=10.0, type=float, metavar="SECS", check=_finite_above_zero,
+        "--replica-ttl-secs", default=10.0, type=float, metavar="SECS", check=_ttl,
         help=("a replica that stops heartbeating this long loses its admissions "
               "fleet-wide; also how soon a replica degrades to its local share when the server "
               "is unreachable"),
         doc=("A replica that stops heartbeating this long loses its admissions and waiters "
              "fleet-wide; heartbeats go every third of it. Also the bound on how soon a replica "
              "degrades to its local share when the server is unreachable. Give every replica of "
-             "a fleet the same value. Finite, > 0."))
+             "a fleet the same value. Finite, > 0 and at most 86,400 (a day: the ledger refuses "
+             "longer)."))
     coordination_password: str | None = derived(repr=False)
     """Never in a repr: Settings may be printed or logged whole."""
 
@@ -782,9 +832,13 @@ def coordination_password(ns: argparse.Namespace,
 
 
 def default_replica_id() -> str:
-    """``<hostname>-<pid>``: unique per process on a host, readable in the ledger."""
-    host = re.sub(r"[\s{}]", "_", socket.gethostname()) or "replica"
-    return f"{host}-{os.getpid()}"
+    """The hostname (spaces and braces as ``_``, at most 128 characters): in Kubernetes the
+    pod's name, unique among live pods and kept across a container restart, so that a
+    restarted sidecar takes over the admissions still running under it (a new id each
+    start, ``<hostname>-<pid>`` before, let the old registration lapse and free them while
+    they ran: 12 of 9 measured). Two sidecars on one hostname collide loudly, never
+    silently: the ledger refuses the one taken over (``replica_id_in_use``)."""
+    return re.sub(r"[\s{}]", "_", socket.gethostname())[:128] or "replica"
 
 
 MAX_CREDENTIAL_BYTES = 8192
@@ -852,6 +906,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     capacity = CapacitySettings(**{**flags.checked_values(CapacitySettings, ns),
                                    "worker_urls": default_urls}, pool_workers=pool_workers,
                                 worker_credential=credential)
+    check_credential_transport(capacity)
     legacy = LegacySettings(**flags.checked_values(LegacySettings, ns))
     liveness = LivenessSettings(**flags.checked_values(LivenessSettings, ns))
     fleet_values = flags.checked_values(FleetSettings, ns)
@@ -895,12 +950,41 @@ def split_worker_urls(entries: Sequence[str]
             raise ConfigError(f"--worker-urls: pool name {clip(name)!r} must be "
                               f"{POOL_NAME_RULE}")
         if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"--worker-urls: {url!r} must start with http:// or https://")
+            raise ConfigError(f"--worker-urls: {redact_url(url)!r} must start with http:// or "
+                              "https://")
         if name == DEFAULT_POOL:
             default.append(url)
         else:
             pools.setdefault(name, []).append(url)
     return tuple(default), {name: tuple(urls) for name, urls in pools.items()}
+
+
+def sends_credential(url: str, over_http: bool) -> bool:
+    """The one rule for where the workers' key may go: over TLS (``https://``) only,
+    unless plain ``http://`` was allowed (``--worker-auth-allow-http``). Checked for every
+    worker source at start-up (:func:`check_credential_transport`) and for every probe
+    (sidecar.health)."""
+    return url.lower().startswith("https://") or over_http
+
+
+def check_credential_transport(capacity: CapacitySettings) -> None:
+    """Every worker source that would send the workers' key over plain http is refused
+    here, before anything is probed (:func:`sends_credential`)."""
+    if capacity.worker_credential is None or capacity.worker_auth_allow_http:
+        return
+    allow = "--worker-auth-allow-http"
+    for urls, _ in capacity.pool_sources().values():
+        for url in urls:
+            if not sends_credential(url, False):
+                raise ConfigError(f"--worker-urls {clip(redact_url(url))!r}: "
+                                  f"--worker-auth-file's key would go over plain http; give "
+                                  f"the worker as https://, or allow plain http with {allow}")
+    if capacity.envoy_admin_url is not None and not sends_credential(
+            f"{capacity.envoy_cluster_scheme}://", False):
+        raise ConfigError("--envoy-admin-url with --worker-auth-file: the hosts found there are "
+                          "probed over http (--envoy-cluster-scheme http), so the key would go "
+                          "over plain http; give --envoy-cluster-scheme https for workers "
+                          f"that serve TLS, or allow plain http with {allow}")
 
 
 def check_pools(cfg: PriorityConfig, pool_workers: Mapping[str, tuple[str, ...]]) -> None:

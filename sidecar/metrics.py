@@ -20,6 +20,7 @@ verb                        caller                 metrics
 ``completion_unmatched``    pools (by id)          ``smg_sidecar_completion_unmatched_total``
 ``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
 ``unknown_pool``            authz (Check)          ``smg_sidecar_unknown_pool_total``
+``tenant_rejected``         authz (Check)          ``smg_sidecar_tenant_rejected_total``
 ``adoption_refused``        completion (ALS)       ``smg_sidecar_adoption_refused_total``
 ``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
@@ -180,6 +181,11 @@ class Recorder(Protocol):
     def unknown_pool(self, cls: PriorityClass) -> None:
         """A Check whose route names a pool this sidecar does not have (429)."""
 
+    def tenant_rejected(self, cls: PriorityClass, tenant: str, outcome: str) -> None:
+        """A Check refused (what the ``rejections`` log line counts), by class, tenant
+        (label capped) and outcome: ``rejected_queue_full``, ``rejected_queue_timeout``,
+        ``rate_limited``, ``client_cancelled`` or ``unknown_pool``."""
+
     def adoption_refused(self, cls: PriorityClass) -> None:
         """A periodic entry not adopted: as many admissions as the capacity are in flight."""
 
@@ -301,6 +307,9 @@ class NullRecorder:
         pass
 
     def unknown_pool(self, cls: PriorityClass) -> None:
+        pass
+
+    def tenant_rejected(self, cls: PriorityClass, tenant: str, outcome: str) -> None:
         pass
 
     def adoption_refused(self, cls: PriorityClass) -> None:
@@ -550,6 +559,12 @@ class Metrics:
             "smg_sidecar_unknown_pool",
             "Checks whose route names a pool the sidecar does not have "
             "(429 scheduler_queue_full)", ["class"], registry=r)
+        # Which tenant is refused: capped like every tenant label (first come keeps it).
+        self._tenant_rejected = Counter(
+            "smg_sidecar_tenant_rejected",
+            "Checks refused by class, tenant (label capped) and outcome",
+            ["class", "tenant", "outcome"], registry=r)
+        self._tenant_rejected_child: dict[tuple[PriorityClass, str, str], Counter] = {}
         self._adoption_refused = Counter(
             "smg_sidecar_adoption_refused",
             "Periodic access-log entries not adopted because admissions in flight "
@@ -642,6 +657,14 @@ class Metrics:
 
     def unknown_pool(self, cls: PriorityClass) -> None:
         self._unknown_pool.labels(cls.label).inc()
+
+    def tenant_rejected(self, cls: PriorityClass, tenant: str, outcome: str) -> None:
+        key = (cls, self.tenant(tenant), outcome)
+        child = self._tenant_rejected_child.get(key)
+        if child is None:
+            child = self._tenant_rejected_child[key] = self._tenant_rejected.labels(
+                cls.label, key[1], outcome)
+        child.inc()
 
     def adoption_refused(self, cls: PriorityClass) -> None:
         self._adoption_refused.labels(cls.label).inc()

@@ -44,7 +44,7 @@ from sidecar.edge import ShedController
 from sidecar.health import CapacityMonitor
 from sidecar.limiter import INTERVAL, AdaptiveLimit
 from sidecar.metrics import PoolRecorder, Recorder
-from sidecar.priority_yaml import PriorityConfig
+from sidecar.priority_yaml import PriorityConfig, unreserved_preemptors
 from sidecar.scheduler import (
     Admitted,
     ClassSettings,
@@ -248,6 +248,8 @@ class Pool:
         their place; in-flight ones are untouched; reservations follow the live capacity)."""
         self._config = cfg
         self.controller.update_config(self.classes)
+        if self.uncancellable:
+            self._warn_unreserved_preemptors()
         if self.fleet is None:
             self.deadlines.configure(cfg.classes_for(self.name), cfg.deadline_mode)
         if self.legacy:
@@ -263,6 +265,21 @@ class Pool:
                          reason="the engine runs a preempted request to its end, so "
                                 "preempting frees no slot; higher classes wait at the head "
                                 "of their queue instead")
+        self._warn_unreserved_preemptors()
+
+    def _warn_unreserved_preemptors(self) -> None:
+        """While preemption is suspended, a class that would preempt but reserves no slot
+        at this capacity waits for a running request to end: said, with the fix."""
+        unreserved = unreserved_preemptors(self._config.classes_for(self.name),
+                                           self.reading.capacity)
+        if unreserved:
+            self.log.warning("preempting_class_without_reservation",
+                             classes=[c.label for c in unreserved],
+                             capacity=self.reading.capacity,
+                             reason="preemption is suspended on these workers, so a request "
+                                    "of these classes waits for a running request to finish",
+                             hint="give each a reserved_floor of at least 1 in priority.yaml "
+                                  "(docs/operations.md, Preemption on llama.cpp)")
 
 
 class Pools:

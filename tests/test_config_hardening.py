@@ -81,7 +81,8 @@ BAD = {
                        f"more than {MAX_NODES} YAML values", "classes["),
     "not_yaml_secret": Bad(_text(f"password: {SECRET}: x\nuser: admin\n"),
                            "invalid YAML: mapping values are not allowed here at line 1"),
-    "shadow_like": Bad(_shadow, "unknown key (expected: classes, tenant_policies, pools)", "?"),
+    "shadow_like": Bad(
+        _shadow, "unknown key (expected: classes, tenant_policies, pools, deadline_mode)", "?"),
 }
 
 
@@ -323,7 +324,9 @@ async def test_a_parse_over_its_deadline_is_rejected_and_never_doubled(
     app, cm = running
     w = app.watcher
     assert w is not None
-    big = _tenants(12_000)  # valid, near the value cap: a second or two to parse
+    # Valid, near the value cap: a second or two to parse. CONFIG_A's classes, whose
+    # reservations fit the one slot (else the reload is refused for that: test_reload).
+    big = CONFIG_A + _tenants(12_000)
     w.deadline = 0.05
     with capture_logs() as logs, LoopLag() as lag:
         cm.swap(big)

@@ -29,6 +29,7 @@ from structlog.testing import capture_logs
 from devtools.proc import die_with_parent
 from devtools.valkey import ValkeyServer, free_port, server_binary
 from sidecar.app import build_runtime
+from sidecar.classes import PriorityClass
 from sidecar.config import DEFAULT_POOL, ConfigError, parse_settings
 from sidecar.coordination.credentials import (
     PASSWORD_ENV,
@@ -413,6 +414,121 @@ async def test_the_watch_counts_a_mismatch_and_the_controller_degrades(
         while app.pools[DEFAULT_POOL].fleet.state != "ok" and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert app.pools[DEFAULT_POOL].fleet.state == "ok"
+    finally:
+        await app.stop()
+
+
+# Other code under this version's name, as someone with FUNCTION LOAD REPLACE could put
+# there: one that admits every request (and otherwise answers like ours), one that answers
+# every call with an error, one whose replies have another shape.
+GREEDY = LUA.replace("if queued == 0 and avail >= 1 then", "if true then", 1)
+FAILING = LUA.replace("local function run(keys, argv)\n",
+                      "local function run(keys, argv)\n"
+                      "  if keys then return redis.error_reply('ERR not today') end\n", 1)
+ODD = LUA.replace("return {gen, loss, taken, reply, redis.call('ZCARD', K_REPLICAS)}",
+                  "return {gen, loss, taken, reply}", 1)
+assert GREEDY != LUA and FAILING != LUA and ODD != LUA
+
+
+async def test_a_library_swapped_after_start_is_refused_by_the_next_heartbeat(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    # Every heartbeat verifies first (before: only the watch, every --replica-ttl-secs, so
+    # a library swapped for less than that ran every call in between unnoticed).
+    await admin.function_load(LUA)
+    led = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r1")
+    try:
+        await led.register(BUILTIN_CLASSES, 1)
+        await admin.function_load(GREEDY, replace=True)
+        gen = int(await admin.get("pg:{a}:gen") or 0)
+        with pytest.raises(LibraryMismatch):
+            await led.heartbeat()
+        assert int(await admin.get("pg:{a}:gen") or 0) == gen  # its code never ran
+        assert led.library_state is LibraryState.MISMATCH
+        await admin.function_load(LUA, replace=True)
+        assert (await led.heartbeat()).capacity == 1  # the next heartbeat finds it back
+        assert led.library_state is LibraryState.OK
+    finally:
+        await led.client.aclose()
+
+
+async def test_a_new_connection_verifies_the_library_before_its_first_call(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    await admin.function_load(LUA)
+    led = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r1",
+                      pipelined=True)
+    try:
+        await led.register(BUILTIN_CLASSES, 1)
+        assert (await led.arrive("x", PriorityClass.BULK, "t")).status.value == "admitted"
+        await admin.function_load(GREEDY, replace=True)
+        await admin.execute_command("CLIENT", "KILL", "TYPE", "normal")  # not this one
+        for _ in range(200):
+            if led.connected is False:
+                break
+            await asyncio.sleep(0.01)
+        assert led.connected is False, "the ledger's connection did not see the kill"
+        with pytest.raises(LibraryMismatch):  # GREEDY would have admitted it past 1
+            await led.arrive("y", PriorityClass.BULK, "t")
+    finally:
+        await led.aclose()
+        await led.client.aclose()
+
+
+@pytest.mark.parametrize("other", ["FAILING", "ODD"])
+async def test_an_error_or_malformed_reply_verifies_the_library_at_once(
+        acl_server: ValkeyServer, admin: redis.Redis, other: str) -> None:
+    await admin.function_load(LUA)
+    led = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r1")
+    seen: list[LibraryState] = []
+    led.on_library = seen.append
+    try:
+        await led.register(BUILTIN_CLASSES, 1)
+        await admin.function_load({"FAILING": FAILING, "ODD": ODD}[other], replace=True)
+        with pytest.raises(LibraryMismatch):
+            await led.arrive("x", PriorityClass.BULK, "t")
+        assert seen[-1] is LibraryState.MISMATCH
+    finally:
+        await led.client.aclose()
+
+
+async def test_a_library_swapped_for_less_than_a_ttl_is_counted_and_refused(
+        tmp_path: Path, acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    # The bound: a swap is found by the next heartbeat (every 0.3 x --replica-ttl-secs),
+    # or at once by a call it answers oddly; here it lasts one heartbeat interval and a
+    # call timeout, half the watch's period, and no request comes meanwhile.
+    ttl = 4.0
+    bound = 0.3 * ttl + ttl / 5  # a heartbeat interval and a call timeout
+    await admin.function_load(LUA)
+    settings = parse_settings([
+        "--priority-scheduler-enabled", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--worker-capacity-override", "4",
+        "--log-format", "json", "--coordination-url",
+        f"redis://127.0.0.1:{acl_server.port}/0", "--fleet-id", "a", "--replica-id", "r1",
+        "--replica-ttl-secs", str(ttl)])
+    app = await build_runtime(settings)
+    await app.serve()
+    try:
+        fleet = app.pools[DEFAULT_POOL].fleet
+        assert fleet is not None and fleet.state == "ok"
+        mismatches = sample(app.metrics, "smg_sidecar_coordination_library_mismatch_total")
+        await admin.function_load(GREEDY, replace=True)
+        t0 = time.monotonic()
+        found = None
+        while time.monotonic() - t0 < bound:
+            if sample(app.metrics, "smg_sidecar_coordination_library_mismatch_total") \
+                    > mismatches:
+                found = time.monotonic() - t0
+                break
+            await asyncio.sleep(0.01)
+        await admin.function_load(LUA, replace=True)
+        print(f"library swapped for {time.monotonic() - t0:.2f} s: counted after "
+              f"{found} s (bound {bound:.2f} s, the watch's period {ttl} s)")
+        assert found is not None, f"a swap of {bound:.2f} s went unnoticed"
+        assert fleet.state == "degraded"  # refused: its calls went nowhere
+        deadline = time.monotonic() + 3 * ttl
+        while fleet.state != "ok" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert fleet.state == "ok"
+        assert sample(app.metrics, "smg_sidecar_coordination_library_state", state="ok") == 1
     finally:
         await app.stop()
 

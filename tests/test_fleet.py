@@ -748,12 +748,12 @@ async def test_a_replica_started_while_the_fleet_settles_has_no_share_in_an_outa
             await c.close()
 
 
-async def test_a_capacity_change_during_a_resync_admits_nothing_locally(
+async def test_a_capacity_change_during_a_resync_sets_the_degraded_limit_from_it(
         tmp_path: Path, own_server: ValkeyServer) -> None:
-    # While a resync is in flight its list is fixed: a local admission then would not be in
-    # it. A new capacity reading meanwhile must not reopen local admission (it used to set
-    # the local core to the degraded limit). The paused server makes each resync wait out
-    # its call timeout, long enough to catch one in flight.
+    # While a recovery resync from degraded mode is in flight the replica admits within
+    # its degraded limit as before (a hung server makes each resync wait out its call
+    # timeout: it must not stop admission meanwhile), and a new capacity reading sets the
+    # limit from it at once: min(the fleet's 4, its own) over N = 1.
     ttl = 2.0
     a = await start_replica(tmp_path, own_server.url, "a", capacity=4, ttl=ttl)
     try:
@@ -761,11 +761,12 @@ async def test_a_capacity_change_during_a_resync_admits_nothing_locally(
         await eventually(lambda: a.fleet.state == "degraded", timeout=ttl, what="degraded")
         await eventually(lambda: a.fleet.mode is Mode.RESYNCING, timeout=2 * ttl,
                          what="a resync in flight")
-        a.fleet.set_capacity(8)
-        assert a.fleet.snapshot().capacity == 0
+        assert a.fleet.snapshot().capacity == 4
+        a.fleet.set_capacity(2)
+        assert a.fleet.snapshot().capacity == 2
         await eventually(lambda: a.fleet.mode is not Mode.RESYNCING, timeout=ttl,
                          what="resync failed")
-        assert a.fleet.snapshot().capacity == 4  # the outage rule again, with the new reading
+        assert a.fleet.snapshot().capacity == 2  # the outage rule again, same reading
     finally:
         own_server.resume()
         await a.close()

@@ -557,8 +557,11 @@ async def test_concurrent_replicas_keep_the_fleet_within_capacity(
             outcome["rejected"] += 1
             return
         if got.status is ArriveStatus.QUEUED:
+            # Half the clients give up soon (cancels racing grants), half wait for their
+            # turn: how many are admitted then does not hang on how fast the box is.
+            patience = rng.uniform(0, 0.3) if rng.random() < 0.5 else 8.0
             try:
-                event = await asyncio.wait_for(asyncio.shield(waiting[id]), rng.uniform(0, 0.3))
+                event = await asyncio.wait_for(asyncio.shield(waiting[id]), patience)
             except TimeoutError:  # the client gives up
                 if await led.cancel(id) is CancelResult.CANCELLED:
                     outcome["cancelled"] += 1
@@ -608,9 +611,10 @@ async def test_batch_runs_releases_and_marks_in_one_pipeline_even_after_a_script
     snap = await a.snapshot()
     assert snap.total_inflight == 2
     assert await client.zcard("pg:{f}:pre:0") == 0  # y streams now, x ended
+    # A batch with an op the ledger does not know is refused whole: nothing of it ran.
     with pytest.raises(redis.ResponseError, match="unknown ledger op"):
         await a.batch([("release", ["y", "completed"]), ("nonsense", [])])
-    assert (await a.snapshot()).total_inflight == 1  # the release before it still ran
+    assert (await a.snapshot()).total_inflight == 2
 
 
 async def test_resync_makes_the_ledger_hold_exactly_what_the_replica_lists(

@@ -93,6 +93,7 @@ PROCESS_CALLS: dict[str, Callable[[Recorder], None]] = {
     "completion_unmatched": lambda r: r.completion_unmatched("unknown"),
     "overloaded": lambda r: r.overloaded(B),
     "unknown_pool": lambda r: r.unknown_pool(B),
+    "tenant_rejected": lambda r: r.tenant_rejected(S, "t", "rejected_queue_timeout"),
     "ext_proc_stream": lambda r: r.ext_proc_stream(False),
     "adoption_refused": lambda r: r.adoption_refused(D),
     "admin_dropped": lambda r: r.admin_dropped("deadline"),

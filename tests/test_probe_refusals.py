@@ -215,7 +215,9 @@ async def test_the_credential_file_opens_the_probes(keyed: FakeLlama, tmp_path: 
     f = tmp_path / "key"
     f.write_text(KEY + "\n")
     cred = worker_credential(str(f), header)
-    m = monitor([keyed.url], engine="auto", credential=cred, saturation_guard=True)
+    # The fake engine serves plain http: the key goes there only because it is allowed.
+    m = monitor([keyed.url], engine="auto", credential=cred, saturation_guard=True,
+                credential_over_http=True)
     try:
         with capture_logs() as logs:
             r = await m.poll_once()
@@ -232,11 +234,11 @@ async def test_the_key_is_never_in_a_log_line_or_the_settings_repr(keyed: FakeLl
     f = tmp_path / "key"
     f.write_text("wrong-" + KEY)
     s = parse_settings(["--worker-urls", keyed.url, "--worker-auth-file", str(f),
-                        "--worker-engine", "llamacpp"])
+                        "--worker-auth-allow-http", "--worker-engine", "llamacpp"])
     assert s.worker_credential == {"Authorization": f"Bearer wrong-{KEY}"}
     assert KEY not in repr(s)
     m = monitor([keyed.url], engine="llamacpp", credential=s.worker_credential,
-                saturation_guard=True)
+                saturation_guard=True, credential_over_http=True)
     try:
         with capture_logs() as logs:
             assert (await m.poll_once()).capacity == 1

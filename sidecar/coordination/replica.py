@@ -28,9 +28,10 @@ OK          the ledger                           ``ledger_lost`` (a call failed 
                                                  the ledger lost writes) → DEGRADED.
 DEGRADED    the local core, within the degraded  ``resync_sent`` (the heartbeat found the
             limit of the last view               server again) → RESYNCING.
-RESYNCING   nobody: the resync's list is fixed,  ``resync_failed`` → DEGRADED (the outage rule
-            a local admission would miss it      again); ``resync_held`` → SETTLING;
-                                                 ``resync_back`` → OK.
+RESYNCING   the local core, with the limit of    ``resync_failed`` → DEGRADED (the outage rule
+            the mode it left: L from DEGRADED    again); ``resync_held`` → SETTLING (also when
+            (the resync may hang), nothing new   it admitted after its list was fixed: a
+            from SETTLING                        resync again at once); ``resync_back`` → OK.
 SETTLING    the local core, reusing only the     ``resync_sent`` (the next heartbeat) →
             slots freed since the resync         RESYNCING.
             (recycle-only)
@@ -125,9 +126,9 @@ documented (docs/reference.md, "Failure modes").
 
 The heartbeat keeps trying; each success is a ``resync`` that makes the ledger's view of
 this replica exactly what it holds (adds back local admissions, drops what ended
-meanwhile), during which local admission pauses. After it, while the replica still
-waits to return to ``ok``, it only reuses slots freed from then on (the ledger counts
-what it holds again, and replicas already back admit against that). The replica returns
+meanwhile). After it, while the replica still waits to return to ``ok``, it only reuses
+slots freed from then on (the ledger counts what it holds again, and replicas already
+back admit against that). The replica returns
 to ``ok`` once a resync finds its registration still known, at least one heartbeat
 interval has passed since the server answered again, and the fleet has settled: the first
 resync the ledger answers for a replica it does not know (data loss, or every registration
@@ -139,6 +140,32 @@ timing out when the server came back re-registers up to a call timeout later tha
 Waiters queued locally then re-arrive at the ledger. A replica that starts while the fleet
 settles admits nothing until it has. A replica that has never reached the server (start-up
 during an outage) has no view: it queues by the class rules until the server answers.
+
+*A resync in flight.* The heartbeat's recovery resync lists what the replica holds when it
+is sent; the answer comes a round trip later, or never (a hung server: the call times out
+after ``call_timeout``, one heartbeat interval after another). Pausing local admission for
+the flight, as this core once did, made a degraded replica refuse requests its limit
+allows for a call timeout out of every interval while the server hung (two sidecars of a
+capacity-4 fleet, each holding 1 of its share of 2, answered a bulk Check 429 with the
+server SIGSTOPped; the deterministic simulation's liveness check found it at once). So a
+resync sent from DEGRADED keeps the limit L: until it is answered the replica is as away
+as before, and what it admits meanwhile is within L, covered by the outage bound exactly
+like its other local admissions. The cost is on the answer: an admission made after the
+list was fixed (and still held) is not in the ledger, whose count of this replica is the
+list's. Such an answer is never a return, even a whole interval later: the replica goes to
+SETTLING holding at most what the ledger counts for it (the list's ids it kept: it reuses
+a listed slot that ended, never more), and resyncs again at once; that resync lists them,
+and from SETTLING nothing new is admitted while it flies, so its answer lists everything
+held and the ordinary rule applies (two round trips instead of one). Until the second
+answer the ledger undercounts this replica by what it admitted during the first flight
+and kept, as it undercounts a replica whose first resync has not arrived yet: the others
+return to ``ok`` only after an interval of answers, and this replica's first answer came
+within an interval of the server's return, the second one round trip later. A resync sent
+from SETTLING admits nothing new while it flies (``recycle`` 0): its list is what the
+ledger will count, and a slot reused meanwhile would be in neither; if the server hangs
+then, the call fails within a call timeout and the outage rule (L) applies again. An id the
+answer says the ledger had ended is released locally without its slot being reused (the
+ledger gave it to another request: ``LocalRelease(reuse=False)``).
 
 One held admission
 ==================
@@ -205,6 +232,7 @@ from sidecar.coordination.ledger import (
     degraded_limit,
 )
 from sidecar.coordination.ledger import Event as Notification
+from sidecar.coordination.outbox import Adopt, MarkFirstByte, MarkPreemptible, Op, Release
 from sidecar.scheduler.lifecycle import (
     Admission,
     Admitted,
@@ -438,11 +466,10 @@ class Held:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Queue one ledger op on the driver's ordered outbox: ``release`` (id, reason),
-    ``preemptible`` id, ``first_byte`` id, ``adopt`` Holding, ``register`` None."""
+    """Queue one ledger op on the driver's ordered outbox (:mod:`sidecar.coordination.outbox`
+    decides what each flush sends)."""
 
-    op: str
-    arg: object
+    op: Op
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,10 +516,13 @@ class Stop:
 
 @dataclass(frozen=True, slots=True)
 class LocalRelease:
-    """The local core releases ``id`` (its Released event then moves the mirror)."""
+    """The local core releases ``id`` (its Released event then moves the mirror).
+    ``reuse`` False: its slot is not the local core's to give again (the ledger gave it
+    away): its capacity shrinks by one with it, until the next limit is set."""
 
     id: str
     reason: ReleaseReason
+    reuse: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -709,21 +739,34 @@ class Replica:
         self._view = view
 
     def resync_sent(self) -> None:
-        self._move(Trigger.RESYNC_SENT)
+        """A recovery resync left; its list is fixed from here. From DEGRADED the local core
+        keeps its limit L (the server may not answer at all: see "A resync in flight"); from
+        SETTLING reuse pauses until the answer (recycle 0: a slot reused now would be in
+        neither the list nor the ledger's count of it)."""
+        old = self._move(Trigger.RESYNC_SENT)
+        if old is Mode.SETTLING:
+            self._recycle = 0
 
     def resync_failed(self) -> None:
         """Unreachable again: the outage rule, and a whole interval of answers again."""
         self._move(Trigger.RESYNC_FAILED)
 
     def resync_answered(self, *, known: bool, settling: float, held: int,
-                        view: View) -> Mode:
+                        view: View, unlisted: int = 0, counted: int = 0) -> Mode:
         """The recovery resync's answer (``held``: what this replica holds now). Back to
         OK (taking ``view``) once the ledger knew us, the fleet has settled and the server
         has answered for at least one interval; else SETTLING, reusing only slots freed
-        from now on."""
+        from now on. ``unlisted``: admissions made after the list was fixed (while it hung,
+        within L), which the ledger does not count yet: never a return; SETTLING holding
+        at most what the ledger counts for us (``counted``: the list's ids it kept),
+        until the next resync (sent at once) lists them."""
         now = self._clock()
         back_at = now if self._back_at is None else self._back_at
-        if not known or settling > 0 or now - back_at < self._interval * 0.99:
+        if unlisted:
+            self._move(Trigger.RESYNC_HELD)
+            self._back_at = back_at
+            self._recycle = counted
+        elif not known or settling > 0 or now - back_at < self._interval * 0.99:
             self._move(Trigger.RESYNC_HELD)
             self._back_at = back_at
             self._recycle = held
@@ -735,9 +778,11 @@ class Replica:
     # ------------------------------------------------------------------ limits
 
     def degraded_limit(self, own_capacity: int) -> int:
-        """What this replica may hold on its own while away from the ledger
-        (L_i of the module docstring), capped by ``recycle`` in SETTLING; 0 while another
-        replica may not count it yet (no share of its own)."""
+        """What this replica may hold on its own while away from the ledger, the local
+        core's capacity in every local mode: L_i of the module docstring (also while a
+        recovery resync from DEGRADED is in flight), capped by ``recycle`` in SETTLING
+        (0 while its resync is in flight); 0 while another replica may not count it yet
+        (no share of its own)."""
         v = self._view
         limit = degraded_limit(min(v.capacity, own_capacity), self.live_replicas, v.inflight,
                                v.held)
@@ -754,11 +799,6 @@ class Replica:
         if n < 1 or not self._heard:
             return 0
         return max(0, min(self._view.capacity, own_capacity)) // n
-
-    def local_limit(self, own_capacity: int) -> int:
-        """The local core's capacity: the degraded limit, or 0 while a resync is in flight
-        (its list is fixed: a local admission then would not be in it)."""
-        return 0 if self._mode is Mode.RESYNCING else self.degraded_limit(own_capacity)
 
     # ------------------------------------------------------------------ holdings
 
@@ -798,7 +838,7 @@ class Replica:
             if w is None or self.local:
                 # Its requester left, has its answer, or is being re-queued locally (the
                 # resync drops the grant): give the slot back.
-                return [Send("release", (e.id, ReleaseReason.CANCELLED))]
+                return [Send(Release(e.id, ReleaseReason.CANCELLED))]
             event, effects = self.admitted(e.id, w[0], w[1], waited=e.waited, queued=True,
                                            starvation=e.starvation, preempted=e.preempted)
             return [*effects, Grant(e.id, event)]
@@ -843,7 +883,7 @@ class Replica:
         self.ended.add(aid, reason)
         return ReleaseResult.RELEASED, [
             Count((Released(Admission(aid, h.cls, h.tenant, h.admitted_at), reason),)),
-            Send("release", (aid, reason))]
+            Send(Release(aid, reason))]
 
     def adopted(self, aid: str, cls: PriorityClass, tenant: str) -> list[Effect] | None:
         """A periodic entry for a stream this replica does not hold (this process restarted
@@ -856,7 +896,7 @@ class Replica:
         effects: list[Effect] = [Count((Admitted(Admission(aid, cls, tenant, now), 0.0,
                                                  queued=False, adopted=True),))]
         effects.append(LocalAdopt(aid, cls, tenant) if self.local
-                       else Send("adopt", h.holding(aid)))
+                       else Send(Adopt(h.holding(aid))))
         return effects
 
     def taken_over(self, holdings: list[Holding]) -> list[Effect]:
@@ -896,7 +936,7 @@ class Replica:
                 effects.append(Fault("ended_but_running_stopped", aid))
                 effects += self.preempted(aid, PriorityClass.SYSTEM)
             else:
-                effects.append(Send("adopt", h.holding(aid)))
+                effects.append(Send(Adopt(h.holding(aid))))
         return effects
 
     def started(self, status: FleetStatus) -> list[Effect]:
@@ -935,19 +975,30 @@ class Replica:
         for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
             h = self.held.pop(aid, None)
             if h is not None:
-                # The local core's Released event follows (the local limit is 0 while
-                # RESYNCING, so it admits nothing in its place before the count below).
+                # The local core's Released event follows; its slot is not reused (the
+                # ledger gave it away), whatever limit the answer sets below.
                 h.move(Stage.RELEASED)
                 self.ended.add(aid, ReleaseReason.PREEMPTED)
-                effects += [LocalRelease(aid, ReleaseReason.PREEMPTED),
-                            Stop(aid, undelivered=False)]
-        late: list[Effect] = [Send("release", (hd.id, ReleaseReason.COMPLETED))
+                # Stopped as a preempted request is; one past its first byte (its response
+                # started without the ledger's word) runs on: counted and logged as a
+                # preemption that could not be delivered, as preempted() does.
+                effects += [LocalRelease(aid, ReleaseReason.PREEMPTED, reuse=False),
+                            Stop(aid, undelivered=h.stage is not Stage.STOPPED)]
+        late: list[Effect] = [Send(Release(hd.id, ReleaseReason.COMPLETED))
                               for hd in listed
                               if hd.id not in self.held and hd.id not in refused]
         seen = Seen(status.by_class, status.live_replicas)
         effects.append(seen)
+        listed_ids = {hd.id for hd in listed}
+        unlisted = sum(1 for aid in self.held if aid not in listed_ids)
         mode = self.resync_answered(known=status.known, settling=status.settling,
-                                    held=len(self.held), view=_view(status))
+                                    held=len(self.held), view=_view(status),
+                                    unlisted=unlisted,
+                                    counted=len(listed_ids - refused))
+        if unlisted:
+            # Admitted while the resync was in flight (it hung, within L): the ledger has
+            # the list, not these. Resync again at once; reuse only what it counts meanwhile.
+            return [*effects, HoldLocal(0.0)]
         if mode is Mode.SETTLING:
             # The view stays the one from before the outage: after a data loss the ledger
             # knows only the replicas that have re-registered so far (the fleet settles
@@ -1031,7 +1082,7 @@ class Replica:
         self.signed(h)
         if self.local:
             return [LocalFirstByte(aid)]
-        return [Send("first_byte", aid)] if marked else []
+        return [Send(MarkFirstByte(aid))] if marked else []
 
     def confirming(self, aid: str) -> list[Effect] | None:
         """The response is about to start: if the ledger may hold it as a candidate (its
@@ -1042,7 +1093,7 @@ class Replica:
             return None
         h.move(Stage.CONFIRMING)
         self.signed(h)
-        return [Send("first_byte", aid)]
+        return [Send(MarkFirstByte(aid))]
 
     def confirmed(self, aid: str, ok: bool) -> None:
         """The first-byte mark's answer (no answer counts as ok: away from the ledger, the
@@ -1112,7 +1163,7 @@ class Replica:
         if h is None or h.stage is not Stage.PREEMPTIBLE or self.local:
             return []
         h.move(Stage.MARKED)
-        return [Send("preemptible", aid)]
+        return [Send(MarkPreemptible(aid))]
 
     def unacknowledged(self, cutoff: float) -> list[str]:
         """Admissions Envoy has not shown it runs since ``cutoff`` or earlier: to release
@@ -1127,11 +1178,11 @@ class Replica:
             if h.stage is Stage.PREEMPTIBLE:
                 # Its stop channel opened while away: a candidate fleet-wide from now on.
                 h.move(Stage.MARKED)
-                effects.append(Send("preemptible", aid))
+                effects.append(Send(MarkPreemptible(aid)))
             elif h.first_byte:
                 # A first byte that came (or was dropped from the outbox) while away never
                 # reached the ledger, which may still hold the admission as a candidate.
-                effects.append(Send("first_byte", aid))
+                effects.append(Send(MarkFirstByte(aid)))
         return effects
 
     def local_admitted(self, a: Admission) -> None:
