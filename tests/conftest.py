@@ -12,9 +12,52 @@ from aiohttp import web
 from devtools.fleet import wait_for
 from devtools.httpclient import Exchange, Response, chat_body, request
 from devtools.stack import Stack, StackConfig
+from tests import logtails, tiers
 
 StackFactory = Callable[..., Awaitable[Stack]]
 Metrics = dict[str, float]
+
+# ------------------------------------------------------------------ the suite's harness
+# Tiers (tests/tiers.py): every test that can start a child process is marked `external`;
+# `make check` runs the others. Failure reports (tests/logtails.py): a failed test's
+# report ends with the tails of its child processes' logs and the fake workers' journal.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.install()
+    tiers.popen_hooks.append(logtails.record)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    tiers.uninstall()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers.classify(config, items)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    logtails.begin_test()
+    tiers.set_current(item)
+    try:
+        return (yield)
+    finally:
+        tiers.set_current(None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report: pytest.TestReport = yield
+    violation = tiers.violation(item)
+    if violation is not None and report.when == "call" and report.passed:
+        # the test swallowed the failure its Popen raised: it fails all the same
+        report.outcome = "failed"
+        report.longrepr = violation
+    if report.failed:
+        report.sections.extend(logtails.sections())
+    return report
+
 
 # The end-to-end helpers shared by the test modules live here rather than in devtools:
 # they are assertions (pytest rewrites them in conftest, so failures show the values), and
