@@ -48,7 +48,7 @@ pytest: install envoy
 check: lint typecheck pytest-fast
 
 pytest-fast: install
-	$(PY) -m pytest -q -m 'not external' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto -m 'not external' $(PYTEST_ARGS)
 
 # The README's test command: lint, strict typing, then the whole suite (unit, property,
 # end-to-end through a real Envoy). pytest's exit code 5 ("no tests ran") fails the target.

@@ -5,8 +5,9 @@ sidecar from ``tests/sidecar_proc.py``) writes its stdout and stderr to a file g
 ``subprocess.Popen``; tests/tiers.py calls :func:`record` after each Popen, so the
 file's path is known without the harness saying where it put it. The fake workers run
 in this process and write to :data:`devtools.fleet.JOURNAL`. For a failed test the
-report gets one section per log: the children it started, those started earlier that
-still run (a session's valkey-server), and the fake workers' lines written while it ran.
+report gets one section per child it started (the tail of its log), the paths of the
+logs of those started earlier that still run (a session's valkey-server), and the fake
+workers' lines written while it ran.
 
 ``SMG_LOG_TAIL_LINES`` (default 40) sets how many lines each section keeps.
 """
@@ -78,18 +79,22 @@ def sections() -> list[tuple[str, str]]:
     """(title, text) per log of the running test, for ``TestReport.sections``."""
     n = tail_lines()
     out: list[tuple[str, str]] = []
+    older: list[str] = []
     seen: set[Path] = set()
     # newest first per file: a restarted sidecar appends to the same log
     for child in reversed(_children):
         if child.log in seen:
             continue
-        if child.serial > _test_start_serial or child.proc.returncode is None:
-            seen.add(child.log)
-            state = ("running" if child.proc.returncode is None
-                     else f"exited {child.proc.returncode}")
+        seen.add(child.log)
+        state = "running" if child.proc.returncode is None else f"exited {child.proc.returncode}"
+        if child.serial > _test_start_serial:
             out.append((f"{child.program} log, last {n} lines ({state}; {child.log})",
                         _tail(child.log, n) or "(empty)"))
+        elif child.proc.returncode is None:  # a longer-scoped fixture's: named, not shown
+            older.append(f"{child.program}: {child.log}")
     out.reverse()
+    if older:
+        out.append(("started before this test and still running", "\n".join(reversed(older))))
     lines = JOURNAL.since(_test_start_journal)
     if lines:
         out.append((f"fake workers' journal, last {min(n, len(lines))} of {len(lines)} lines",
