@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -64,7 +65,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # devtools is the stack itself, used by the demo and the benchmarks too.
 
 
-async def settle(stack: Stack, timeout: float = 8.0) -> dict[str, float]:
+async def settle(stack: Stack, timeout: float = 20.0) -> dict[str, float]:
     """Wait until the sidecar reports nothing in flight and nothing queued."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -78,7 +79,15 @@ async def settle(stack: Stack, timeout: float = 8.0) -> dict[str, float]:
         await asyncio.sleep(0.05)
 
 
-async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 5.0) -> Metrics:
+def describe(cond: Callable[..., object]) -> str:
+    """A condition as its source says it (a lambda's line), else its name."""
+    try:
+        return " ".join(inspect.getsource(cond).split())
+    except (OSError, TypeError):
+        return getattr(cond, "__qualname__", repr(cond))
+
+
+async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 15.0) -> Metrics:
     """Poll the sidecar's metrics until ``cond(metrics)`` holds; return them."""
     deadline = time.monotonic() + timeout
     while True:
@@ -86,7 +95,8 @@ async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 
         if cond(m):
             return m
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out; last metrics: {m}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {describe(cond)}; "
+                                 f"last metrics: {m}")
         await asyncio.sleep(0.05)
 
 
