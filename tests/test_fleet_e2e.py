@@ -27,7 +27,7 @@ import redis.asyncio as redis
 from devtools.fleet import RequestRecord, wait_for
 from devtools.httpclient import Exchange, Response, chat_body, request
 from devtools.stack import Replicas, Stack, StackConfig
-from sidecar.coordination.ledger import FleetLedger
+from sidecar.coordination.ledger import FleetLedger, prefix
 from tests.conftest import Metrics, assert_preempted, settle
 from tests.conftest import until as until_metrics
 
@@ -130,6 +130,23 @@ async def until_heard(r: Replicas, timeout: float = 10.0) -> None:
                 return
             assert time.monotonic() < deadline, f"not heard: reg {reg}, heard {heard}"
             await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+
+
+async def until_preemptible(r: Replicas, n: int, timeout: float = 10.0) -> None:
+    """Until the ledger lists ``n`` bulk preemption candidates. A replica marks an admission
+    preemptible in the ledger from its outbox, a few ms after the ext_proc stream opened
+    and off the request's path: a worker may run a request before the ledger may choose
+    it as a victim, and a preemptor sent in between takes an older candidate."""
+    client = redis.Redis(port=r.server.port, decode_responses=True)
+    key = f"{prefix(r.fleet_id)}:pre:{int(_cls('bulk'))}"
+    deadline = time.monotonic() + timeout
+    try:
+        while (marked := await client.zcard(key)) != n:
+            assert time.monotonic() < deadline, \
+                f"ledger: {marked} bulk preemption candidates after {timeout} s, not {n}"
+            await asyncio.sleep(0.02)
     finally:
         await client.aclose()
 
@@ -305,6 +322,7 @@ async def test_system_on_a_preempts_bulk_running_through_b(
     await until(a, lambda m: m.get("smg_sidecar_live_replicas") == 2)
     victims, records = await hold_bulk(r, b, CAPACITY)  # B fills the fleet with bulk
     assert r.fleet.tally.peak == CAPACITY
+    await until_preemptible(r, CAPACITY)
     resp = await send(a, "system")
     assert resp.status == 200
     # the most recently admitted bulk request is the victim: its client, on B, gets the 503
