@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    report: pytest.TestReport = yield
+    try:
+        report: pytest.TestReport = yield
+    except Exception as exc:
+        # pytest could not render the failure (seen: CPython 3.11.7's "AST constructor
+        # recursion depth mismatch" from its source lookup), which stops the whole run
+        # with an INTERNALERROR and no name. Report it plainly and go on.
+        plain = ("".join(traceback.format_exception(call.excinfo.value))
+                 if call.excinfo is not None else "")
+        report = pytest.TestReport(
+            item.nodeid, item.location, {k: 1 for k in item.keywords}, "failed",
+            f"pytest could not render this failure ({exc!r}); the exception:\n{plain}",
+            call.when, duration=call.duration, start=call.start, stop=call.stop,
+            user_properties=item.user_properties)
     violation = tiers.violation(item)
     if violation is not None and report.when == "call" and report.passed:
         # the test swallowed the failure its Popen raised: it fails all the same
