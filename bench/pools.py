@@ -235,7 +235,7 @@ def envoy_stacks(regime: str) -> dict[str, Any]:
     service, slots, _, _ = REGIMES[regime]
     common: dict[str, Any] = dict(workers=2, service_time=service, priority_yaml=ENVOY_PRIORITY,
                                   log_level="warning", flush_interval_secs=1.0,
-                                  health_interval_secs=1.0)
+                                  health_interval_secs=1.0, edge_shed=False)
     # one: Envoy routes /b/ as two's does (prefix rewrite, smg-pool: b), to its one
     # cluster; a sidecar without pools does not read smg-pool.
     return {"one": Stack(StackConfig(max_running_requests=slots, envoy_extra_pools=("b",),

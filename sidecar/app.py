@@ -24,6 +24,7 @@ from sidecar.adminhttp import AdminServer
 from sidecar.admission import AdmissionController, AdmissionService
 from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.capacity import CapacityReading
+from sidecar.classes import PriorityClass
 from sidecar.completion import CompletionService, ResponsePathService
 from sidecar.config import ConfigError, PriorityConfig, Settings, check_authz_timeout, check_pools
 from sidecar.coordination import server
@@ -32,6 +33,7 @@ from sidecar.coordination.credentials import with_password
 from sidecar.edge import RTDS_SERVICE, EdgeShed
 from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
+from sidecar.limiter import AdaptiveLimit
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
 from sidecar.metrics import Metrics, PoolRecorder
 from sidecar.pools import DEFAULT_POOL, Pool, Pools, id_factory
@@ -45,6 +47,7 @@ from sidecar.scheduler import (
     reservations_fit,
 )
 from sidecar.shadow import ShadowCore
+from sidecar.status import StatusPage
 
 log = logs.get("sidecar")
 
@@ -66,6 +69,16 @@ async def build_runtime(settings: Settings) -> Runtime:
     if not s.scheduler.default_max_class_valid:
         log.warning("unknown_default_max_class_using_default",
                     flag="--priority-scheduler-default-max-class")
+    # No tenant above the default ceiling: whatever a request asks for, it is admitted at
+    # most at that ceiling (a clamp, counted but silent); tell the operator at start-up.
+    ceiling = s.scheduler.default_max_class
+    if s.scheduler.scheduler_enabled and ceiling < PriorityClass.SYSTEM and all(
+            c <= ceiling for c in s.scheduler.priority.tenant_policies.values()):
+        log.warning("no_tenant_above_default_ceiling", default_max_class=ceiling.label,
+                    tenant_source=f"{s.scheduler.tenant_source.kind}:"
+                                  f"{s.scheduler.tenant_source.name}".rstrip(":"),
+                    hint="every request is clamped to this class; give tenant_policies "
+                         "a tenant above it and a --tenant-source Envoy sets")
     sources = s.capacity.pool_sources()
     # With named pools, every pool's series and log lines name it (sidecar.metrics).
     labelled = len(sources) > 1
@@ -325,6 +338,8 @@ class Runtime:
             interval=s.scheduler.config_poll_secs,
             apply=self._apply_config, on_error=self._reload_failed,
             validate=self._validate_reload)
+        self.status = StatusPage(self)  # /status, /status.json on the admin port
+        admin.serve_status(self.status)
 
     def _build_pool(self, name: str, *, monitor: CapacityMonitor, reading: CapacityReading,
                     fleet: FleetController | None, metrics: PoolRecorder, labelled: bool,
@@ -341,7 +356,9 @@ class Runtime:
         else:
             core = _build_core(s, name, reading, _log_fields(name, labelled))
             if s.scheduler.shadow:
-                shadow = core = ShadowCore(core, time.monotonic, metrics, bucket=bucket)
+                shadow = core = ShadowCore(
+                    core, time.monotonic, metrics, bucket=bucket,
+                    summary=logs.ShadowSummary(log.bind(**_log_fields(name, labelled))))
                 bucket = None
             controller = AdmissionController(core, lease_secs=s.liveness.admission_lease_secs,
                                              bucket=bucket, metrics=metrics,
@@ -353,9 +370,14 @@ class Runtime:
             if legacy and s.scheduler.scheduler_enabled else None)
         if shadow is not None:
             metrics.shadow_started(shadow.shadow_snapshot)
+        c = s.capacity
+        limiter = None if not c.adaptive_capacity else AdaptiveLimit(
+            start=c.adaptive_capacity_start or reading.capacity,
+            floor=c.adaptive_capacity_floor, ceiling=reading.capacity)
         return Pool(name, controller=controller, monitor=monitor, reading=reading,
                     config=s.scheduler.priority, metrics=metrics, labelled=labelled,
-                    fleet=fleet, shadow=shadow, on_classes_changed=self._classes_changed)
+                    fleet=fleet, shadow=shadow, on_classes_changed=self._classes_changed,
+                    limiter=limiter)
 
     async def serve(self) -> None:
         s = self.settings
@@ -366,6 +388,8 @@ class Runtime:
         ttl = s.fleet.replica_ttl_secs
         for p in self.pools:
             self._tasks.append(asyncio.create_task(p.monitor.run()))
+            if p.limiter is not None:
+                self._tasks.append(asyncio.create_task(p.tune()))
             if p.fleet is not None:
                 p.fleet.start()
                 # A library replaced after start-up is noticed within one
@@ -379,6 +403,7 @@ class Runtime:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         if self.edge is not None:
             self._tasks.append(asyncio.create_task(self.edge.run()))
+        self._tasks.append(asyncio.create_task(self.status.run()))  # its rates' samples
         self._serving.set()
         default = self.pools[DEFAULT_POOL]
         log.info(
@@ -419,6 +444,7 @@ class Runtime:
                                          self.settings.scheduler.default_max_class)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
+        self.status.reloaded(cfg)
 
     def _validate_reload(self, cfg: PriorityConfig) -> None:
         """The start-up rules hold on reload too: the pools are the workers', Envoy
@@ -464,6 +490,7 @@ class Runtime:
 
     def _reload_failed(self, exc: ConfigError) -> None:
         self.metrics.config_reload_failed()
+        self.status.reload_failed(exc)
 
     async def reload_now(self) -> bool:
         """Check the config file at once (what SIGHUP asks the watcher for)."""

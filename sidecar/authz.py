@@ -29,6 +29,8 @@ from sidecar.pools import Pools
 from sidecar.scheduler import Outcome
 
 ANONYMOUS = "anonymous"
+# Anonymous requests clamped, with no tenant ever seen, before tenant_source_yields_no_tenant.
+ANONYMOUS_CLAMPS_WARNED = 20
 # Checks held open at once (queued, or being decided) before a new one is shed with
 # the counted OVERLOADED reply: bounds the memory a burst can pin. Above any sane
 # sum of class queue sizes, so in practice only a flood reaches it.
@@ -130,9 +132,39 @@ class AuthzService:
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
         self._rejections = logs.RejectionSummary(log)
-        self.rejection_counted = self._rejections.add  # edge sheds join the same line
+        # Edge sheds join the same line; they name no tenant (Envoy answered before any
+        # was resolved), so not the tenant metric (they are smg_sidecar_edge_shed_total).
+        self.rejection_counted = self._rejections.add
         self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
         self._decode_failed_log = logs.Throttled(log, "check_decode_failed")
+        # Anonymous requests clamped below what they asked, while no Check has named a
+        # tenant yet: a source Envoy never sets (None once a tenant was seen, or said).
+        self._anonymous_clamped: int | None = 0
+
+    def _rejected(self, cls: PriorityClass, outcome: str, tenant: str) -> None:
+        """A refused Check: counted by tenant, and summed in the ``rejections`` line."""
+        self.metrics.tenant_rejected(cls, tenant, outcome)
+        self._rejections.add(cls.label, outcome, tenant)
+
+    def _watch_tenant_source(self, tenant: str, clamped: bool) -> None:
+        """Until a Check names a tenant: after ``ANONYMOUS_CLAMPS_WARNED`` anonymous
+        requests clamped below what they asked, say once that the source yields nothing
+        (every class above the default ceiling is then out of reach)."""
+        if tenant != ANONYMOUS:
+            self._anonymous_clamped = None  # the source works
+        elif clamped and self._anonymous_clamped is not None:
+            self._anonymous_clamped += 1
+            if self._anonymous_clamped >= ANONYMOUS_CLAMPS_WARNED:
+                self._anonymous_clamped = None
+                log.warning("tenant_source_yields_no_tenant",
+                            tenant_source=f"{self.tenant_source.kind}:"
+                                          f"{self.tenant_source.name}".rstrip(":"),
+                            clamped=ANONYMOUS_CLAMPS_WARNED,
+                            default_max_class=self.policy.default_max.label,
+                            hint="no Check so far carried a tenant from this source, so "
+                                 "every request is anonymous and clamped to the default "
+                                 "ceiling: check that Envoy sets it (JWT claim_to_headers, "
+                                 "mTLS) or choose --tenant-source accordingly")
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
@@ -155,6 +187,8 @@ class AuthzService:
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
+        if self._anonymous_clamped is not None:
+            self._watch_tenant_source(tenant, c.clamped)
         pool = self.pools.for_route(view.pool or "")
         edge = pool.edge if pool is not None else None
         if edge is not None:
@@ -169,7 +203,7 @@ class AuthzService:
             if self.shadow:  # --shadow refuses nothing: the would-be 429, held by no pool
                 return (codec.encode_unheld_allow(c.effective.label, tenant)
                         + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))
-            self._rejections.add(c.effective.label, "unknown_pool", tenant)
+            self._rejected(c.effective, "unknown_pool", tenant)
             return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         try:
             admitted = await pool.admit(c.effective, tenant)
@@ -184,7 +218,7 @@ class AuthzService:
                       effective=c.effective.label, outcome=outcome,
                       legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id,
                       **pool.log_fields)
-            self._rejections.add(c.effective.label, outcome, tenant)
+            self._rejected(c.effective, outcome, tenant)
             if self._hints:
                 return codec.encode_deny(responses.with_hints(
                     self._replies[(rejection, c.effective)],
@@ -197,7 +231,7 @@ class AuthzService:
             log.debug("rejected", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, outcome=outcome, request_id=request_id,
                       **pool.log_fields)
-            self._rejections.add(c.effective.label, outcome, tenant)
+            self._rejected(c.effective, outcome, tenant)
             raise
         if edge is not None and not admitted.queued:
             edge.admitted_at_once(c.effective)  # the class's queue had room: no shedding

@@ -246,3 +246,85 @@ class RejectionSummary:
 
 def _call_later(delay: float, fn: Callable[[], None]) -> object:
     return asyncio.get_running_loop().call_later(delay, fn)
+
+
+# The outcomes a shadow counts as refusals: what enforcement would have answered 429/503.
+SHADOW_REFUSALS = ("rejected_queue_full", "rejected_queue_timeout")
+
+
+class ShadowSummary:
+    """``--shadow``'s verdict: the decisions enforcement would have made, by class and
+    outcome and the tenants it would have refused, as one ``shadow_verdicts`` line at info
+    per ``interval`` while decisions are made, and as running totals (the status page).
+
+    ``add`` is called once per would-be decision (exactly where
+    ``smg_sidecar_shadow_admit_total`` counts one), so the totals are that counter's. The
+    line gives, per class, the share of its decided requests enforcement would have
+    refused (``would_refuse_pct``): the number docs/operations.md's rule for switching to
+    enforcement reads.
+    """
+
+    MAX_TENANTS = 1000  # distinct tenants counted in the totals; the rest are "other"
+    TOP_TENANTS = 5
+
+    def __init__(self, logger: structlog.typing.FilteringBoundLogger, *,
+                 interval: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 schedule: Callable[[float, Callable[[], None]], object] | None = None
+                 ) -> None:
+        self._log = logger
+        self.interval = interval
+        self._clock = clock
+        self._schedule = schedule
+        self._armed = False
+        self.since = clock()
+        # Running totals (never reset): (class, outcome) -> n; (class, tenant) -> refusals.
+        self.totals: dict[tuple[str, str], int] = {}
+        self.refused_by_tenant: dict[tuple[str, str], int] = {}
+        self._tenants: set[str] = set()
+        # This interval's.
+        self._counts: dict[tuple[str, str], int] = {}
+        self._refused: dict[str, int] = {}
+
+    def add(self, cls: str, outcome: str, tenant: str) -> None:
+        key = (cls, outcome)
+        self.totals[key] = self.totals.get(key, 0) + 1
+        self._counts[key] = self._counts.get(key, 0) + 1
+        if outcome in SHADOW_REFUSALS:
+            if tenant not in self._tenants:
+                if len(self._tenants) < self.MAX_TENANTS:
+                    self._tenants.add(tenant)
+                else:
+                    tenant = "other"
+            tkey = (cls, tenant)
+            self.refused_by_tenant[tkey] = self.refused_by_tenant.get(tkey, 0) + 1
+            self._refused[tenant] = self._refused.get(tenant, 0) + 1
+        if not self._armed:
+            self._armed = True
+            schedule = self._schedule if self._schedule is not None else _call_later
+            schedule(self.interval, self.flush)
+
+    @staticmethod
+    def refuse_pct(counts: dict[tuple[str, str], int], cls: str) -> float:
+        """Of ``cls``'s decided requests, the share (in %) enforcement would have refused.
+        A decided request ends ``admitted`` or refused once (a preemption comes after its
+        admission and is not a second decision)."""
+        refused = sum(counts.get((cls, o), 0) for o in SHADOW_REFUSALS)
+        decided = refused + counts.get((cls, "admitted"), 0)
+        return round(100.0 * refused / decided, 3) if decided else 0.0
+
+    def flush(self) -> None:
+        """Log what was decided since the last line (nothing decided: no line)."""
+        self._armed = False
+        if not self._counts:
+            return
+        counts = self._counts
+        classes = sorted({c for c, _ in counts})
+        top = sorted(self._refused.items(), key=lambda kv: (-kv[1], kv[0]))[:self.TOP_TENANTS]
+        self._log.info(
+            "shadow_verdicts", decided=sum(counts.values()),
+            by_class_outcome={f"{c}/{o}": n for (c, o), n in sorted(counts.items())},
+            would_refuse_pct={c: self.refuse_pct(counts, c) for c in classes},
+            would_preempt={c: n for (c, o), n in sorted(counts.items()) if o == "preempted"},
+            top_refused_tenants=dict(top), interval_secs=self.interval)
+        self._counts = {}
+        self._refused = {}

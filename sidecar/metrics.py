@@ -20,6 +20,7 @@ verb                        caller                 metrics
 ``completion_unmatched``    pools (by id)          ``smg_sidecar_completion_unmatched_total``
 ``overloaded``              authz (Check)          ``smg_sidecar_overload_shed_total``
 ``unknown_pool``            authz (Check)          ``smg_sidecar_unknown_pool_total``
+``tenant_rejected``         authz (Check)          ``smg_sidecar_tenant_rejected_total``
 ``adoption_refused``        completion (ALS)       ``smg_sidecar_adoption_refused_total``
 ``admin_dropped``           admin HTTP server      ``smg_sidecar_admin_connections_dropped_total``
 ``classified``              authz (Check)          ``smg_scheduler_clamp_total``,
@@ -73,6 +74,8 @@ verb                        caller             metrics
                                                ``smg_sidecar_admission_fallback`` (pool),
                                                the snapshot gauges (below)
 ``preemption_suspended``    pool (monitor)     ``smg_sidecar_preemption_suspended`` (pool)
+``adaptive_limit``          pool (tuning)      ``smg_sidecar_adaptive_limit`` (pool),
+                                               ``smg_sidecar_adaptive_limit_changes_total`` (pool)
 ``fleet_seen``              fleet controller   ``smg_sidecar_fleet_inflight`` (pool),
                             (heartbeat)        ``smg_sidecar_live_replicas`` (pool)
 ``coordination_changed``    fleet controller   ``smg_sidecar_coordination_state`` (pool)
@@ -178,6 +181,11 @@ class Recorder(Protocol):
     def unknown_pool(self, cls: PriorityClass) -> None:
         """A Check whose route names a pool this sidecar does not have (429)."""
 
+    def tenant_rejected(self, cls: PriorityClass, tenant: str, outcome: str) -> None:
+        """A Check refused (what the ``rejections`` log line counts), by class, tenant
+        (label capped) and outcome: ``rejected_queue_full``, ``rejected_queue_timeout``,
+        ``rate_limited``, ``client_cancelled`` or ``unknown_pool``."""
+
     def adoption_refused(self, cls: PriorityClass) -> None:
         """A periodic entry not adopted: as many admissions as the capacity are in flight."""
 
@@ -256,6 +264,9 @@ class PoolRecorder(Protocol):
     def preemption_suspended(self, suspended: bool) -> None:
         """No class preempts (a counted worker's engine cannot cancel), or they may again."""
 
+    def adaptive_limit(self, limit: int, reason: str, changed: bool) -> None:
+        """--adaptive-capacity: the pool's limit after a tuning step, and why it moved."""
+
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
         """A heartbeat's answer: fleet-wide in-flight counts and live replicas."""
 
@@ -296,6 +307,9 @@ class NullRecorder:
         pass
 
     def unknown_pool(self, cls: PriorityClass) -> None:
+        pass
+
+    def tenant_rejected(self, cls: PriorityClass, tenant: str, outcome: str) -> None:
         pass
 
     def adoption_refused(self, cls: PriorityClass) -> None:
@@ -363,6 +377,9 @@ class NullPoolRecorder:
         pass
 
     def preemption_suspended(self, suspended: bool) -> None:
+        pass
+
+    def adaptive_limit(self, limit: int, reason: str, changed: bool) -> None:
         pass
 
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
@@ -440,6 +457,15 @@ class Metrics:
             "smg_sidecar_preemption_suspended",
             "1 while no class preempts because a counted worker's engine cannot cancel a "
             "running request (llama.cpp)", pl, registry=r)
+        self.adaptive_limit = Gauge(
+            "smg_sidecar_adaptive_limit",
+            "--adaptive-capacity: the concurrency limit the pool tuned itself to", pl,
+            registry=r)
+        self.adaptive_changes = Counter(
+            "smg_sidecar_adaptive_limit_changes",
+            "--adaptive-capacity: moves of the limit, by reason (engine_queueing: the "
+            "engines' time to first byte jumped; probe: used and kept up; ceiling: the "
+            "workers' capacity changed)", [*pl, "reason"], registry=r)
         self.fleet_inflight = Gauge("smg_sidecar_fleet_inflight",
                                     "Fleet-wide admissions in flight, as the ledger saw them "
                                     "at the last heartbeat", [*pl, "class"], registry=r)
@@ -533,6 +559,12 @@ class Metrics:
             "smg_sidecar_unknown_pool",
             "Checks whose route names a pool the sidecar does not have "
             "(429 scheduler_queue_full)", ["class"], registry=r)
+        # Which tenant is refused: capped like every tenant label (first come keeps it).
+        self._tenant_rejected = Counter(
+            "smg_sidecar_tenant_rejected",
+            "Checks refused by class, tenant (label capped) and outcome",
+            ["class", "tenant", "outcome"], registry=r)
+        self._tenant_rejected_child: dict[tuple[PriorityClass, str, str], Counter] = {}
         self._adoption_refused = Counter(
             "smg_sidecar_adoption_refused",
             "Periodic access-log entries not adopted because admissions in flight "
@@ -625,6 +657,14 @@ class Metrics:
 
     def unknown_pool(self, cls: PriorityClass) -> None:
         self._unknown_pool.labels(cls.label).inc()
+
+    def tenant_rejected(self, cls: PriorityClass, tenant: str, outcome: str) -> None:
+        key = (cls, self.tenant(tenant), outcome)
+        child = self._tenant_rejected_child.get(key)
+        if child is None:
+            child = self._tenant_rejected_child[key] = self._tenant_rejected.labels(
+                cls.label, key[1], outcome)
+        child.inc()
 
     def adoption_refused(self, cls: PriorityClass) -> None:
         self._adoption_refused.labels(cls.label).inc()
@@ -801,6 +841,11 @@ class PoolMetrics:
 
     def preemption_suspended(self, suspended: bool) -> None:
         _child(self._m.preemption_suspended, *self.label).set(1 if suspended else 0)
+
+    def adaptive_limit(self, limit: int, reason: str, changed: bool) -> None:
+        _child(self._m.adaptive_limit, *self.label).set(limit)
+        if changed:
+            self._m.adaptive_changes.labels(*self.label, reason).inc()
 
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
         m, pl = self._m, self.label

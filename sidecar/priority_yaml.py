@@ -31,7 +31,7 @@ import yaml
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
-from sidecar.scheduler.reservations import reservations_fit
+from sidecar.scheduler.reservations import reservations_fit, scaled_reservations
 
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest priority.yaml accepted (a ConfigMap cannot hold more); refused before parsing."""
@@ -571,3 +571,79 @@ def smallest_fitting_capacity(cfg: PriorityConfig, limit: int = 65535) -> int | 
     while low > 1 and reservations_fit(cfg.classes, low - 1):
         low -= 1
     return low
+
+
+def starvation_overtakes(classes: Mapping[PriorityClass, ClassSettings]
+                         ) -> list[tuple[PriorityClass, PriorityClass]]:
+    """(lower, higher) class pairs where the starvation rule can admit a ``lower`` request
+    ahead of a ``higher`` one that arrived before it and still waits.
+
+    The rule admits a queue head that has waited ``starvation_threshold_secs`` before any
+    higher class's head (lowest class first, ``system`` never aged: docs/design.md). A
+    ``lower`` request that arrived after a queued ``higher`` one ages past its threshold
+    while that one still waits whenever the threshold is below ``higher``'s
+    ``queue_timeout_secs``; on a fleet with few slots the ``higher`` request can then time
+    out (503). Only where both can queue, and ``lower`` ages before its own timeout.
+    """
+    out: list[tuple[PriorityClass, PriorityClass]] = []
+    for lo in HIGH_TO_LOW:
+        low = classes[lo]
+        if (lo is PriorityClass.SYSTEM or low.queue_size == 0
+                or low.starvation_threshold_secs >= low.queue_timeout_secs):
+            continue
+        for hi in HIGH_TO_LOW:
+            high = classes[hi]
+            if (hi > lo and high.queue_size > 0
+                    and low.starvation_threshold_secs < high.queue_timeout_secs):
+                out.append((lo, hi))
+    return out
+
+
+def starvation_warnings(cfg: PriorityConfig) -> list[str]:
+    """``--check-config``'s warnings for :func:`starvation_overtakes`, per class table."""
+    tables = [("classes", cfg.classes),
+              *((f"pools.{p}.classes", t) for p, t in sorted(cfg.pools.items()))]
+    lines = []
+    for where, classes in tables:
+        for lo, hi in starvation_overtakes(classes):
+            low, high = classes[lo], classes[hi]
+            lines.append(
+                f"{where}.{lo.label}.starvation_threshold_secs ({low.starvation_threshold_secs:g})"
+                f" is below {where}.{hi.label}.queue_timeout_secs "
+                f"({high.queue_timeout_secs:g}): the starvation rule can admit a request of "
+                f"{lo.label} ahead of an earlier one of {hi.label}, which on few slots can time "
+                f"out (503); to keep {hi.label} first, raise {lo.label}'s "
+                "starvation_threshold_secs "
+                f"to at least {high.queue_timeout_secs:g} or lower {hi.label}'s "
+                "queue_timeout_secs (docs/operations.md, PriorityGateSystemShedding)")
+    return lines
+
+
+def unreserved_preemptors(classes: Mapping[PriorityClass, ClassSettings],
+                          capacity: int | None = None) -> list[PriorityClass]:
+    """Classes that may preempt but hold no reserved slot: at ``capacity``, or at any
+    capacity (``None``: no ``reserved_floor``; a share alone rounds to none on few slots).
+
+    Where preemption is suspended (an engine that cannot cancel a running request:
+    llama.cpp) such a class's request waits for a running one to end, whoever runs it;
+    a reserved slot is the only place kept free for it.
+    """
+    if capacity is None:
+        return [c for c in HIGH_TO_LOW
+                if classes[c].can_preempt and classes[c].reserved_floor == 0]
+    reserved = scaled_reservations(classes, capacity)
+    return [c for c in HIGH_TO_LOW if classes[c].can_preempt and reserved[c] == 0]
+
+
+def preemption_warnings(cfg: PriorityConfig) -> list[str]:
+    """``--check-config``'s warnings for :func:`unreserved_preemptors`, per class table."""
+    tables = [("classes", cfg.classes),
+              *((f"pools.{p}.classes", t) for p, t in sorted(cfg.pools.items()))]
+    return [
+        f"{where}.{c.label}.can_preempt is true but {c.label} reserves no slot "
+        f"(reserved_floor 0, reserved_per_slot {classes[c].reserved_per_slot:g}): on an "
+        f"engine that cannot cancel a running request (llama.cpp) preemption is suspended, "
+        f"and a {c.label} request waits for a running request to finish, however long it "
+        f"runs; give {where}.{c.label}.reserved_floor at least 1 "
+        "(docs/operations.md, Preemption on llama.cpp)"
+        for where, classes in tables for c in unreserved_preemptors(classes)]

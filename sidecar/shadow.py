@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from sidecar import responses
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
+from sidecar.logs import ShadowSummary
 from sidecar.metrics import PoolRecorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
@@ -97,8 +98,11 @@ class ShadowCore:
     """Admits every arrival; runs ``shadow`` on the same calls and reports its decisions."""
 
     def __init__(self, shadow: AdmissionCore, clock: Clock, metrics: PoolRecorder, *,
-                 bucket: TokenBucket | None = None, remember_ended: int = 100_000) -> None:
+                 bucket: TokenBucket | None = None, remember_ended: int = 100_000,
+                 summary: ShadowSummary | None = None) -> None:
         self.shadow = shadow
+        # The verdict's log line and running totals (sidecar.logs), fed with each count.
+        self.summary = summary
         self.legacy = shadow.legacy
         self._clock = clock
         self._metrics = metrics
@@ -144,7 +148,7 @@ class ShadowCore:
     def _shadow_arrive(self, id: str, cls: PriorityClass, tenant: str,
                        wait_budget: float | None, enforce: bool) -> Verdict:
         if self._bucket is not None and not self._bucket.try_take():
-            self._metrics.shadow_admit(cls, Outcome.REJECTED_QUEUE_FULL)
+            self._decided(cls, tenant, Outcome.REJECTED_QUEUE_FULL)
             return self._rate_limited
         decision = self.shadow.arrive(id, cls, tenant, wait_budget=wait_budget,
                                       enforce=enforce)
@@ -269,6 +273,11 @@ class ShadowCore:
 
     # ------------------------------------------------------------------ internals
 
+    def _decided(self, cls: PriorityClass, tenant: str, outcome: Outcome) -> None:
+        self._metrics.shadow_admit(cls, outcome)
+        if self.summary is not None:
+            self.summary.add(cls.label, outcome.value, tenant)
+
     def _drain(self) -> None:
         """Count the shadow's decisions and keep its slot lifetimes like enforcement's."""
         for e in self.shadow.take_events():
@@ -276,7 +285,7 @@ class ShadowCore:
                 id = e.admission.id
                 if e.adopted:
                     continue  # not a decision of this process
-                self._metrics.shadow_admit(e.admission.cls, Outcome.ADMITTED)
+                self._decided(e.admission.cls, e.admission.tenant, Outcome.ADMITTED)
                 if id not in self._shadow_queued:
                     continue
                 self._shadow_queued.discard(id)
@@ -289,9 +298,9 @@ class ShadowCore:
                 else:  # unknown to the real side (cannot happen): hold nothing
                     heapq.heappush(self._due, (self._clock(), id))
             elif isinstance(e, Rejected):
-                self._metrics.shadow_admit(e.cls, e.outcome)
+                self._decided(e.cls, e.tenant, e.outcome)
                 self._shadow_queued.discard(e.id)
                 self._ended_while_queued.pop(e.id, None)
             elif isinstance(e, Preempted):
-                self._metrics.shadow_admit(e.victim.cls, Outcome.PREEMPTED)
+                self._decided(e.victim.cls, e.victim.tenant, Outcome.PREEMPTED)
                 self._lag.pop(e.victim.id, None)

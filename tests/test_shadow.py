@@ -400,7 +400,8 @@ classes:
 async def test_e2e_a_burst_gets_200_and_the_shadow_counts_what_enforcement_would_have(
         make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=E2E_PRIORITY, workers=1, max_running_requests=2,
-                             sidecar_args=["--shadow"], log_level="debug")
+                             sidecar_args=["--shadow"], log_level="debug",
+                             edge_shed=False)  # the sidecar refuses --shadow with --edge-shed
     worker = stack.fleet.workers[0]
     held = [await Exchange.send(stack.listen_port, headers={"x-smg-priority": "bulk",
                                                             "x-fake-gate": "burst"})
@@ -648,7 +649,7 @@ async def test_e2e_two_pools_every_request_passes_and_each_pools_shadow_names_it
     # Default pool: 1 worker x 1 slot, bulk queue 1; big: 1 worker x 2 slots, queue 2.
     stack = await make_stack(priority_yaml=E2E_POOLS_PRIORITY, workers=1, max_running_requests=1,
                              pools={BIG: (1, 2)}, envoy_extra_pools=("ghost",),
-                             sidecar_args=["--shadow"])
+                             sidecar_args=["--shadow"], edge_shed=False)
     big_fleet = stack.pool_fleets[BIG]
     worker, big_worker = stack.fleet.workers[0], big_fleet.workers[0]
     held = [await Exchange.send(stack.listen_port, headers={

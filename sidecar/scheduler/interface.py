@@ -27,6 +27,8 @@ class ClassSnapshot:
     reserved: int
     tenant_depths: Mapping[str, int] = field(default_factory=dict)
     """Waiters per tenant (tenants with none are absent)."""
+    oldest_wait: float = 0.0
+    """Seconds the class's oldest waiter has waited (0: none waits; the status page)."""
 
 
 @dataclass(frozen=True, slots=True)

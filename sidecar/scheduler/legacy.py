@@ -139,13 +139,17 @@ class LegacyAdmission:
         per: dict[PriorityClass, list[int]] = {c: [0, 0] for c in PriorityClass}
         for adm in self._admitted.values():
             per[adm.cls][0] += 1
-        for w in self._queue.values():
+        now = self.clock()
+        oldest: dict[PriorityClass, float] = {}
+        for w in self._queue.values():  # in arrival order: the first of a class is its oldest
             per[w.cls][1] += 1
+            oldest.setdefault(w.cls, now - w.enqueued_at)
         return Snapshot(
             capacity=self.limit if self.limit is not None else self.measured,
             inflight=len(self._admitted),
             classes={
-                c: ClassSnapshot(per[c][0], per[c][1], self.queue_size, 0) for c in HIGH_TO_LOW
+                c: ClassSnapshot(per[c][0], per[c][1], self.queue_size, 0,
+                                 oldest_wait=oldest.get(c, 0.0)) for c in HIGH_TO_LOW
             },
         )
 

@@ -141,6 +141,7 @@ class Scheduler:
         return self._capacity - self._total - held
 
     def snapshot(self) -> Snapshot:
+        now = self._clock()
         return Snapshot(
             capacity=self._capacity,
             inflight=self._total,
@@ -151,6 +152,7 @@ class Scheduler:
                     queue_limit=self._cfg[c].queue_size,
                     reserved=self._reserved[c],
                     tenant_depths=self._queue[c].tenant_depths() if self._queue[c] else {},
+                    oldest_wait=now - w.enqueued_at if (w := self._queue[c].oldest()) else 0.0,
                 )
                 for c in HIGH_TO_LOW
             },
