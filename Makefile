@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 ENVOY := $(ENVOY_VENV)/bin/envoy
 PYTEST_ARGS ?=
 
-.PHONY: install envoy llama-server test test-llama lint typecheck pytest run front bench fuzz sim-long dsim-long clean
+.PHONY: install envoy llama-server check test test-llama lint typecheck pytest pytest-fast run front bench fuzz sim-long dsim-long clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -42,6 +42,14 @@ typecheck: install
 pytest: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m pytest -q -m 'not llama' $(PYTEST_ARGS)
 
+# The inner loop, under a minute: lint, strict typing, and the tests that start no child
+# process (no Envoy, valkey-server, sidecar process or engine). tests/tiers.py marks the
+# others `external` from the code each test reaches; nobody keeps a list.
+check: lint typecheck pytest-fast
+
+pytest-fast: install
+	$(PY) -m pytest -q -n auto -m 'not external' $(PYTEST_ARGS)
+
 # The README's test command: lint, strict typing, then the whole suite (unit, property,
 # end-to-end through a real Envoy). pytest's exit code 5 ("no tests ran") fails the target.
 test: lint typecheck pytest
@@ -57,14 +65,15 @@ fuzz: install
 	FUZZ_EXAMPLES=10000 HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_fuzz.py \
 		tests/test_scheduler_properties.py
 
-# The long fleet simulation under faults: SIM_SEEDS seeds of SIM_STEPS steps each (no time cap).
+# The long fleet simulation under faults (the deterministic one: the shipped controller on a
+# virtual clock): SIM_SEEDS seeds of SIM_STEPS steps each, every seed's trace reproducible
+# (SIM_SEED=N SIM_STEPS=M runs one; SIM_VARY=1 draws the fleet too; SIM_TRACE_DIR=DIR keeps
+# a failing run's trace).
 sim-long: install
 	SIM_SEEDS=$${SIM_SEEDS:-20} SIM_STEPS=$${SIM_STEPS:-200000} $(PY) -m pytest -q -s \
-		tests/test_fleet_sim.py -k promises
+		tests/test_fleet_dsim.py -k promises
 
-# The long deterministic fleet simulation: SIM_SEEDS seeds of SIM_STEPS steps each, every
-# seed's trace reproducible (SIM_SEED=N SIM_STEPS=M runs one; SIM_TRACE_DIR=DIR keeps a
-# failing run's trace).
+# The same, longer by default: 20 seeds of 500,000 steps.
 dsim-long: install
 	SIM_SEEDS=$${SIM_SEEDS:-20} SIM_STEPS=$${SIM_STEPS:-500000} $(PY) -m pytest -q -s \
 		tests/test_fleet_dsim.py -k promises

@@ -45,7 +45,8 @@ def config(preemption: bool, sidecar_args: tuple[str, ...] = ()) -> StackConfig:
     # the interval adds no entries to the measured load.
     return StackConfig(workers=2, max_running_requests=1000, service_time=0.0,
                        preemption=preemption, log_level="warning", flush_interval_secs=1.0,
-                       health_interval_secs=1.0, sidecar_args=sidecar_args)
+                       health_interval_secs=1.0, sidecar_args=sidecar_args,
+                       edge_shed=False)  # the Check path measured, as before
 
 
 def summary(r: dict[str, Any]) -> dict[str, float]:

@@ -79,7 +79,8 @@ def summary(r: dict[str, Any], name: str) -> dict[str, float]:
 async def one_config(label: str, bulk: str, seconds: float) -> dict[str, dict[str, float]]:
     cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=SERVICE,
                       priority_yaml=priority(bulk), jwt_secret=SECRET, log_level="warning",
-                      flush_interval_secs=5.0, health_interval_secs=1.0)
+                      flush_interval_secs=5.0, health_interval_secs=1.0,
+                      edge_shed=False)  # the tenants' shares are the sidecar's queue's
     stack = Stack(cfg)
     out: dict[str, dict[str, float]] = {}
     try:

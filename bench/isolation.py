@@ -246,7 +246,8 @@ async def main_async(seconds: float, multiples: list[float], preemption: bool = 
     priority = PRIORITY if reservations else PRIORITY_NO_RESERVATIONS
     cfg = StackConfig(workers=WORKERS, max_running_requests=SLOTS, service_time=SERVICE,
                       priority_yaml=priority, jwt_secret=SECRET, preemption=preemption,
-                      log_level="warning", flush_interval_secs=5.0, health_interval_secs=1.0)
+                      log_level="warning", flush_interval_secs=5.0, health_interval_secs=1.0,
+                      edge_shed=False)  # every 429 the sidecar's, as measured (bench.edge: on)
     stack = Stack(cfg)
     # The sidecar traces each admission's life; bench.slots accounts for the slot time.
     stack.config.extra_env[SLOT_TRACE_ENV] = str(stack.workdir / "slots.trace")

@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 
 from bench._util import pct
 from bench.isolation import PRIORITY, SLOTS, WORKERS
-from sidecar.authz import preemptible_classes
 from sidecar.classes import PriorityClass
 from sidecar.config import parse_priority_config
-from sidecar.scheduler import Admitted, Preempted, Rejected, Scheduler
+from sidecar.scheduler import Admitted, Preempted, Rejected, Scheduler, preemptible_classes
 
 CAPACITY = WORKERS * SLOTS
 TTFB = (0.05, 0.5)

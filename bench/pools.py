@@ -9,7 +9,7 @@ round-robin over the pools:
   (``pool_of``: what the access log's release does), which dispatches that pool's
   queue head, and a new arrival queues in the pool (what bench.core's "full fleet"
   loop does on one core). Baseline: the same loop on one core without routing.
-* **controller**: :class:`~sidecar.pools.PooledAdmission` over one
+* **controller**: :class:`~sidecar.pools.Pools` over one
   :class:`~sidecar.admission.AdmissionController` per pool with free slots: pick the
   route's pool, ``await admit()``, ``release(id)``, as Check and the access log do.
   Baseline: one controller called directly.
@@ -49,10 +49,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from devtools.pooled import pools as make_pools
 from sidecar.admission import AdmissionController, AdmissionService
 from sidecar.classes import PriorityClass
 from sidecar.config import DEFAULT_POOL
-from sidecar.pools import PooledAdmission, id_factory, pool_of
+from sidecar.pools import id_factory, pool_of
 from sidecar.scheduler import BUILTIN_CLASSES, Admitted, Scheduler
 
 CAPACITY = 64  # per pool
@@ -103,7 +104,7 @@ async def _controller_loop(pools: int, seconds: float, routed: bool) -> float:
     names = _names(pools)
     ctls = {n: AdmissionController(Scheduler(CFG, CAPACITY, time.monotonic), lease_secs=60.0,
                                    id_factory=id_factory(n)) for n in names}
-    pooled = PooledAdmission(ctls)
+    pooled = make_pools(ctls)
     order = itertools.cycle(names)
     ops = 0
     start = time.perf_counter()
@@ -112,9 +113,9 @@ async def _controller_loop(pools: int, seconds: float, routed: bool) -> float:
         for _ in range(1000):
             n = next(order)
             if routed:
-                ctl = pooled.get(n)
-                assert ctl is not None
-                a = await ctl.admit(CLASSES[ops % 3], "t")
+                pool = pooled.for_route(n)
+                assert pool is not None
+                a = await pool.controller.admit(CLASSES[ops % 3], "t")
                 pooled.release(a.admission.id)
             else:
                 c = ctls[DEFAULT_POOL]
@@ -122,7 +123,8 @@ async def _controller_loop(pools: int, seconds: float, routed: bool) -> float:
                 c.release(a.admission.id)
             ops += 1
     rate = ops / (time.perf_counter() - start)
-    pooled.close()
+    for c in ctls.values():
+        c.close()
     return rate
 
 
@@ -145,7 +147,7 @@ async def _fleet_loop(pools: int, seconds: float, routed: bool, url: str
         pool=n if routed else None, id_factory=id_factory(n)) for n in names}
     for c in ctls.values():
         c.start(heartbeat=False)  # no heartbeat: only what the requests cost is counted
-    pooled = PooledAdmission(ctls)
+    pooled = make_pools(ctls)
     calls0 = sum(c.ledger.calls for c in ctls.values())
     order = itertools.cycle(names)
     ops = 0
@@ -154,8 +156,7 @@ async def _fleet_loop(pools: int, seconds: float, routed: bool, url: str
     while time.perf_counter() < deadline:
         for _ in range(100):
             n = next(order)
-            ctl: AdmissionService | None = pooled.get(n) if routed else ctls[DEFAULT_POOL]
-            assert ctl is not None
+            ctl: AdmissionService = pooled[n].controller if routed else ctls[DEFAULT_POOL]
             a = await ctl.admit(CLASSES[ops % 3], "t")
             (pooled if routed else ctl).release(a.admission.id)
             ops += 1
@@ -234,7 +235,7 @@ def envoy_stacks(regime: str) -> dict[str, Any]:
     service, slots, _, _ = REGIMES[regime]
     common: dict[str, Any] = dict(workers=2, service_time=service, priority_yaml=ENVOY_PRIORITY,
                                   log_level="warning", flush_interval_secs=1.0,
-                                  health_interval_secs=1.0)
+                                  health_interval_secs=1.0, edge_shed=False)
     # one: Envoy routes /b/ as two's does (prefix rewrite, smg-pool: b), to its one
     # cluster; a sidecar without pools does not read smg-pool.
     return {"one": Stack(StackConfig(max_running_requests=slots, envoy_extra_pools=("b",),

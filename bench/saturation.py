@@ -59,7 +59,7 @@ async def run_mode(guard: bool, seconds: float) -> dict[str, Any]:
     cfg = StackConfig(workers=1, max_running_requests=None, service_time=SERVICE,
                       priority_yaml=PRIORITY, jwt_secret=SECRET, preemption=False,
                       log_level="warning", flush_interval_secs=5.0, health_interval_secs=0.1,
-                      sidecar_args=args)
+                      sidecar_args=args, edge_shed=False)  # the Check path measured
     stack = Stack(cfg)
     worker = stack.fleet.workers[0]
     worker.engine, worker.batch_limit = "vllm", REAL_SLOTS  # read per request

@@ -34,6 +34,11 @@ from devtools.valkey import ValkeyServer
 from sidecar.config import parse_priority_config
 
 REPO = Path(__file__).resolve().parents[1]
+# Bounds on waits for the child processes, generous for a loaded 2-core box (other test
+# runs, CI neighbours): how long one may take to start serving, and to answer one query.
+# They bound a wait for a condition, not a promise under test.
+READY_SECS = 60.0
+ANSWER_SECS = 10.0
 
 
 def free_port() -> int:
@@ -94,6 +99,12 @@ class StackConfig:
     authz_timeout_secs: float | None = None  # None: longest queue timeout + 5 s
     preemption: bool = True
     jwt_secret: str | None = None
+    # jwt_authn trusting this JWKS (JSON, public keys) instead of jwt_secret, tokens of
+    # jwt_issuer if set (the demo identity: devtools.identity).
+    jwt_jwks: str | None = None
+    jwt_issuer: str | None = None
+    # Envoy puts the engine's API key read from this file on upstream requests.
+    engine_key_file: str | None = None
     health_interval_secs: float = 0.2
     envoy_concurrency: int = 1
     listen_port: int = 0
@@ -119,7 +130,9 @@ class StackConfig:
     # Pools Envoy routes (at /NAME/, to the default fleet) that the sidecar is not told of.
     envoy_extra_pools: tuple[str, ...] = ()
     # Edge shedding on both sides: the bootstrap's edge path and the sidecar's --edge-shed.
-    edge_shed: bool = False
+    # On, as the product ships (envoy/render.py, the demo, k8s/base); a mesh-shaped config
+    # (mesh=True) has no edge path and needs edge_shed=False.
+    edge_shed: bool = True
 
 
 class Stack:
@@ -157,6 +170,9 @@ class Stack:
         # sun_path holds 107 bytes: a short directory of its own, not the workdir.
         self.grpc_socket: Path | None = (
             Path(tempfile.mkdtemp(prefix="pg-")) / "grpc.sock" if config.grpc_unix else None)
+        if config.mesh and config.edge_shed:
+            raise ValueError("mesh=True renders what a mesh generates, without the edge "
+                             "path: pass edge_shed=False")
         longest = parse_priority_config(config.priority_yaml).max_queue_timeout()
         self.authz_timeout = config.authz_timeout_secs or longest + 5.0
 
@@ -244,7 +260,7 @@ class Stack:
             self.sidecar.wait(10)
             self.sidecar = None
 
-    async def wait_sidecar_ready(self, timeout: float = 20.0) -> None:
+    async def wait_sidecar_ready(self, timeout: float = READY_SECS) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.sidecar is not None and self.sidecar.poll() is not None:
@@ -264,7 +280,8 @@ class Stack:
             workers=self.fleet.addresses, authz_timeout_secs=self.authz_timeout,
             flush_interval_secs=c.flush_interval_secs,
             health_interval_secs=c.health_interval_secs, preemption=c.preemption,
-            jwt_hs256_secret=c.jwt_secret,
+            jwt_hs256_secret=c.jwt_secret, jwt_jwks=c.jwt_jwks, jwt_issuer=c.jwt_issuer,
+            engine_key_file=c.engine_key_file,
             sidecar_pipe=str(self.grpc_socket) if self.grpc_socket is not None else None,
             edge_shed=c.edge_shed,
             pools=[(name, f"/{name}/", f.addresses) for name, f in self.pool_fleets.items()]
@@ -300,7 +317,7 @@ class Stack:
         self.start_envoy()
         await self.wait_envoy_ready()
 
-    async def wait_envoy_ready(self, timeout: float = 20.0) -> None:
+    async def wait_envoy_ready(self, timeout: float = READY_SECS) -> None:
         deadline = time.monotonic() + timeout
         admin = f"http://127.0.0.1:{self.admin_port}"
         while time.monotonic() < deadline:
@@ -310,8 +327,11 @@ class Stack:
                 status, body = await http_get(
                     f"{admin}/stats?filter=^cluster\\.workers\\.membership_healthy$", 0.5)
                 healthy = body.decode().strip().rpartition(" ")[2]
+                # /ready: LIVE, listeners open (with the edge path they open only after the
+                # RTDS layer's first fetch, which can come after the workers' health).
                 if status == 200 and healthy.isdigit() and int(healthy) == len(
-                        [w for w in self.fleet.workers if w.healthy]):
+                        [w for w in self.fleet.workers if w.healthy]) and (
+                        await http_get(f"{admin}/ready", 0.5))[0] == 200:
                     return
             await asyncio.sleep(0.05)
         raise TimeoutError(f"envoy not ready: {self.envoy_log.read_text()[-3000:]}")
@@ -320,7 +340,7 @@ class Stack:
 
     async def metrics(self) -> dict[str, float]:
         """The sidecar's /metrics as ``{'name{label="v",...}': value}`` (labels sorted)."""
-        status, body = await http_get(f"http://127.0.0.1:{self.http_port}/metrics", 2.0)
+        status, body = await http_get(f"http://127.0.0.1:{self.http_port}/metrics", ANSWER_SECS)
         assert status == 200
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(body.decode()):
@@ -337,7 +357,7 @@ class Stack:
 
     async def envoy_stat(self, name: str) -> int:
         _, body = await http_get(
-            f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$", 2.0)
+            f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$", ANSWER_SECS)
         value = body.decode().strip().rpartition(" ")[2]
         return int(value) if value.isdigit() else 0
 

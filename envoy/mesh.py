@@ -58,8 +58,15 @@ def _hcms(boot: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def meshify(text: str, *, node_id: str = ISTIO_NODE_ID) -> str:
-    """Return ``text`` (a rendered bootstrap) as a mesh control plane would generate it."""
+    """Return ``text`` (a rendered bootstrap) as a mesh control plane would generate it.
+
+    ``text`` must be rendered without the edge path (``render(edge_shed=False)``): a mesh
+    has none unless its edge-shed recipe adds it, and without the access-log filters this
+    drops, the edge-shed logger would count every request as shed."""
     boot: dict[str, Any] = yaml.safe_load(text)
+    if "layered_runtime" in boot:
+        raise ValueError("a mesh-generated config has no edge path: render the bootstrap "
+                         "with edge_shed=False (--no-edge-shed)")
     boot["node"]["id"] = node_id
     for hcm in _hcms(boot):
         hcm.pop("access_log_options", None)

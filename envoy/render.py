@@ -6,9 +6,16 @@ optional blocks (``#@begin <name>`` ... ``#@end <name>``) are kept or dropped wh
 
     python envoy/render.py --listen-port 10000 --admin-port 9901 --sidecar 127.0.0.1:9001 \
         --workers 127.0.0.1:8081,127.0.0.1:8082 --authz-timeout 310 --flush-interval 5 \
-        [--no-preemption] [--jwt-secret S] [--edge-shed] --out envoy/envoy.yaml \
+        [--jwt-jwks FILE [--jwt-issuer ISS] | --jwt-secret S] [--engine-key-file PATH] \
+        [--no-preemption] [--no-edge-shed] --out envoy/envoy.yaml \
         [--pool big /big/ 127.0.0.1:8091,127.0.0.1:8092 ...]
     (--sidecar unix:///run/priority-gate/grpc.sock: the sidecar on a Unix socket)
+
+Edge shedding is on by default (the sidecar then runs with ``--edge-shed``);
+``--no-edge-shed`` opts out. ``--jwt-jwks devtools/demo-jwks.json --jwt-issuer
+priority-gate-demo`` trusts the demo identity (devtools/identity.py: NOT for production).
+``--engine-key-file PATH``: Envoy puts the engine's API key, read from PATH (a mounted
+Secret), on every upstream request as ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
@@ -122,6 +129,28 @@ def _jwks_inline(secret: str) -> str:
     return json.dumps(json.dumps(jwks, separators=(",", ":")))
 
 
+# JWK members that hold a private key (RFC 7518, 6.2.2 and 6.3.2; "k" is a shared secret).
+_PRIVATE_JWK_MEMBERS = frozenset({"d", "p", "q", "dp", "dq", "qi", "oth", "k"})
+
+
+def _public_jwks_inline(jwks: str) -> str:
+    """A JWKS of public keys, checked and compacted, as a YAML (JSON) double-quoted scalar.
+    A private member is refused: the rendered config is no place for a signing key."""
+    try:
+        doc = json.loads(jwks)
+    except ValueError as exc:
+        raise ValueError(f"jwt_jwks is not JSON: {exc}") from None
+    keys = doc.get("keys") if isinstance(doc, dict) else None
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, dict) for k in keys):
+        raise ValueError('jwt_jwks must be a JWKS: {"keys": [a JWK, ...]}')
+    for i, key in enumerate(keys):
+        private = sorted(_PRIVATE_JWK_MEMBERS & set(key))
+        if private:
+            raise ValueError(f"jwt_jwks key {i} holds private members {private}: "
+                             "give the public keys only")
+    return json.dumps(json.dumps(doc, separators=(",", ":")))
+
+
 def _select_blocks(text: str, enabled: set[str]) -> str:
     """Keep the lines of enabled ``#@begin name``/``#@end name`` blocks, drop the others."""
     out: list[str] = []
@@ -157,17 +186,24 @@ def render(
     preemption: bool = True,
     tenant_header: str = "x-smg-tenant",
     jwt_hs256_secret: str | None = None,
+    jwt_jwks: str | None = None,
+    jwt_issuer: str | None = None,
     stream_idle_timeout_secs: float | None = None,
     sidecar_pipe: str | None = None,
-    edge_shed: bool = False,
+    edge_shed: bool = True,
+    engine_key_file: str | None = None,
     pools: Sequence[tuple[str, str, list[tuple[str, int]]]] = (),
 ) -> str:
     """Return the Envoy bootstrap YAML (comments preserved) for these settings.
 
     ``sidecar_pipe``: reach the sidecar on this Unix socket path (its
     ``--grpc-listen unix://PATH``) instead of ``sidecar_host:sidecar_port``.
-    ``edge_shed``: the edge-shed route, runtime layers and access log (the sidecar's
-    ``--edge-shed``; sidecar/edge.py).
+    ``edge_shed`` (default on): the edge-shed route, runtime layers and access log (the
+    sidecar's ``--edge-shed``; sidecar/edge.py); False opts out.
+    ``jwt_jwks``: jwt_authn trusting this JWKS (JSON text, public keys only), tokens of
+    ``jwt_issuer`` if given; ``jwt_hs256_secret`` instead: one shared HS256 secret (tests).
+    ``engine_key_file``: the engine's API key, read by Envoy from this path, put on every
+    upstream request as ``Authorization: Bearer KEY`` (credential_injector).
     ``pools``: (name, path prefix, workers) per pool (the sidecar's ``--worker-urls
     POOL=URL``): a route matching the prefix, to a cluster of the pool's workers, with
     ``smg-pool: name`` in ext_authz's context extensions. Other paths stay on the
@@ -221,9 +257,28 @@ def render(
         enabled.add("preemption")
     if edge_shed:
         enabled.add("edge")
+    if jwt_hs256_secret is not None and jwt_jwks is not None:
+        raise ValueError("give jwt_jwks or jwt_hs256_secret, not both")
     if jwt_hs256_secret is not None:
         enabled.add("jwt")
         jwks = _jwks_inline(jwt_hs256_secret)
+    elif jwt_jwks is not None:
+        enabled.add("jwt")
+        jwks = _public_jwks_inline(jwt_jwks)
+    issuer = ""
+    if jwt_issuer is not None:
+        if "jwt" not in enabled:
+            raise ValueError("jwt_issuer needs jwt_jwks or jwt_hs256_secret")
+        if not jwt_issuer or any(c in jwt_issuer for c in "\r\n\x00"):
+            raise ValueError(f"jwt_issuer must be one non-empty line, got {jwt_issuer!r}")
+        enabled.add("jwt_issuer")
+        issuer = json.dumps(jwt_issuer)
+    key_file = ""
+    if engine_key_file is not None:
+        if not engine_key_file.startswith("/") or any(c in engine_key_file for c in "\r\n\x00"):
+            raise ValueError(f"engine_key_file must be an absolute path, got {engine_key_file!r}")
+        enabled.add("engine_key")
+        key_file = json.dumps(engine_key_file)
 
     text = _select_blocks(TEMPLATE_PATH.read_text(encoding="utf-8"), enabled)
     pool_endpoints: dict[str, str] = {}
@@ -240,6 +295,8 @@ def render(
         ext_proc_message_timeout=_duration(EXT_PROC_MESSAGE_TIMEOUT_SECS),
         tenant_header=tenant,
         jwks_inline=jwks,
+        jwt_issuer=issuer,
+        engine_key_file=key_file,
         worker_endpoints="\n".join(endpoint_lines),
         edge_reply_body=json.dumps(EDGE_REPLY_BODY),
         edge_log_flush=_duration(EDGE_LOG_FLUSH_SECS),
@@ -354,10 +411,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--health-interval", type=float, default=1.0, metavar="SECS")
     p.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECS")
     p.add_argument("--tenant-header", default="x-smg-tenant")
-    p.add_argument("--jwt-secret", default=None, help="enable jwt_authn with this HS256 secret")
+    jwt = p.add_mutually_exclusive_group()
+    jwt.add_argument("--jwt-jwks", metavar="FILE", default=None,
+                     help="enable jwt_authn trusting this JWKS file (public keys; the demo's "
+                          "devtools/demo-jwks.json is NOT for production)")
+    jwt.add_argument("--jwt-secret", default=None,
+                     help="enable jwt_authn with this HS256 secret (tests)")
+    p.add_argument("--jwt-issuer", default=None, metavar="ISS",
+                   help="accept only tokens of this issuer (iss claim)")
+    p.add_argument("--engine-key-file", default=None, metavar="PATH",
+                   help="Envoy puts the engine's API key read from PATH (its path in Envoy's "
+                        "container) on upstream requests as Authorization: Bearer KEY")
     p.add_argument("--no-preemption", action="store_true", help="omit the ext_proc filter")
-    p.add_argument("--edge-shed", action="store_true",
-                   help="Envoy answers the share of bulk the sidecar sets (sidecar --edge-shed)")
+    p.add_argument("--edge-shed", action=argparse.BooleanOptionalAction, default=True,
+                   help="Envoy answers the share of bulk the sidecar sets (sidecar "
+                        "--edge-shed); on by default, --no-edge-shed opts out")
     p.add_argument("--pool", nargs=3, action="append", default=[],
                    metavar=("NAME", "PREFIX", "HOST:PORT[,HOST:PORT...]"),
                    help="a pool's route (path prefix, rewritten to /) and workers; "
@@ -367,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pipe = a.sidecar if isinstance(a.sidecar, str) else None
     sidecar_host, sidecar_port = ("127.0.0.1", 1) if pipe is not None else a.sidecar
     try:
+        jwks = Path(a.jwt_jwks).read_text(encoding="utf-8") if a.jwt_jwks else None
         text = render(
             listen_port=a.listen_port,
             admin_port=a.admin_port,
@@ -380,11 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             preemption=not a.no_preemption,
             tenant_header=a.tenant_header,
             jwt_hs256_secret=a.jwt_secret,
+            jwt_jwks=jwks,
+            jwt_issuer=a.jwt_issuer,
             stream_idle_timeout_secs=a.stream_idle_timeout,
             edge_shed=a.edge_shed,
+            engine_key_file=a.engine_key_file,
             pools=[(n, prefix, _workers(w)) for n, prefix, w in a.pool],
         )
-    except (ValueError, argparse.ArgumentTypeError) as exc:
+    except (OSError, ValueError, argparse.ArgumentTypeError) as exc:
         p.error(str(exc))
     if a.out == "-":
         sys.stdout.write(text)

@@ -4,14 +4,19 @@
     .venv/bin/python k8s/generate.py          # rewrite k8s/base/configmap-envoy.yaml
     .venv/bin/python k8s/generate.py --check  # exit 1 if the committed file is stale
 
-It also writes k8s/overlays/edge-shed/kustomization.yaml: the same bootstrap rendered with
-the edge-shed path (render.py --edge-shed) as a patch over the base's, and --edge-shed added
-to the sidecar's arguments; and k8s/overlays/pools/kustomization.yaml: the bootstrap rendered
-with a route and a cluster per model pool (render.py --pool), the sidecar's --worker-urls
-POOL=URL entries and priority.yaml's `pools:` section, over the base (two replicas sharing
-the fleet ledger: each pool has a ledger of its own in the one Valkey); and
-k8s/overlays/pools-edge-shed/kustomization.yaml: the pools overlay with edge shedding (a
-switch per pool).
+The base's bootstrap has edge shedding (render.py's default; the sidecar runs --edge-shed)
+and trusts the demo identity's JWTs (devtools/identity.py, NOT for production: set JWKS and
+JWT_ISSUER below to your identity provider's and regenerate).
+
+It also writes k8s/overlays/no-edge-shed/kustomization.yaml: the bootstrap rendered without
+the edge path (render.py --no-edge-shed) as a patch over the base's, and --edge-shed removed
+from the sidecar's arguments; k8s/overlays/engine-key/kustomization.yaml: the bootstrap
+rendered with the engine's API key on upstream requests (render.py --engine-key-file), read
+from the Secret priority-gate-engine-key, which the sidecar's probes read too
+(--worker-auth-file); and k8s/overlays/pools/kustomization.yaml: the bootstrap rendered with a
+route, a cluster and an edge switch per model pool (render.py --pool), the sidecar's
+--worker-urls POOL=URL entries and priority.yaml's `pools:` section, over the base (two
+replicas sharing the fleet ledger: each pool has a ledger of its own in the one Valkey).
 
 render.py binds everything to 127.0.0.1 and only knows STATIC clusters. In the pod:
 
@@ -38,9 +43,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "envoy"))
+sys.path.insert(1, str(ROOT))
 
 # envoy/render.py; envoy/ is deliberately not a package (see envoy/NOTES.md)
 import render  # type: ignore[import-not-found]  # noqa: E402
+
+from devtools import identity  # noqa: E402  (stdlib only)
 
 LISTEN_PORT = 10000
 ADMIN_PORT = 9901
@@ -52,12 +60,23 @@ FLUSH_INTERVAL_SECS = 5.0  # ALS heartbeat; --admission-lease-secs (30) > 3 x th
 WORKERS_HOST = "llm-workers"  # headless Service of the workers, same namespace
 WORKERS_PORT = 8000
 _PLACEHOLDER = ("127.0.0.1", WORKERS_PORT)
+# Tenant identity: jwt_authn trusts this JWKS and issuer; the tenant is the "tenant" claim.
+# The demo identity's, NOT for production (its private key is in this repository): put your
+# identity provider's public keys here (a JWKS file) and its issuer, and regenerate.
+JWKS = ROOT / "devtools" / "demo-jwks.json"
+JWT_ISSUER: str | None = identity.ISSUER
+# overlays/engine-key: where the Secret with the engine's API key is mounted in both
+# containers (Envoy sends it upstream, the sidecar's probes read it).
+ENGINE_KEY_SECRET = "priority-gate-engine-key"
+ENGINE_KEY_ITEM = "api-key"
+ENGINE_KEY_DIR = "/etc/priority-gate/engine-key"
 OUT = Path(__file__).resolve().parent / "base" / "configmap-envoy.yaml"
-EDGE_OUT = Path(__file__).resolve().parent / "overlays" / "edge-shed" / "kustomization.yaml"
-POOLS_OUT = Path(__file__).resolve().parent / "overlays" / "pools" / "kustomization.yaml"
-POOLS_EDGE_OUT = (Path(__file__).resolve().parent / "overlays" / "pools-edge-shed"
+NO_EDGE_OUT = Path(__file__).resolve().parent / "overlays" / "no-edge-shed" / "kustomization.yaml"
+ENGINE_KEY_OUT = (Path(__file__).resolve().parent / "overlays" / "engine-key"
                   / "kustomization.yaml")
+POOLS_OUT = Path(__file__).resolve().parent / "overlays" / "pools" / "kustomization.yaml"
 PRIORITY = Path(__file__).resolve().parent / "base" / "configmap-priority.yaml"
+DEPLOYMENT = Path(__file__).resolve().parent / "base" / "deployment.yaml"
 
 # Two models behind one gateway (a 70B chat model and an 8B model), each a StatefulSet of
 # WORKERS_PORT engines behind a headless Service of the same name: (pool, path prefix,
@@ -119,7 +138,7 @@ def _replace_once(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
-def envoy_yaml(edge_shed: bool = False, pools: bool = False) -> str:
+def envoy_yaml(edge_shed: bool = True, pools: bool = False, engine_key: bool = False) -> str:
     """The rendered bootstrap, post-processed for the pod."""
     # Placeholder IPs, one per pool worker, replaced below by the pod's host name.
     hosts = _pool_hosts() if pools else []
@@ -132,7 +151,10 @@ def envoy_yaml(edge_shed: bool = False, pools: bool = False) -> str:
         workers=[_PLACEHOLDER],
         authz_timeout_secs=AUTHZ_TIMEOUT_SECS,
         flush_interval_secs=FLUSH_INTERVAL_SECS,
+        jwt_jwks=JWKS.read_text(encoding="utf-8"),
+        jwt_issuer=JWT_ISSUER,
         edge_shed=edge_shed,
+        engine_key_file=f"{ENGINE_KEY_DIR}/{ENGINE_KEY_ITEM}" if engine_key else None,
         pools=[(name, prefix, [(placeholders[h], WORKERS_PORT)
                                for n, _, _, _, h in hosts if n == name])
                for name, prefix, _, _ in (POOLS if pools else ())],
@@ -191,15 +213,25 @@ def configmap_text() -> str:
     return _HEADER + _indented(envoy_yaml(), "    ")
 
 
-_EDGE_HEADER = """\
+def _sidecar_arg_index(flag: str) -> int:
+    """Where ``flag`` sits in the base's sidecar arguments (a JSON patch path needs it)."""
+    dep = yaml.safe_load(DEPLOYMENT.read_text(encoding="utf-8"))
+    (sidecar,) = dep["spec"]["template"]["spec"]["initContainers"]
+    args: list[str] = sidecar["args"]
+    if args.count(flag) != 1:
+        raise SystemExit(f"generate.py: expected exactly one {flag} in {DEPLOYMENT}")
+    return args.index(flag)
+
+
+_NO_EDGE_HEADER = """\
 # GENERATED by k8s/generate.py -- do not edit by hand.
-# Edge shedding (docs/reference.md "Edge shedding"): Envoy answers the overflow of a full
-# bulk queue with the contract's 429 itself, steered by the sidecar (--edge-shed) over RTDS;
-# a silent sidecar's switch is back to off within about 2 s.
-#   kubectl apply -k k8s/overlays/edge-shed
-# The base with --edge-shed added to the sidecar's arguments and its Envoy config replaced by
-# envoy/envoy.yaml.tmpl rendered with --edge-shed (here, not in a manifest of its own, so
-# the base's ConfigMap stays the only one of that name).
+# The base without edge shedding (docs/reference.md "Edge shedding"): every bulk 429 is the
+# sidecar's, each costing a Check. The base runs it on both sides; this overlay turns both
+# off: --edge-shed removed from the sidecar's arguments (the `test` op fails the build
+# rather than remove another flag if the base's argument list changes shape), and the
+# Envoy config rendered without the edge path (render.py --no-edge-shed). Needed for
+# --shadow, which the sidecar refuses with --edge-shed.
+#   kubectl apply -k k8s/overlays/no-edge-shed
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
@@ -212,9 +244,11 @@ patches:
     - op: test
       path: /spec/template/spec/initContainers/0/name
       value: sidecar
-    - op: add
-      path: /spec/template/spec/initContainers/0/args/-
+    - op: test
+      path: /spec/template/spec/initContainers/0/args/{index}
       value: --edge-shed
+    - op: remove
+      path: /spec/template/spec/initContainers/0/args/{index}
 - target:
     kind: ConfigMap
     name: priority-gate-envoy
@@ -225,8 +259,79 @@ patches:
 """
 
 
-def edge_overlay_text() -> str:
-    return _EDGE_HEADER + _indented(envoy_yaml(edge_shed=True), "        ")
+def no_edge_overlay_text() -> str:
+    return (_NO_EDGE_HEADER.format(index=_sidecar_arg_index("--edge-shed"))
+            + _indented(envoy_yaml(edge_shed=False), "        "))
+
+
+_ENGINE_KEY_HEADER = """\
+# GENERATED by k8s/generate.py -- do not edit by hand.
+# The engine's own API key (llama-server --api-key, vLLM --api-key, ...) on every request
+# Envoy forwards to the workers, and on the sidecar's capacity probes. Envoy reads it from
+# the Secret mounted at {dir}/{item} (credential_injector, after ext_authz and ext_proc:
+# the sidecar never sees it in a Check) and replaces the client's Authorization with
+# `Bearer KEY`; the sidecar reads the same file (--worker-auth-file). The key is never in
+# a ConfigMap, argv or a log. Create the Secret first (the key alone, no "Bearer "):
+#   kubectl create secret generic {secret} --from-literal={item}="$ENGINE_KEY"
+#   kubectl apply -k k8s/overlays/engine-key
+# Envoy reads the file at start: after rotating the key, restart the pods
+# (`kubectl rollout restart deployment/priority-gate`).
+# The workers cluster speaks plain http (as the base does), so the sidecar opts in with
+# --worker-auth-allow-http: inside a mesh the hop is mTLS underneath. Without a mesh, serve
+# the engines over TLS (a TLS transport socket on Envoy's workers cluster) and give the
+# sidecar --envoy-cluster-scheme https instead.
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+- ../../base
+patches:
+- target:
+    kind: Deployment
+    name: priority-gate
+  patch: |-
+    - op: test
+      path: /spec/template/spec/initContainers/0/name
+      value: sidecar
+    - op: test
+      path: /spec/template/spec/containers/0/name
+      value: envoy
+    - op: add
+      path: /spec/template/spec/initContainers/0/args/-
+      value: --worker-auth-file
+    - op: add
+      path: /spec/template/spec/initContainers/0/args/-
+      value: {dir}/{item}
+    - op: add
+      path: /spec/template/spec/initContainers/0/args/-
+      value: --worker-auth-allow-http
+    - op: add
+      path: /spec/template/spec/initContainers/0/volumeMounts/-
+      value: {{name: engine-key, mountPath: {dir}, readOnly: true}}
+    - op: add
+      path: /spec/template/spec/containers/0/volumeMounts/-
+      value: {{name: engine-key, mountPath: {dir}, readOnly: true}}
+    - op: add
+      path: /spec/template/spec/volumes/-
+      value:
+        name: engine-key
+        secret:
+          secretName: {secret}
+          items:
+          - {{key: {item}, path: {item}}}
+- target:
+    kind: ConfigMap
+    name: priority-gate-envoy
+  patch: |-
+    - op: replace
+      path: /data/envoy.yaml
+      value: |
+"""
+
+
+def engine_key_overlay_text() -> str:
+    return (_ENGINE_KEY_HEADER.format(dir=ENGINE_KEY_DIR, item=ENGINE_KEY_ITEM,
+                                      secret=ENGINE_KEY_SECRET)
+            + _indented(envoy_yaml(engine_key=True), "        "))
 
 
 _POOLS_HEADER = """\
@@ -240,7 +345,8 @@ _POOLS_HEADER = """\
 # Over the base: two gateway replicas sharing the fleet ledger (--coordination-url); each
 # pool has a ledger of its own in the one Valkey, under the fleet's keys and ACL user
 # (docs/design.md "Pools in a fleet"). For one replica admitting in-process, put these
-# patches over overlays/single-replica instead.
+# patches over overlays/single-replica instead. Edge shedding as in the base (--edge-shed):
+# each pool's route has a switch of its own, steered by that pool's queue alone.
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
@@ -256,27 +362,15 @@ patches:
 """
 
 
-_POOLS_EDGE_NOTE = """\
-# With edge shedding (docs/reference.md "Edge shedding", "Pools"): each pool's route has a
-# switch of its own, steered by that pool's queue alone; --edge-shed is added to the
-# sidecar's arguments and the bootstrap is rendered with both (render.py --edge-shed --pool).
-#   kubectl apply -k k8s/overlays/pools-edge-shed
-"""
-
-
-def pools_overlay_text(edge_shed: bool = False) -> str:
-    args = ["--worker-urls", *pool_worker_urls(), *(["--edge-shed"] if edge_shed else [])]
+def pools_overlay_text() -> str:
+    args = ["--worker-urls", *pool_worker_urls()]
     ops = ["    - op: add\n      path: /spec/template/spec/initContainers/0/args/-\n"
            f"      value: {arg}\n" for arg in args]
     priority = yaml.safe_load(PRIORITY.read_text(encoding="utf-8"))["data"]["priority.yaml"]
-    header = _POOLS_HEADER
-    if edge_shed:
-        at = header.index("apiVersion:")
-        header = header[:at] + _POOLS_EDGE_NOTE + header[at:]
-    return (header + "".join(ops)
+    return (_POOLS_HEADER + "".join(ops)
             + "- target:\n    kind: ConfigMap\n    name: priority-gate-envoy\n"
             "  patch: |-\n    - op: replace\n      path: /data/envoy.yaml\n      value: |\n"
-            + _indented(envoy_yaml(edge_shed=edge_shed, pools=True), "        ")
+            + _indented(envoy_yaml(pools=True), "        ")
             + "- target:\n    kind: ConfigMap\n    name: priority-gate-config\n"
             "  patch: |-\n    - op: replace\n      path: /data/priority.yaml\n      value: |\n"
             + _indented(priority + POOLS_PRIORITY, "        "))
@@ -286,9 +380,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="fail if the committed file is stale")
     a = p.parse_args()
-    outputs = {OUT: configmap_text(), EDGE_OUT: edge_overlay_text(),
-               POOLS_OUT: pools_overlay_text(),
-               POOLS_EDGE_OUT: pools_overlay_text(edge_shed=True)}
+    outputs = {OUT: configmap_text(), NO_EDGE_OUT: no_edge_overlay_text(),
+               ENGINE_KEY_OUT: engine_key_overlay_text(), POOLS_OUT: pools_overlay_text()}
     if a.check:
         for out, text in outputs.items():
             if not out.exists() or out.read_text(encoding="utf-8") != text:
@@ -296,6 +389,7 @@ def main() -> int:
                 return 1
         return 0
     for out, text in outputs.items():
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text, encoding="utf-8")
         print(f"wrote {out}")
     return 0

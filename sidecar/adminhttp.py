@@ -1,4 +1,5 @@
-"""The admin HTTP endpoint: ``/metrics``, ``/healthz``, ``/readyz`` (aiohttp).
+"""The admin HTTP endpoint: ``/metrics``, ``/healthz``, ``/readyz``, and the status page
+``/status`` (HTML) and ``/status.json`` (:mod:`sidecar.status`) (aiohttp).
 
 GET and HEAD only (405 for other methods on these paths, 404 elsewhere);
 keep-alive, so a Prometheus scrape reuses its connection.
@@ -30,7 +31,7 @@ import asyncio
 import errno
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -46,6 +47,21 @@ IDLE_SECS = 30.0
 EXHAUSTION_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 log = logs.get("sidecar.admin")
+# The status page is read by people and by curl: it must never be cached, framed, or
+# run anything (it has no script; the policy makes sure nothing injected would run).
+STATUS_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                               "frame-ancestors 'none'",
+}
+
+
+class StatusSource(Protocol):
+    """What serves the status page (:class:`sidecar.status.StatusPage`)."""
+
+    def json(self) -> bytes: ...
+    def html(self) -> str: ...
 
 
 class _BoundedServer(web.Server):
@@ -121,10 +137,16 @@ class AdminServer:
         self._recorder = recorder if recorder is not None else NullRecorder()
         self._limits = (max_connections, request_deadline, idle)
         self._routes: dict[str, Callable[[], web.Response]] = {
-            "/metrics": self._metrics, "/healthz": self._healthz, "/readyz": self._readyz}
+            "/metrics": self._metrics, "/healthz": self._healthz, "/readyz": self._readyz,
+            "/status": self._status_html, "/status.json": self._status_json}
+        self._status: StatusSource | None = None  # until the runtime is built
         self._server: _BoundedServer | None = None
         self._runner: web.ServerRunner | None = None
         self._exhausted_log = logs.Throttled(log, "resource_exhausted")
+
+    def serve_status(self, page: StatusSource) -> None:
+        """The runtime is built: ``/status`` and ``/status.json`` show it."""
+        self._status = page
 
     async def start(self, host: str, port: int) -> int:
         max_connections, request_deadline, idle = self._limits
@@ -195,3 +217,15 @@ class AdminServer:
         if self.ready():
             return web.Response(text="ready\n")
         return web.Response(status=503, text="not ready\n")
+
+    def _status_html(self) -> web.Response:
+        if self._status is None:
+            return web.Response(status=503, text="starting\n", headers=STATUS_HEADERS)
+        return web.Response(text=self._status.html(), content_type="text/html",
+                            headers=STATUS_HEADERS)
+
+    def _status_json(self) -> web.Response:
+        if self._status is None:
+            return web.Response(status=503, text="starting\n", headers=STATUS_HEADERS)
+        return web.Response(body=self._status.json(), content_type="application/json",
+                            headers=STATUS_HEADERS)

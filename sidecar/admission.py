@@ -11,6 +11,8 @@ things that keep slot accounting exact whatever fails:
   forever. An admission Envoy acknowledged while its access-log stream was open
   is held without one (``hold_without_lease``): :mod:`sidecar.liveness` releases
   it if that Envoy dies, so no timer alone reclaims a request Envoy still runs.
+  Which of the two an admission is in is kept by the lease table alone; liveness
+  asks (``unleased``).
 * **Idempotent release by admission id.** The core ignores a second release
   and counts it; nothing here keeps a second copy of "who is in flight".
 
@@ -33,7 +35,7 @@ from typing import Protocol
 
 from sidecar import logs
 from sidecar.classes import PriorityClass
-from sidecar.metrics import NullRecorder, Recorder
+from sidecar.metrics import NullPoolRecorder, PoolRecorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     LEASE_EXPIRED,
@@ -58,12 +60,14 @@ class Denied(Exception):
     """Admission refused; ``outcome`` says why, ``legacy`` which path refused."""
 
     def __init__(self, outcome: Outcome, *, legacy: bool, waited: float = 0.0,
-                 rate_limited: bool = False) -> None:
+                 rate_limited: bool = False, predicted: float | None = None) -> None:
         super().__init__(outcome.value)
         self.outcome = outcome
         self.legacy = legacy
         self.waited = waited
         self.rate_limited = rate_limited
+        # The wait the core predicted for it (None: no estimate): computed Retry-After.
+        self.predicted = predicted
 
 
 log = logs.get("sidecar.admission")
@@ -74,15 +78,13 @@ def new_admission_id() -> str:
     return secrets.token_hex(16)
 
 
-class AdmissionService(Protocol):
-    """What the gRPC services and the runtime use: :class:`AdmissionController` in process,
-    :class:`sidecar.coordination.controller.FleetController` across a fleet."""
+class AdmissionsById(Protocol):
+    """The calls keyed by an admission id (the access log, ext_proc, Envoy liveness):
+    one pool's admission service, or :class:`sidecar.pools.Pools`, which routes each to
+    the pool the id names."""
 
     @property
-    def legacy(self) -> bool: ...
-    @property
     def lease_count(self) -> int: ...
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted: ...
     def release(self, aid: str,
                 reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult: ...
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
@@ -91,12 +93,24 @@ class AdmissionService(Protocol):
     def holds(self, aid: str) -> bool: ...
     def hold_without_lease(self, aid: str) -> bool: ...
     def lease_again(self, aid: str) -> bool: ...
+    def unleased(self, aid: str) -> bool: ...
     def mark_first_byte(self, aid: str) -> bool: ...
     async def confirm_first_byte(self, aid: str) -> bool: ...
     def close_stop_channel(self, aid: str) -> None: ...
+
+
+class AdmissionService(AdmissionsById, Protocol):
+    """One pool's admission: :class:`AdmissionController` in process,
+    :class:`sidecar.coordination.controller.FleetController` across a fleet."""
+
+    @property
+    def legacy(self) -> bool: ...
+    async def admit(self, cls: PriorityClass, tenant: str, *,
+                    wait_budget: float | None = None, enforce: bool = False) -> Admitted: ...
     def set_capacity(self, capacity: int) -> None: ...
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None: ...
     def snapshot(self) -> Snapshot: ...
+    def predicted_wait(self, cls: PriorityClass) -> float | None: ...
     def close(self) -> None: ...
 
 
@@ -109,22 +123,19 @@ class AdmissionController:
         *,
         lease_secs: float,
         bucket: TokenBucket | None = None,
-        metrics: Recorder | None = None,
+        metrics: PoolRecorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         id_factory: Callable[[], str] = new_admission_id,
         trace: SlotTrace | None = None,
     ) -> None:
         self.core = core
         self._bucket = bucket
-        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
+        self._metrics: PoolRecorder = metrics if metrics is not None else NullPoolRecorder()
         self._clock = clock
         self._new_id = id_factory
         self._waiters: dict[str, asyncio.Future[Admitted]] = {}
+        # Under a lease, or held by its Envoy (no timer: sidecar.liveness).
         self._leases = Leases(lease_secs)
-        # Admissions Envoy acknowledged while its access-log stream was open
-        # (sidecar.liveness): no timer; their end, a preemption or their Envoy's
-        # death frees them.
-        self._unleased: set[str] = set()
         # The stop signal of every admission with an open stop channel.
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -134,8 +145,10 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ admission
 
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
-        """Admit now, wait in the class queue, or raise :class:`Denied`.
+    async def admit(self, cls: PriorityClass, tenant: str, *,
+                    wait_budget: float | None = None, enforce: bool = False) -> Admitted:
+        """Admit now, wait in the class queue, or raise :class:`Denied`. ``wait_budget``
+        and ``enforce``: the pool's deadline for this arrival (``Scheduler.arrive``).
 
         Cancelling the awaiting task (Envoy cancels Check when the client leaves)
         removes the waiter, or gives back a slot granted in the same instant.
@@ -147,7 +160,7 @@ class AdmissionController:
                 raise Denied(Outcome.REJECTED_QUEUE_FULL, legacy=self.core.legacy,
                              rate_limited=True)
         aid = self._new_id()
-        decision = self.core.arrive(aid, cls, tenant)
+        decision = self.core.arrive(aid, cls, tenant, wait_budget=wait_budget, enforce=enforce)
         fut: asyncio.Future[Admitted] | None = None
         if isinstance(decision, Queued):
             fut = asyncio.get_running_loop().create_future()
@@ -158,7 +171,8 @@ class AdmissionController:
         if isinstance(decision, Admitted):
             return decision
         if isinstance(decision, Rejected):
-            raise Denied(decision.outcome, legacy=decision.legacy, waited=decision.waited)
+            raise Denied(decision.outcome, legacy=decision.legacy, waited=decision.waited,
+                         predicted=decision.predicted)
         assert fut is not None
         try:
             return await fut
@@ -174,12 +188,11 @@ class AdmissionController:
 
     def release(self, aid: str,
                 reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
-        """End an admission; a second or unknown release is counted and ignored."""
+        """End an admission; a second or unknown release changes nothing (the caller
+        counts it: :meth:`sidecar.pools.Pools.release`)."""
         result = self.core.release(aid, reason)
         if result is ReleaseResult.RELEASED:
             self._apply_events()
-        else:
-            self._metrics.completion_unmatched(result.value)
         return result
 
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
@@ -191,13 +204,11 @@ class AdmissionController:
         when the entry names its class, so capacity in use is known again within
         one flush interval. False if it was neither renewed nor adopted.
         """
-        if aid in self._unleased:
-            return True
-        if not self._leases.renew(aid, self._clock()):
+        if not self._leases.renew(aid, self._clock()):  # True too if held without one
             if cls is None or not self.core.adopt(aid, cls, tenant):
                 return False
             self._apply_events()  # its Admitted event creates the lease
-            log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
+            log.info("adopted", admission_tag=logs.id_tag(aid), cls=cls.label, tenant=tenant)
         return True
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
@@ -224,18 +235,19 @@ class AdmissionController:
         """Its Envoy is watched and ran it: only its end or that Envoy's death frees it."""
         if not self.core.is_admitted(aid):
             return False
-        self._leases.drop(aid)
-        self._unleased.add(aid)
+        self._leases.hold(aid)
         return True
 
     def lease_again(self, aid: str) -> bool:
         """Back under the lease from now (its Envoy may have been replaced)."""
-        if aid not in self._unleased:
+        if not self._leases.lease_again(aid, self._clock()):
             return False
-        self._unleased.discard(aid)
-        self._leases.grant(aid, self._clock())
         self._arm_timer()
         return True
+
+    def unleased(self, aid: str) -> bool:
+        """Held without a lease (``hold_without_lease``): no timer reclaims it."""
+        return self._leases.unleased(aid)
 
     def mark_first_byte(self, aid: str) -> bool:
         """→ STREAMING: the response started, so the request can no longer be preempted."""
@@ -268,10 +280,14 @@ class AdmissionController:
     def snapshot(self) -> Snapshot:
         return self.core.snapshot()
 
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """The wait an arrival of ``cls`` would have now (None: no estimate)."""
+        return self.core.predicted_wait(cls)
+
     @property
     def lease_count(self) -> int:
         """Admissions in flight here: under a lease, or held without one."""
-        return len(self._leases) + len(self._unleased)
+        return len(self._leases)
 
     @property
     def waiting(self) -> int:
@@ -299,10 +315,10 @@ class AdmissionController:
                 elif isinstance(e, Rejected):
                     fut = self._waiters.get(e.id)
                     if fut is not None and not fut.done():
-                        fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited))
+                        fut.set_exception(Denied(e.outcome, legacy=e.legacy, waited=e.waited,
+                                                 predicted=e.predicted))
                 elif isinstance(e, Released):
                     self._leases.drop(e.admission.id)
-                    self._unleased.discard(e.admission.id)
                 elif isinstance(e, Preempted):
                     self._signal_preempted(e.victim.id)
             self._metrics.on_events(events)

@@ -1,16 +1,17 @@
-"""Wiring: settings -> core -> controller -> gRPC + admin HTTP + capacity polling.
+"""Wiring: settings -> pools (capacity, admission) -> gRPC + admin HTTP.
 
 Build, then serve: :func:`build_runtime` returns a complete :class:`Runtime`
 (every part built, nothing filled in later), :meth:`Runtime.serve` starts it.
 Tests run it in their own event loop; :func:`run` is what the command line calls.
+
+Every request goes through one path: the pool its route names
+(:mod:`sidecar.pools`). A sidecar without named pools has one, ``default``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -32,50 +33,35 @@ from sidecar.coordination.credentials import with_password
 from sidecar.edge import RTDS_SERVICE, EdgeShed
 from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
+from sidecar.limiter import AdaptiveLimit
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
-from sidecar.metrics import Metrics
-from sidecar.pools import DEFAULT_POOL, PooledAdmission, PoolRecorder, id_factory, pool_of
+from sidecar.metrics import Metrics, PoolRecorder
+from sidecar.pools import DEFAULT_POOL, Pool, Pools, id_factory
+from sidecar.ratelimit import TokenBucket
 from sidecar.reload import ConfigWatcher
 from sidecar.scheduler import (
     AdmissionCore,
-    ClassSettings,
     LegacyAdmission,
     Scheduler,
     desired_reservations,
     reservations_fit,
 )
-from sidecar.shadow import ShadowCore, Verdict
+from sidecar.shadow import ShadowCore
+from sidecar.status import StatusPage
 
 log = logs.get("sidecar")
 
 AUTHZ_SERVICE = "envoy.service.auth.v3.Authorization"
 ALS_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-
-# Engines that cannot stop a request whose client went away while they are busy:
-# llama.cpp's server notices a closed connection only after one second without a result
-# of *any* task, which another stream, a /metrics or /slots request never lets pass. A
-# preempted victim runs to its end there, so preempting frees no slot: the preemptor
-# would wait in the engine's own queue while the engine runs one more than its capacity
-# (docs/reference.md, Engines). While a worker counted runs one, no class preempts.
-CANNOT_CANCEL_ENGINES = frozenset({"llamacpp"})
-
-
-def uncancellable_workers(reading: CapacityReading) -> tuple[str, ...]:
-    """The workers counted in ``reading`` whose engine cannot cancel a running request."""
-    return tuple(sorted(w.url for w in reading.workers if w.engine in CANNOT_CANCEL_ENGINES))
-
-
-def without_preemption(classes: Mapping[PriorityClass, ClassSettings]
-                       ) -> dict[PriorityClass, ClassSettings]:
-    return {c: dataclasses.replace(k, can_preempt=False) for c, k in classes.items()}
+FALLBACK_REASON = "reservations_exceed_capacity"  # the only way the scheduler falls back
 
 
 async def build_runtime(settings: Settings) -> Runtime:
     """Build the whole sidecar; nothing serves admission until :meth:`Runtime.serve`.
 
     The admin server starts first and answers ``/healthz`` (the process is
-    alive) while the first capacity reading may take up to
+    alive) while the first capacity readings may take up to
     ``--startup-capacity-wait-secs``; ``/readyz`` stays 503 until ``serve()``.
     If the build fails or is cancelled, what it started is stopped again.
     """
@@ -83,27 +69,37 @@ async def build_runtime(settings: Settings) -> Runtime:
     if not s.scheduler.default_max_class_valid:
         log.warning("unknown_default_max_class_using_default",
                     flag="--priority-scheduler-default-max-class")
-    metrics = Metrics(tenant_top_n=s.scheduler.tenant_metric_top_n,
-                      pools=bool(s.capacity.pool_workers))
+    # No tenant above the default ceiling: whatever a request asks for, it is admitted at
+    # most at that ceiling (a clamp, counted but silent); tell the operator at start-up.
+    ceiling = s.scheduler.default_max_class
+    if s.scheduler.scheduler_enabled and ceiling < PriorityClass.SYSTEM and all(
+            c <= ceiling for c in s.scheduler.priority.tenant_policies.values()):
+        log.warning("no_tenant_above_default_ceiling", default_max_class=ceiling.label,
+                    tenant_source=f"{s.scheduler.tenant_source.kind}:"
+                                  f"{s.scheduler.tenant_source.name}".rstrip(":"),
+                    hint="every request is clamped to this class; give tenant_policies "
+                         "a tenant above it and a --tenant-source Envoy sets")
+    sources = s.capacity.pool_sources()
+    # With named pools, every pool's series and log lines name it (sidecar.metrics).
+    labelled = len(sources) > 1
+    metrics = Metrics(tenant_top_n=s.scheduler.tenant_metric_top_n, pools=labelled)
     serving = asyncio.Event()
     admin = AdminServer(metrics.registry, serving.is_set, metrics)
     hhost, hport = listen.host_port(s.listen.http_listen)
     http_port = await admin.start(hhost, hport)
-    # Until the runtime exists, readings only feed metrics; it takes them over.
-    monitor = _monitor(s, s.capacity.worker_urls, s.capacity.envoy_admin_url, metrics.capacity_read,
-                       DEFAULT_POOL if s.capacity.pool_workers else None)
-    # Named pools probe their own --worker-urls POOL=URL entries (sidecar.pools); the
-    # default pool is the monitor above. Their readings reach metrics via the runtime.
-    pool_monitors = {name: _monitor(s, urls, None, lambda _r: None, name)
-                     for name, urls in s.capacity.pool_workers.items()}
+    # Until the runtime exists, a pool's readings only feed its metrics; its Pool takes
+    # them over.
+    monitors = {name: _monitor(s, urls, admin_url, metrics.pool(name).capacity_read,
+                               _log_fields(name, labelled))
+                for name, (urls, admin_url) in sources.items()}
     fleets: dict[str, FleetController] = {}
     try:
-        # The first capacity reading decides scheduler vs. legacy (the startup check),
-        # per pool when there are pools.
-        reading, *rest = await asyncio.gather(
-            _first_reading(s, monitor),
-            *(_first_reading(s, m, name) for name, m in pool_monitors.items()))
-        pool_readings = dict(zip(pool_monitors, rest, strict=True))
+        # The first capacity reading decides scheduler vs. legacy (the start-up check),
+        # for each pool.
+        readings = dict(zip(monitors, await asyncio.gather(
+            *(_first_reading(s, m, name, _log_fields(name, labelled))
+              for name, m in monitors.items())), strict=True))
+        bucket = s.legacy.limits.bucket(time.monotonic)  # one rate check for all pools
         if s.fleet.coordination_url is not None:
             # The password joins the URL in memory only (never argv, never printed).
             url = (s.fleet.coordination_url if s.fleet.coordination_password is None else
@@ -111,11 +107,8 @@ async def build_runtime(settings: Settings) -> Runtime:
             await server.check_server_at(url, max(0.05, min(1.0, s.fleet.replica_ttl_secs / 5)),
                                          metrics)
             # Connect and register; an unreachable server starts the replica degraded.
-            # With pools, one controller per pool, each over its pool's own ledger in the
-            # fleet (its capacity its own workers'; docs/design.md, "Pools in a fleet").
-            bucket = s.legacy.limits.bucket(time.monotonic)  # one rate check for all pools
-            readings = {DEFAULT_POOL: reading, **pool_readings}
-            names = list(readings) if pool_readings else [DEFAULT_POOL]
+            # One controller per pool, each over its pool's own ledger in the fleet (its
+            # capacity its own workers'; docs/design.md, "Pools in a fleet").
             connected = await asyncio.gather(*(FleetController.connect(
                 url, fleet=s.fleet.fleet_id, replica=s.fleet.replica_id,
                 ttl=s.fleet.replica_ttl_secs,
@@ -123,32 +116,34 @@ async def build_runtime(settings: Settings) -> Runtime:
                 capacity=readings[name].capacity,
                 ack_timeout=s.liveness.admission_lease_secs,
                 bucket=bucket,
-                metrics=PoolRecorder(metrics, name) if pool_readings else metrics,
-                pool=name if pool_readings else None,
-                id_factory=id_factory(name)) for name in names), return_exceptions=True)
-            fleets = {n: c for n, c in zip(names, connected, strict=True)
+                metrics=metrics.pool(name),
+                pool=name if labelled else None,
+                id_factory=id_factory(name)) for name in monitors), return_exceptions=True)
+            fleets = {n: c for n, c in zip(monitors, connected, strict=True)
                       if isinstance(c, FleetController)}
             failed = [c for c in connected if isinstance(c, BaseException)]
             if failed:
                 raise failed[0]
         return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
-                       serving=serving, monitor=monitor, reading=reading,
-                       fleet=fleets.get(DEFAULT_POOL),
-                       pool_monitors=pool_monitors, pool_readings=pool_readings,
-                       pool_fleets=fleets if pool_readings else None)
+                       serving=serving, monitors=monitors, readings=readings, fleets=fleets,
+                       bucket=bucket)
     except BaseException:
         for f in fleets.values():  # connected, or a Runtime that failed to build
             await f.aclose()
-        await monitor.close()
-        for m in pool_monitors.values():
+        for m in monitors.values():
             await m.close()
         await admin.stop()
         raise
 
 
+def _log_fields(name: str, labelled: bool) -> dict[str, str]:
+    """What names a pool in a log line: nothing where the default pool is the only one."""
+    return {"pool": name} if labelled else {}
+
+
 def _monitor(s: Settings, worker_urls: tuple[str, ...], envoy_admin_url: str | None,
              on_change: Callable[[CapacityReading], None],
-             pool: str | None = None) -> CapacityMonitor:
+             log_fields: Mapping[str, str]) -> CapacityMonitor:
     return CapacityMonitor(
         worker_urls=worker_urls,
         envoy_admin_url=envoy_admin_url,
@@ -162,12 +157,14 @@ def _monitor(s: Settings, worker_urls: tuple[str, ...], envoy_admin_url: str | N
         default_cap=s.capacity.worker_max_running_requests,
         saturation_guard=s.capacity.saturation_guard,
         credential=s.capacity.worker_credential,
-        pool=pool,
+        credential_over_http=s.capacity.worker_auth_allow_http,
+        envoy_cluster_scheme=s.capacity.envoy_cluster_scheme,
+        pool=log_fields.get("pool"),
     )
 
 
-async def _first_reading(s: Settings, monitor: CapacityMonitor,
-                         pool: str = DEFAULT_POOL) -> CapacityReading:
+async def _first_reading(s: Settings, monitor: CapacityMonitor, pool: str,
+                         log_fields: Mapping[str, str]) -> CapacityReading:
     """Poll until real workers answer, for at most --startup-capacity-wait-secs.
 
     In a pod the sidecar starts before Envoy, so with --envoy-admin-url the
@@ -192,253 +189,144 @@ async def _first_reading(s: Settings, monitor: CapacityMonitor,
     if reading.source == "fallback" and s.capacity.startup_capacity_wait_secs > 0:
         log.warning("no_healthy_worker_at_startup",
                     waited_secs=s.capacity.startup_capacity_wait_secs,
-                    fallback_capacity=reading.capacity,
-                    **({"pool": pool} if s.capacity.pool_workers else {}))
+                    fallback_capacity=reading.capacity, **log_fields)
     return reading
 
 
-def _build_core(s: Settings, reading: CapacityReading,
-                pool: str | None = None) -> AdmissionCore:
-    priority = s.scheduler.priority
-    classes = priority.classes if pool is None else priority.classes_for(pool)
+class UncappedFallbackRefused(RuntimeError):
+    """--refuse-uncapped-fallback: a pool would serve with legacy admission and no cap."""
+
+
+def _build_core(s: Settings, pool: str, reading: CapacityReading,
+                log_fields: Mapping[str, str]) -> AdmissionCore:
+    """A pool's in-process core: the scheduler where its reservations fit its capacity,
+    else the contract's legacy fallback, made impossible to miss."""
+    classes = s.scheduler.priority.classes_for(pool)
     limit = s.legacy.limits.cap
     if s.scheduler.scheduler_enabled:
         if reservations_fit(classes, reading.capacity):
             return Scheduler(classes, reading.capacity, time.monotonic)
-        # The contract's fallback, made impossible to miss: without a cap it admits
-        # everything at once, whatever the workers can run.
         desired = desired_reservations(classes, reading.capacity)
-        mode, reason = s.legacy.limits.mode, FALLBACK_REASON
+        mode = s.legacy.limits.mode
         log.warning("reservations_exceed_capacity_using_legacy_admission",
-                    mode=mode, reason=reason, capacity=reading.capacity,
+                    mode=mode, reason=FALLBACK_REASON, capacity=reading.capacity,
                     capacity_source=reading.source, reserved_total=sum(desired.values()),
                     reserved={c.label: n for c, n in desired.items()},
-                    concurrency_cap=limit, **({"pool": pool} if pool is not None else {}),
+                    concurrency_cap=limit, **log_fields,
                     hint="for life of the process; lower the reservations (check with "
                          "--check-config FILE --check-capacity N) or restart once the "
                          "fleet is larger")
         if limit is None:
-            log.error("legacy_admission_uncapped", mode=mode, reason=reason,
-                      capacity=reading.capacity,
+            if s.scheduler.refuse_uncapped_fallback:
+                raise UncappedFallbackRefused(
+                    f"pool {pool!r}: its reservations ({sum(desired.values())} slots) exceed "
+                    f"its capacity of {reading.capacity} and --max-concurrent-requests <= 0 "
+                    "leaves legacy admission without a cap; --refuse-uncapped-fallback refuses "
+                    "to serve it so")
+            # Without a cap it admits everything at once, whatever the workers can run.
+            log.error("legacy_admission_uncapped", mode=mode, reason=FALLBACK_REASON,
+                      capacity=reading.capacity, **log_fields,
                       hint="--max-concurrent-requests is <= 0, so nothing limits "
                            "admission: every request goes to the workers at once")
     return LegacyAdmission(limit=limit, queue_size=s.legacy.queue_size,
-                           queue_timeout_secs=s.legacy.queue_timeout_secs, clock=time.monotonic)
-
-
-def _pool_verdict(shadows: Mapping[str, ShadowCore], aid: str) -> Verdict | None:
-    shadow = shadows.get(pool_of(aid))
-    return None if shadow is None else shadow.take_verdict(aid)
-
-
-def _inflight(controller: AdmissionService) -> int:
-    return controller.snapshot().inflight
-
-
-FALLBACK_REASON = "reservations_exceed_capacity"  # the only way the scheduler falls back
+                           queue_timeout_secs=s.legacy.queue_timeout_secs, clock=time.monotonic,
+                           measured=reading.capacity)
 
 
 class Runtime:
     """The whole sidecar, complete from construction; :func:`build_runtime` makes it.
 
-    Everything is built here, synchronously, from the first capacity reading:
-    core, controller, the three gRPC services, the gRPC server (port bound, not
-    yet started) and the config watcher. :meth:`serve` starts serving,
-    :meth:`stop` ends it.
+    Everything is built here, synchronously, from each pool's first capacity reading:
+    the pools (sidecar.pools), the three gRPC services, the gRPC server (port bound, not
+    yet started) and the config watcher. :meth:`serve` starts serving, :meth:`stop`
+    ends it.
     """
 
     def __init__(self, settings: Settings, *, metrics: Metrics, admin: AdminServer,
-                 http_port: int, serving: asyncio.Event, monitor: CapacityMonitor,
-                 reading: CapacityReading, fleet: FleetController | None = None,
-                 pool_monitors: Mapping[str, CapacityMonitor] | None = None,
-                 pool_readings: Mapping[str, CapacityReading] | None = None,
-                 pool_fleets: Mapping[str, FleetController] | None = None) -> None:
+                 http_port: int, serving: asyncio.Event,
+                 monitors: Mapping[str, CapacityMonitor],
+                 readings: Mapping[str, CapacityReading],
+                 fleets: Mapping[str, FleetController],
+                 bucket: TokenBucket | None = None) -> None:
         s = self.settings = settings
         self.metrics = metrics
-        self.monitor = monitor
-        self.reading = reading
         self.http_port = http_port
         self._admin = admin
         self._serving = serving  # the admin server's /readyz reads it
         self.generation = 1
         self._tasks: list[asyncio.Task[None]] = []
         self._grpc_started = False
-
-        # With --coordination-url the fleet's ledger decides (no in-process core);
-        # the reservation check does not apply: the ledger scales reservations to
-        # the fleet's capacity.
-        self.fleet = fleet
-        # Every fleet controller: one per pool with pools (the default pool's is
-        # self.fleet), else just self.fleet.
-        self.fleets: dict[str, FleetController] = (
-            dict(pool_fleets) if pool_fleets else
-            {DEFAULT_POOL: fleet} if fleet is not None else {})
-        for name, f in self.fleets.items():
-            # Each pool's ledger sees its own workers (the fleet-id collision check).
-            f.ledger.identity = server.capacity_source(
-                reading if name == DEFAULT_POOL else (pool_readings or {})[name])
-        self.core: AdmissionCore | None = None
-        self.controller: AdmissionService
-        # Pools (sidecar.pools): one monitor, core and controller each; the default
-        # pool's monitor and core are also self.monitor and self.core.
-        self.pools: PooledAdmission | None = None
-        self._pool_monitors: dict[str, CapacityMonitor] = {}
-        self._pool_readings: dict[str, CapacityReading] = {}
-        self._pool_uncancellable: dict[str, tuple[str, ...]] = {}
-        # --shadow with pools: each pool's shadow (self.core is the default pool's).
-        self._shadows: dict[str, ShadowCore] = {}
-        if fleet is not None and not pool_monitors:
-            self.controller = fleet
-        elif pool_monitors:
-            self._pool_monitors = {DEFAULT_POOL: monitor, **pool_monitors}
-            self._pool_readings = {DEFAULT_POOL: reading, **(pool_readings or {})}
-            if fleet is not None:  # each pool's ledger decides
-                self.pools = PooledAdmission(self.fleets, metrics)
-            else:
-                # One request-rate check for all pools (--shadow: taken in the shadows only).
-                bucket = s.legacy.limits.bucket(time.monotonic)
-                cores = {name: _build_core(s, r, name)
-                         for name, r in self._pool_readings.items()}
-                if s.scheduler.shadow:
-                    # Each pool's shadow runs beside that pool's own core and capacity and
-                    # records under the pool's label (docs/design.md, "Shadow mode").
-                    self._shadows = {name: ShadowCore(core, time.monotonic,
-                                                      PoolRecorder(metrics, name), bucket=bucket)
-                                     for name, core in cores.items()}
-                    cores = dict(self._shadows)
-                    shadows = self._shadows
-                    metrics.shadow_started(shadows[DEFAULT_POOL].shadow_snapshot, lambda: {
-                        name: sc.shadow_snapshot() for name, sc in shadows.items()})
-                    bucket = None
-                controllers = {
-                    name: AdmissionController(core,
-                                              lease_secs=s.liveness.admission_lease_secs,
-                                              bucket=bucket, metrics=PoolRecorder(metrics, name),
-                                              id_factory=id_factory(name))
-                    for name, core in cores.items()}
-                self.pools = PooledAdmission(controllers, metrics)
-                self.core = controllers[DEFAULT_POOL].core
-            self.controller = self.pools
-        else:
-            self.core = _build_core(s, reading)
-            bucket = s.legacy.limits.bucket(time.monotonic)
-            if s.scheduler.shadow:  # the core built above only says what it would have done
-                self.core = ShadowCore(self.core, time.monotonic, metrics, bucket=bucket)
-                metrics.shadow_started(self.core.shadow_snapshot)
-                bucket = None
-            self.controller = AdmissionController(
-                self.core,
-                lease_secs=s.liveness.admission_lease_secs,
-                bucket=bucket,
-                metrics=metrics,
-            )
-        self.legacy = self.controller.legacy
-        # The file's; preemption may be suspended below.
-        self._classes = s.scheduler.priority.classes
         self._config = s.scheduler.priority
-        self._uncancellable = uncancellable_workers(reading)
-        if self.pools is not None:
-            for name, r in self._pool_readings.items():
-                self._pool_uncancellable[name] = uncancellable_workers(r)
-                if self._pool_uncancellable[name]:
-                    self._preemption_suspended(r, name)
-                ctl = self.pools.controllers[name]
-                if fleet is None:
-                    ctl.update_config(self._pool_classes(name))
-                    # The guard of each pool compares its engines with that pool's
-                    # admissions (a fleet's ledger holds other replicas' too: not compared).
-                    self._pool_monitors[name].policy.held = functools.partial(_inflight, ctl)
-                elif self._pool_uncancellable[name]:  # it registered the file's table
-                    ctl.update_config(self._pool_classes(name))
-                self._pool_monitors[name].on_change = functools.partial(
-                    self._on_pool_capacity, name)
-            for name, r in self._pool_readings.items():
-                metrics.pool_capacity_read(name, r)
-            metrics.pools_started(self.pools.snapshots)
-            metrics.preemption_suspended(any(self._pool_uncancellable.values()))
-        else:
-            if self._uncancellable:
-                self._preemption_suspended(reading)
-                self.controller.update_config(self._effective_classes())
-            metrics.preemption_suspended(bool(self._uncancellable))
-            if fleet is None:
-                # The guard compares the engines' own counts with what this sidecar holds
-                # (a fleet's ledger holds other replicas' admissions too: not compared).
-                monitor.policy.held = lambda: self.controller.snapshot().inflight
-            # From here on a new capacity reading also resizes admission.
-            monitor.on_change = self._on_capacity
-        metrics.started(legacy=self.legacy, snapshot=self.controller.snapshot,
-                        config_digest=s.scheduler.priority.digest,
-                        fallback=(s.legacy.limits.mode, FALLBACK_REASON)
-                        if self.legacy and s.scheduler.scheduler_enabled else None)
+        labelled = len(monitors) > 1
+        self.pools = Pools({name: self._build_pool(
+            name, monitor=monitors[name], reading=readings[name], fleet=fleets.get(name),
+            metrics=metrics.pool(name), labelled=labelled, bucket=bucket)
+            for name in monitors}, metrics)
+        metrics.started(config_digest=s.scheduler.priority.digest)
+
         # Which Envoy asked for each admission and whether it is still there: slots of
         # requests Envoy still runs are never reclaimed by a timer alone.
         # With the local Envoy's admin known, a loopback owner's restart and a blip of its
         # connection are told apart by that process's start (GET /server_info).
         admin_url = s.capacity.envoy_admin_url
+        default_monitor = self.pools[DEFAULT_POOL].monitor  # the pool Envoy's cluster feeds
         self.liveness = EnvoyLiveness(
-            self.controller, grace=s.liveness.envoy_owner_grace_secs, metrics=metrics,
+            self.pools, grace=s.liveness.envoy_owner_grace_secs, metrics=metrics,
             start_of=None if admin_url is None else AdminProcessStart(
-                admin_url, lambda: self.monitor.session),
+                admin_url, lambda: default_monitor.session),
             identifiable=None if admin_url is None else local_owners(admin_url))
-        for f in self.fleets.values():
-            f.liveness_decides = True  # acknowledged only while its Envoy is watched
-        self.authz = AuthzService(self.controller, metrics, s.scheduler.tenant_source,
+        for p in self.pools:
+            if p.fleet is not None:
+                p.fleet.liveness_decides = True  # acknowledged only while its Envoy is watched
+        self.authz = AuthzService(self.pools, metrics, s.scheduler.tenant_source,
                                   TenantPolicy(s.scheduler.priority.tenant_policies,
                                                s.scheduler.default_max_class),
-                                  self._preemptible_now(),
-                                  liveness=self.liveness)
-        if self._shadows:  # the would-be answer of the pool the admission id names
-            self.authz.shadow_verdict = functools.partial(_pool_verdict, self._shadows)
-        elif isinstance(self.core, ShadowCore):
-            self.authz.shadow_verdict = self.core.take_verdict
-        self.authz.pools = self.pools
+                                  self.pools.preemptible(), liveness=self.liveness,
+                                  shadow=s.scheduler.shadow, busy_status=s.scheduler.busy_status,
+                                  hints=s.scheduler.overload_hints)
         self.features = FeatureDetector(metrics, lease_secs=s.liveness.admission_lease_secs,
                                         wall_clock=time.time)
-        self.completion = CompletionService(self.controller, metrics, self.features,
-                                            self.liveness)
-        self.response_path = ResponsePathService(self.controller, metrics, self.features,
+        self.completion = CompletionService(self.pools, metrics, self.features, self.liveness)
+        self.response_path = ResponsePathService(self.pools, metrics, self.features,
                                                  self.liveness)
 
-        # --edge-shed: RTDS switches for Envoy's edge route, steered by the Checks' outcomes.
-        # Legacy admission answers admission_queue_full, which the edge route does not
-        # send: the switches then stay 0.
-        # With pools, each pool's switches follow that pool's queue alone.
-        self.edge = (EdgeShed(metrics, self.authz.rejection_counted,
-                              self.pools.controllers if self.pools is not None
-                              else (DEFAULT_POOL,))
+        # --edge-shed: RTDS switches for Envoy's edge routes, one set per pool, each
+        # steered by its pool's Checks. Legacy admission answers admission_queue_full,
+        # which the edge route does not send: a legacy pool's switches stay 0.
+        self.edge = (EdgeShed({p.name: p.metrics for p in self.pools},
+                              self.authz.rejection_counted)
                      if s.scheduler.edge_shed else None)
         if self.edge is not None:
-            if self.legacy:
-                log.warning("edge_shed_off_in_legacy_admission")
-            else:
-                self.authz.edge = self.edge.controller
-                self.authz.edges = self.edge.controllers
+            for p in self.pools:
+                if p.legacy:
+                    p.log.warning("edge_shed_off_in_legacy_admission")
+                else:
+                    p.edge = self.edge.controllers[p.name]
         als = (self.completion.stream_access_logs if self.edge is None
                else self.edge.access_logs(self.completion.stream_access_logs))
 
         self._grpc = grpc.aio.server(options=list(authz.GRPC_SERVER_OPTIONS))
         # No (de)serialiser: grpc hands the handlers bytes and sends theirs as they are,
         # without a Python call per message each way (what bench.noop, the floor, does).
-        p = None
+        p_ = None
         self._grpc.add_generic_rpc_handlers([
             grpc.method_handlers_generic_handler(AUTHZ_SERVICE, {
                 "Check": grpc.unary_unary_rpc_method_handler(
-                    self.authz.check, request_deserializer=p, response_serializer=p)}),
+                    self.authz.check, request_deserializer=p_, response_serializer=p_)}),
             grpc.method_handlers_generic_handler(ALS_SERVICE, {
                 "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
-                    als, request_deserializer=p, response_serializer=p)}),
+                    als, request_deserializer=p_, response_serializer=p_)}),
             grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {
                 "Process": grpc.stream_stream_rpc_method_handler(
-                    self.response_path.process, request_deserializer=p,
-                    response_serializer=p)}),
+                    self.response_path.process, request_deserializer=p_,
+                    response_serializer=p_)}),
         ])
         if self.edge is not None:
             self._grpc.add_generic_rpc_handlers([
                 grpc.method_handlers_generic_handler(RTDS_SERVICE, {
                     "StreamRuntime": grpc.stream_stream_rpc_method_handler(
-                        self.edge.server.stream_runtime, request_deserializer=p,
-                        response_serializer=p)})])
+                        self.edge.server.stream_runtime, request_deserializer=p_,
+                        response_serializer=p_)})])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.grpc_listen = listen.parse(s.listen.grpc_listen)
@@ -450,6 +338,46 @@ class Runtime:
             interval=s.scheduler.config_poll_secs,
             apply=self._apply_config, on_error=self._reload_failed,
             validate=self._validate_reload)
+        self.status = StatusPage(self)  # /status, /status.json on the admin port
+        admin.serve_status(self.status)
+
+    def _build_pool(self, name: str, *, monitor: CapacityMonitor, reading: CapacityReading,
+                    fleet: FleetController | None, metrics: PoolRecorder, labelled: bool,
+                    bucket: TokenBucket | None) -> Pool:
+        """One pool's admission: its fleet controller (the ledger decides; the start-up
+        reservation check does not apply, the ledger scales reservations to the fleet's
+        capacity), or an in-process controller over its own core (--shadow: the core only
+        says what it would have done, and takes the request-rate check)."""
+        s = self.settings
+        shadow: ShadowCore | None = None
+        controller: AdmissionService
+        if fleet is not None:
+            controller = fleet
+        else:
+            core = _build_core(s, name, reading, _log_fields(name, labelled))
+            if s.scheduler.shadow:
+                shadow = core = ShadowCore(
+                    core, time.monotonic, metrics, bucket=bucket,
+                    summary=logs.ShadowSummary(log.bind(**_log_fields(name, labelled))))
+                bucket = None
+            controller = AdmissionController(core, lease_secs=s.liveness.admission_lease_secs,
+                                             bucket=bucket, metrics=metrics,
+                                             id_factory=id_factory(name))
+        legacy = controller.legacy
+        metrics.admission_started(
+            legacy=legacy, snapshot=controller.snapshot,
+            fallback=(s.legacy.limits.mode, FALLBACK_REASON)
+            if legacy and s.scheduler.scheduler_enabled else None)
+        if shadow is not None:
+            metrics.shadow_started(shadow.shadow_snapshot)
+        c = s.capacity
+        limiter = None if not c.adaptive_capacity else AdaptiveLimit(
+            start=c.adaptive_capacity_start or reading.capacity,
+            floor=c.adaptive_capacity_floor, ceiling=reading.capacity)
+        return Pool(name, controller=controller, monitor=monitor, reading=reading,
+                    config=s.scheduler.priority, metrics=metrics, labelled=labelled,
+                    fleet=fleet, shadow=shadow, on_classes_changed=self._classes_changed,
+                    limiter=limiter)
 
     async def serve(self) -> None:
         s = self.settings
@@ -457,42 +385,43 @@ class Runtime:
         await self._grpc.start()
         for name in ("", AUTHZ_SERVICE, ALS_SERVICE, EXT_PROC_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._tasks.append(asyncio.create_task(self.monitor.run()))
-        for name, m in self._pool_monitors.items():
-            if name != DEFAULT_POOL:
-                self._tasks.append(asyncio.create_task(m.run()))
-        for name, f in self.fleets.items():
-            f.start()
-            # A library replaced after start-up is noticed within one --replica-ttl-secs
-            # (each pool's ledger refuses it; the default pool's watch reports it).
-            self._tasks.append(asyncio.create_task(server.watch_library(
-                f.ledger, s.fleet.replica_ttl_secs,
-                self.metrics if name == DEFAULT_POOL else None)))
-            # So is a second deployment under this fleet id (within two), per pool.
-            self._tasks.append(asyncio.create_task(server.watch_fleet(
-                f.ledger, s.fleet.replica_ttl_secs,
-                self.metrics if self.pools is None else PoolRecorder(self.metrics, name))))
+        ttl = s.fleet.replica_ttl_secs
+        for p in self.pools:
+            self._tasks.append(asyncio.create_task(p.monitor.run()))
+            if p.limiter is not None:
+                self._tasks.append(asyncio.create_task(p.tune()))
+            if p.fleet is not None:
+                p.fleet.start()
+                # A library replaced after start-up is noticed within one
+                # --replica-ttl-secs (each pool's ledger refuses it), and so is a second
+                # deployment under this fleet id (within two).
+                self._tasks.append(asyncio.create_task(
+                    server.watch_library(p.fleet.ledger, ttl, self.metrics)))
+                self._tasks.append(asyncio.create_task(
+                    server.watch_fleet(p.fleet.ledger, ttl, p.metrics)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self.watcher.run()))
         if self.edge is not None:
             self._tasks.append(asyncio.create_task(self.edge.run()))
+        self._tasks.append(asyncio.create_task(self.status.run()))  # its rates' samples
         self._serving.set()
+        default = self.pools[DEFAULT_POOL]
         log.info(
             "started",
             grpc=str(self.grpc_listen) if self.grpc_listen.path is not None
             else f"{self.grpc_listen.host}:{self.grpc_port}",
             http=f"{listen.host_port(s.listen.http_listen)[0]}:{self.http_port}",
-            mode="legacy" if self.legacy else "scheduler",
-            capacity=self.reading.capacity, capacity_source=self.reading.source,
+            mode="legacy" if default.legacy else "scheduler",
+            capacity=default.reading.capacity, capacity_source=default.reading.source,
+            pools={p.name: {"mode": "legacy" if p.legacy else "scheduler",
+                            "capacity": p.reading.capacity} for p in self.pools},
             config=s.scheduler.priority.source or "builtin",
             config_sha256=s.scheduler.priority.digest,
             tenant_source=f"{s.scheduler.tenant_source.kind}:"
                           f"{s.scheduler.tenant_source.name}".rstrip(":"),
             lease_secs=s.liveness.admission_lease_secs,
-            coordination="fleet" if self.fleet is not None else "in-process",
+            coordination="fleet" if s.fleet.coordination_url is not None else "in-process",
             shadow=s.scheduler.shadow,
-            **({"pools": {n: r.capacity for n, r in self._pool_readings.items()}}
-               if self.pools is not None else {}),
         )
         if s.liveness.envoy_authz_timeout is None and s.scheduler.scheduler_enabled:
             log.info("envoy_authz_timeout_reminder",
@@ -500,111 +429,68 @@ class Runtime:
                      hint="Envoy's ext_authz timeout must exceed it; pass "
                           "--envoy-authz-timeout to have start-up check it")
 
-    def _on_capacity(self, reading: CapacityReading) -> None:
-        self.metrics.capacity_read(reading)
-        if self.fleet is not None:  # published with the next heartbeat (watch_fleet)
-            self.fleet.ledger.identity = server.capacity_source(reading)
-        uncancellable = uncancellable_workers(reading)
-        was, self._uncancellable = self._uncancellable, uncancellable
-        if bool(uncancellable) != bool(was):
-            if uncancellable:
-                self._preemption_suspended(reading)
-            else:
-                log.info("preemption_resumed", reason="no counted worker runs an engine that "
-                                                      "cannot cancel a running request")
-            self._apply_classes()
-            self.metrics.preemption_suspended(bool(uncancellable))
-        self.controller.set_capacity(reading.capacity)
-
-    def _on_pool_capacity(self, pool: str, reading: CapacityReading) -> None:
-        """A pool's reading: resizes that pool only."""
-        assert self.pools is not None
-        self._pool_readings[pool] = reading
-        self.metrics.pool_capacity_read(pool, reading)
-        f = self.fleets.get(pool)
-        if f is not None:  # published with the next heartbeat (watch_fleet)
-            f.ledger.identity = server.capacity_source(reading)
-        uncancellable = uncancellable_workers(reading)
-        was = self._pool_uncancellable.get(pool, ())
-        self._pool_uncancellable[pool] = uncancellable
-        if bool(uncancellable) != bool(was):
-            if uncancellable:
-                self._preemption_suspended(reading, pool)
-            else:
-                log.info("preemption_resumed", pool=pool,
-                         reason="no counted worker of the pool runs an engine that cannot "
-                                "cancel a running request")
-            self._apply_classes()
-            self.metrics.preemption_suspended(any(self._pool_uncancellable.values()))
-        self.pools.controllers[pool].set_capacity(reading.capacity)
-
-    def _pool_classes(self, pool: str) -> Mapping[PriorityClass, ClassSettings]:
-        """A pool's class table, with can_preempt off while its preemption is suspended."""
-        classes = self._config.classes_for(pool)
-        return without_preemption(classes) if self._pool_uncancellable.get(pool) else classes
-
-    def _preemptible_now(self) -> frozenset[PriorityClass]:
-        if self.pools is None:
-            return self._preemptible(self._effective_classes())
-        # One allow format for all pools: a class preemptible in any pool opens a stream.
-        out: frozenset[PriorityClass] = frozenset()
-        for name, ctl in self.pools.controllers.items():
-            if not ctl.legacy:
-                out |= authz.preemptible_classes(self._pool_classes(name))
-        return out
-
-    def _preemption_suspended(self, reading: CapacityReading, pool: str | None = None) -> None:
-        log.warning("preemption_suspended", workers=list(uncancellable_workers(reading)),
-                    **({"pool": pool} if pool is not None else {}),
-                    engines=sorted({w.engine for w in reading.workers
-                                    if w.engine in CANNOT_CANCEL_ENGINES}),
-                    reason="the engine runs a preempted request to its end, so preempting "
-                           "frees no slot; higher classes wait at the head of their queue "
-                           "instead")
-
-    def _effective_classes(self) -> Mapping[PriorityClass, ClassSettings]:
-        """The file's class settings, with can_preempt off while preemption is suspended."""
-        return without_preemption(self._classes) if self._uncancellable else self._classes
-
-    def _apply_classes(self) -> None:
-        if self.pools is not None:
-            for name, ctl in self.pools.controllers.items():
-                ctl.update_config(self._pool_classes(name))
-            self.authz.preemptible = self._preemptible_now()
-            return
-        classes = self._effective_classes()
-        self.controller.update_config(classes)
-        self.authz.preemptible = self._preemptible(classes)
+    def _classes_changed(self) -> None:
+        """A pool's class table changed (preemption suspended or resumed): one allow format
+        for all pools, so the preemptible classes are recomputed over all of them."""
+        self.authz.preemptible = self.pools.preemptible()
 
     def _apply_config(self, cfg: PriorityConfig) -> None:
         """A valid new config: new knobs and tenant ceilings for new decisions."""
-        # Queued requests keep their place; in-flight ones are untouched;
-        # reservations are recomputed at the live capacity.
-        self._classes = cfg.classes
         self._config = cfg
-        self._apply_classes()
-        if self.legacy:
-            log.warning("config_reload_legacy_mode",
-                        hint="class knobs apply only to the scheduler; tenant ceilings apply")
+        for p in self.pools:
+            p.apply_config(cfg)
+        self.authz.preemptible = self.pools.preemptible()
         self.authz.policy = TenantPolicy(cfg.tenant_policies,
                                          self.settings.scheduler.default_max_class)
         self.generation += 1
         self.metrics.config_reloaded(self.generation, cfg.digest)
-
-    def _preemptible(self, classes: Mapping[PriorityClass, ClassSettings]
-                     ) -> frozenset[PriorityClass]:
-        # Legacy admission never preempts: no request needs a stream.
-        return frozenset() if self.legacy else authz.preemptible_classes(classes)
+        self.status.reloaded(cfg)
 
     def _validate_reload(self, cfg: PriorityConfig) -> None:
-        """The start-up rule holds on reload too: Envoy must outwait every queue."""
-        check_pools(cfg, self.settings.capacity.pool_workers)  # the pools are the workers'
+        """The start-up rules hold on reload too: the pools are the workers', Envoy
+        must outwait every queue, and a reload must not make the next restart uncapped."""
+        check_pools(cfg, self.settings.capacity.pool_workers)
         s = self.settings
         check_authz_timeout(s.liveness.envoy_authz_timeout, cfg, s.scheduler.scheduler_enabled,
                             file=cfg.source)
+        self._check_restart_fits(cfg)
+
+    def _check_restart_fits(self, cfg: PriorityConfig) -> None:
+        """A reload whose reservations do not fit a pool's capacity now, where the file in
+        force fits it, would leave the next restart on legacy admission for that pool (the
+        start-up check; in-process pools only, a fleet's ledger scales its reservations).
+        Uncapped (--max-concurrent-requests <= 0): refused, the file in force stays. Capped:
+        applied, with a warning (the restart would serve without priorities, capped)."""
+        s = self.settings
+        if not s.scheduler.scheduler_enabled:
+            return
+        limit = s.legacy.limits.cap
+        for p in self.pools:
+            if p.fleet is not None:
+                continue
+            capacity = p.reading.capacity
+            new = cfg.classes_for(p.name)
+            if reservations_fit(new, capacity) or not reservations_fit(
+                    self._config.classes_for(p.name), capacity):
+                continue  # fits, or the file in force does not fit either: not this reload
+            reserved = sum(desired_reservations(new, capacity).values())
+            if limit is None:
+                raise ConfigError(
+                    f"its reservations ({reserved} slots) exceed pool {p.name!r}'s capacity of "
+                    f"{capacity}: the next restart would serve that pool with legacy admission "
+                    "and no cap (--max-concurrent-requests <= 0); lower the reservations "
+                    "(--check-config FILE --check-capacity N) or give the pool more capacity",
+                    file=cfg.source, key=f"pools.{p.name}.classes" if p.name in cfg.pools
+                    else "classes")
+            p.log.warning("config_reload_reservations_exceed_capacity", capacity=capacity,
+                          reserved_total=reserved, concurrency_cap=limit,
+                          hint="applied; the next restart would serve this pool with legacy "
+                               "admission capped at --max-concurrent-requests, without "
+                               "priorities, until the reservations fit")
 
     def _reload_failed(self, exc: ConfigError) -> None:
         self.metrics.config_reload_failed()
+        self.status.reload_failed(exc)
 
     async def reload_now(self) -> bool:
         """Check the config file at once (what SIGHUP asks the watcher for)."""
@@ -630,13 +516,11 @@ class Runtime:
         self.liveness.close()  # streams the stop closes are not Envoys dying
         await self._grpc.stop(grace=1.0)
         await self._admin.stop()
-        await self.monitor.close()
-        for name, m in self._pool_monitors.items():
-            if name != DEFAULT_POOL:
-                await m.close()
-        self.controller.close()
-        for f in self.fleets.values():
-            await f.aclose()
+        for p in self.pools:
+            await p.monitor.close()
+            p.controller.close()
+            if p.fleet is not None:
+                await p.fleet.aclose()
         log.info("stopped")
 
 

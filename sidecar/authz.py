@@ -13,23 +13,24 @@ serialised once at start-up.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 
 from sidecar import codec, logs, responses
-from sidecar.admission import AdmissionService, Denied
-from sidecar.classes import HIGH_TO_LOW, PRIORITY_HEADER, PriorityClass, classify
+from sidecar.admission import Denied
+from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
 from sidecar.config import TenantSource
-from sidecar.edge import ShedController
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
-from sidecar.pools import DEFAULT_POOL, PooledAdmission
-from sidecar.scheduler import ClassSettings, Outcome
-from sidecar.shadow import Verdict
+from sidecar.pools import Pools
+from sidecar.scheduler import Outcome
 
 ANONYMOUS = "anonymous"
+# Anonymous requests clamped, with no tenant ever seen, before tenant_source_yields_no_tenant.
+ANONYMOUS_CLAMPS_WARNED = 20
 # Checks held open at once (queued, or being decided) before a new one is shed with
 # the counted OVERLOADED reply: bounds the memory a burst can pin. Above any sane
 # sum of class queue sizes, so in practice only a flood reaches it.
@@ -86,24 +87,6 @@ class TenantPolicy:
         return self.policies.get(tenant, self.default_max)
 
 
-def preemptible_classes(classes: Mapping[PriorityClass, ClassSettings]
-                        ) -> frozenset[PriorityClass]:
-    """The classes a request can be preempted in: some strictly higher class ``can_preempt``.
-
-    The others are admitted with ``preemptible: false`` in the metadata, so Envoy opens
-    no ext_proc stream for them (the stream is most of the cost of an admitted request
-    through Envoy): whatever the load, nothing could ever stop them.
-    """
-    out: set[PriorityClass] = set()
-    preemptor_above = False
-    for cls in HIGH_TO_LOW:
-        if preemptor_above:
-            out.add(cls)
-        if classes[cls].can_preempt:
-            preemptor_above = True
-    return frozenset(out)
-
-
 def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
     """The tenant key from the trusted source only; no identity -> ``anonymous``."""
     value: object = None
@@ -121,33 +104,67 @@ def resolve_tenant(source: TenantSource, view: codec.CheckView) -> str:
 
 
 class AuthzService:
-    """The Check handler."""
+    """The Check handler: classify, then the route's pool admits."""
 
-    def __init__(self, controller: AdmissionService, metrics: Recorder,
+    def __init__(self, pools: Pools, metrics: Recorder,
                  tenant_source: TenantSource, policy: TenantPolicy,
                  preemptible: frozenset[PriorityClass] = frozenset(PriorityClass),
-                 liveness: EnvoyLiveness | None = None) -> None:
-        self.controller = controller
+                 liveness: EnvoyLiveness | None = None, *, shadow: bool = False,
+                 busy_status: int | None = None, hints: bool = False) -> None:
+        self.pools = pools
         self.liveness = liveness
         self.metrics = metrics
         self.tenant_source = tenant_source
         self.policy = policy
         # Replaced as a whole on config reload, like the policy.
         self.preemptible = preemptible
-        self._deny = {key: codec.encode_deny(r) for key, r in responses.REPLIES.items()}
+        # --shadow: nothing waits or is refused (so the overload shed is off too); each
+        # allow carries the would-be answer of its pool's shadow (sidecar.shadow).
+        self.shadow = shadow
+        # Every refusal's reply, serialised once (with --busy-status, the busy rows' status
+        # replaced); with --overload-hints a refusal is encoded with its pool's prediction.
+        self._busy_status = busy_status
+        self._replies = {key: responses.busy(r, busy_status) if key[0].name in responses.BUSY
+                         else r for key, r in responses.REPLIES.items()}
+        self._deny = {key: codec.encode_deny(r) for key, r in self._replies.items()}
+        self._hints = hints
+        self._rng = random.Random()  # the Retry-After jitter
         self.open_checks = 0
         self._overload_log = logs.Throttled(log, "checks_shed_overloaded")
         self._rejections = logs.RejectionSummary(log)
-        self.rejection_counted = self._rejections.add  # edge sheds join the same line
-        # --edge-shed: the control loop sees each Check's class and every queue overflow.
-        self.edge: ShedController | None = None
-        self.edges: Mapping[str, ShedController] | None = None  # with pools: each pool's
-        # --shadow: the would-be answer for an admission id (sidecar.shadow); nothing waits
-        # or is refused, so the overload shed is off too.
-        self.shadow_verdict: Callable[[str], Verdict | None] | None = None
-        # Pools configured: the route's pool picks the controller (sidecar.pools).
-        self.pools: PooledAdmission | None = None
+        # Edge sheds join the same line; they name no tenant (Envoy answered before any
+        # was resolved), so not the tenant metric (they are smg_sidecar_edge_shed_total).
+        self.rejection_counted = self._rejections.add
         self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
+        self._decode_failed_log = logs.Throttled(log, "check_decode_failed")
+        # Anonymous requests clamped below what they asked, while no Check has named a
+        # tenant yet: a source Envoy never sets (None once a tenant was seen, or said).
+        self._anonymous_clamped: int | None = 0
+
+    def _rejected(self, cls: PriorityClass, outcome: str, tenant: str) -> None:
+        """A refused Check: counted by tenant, and summed in the ``rejections`` line."""
+        self.metrics.tenant_rejected(cls, tenant, outcome)
+        self._rejections.add(cls.label, outcome, tenant)
+
+    def _watch_tenant_source(self, tenant: str, clamped: bool) -> None:
+        """Until a Check names a tenant: after ``ANONYMOUS_CLAMPS_WARNED`` anonymous
+        requests clamped below what they asked, say once that the source yields nothing
+        (every class above the default ceiling is then out of reach)."""
+        if tenant != ANONYMOUS:
+            self._anonymous_clamped = None  # the source works
+        elif clamped and self._anonymous_clamped is not None:
+            self._anonymous_clamped += 1
+            if self._anonymous_clamped >= ANONYMOUS_CLAMPS_WARNED:
+                self._anonymous_clamped = None
+                log.warning("tenant_source_yields_no_tenant",
+                            tenant_source=f"{self.tenant_source.kind}:"
+                                          f"{self.tenant_source.name}".rstrip(":"),
+                            clamped=ANONYMOUS_CLAMPS_WARNED,
+                            default_max_class=self.policy.default_max.label,
+                            hint="no Check so far carried a tenant from this source, so "
+                                 "every request is anonymous and clamped to the default "
+                                 "ceiling: check that Envoy sets it (JWT claim_to_headers, "
+                                 "mTLS) or choose --tenant-source accordingly")
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
@@ -160,7 +177,7 @@ class AuthzService:
         try:
             view = codec.decode_check(data)
         except Exception as exc:  # a malformed message must not become an INTERNAL error
-            log.warning("check_decode_failed", error=str(exc))
+            self._decode_failed_log.event(error=str(exc)[:200])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed CheckRequest")
         tenant = resolve_tenant(self.tenant_source, view)
         # For logs only: x-request-id is client-settable, so it never correlates a release.
@@ -170,31 +187,26 @@ class AuthzService:
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
-        edge = self.edge
-        pool = DEFAULT_POOL
-        if self.pools is not None:
-            pool = view.pool or DEFAULT_POOL
-            edge = self.edges.get(pool) if self.edges is not None else None
+        if self._anonymous_clamped is not None:
+            self._watch_tenant_source(tenant, c.clamped)
+        pool = self.pools.for_route(view.pool or "")
+        edge = pool.edge if pool is not None else None
         if edge is not None:
             edge.arrived(c.effective)
-        if self.open_checks > MAX_OPEN_CHECKS and self.shadow_verdict is None:
+        if self.open_checks > MAX_OPEN_CHECKS and not self.shadow:
             self.metrics.overloaded(c.effective)
             self._overload_log.event(open_checks=self.open_checks)
             return self._deny[(responses.Rejection.OVERLOADED, c.effective)]
-        controller: AdmissionService | None = self.controller
-        if self.pools is not None:
-            controller = self.pools.get(pool)
-            if controller is None:  # the route and the pools disagree: counted, 429
-                self.metrics.unknown_pool(c.effective)
-                self._unknown_pool_log.event(pool=pool[:64])
-                if self.shadow_verdict is not None:  # --shadow refuses nothing: the would-be
-                    return (codec.encode_unheld_allow(c.effective.label, tenant)  # 429, held
-                            + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))  # by no pool
-                self._rejections.add(c.effective.label, "unknown_pool", tenant)
-                return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
-        assert controller is not None
+        if pool is None:  # the route and the pools disagree: counted, 429
+            self.metrics.unknown_pool(c.effective)
+            self._unknown_pool_log.event(pool=(view.pool or "")[:64])
+            if self.shadow:  # --shadow refuses nothing: the would-be 429, held by no pool
+                return (codec.encode_unheld_allow(c.effective.label, tenant)
+                        + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))
+            self._rejected(c.effective, "unknown_pool", tenant)
+            return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         try:
-            admitted = await controller.admit(c.effective, tenant)
+            admitted = await pool.admit(c.effective, tenant)
         except Denied as d:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,
                                              rate_limited=d.rate_limited)
@@ -204,16 +216,22 @@ class AuthzService:
             # Per rejection at debug only; info gets the throttled summary (docs/reference.md).
             log.debug("rejected", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, outcome=outcome,
-                      legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id)
-            self._rejections.add(c.effective.label, outcome, tenant)
+                      legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id,
+                      **pool.log_fields)
+            self._rejected(c.effective, outcome, tenant)
+            if self._hints:
+                return codec.encode_deny(responses.with_hints(
+                    self._replies[(rejection, c.effective)],
+                    pool.predicted_wait(c.effective), self._rng))
             return self._deny[(rejection, c.effective)]
         except asyncio.CancelledError:
             # Envoy cancelled the call: the client is gone, so there is nobody to send
             # a 499 to. The core counted it as client_cancelled (see sidecar.responses).
             outcome = Outcome.CLIENT_CANCELLED.value
             log.debug("rejected", tenant=tenant, requested=c.requested.label,
-                      effective=c.effective.label, outcome=outcome, request_id=request_id)
-            self._rejections.add(c.effective.label, outcome, tenant)
+                      effective=c.effective.label, outcome=outcome, request_id=request_id,
+                      **pool.log_fields)
+            self._rejected(c.effective, outcome, tenant)
             raise
         if edge is not None and not admitted.queued:
             edge.admitted_at_once(c.effective)  # the class's queue had room: no shedding
@@ -227,10 +245,15 @@ class AuthzService:
         if logs.debug_enabled():
             log.debug("admitted", tenant=tenant, requested=c.requested.label,
                       effective=c.effective.label, admission_id=aid,
+                      admission_tag=logs.id_tag(aid),
                       waited=round(admitted.waited, 6), starvation=admitted.starvation,
-                      request_id=request_id)
+                      predicted=None if admitted.predicted is None
+                      else round(admitted.predicted, 6),
+                      request_id=request_id, **pool.log_fields)
         allow = codec.encode_allow(aid, c.effective.label, tenant,
                                    c.effective in self.preemptible or not periodic)
-        if self.shadow_verdict is not None and (v := self.shadow_verdict(aid)) is not None:
+        if pool.shadow is not None and (v := pool.shadow.take_verdict(aid)) is not None:
             allow += codec.shadow_suffix(v.outcome, v.code)
+        if self._hints:
+            allow += codec.wait_hint_suffix(round(admitted.waited * 1000))
         return allow

@@ -29,7 +29,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
-from sidecar.responses import Reply
+from sidecar.responses import WAIT_HINT_HEADER, Reply
 
 AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
 JWT_NAMESPACE = "envoy.filters.http.jwt_authn"
@@ -212,6 +212,16 @@ def shadow_suffix(outcome: str, code: str = "") -> bytes:
     return out
 
 
+def wait_hint_suffix(waited_ms: int) -> bytes:
+    """Bytes to append to an encoded allow (protobuf merges them, as ``shadow_suffix``):
+    the ``--overload-hints`` header telling the client how long it waited queued."""
+    out: bytes = external_auth_pb2.CheckResponse(
+        ok_response=external_auth_pb2.OkHttpResponse(
+            response_headers_to_add=[_header(WAIT_HINT_HEADER, str(waited_ms))]),
+    ).SerializeToString()
+    return out
+
+
 def encode_deny(reply: Reply) -> bytes:
     """A Check denial: Envoy sends ``reply`` to the client as it stands."""
     resp = external_auth_pb2.CheckResponse(
@@ -245,6 +255,13 @@ class LogEntry:
     preemptible: bool = True
     # --shadow: the would-be outcome the allow carried ("" without --shadow).
     shadow_outcome: str = ""
+    # Final entries, where Envoy measured them (None otherwise): the client's time to
+    # first byte (from Envoy receiving the request: queue wait included), and the
+    # engine's (from the request reaching the worker to the first byte back).
+    ttft_secs: float | None = None
+    engine_ttfb_secs: float | None = None
+    # From the request reaching the worker to its last byte back (None: not measured).
+    engine_secs: float | None = None
 
 
 def decode_access_logs(data: bytes) -> list[LogEntry]:
@@ -281,8 +298,36 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             preemptible=preemptible_value is None or preemptible_value.bool_value,
             shadow_outcome=shadow_value.string_value[:MAX_CLASS_LEN]
             if shadow_value is not None else "",
+            ttft_secs=_secs(cp, "time_to_first_downstream_tx_byte"),
+            engine_ttfb_secs=_engine_ttfb(cp),
+            engine_secs=_engine_secs(cp),
         ))
     return out
+
+
+def _secs(cp: accesslog_pb2.AccessLogCommon, name: str) -> float | None:
+    if not cp.HasField(name):
+        return None
+    d = getattr(cp, name)
+    return float(d.seconds + d.nanos / 1e9)
+
+
+def _engine_secs(cp: accesslog_pb2.AccessLogCommon) -> float | None:
+    """From the last byte of the request sent upstream to the last byte back."""
+    sent = _secs(cp, "time_to_last_upstream_tx_byte")
+    last = _secs(cp, "time_to_last_upstream_rx_byte")
+    if sent is None or last is None or last < sent:
+        return None
+    return last - sent
+
+
+def _engine_ttfb(cp: accesslog_pb2.AccessLogCommon) -> float | None:
+    """From the last byte of the request sent upstream to the first byte back."""
+    sent = _secs(cp, "time_to_last_upstream_tx_byte")
+    first = _secs(cp, "time_to_first_upstream_rx_byte")
+    if sent is None or first is None or first < sent:
+        return None
+    return first - sent
 
 
 def _lived_secs(cp: accesslog_pb2.AccessLogCommon) -> float:

@@ -31,12 +31,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from sidecar import codec, logs
-from sidecar.admission import AdmissionService
 from sidecar.classes import PriorityClass
 from sidecar.envoy_features import FeatureDetector
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import NullRecorder, Recorder
-from sidecar.pools import PooledAdmission
+from sidecar.pools import Pools
 from sidecar.responses import Rejection, reply
 from sidecar.scheduler import ReleaseReason, ReleaseResult
 
@@ -60,39 +59,39 @@ class CompletionService:
     periodic entry.
     """
 
-    def __init__(self, controller: AdmissionService,
+    def __init__(self, pools: Pools,
                  metrics: Recorder | None = None,
                  features: FeatureDetector | None = None,
                  liveness: EnvoyLiveness | None = None) -> None:
-        self.controller = controller
+        self.pools = pools
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self.features = features
         self.liveness = liveness
         self._refused_log = logs.Throttled(log, "adoption_refused")
+        # Per message on a port anyone in the pod may call: one line per 10 s each.
+        self._decode_failed_log = logs.Throttled(log, "access_log_decode_failed")
+        self._unmatched_log = logs.Throttled(log, "completion_unmatched", level="info")
 
-    def _scope(self, aid: str) -> AdmissionService | None:
-        """Whose capacity bounds adopting ``aid``: with pools, the pool the id names."""
-        c = self.controller
-        return c.scope(aid) if isinstance(c, PooledAdmission) else c
-
-    def adoption_bound(self, aid: str | None = None) -> int:
-        scope = self.controller if aid is None else self._scope(aid)
-        capacity = scope.snapshot().capacity if scope is not None else 0
+    def adoption_bound(self, aid: str) -> int:
+        """How many admissions the pool ``aid`` names may hold before adoption is refused."""
+        pool = self.pools.of(aid)
+        capacity = pool.controller.snapshot().capacity if pool is not None else 0
         return capacity if capacity > 0 else UNLIMITED_ADOPTION_BOUND
 
     def _renew_or_adopt(self, entry: codec.LogEntry) -> bool:
-        if self.controller.renew_or_adopt(entry.admission_id):  # a lease of ours: renewed
+        if self.pools.renew_or_adopt(entry.admission_id):  # a lease of ours: renewed
             return True
         cls = PriorityClass.from_name(entry.cls)
-        scope = self._scope(entry.admission_id)
-        if cls is None or scope is None:  # no class, or an id naming no pool of ours
+        pool = self.pools.of(entry.admission_id)
+        if cls is None or pool is None:  # no class, or an id naming no pool of ours
             return False
         bound = self.adoption_bound(entry.admission_id)
-        if scope.lease_count >= bound:
+        held = pool.controller.lease_count
+        if held >= bound:
             self._metrics.adoption_refused(cls)
-            self._refused_log.event(in_flight=scope.lease_count, bound=bound)
+            self._refused_log.event(in_flight=held, bound=bound, **pool.log_fields)
             return False
-        return self.controller.renew_or_adopt(entry.admission_id, cls, entry.tenant)
+        return pool.controller.renew_or_adopt(entry.admission_id, cls, entry.tenant)
 
     async def stream_access_logs(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
@@ -108,19 +107,23 @@ class CompletionService:
                 try:
                     entries = codec.decode_access_logs(data)
                 except Exception as exc:
-                    log.warning("access_log_decode_failed", error=str(exc))
+                    self._decode_failed_log.event(error=str(exc)[:200])
                     continue
                 if self.features is not None:
                     self._observe(entries)
                 for entry in entries:
                     if entry.final:
-                        result = self.controller.release(entry.admission_id,
-                                                         ReleaseReason.COMPLETED)
+                        result = self.pools.release(entry.admission_id,
+                                                    ReleaseReason.COMPLETED)
+                        pool = self.pools.of(entry.admission_id)
+                        if pool is not None and result is ReleaseResult.RELEASED:
+                            pool.completed(entry)
                         if liveness is not None:
                             liveness.ended(entry.admission_id)
                         if result is not ReleaseResult.RELEASED:
-                            log.info("completion_unmatched", admission_id=entry.admission_id,
-                                     reason=result.value, response_code=entry.response_code)
+                            self._unmatched_log.event(
+                                admission_tag=logs.id_tag(entry.admission_id),
+                                reason=result.value, response_code=entry.response_code)
                         if entry.shadow_outcome:  # --shadow: what the access log carried
                             log.debug("shadow_completed", admission_id=entry.admission_id,
                                       shadow_outcome=entry.shadow_outcome,
@@ -157,14 +160,15 @@ _IMMEDIATE_PREEMPTED = codec.encode_immediate(reply(Rejection.PREEMPTED))
 class ResponsePathService:
     """ext_proc: first-byte marking and preemption delivery."""
 
-    def __init__(self, controller: AdmissionService,
+    def __init__(self, pools: Pools,
                  metrics: Recorder | None = None,
                  features: FeatureDetector | None = None,
                  liveness: EnvoyLiveness | None = None) -> None:
-        self.controller = controller
+        self.pools = pools
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self.features = features
         self.liveness = liveness
+        self._decode_failed_log = logs.Throttled(log, "ext_proc_decode_failed")
 
     async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]
                     ) -> codec.ProcessingEvent | None:
@@ -175,7 +179,7 @@ class ResponsePathService:
         try:
             return codec.decode_processing_request(raw)
         except Exception as exc:  # malformed: a clear gRPC error, not INTERNAL
-            log.warning("ext_proc_decode_failed", error=str(exc))
+            self._decode_failed_log.event(error=str(exc)[:200])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ProcessingRequest")
             raise  # abort() raises; this line only satisfies the type checker
 
@@ -200,11 +204,11 @@ class ResponsePathService:
             aid = first.admission_id
             if self.features is not None:
                 self.features.ext_proc_stream()
-            watch = self.controller.open_stop_channel(aid)
+            watch = self.pools.open_stop_channel(aid)
             if watch is not None and watch.done():
                 # A queued higher-class request took it the moment it became a
                 # candidate: answer 503 before the request ever reaches a worker.
-                log.info("preempted", admission_id=aid)
+                log.info("preempted", admission_tag=logs.id_tag(aid))
                 await context.write(_IMMEDIATE_PREEMPTED)
                 return
             await context.write(codec.CONTINUE_REQUEST_HEADERS)
@@ -227,7 +231,7 @@ class ResponsePathService:
                 # callback and the read loop may both get here, in either order.
                 if stopped or finished:
                     return
-                log.info("preempted", admission_id=aid)
+                log.info("preempted", admission_tag=logs.id_tag(aid))
                 stopped.append(asyncio.ensure_future(locked_write(_IMMEDIATE_PREEMPTED)))
 
             watch.add_done_callback(preempt)
@@ -241,12 +245,12 @@ class ResponsePathService:
                         await locked_write(codec.continue_for(event.kind))
                         continue
                     watch.remove_done_callback(preempt)
-                    if not await self.controller.confirm_first_byte(aid):
+                    if not await self.pools.confirm_first_byte(aid):
                         # Across a fleet: the ledger gave its slot away before it learned
                         # of the first byte. Stop it; it must not run on uncounted.
                         preempt()
                         break
-                    self.controller.mark_first_byte(aid)
+                    self.pools.mark_first_byte(aid)
                     # End the stream instead of answering CONTINUE: a clean close is
                     # Envoy's "carry on without the processor" and saves a message
                     # (a grpc send batch) on every request.
@@ -259,9 +263,9 @@ class ResponsePathService:
                     except Exception as exc:
                         # The slot is already given away; the victim may run on
                         # uncounted until it ends. Say so loudly.
-                        log.warning("preemption_delivery_failed", admission_id=aid,
-                                    error=str(exc))
-                        self._metrics.preemption_undelivered()
+                        log.warning("preemption_delivery_failed",
+                                    admission_tag=logs.id_tag(aid), error=str(exc))
+                        self.pools.preemption_undelivered(aid)
             finally:
                 finished = True
         finally:
@@ -269,4 +273,4 @@ class ResponsePathService:
                 if not write.done():
                     write.cancel()
             if aid is not None:
-                self.controller.close_stop_channel(aid)
+                self.pools.close_stop_channel(aid)

@@ -140,6 +140,25 @@ def _at_least(low: int) -> Check:
     return check
 
 
+def _ttl(name: str, value: float) -> float:
+    value = _finite_above_zero(name, value)
+    if value > MAX_REPLICA_TTL_SECS:
+        raise ConfigError(f"{name} must be at most {MAX_REPLICA_TTL_SECS:g}")
+    return value
+
+
+MAX_REPLICA_TTL_SECS = 86_400.0  # the ledger refuses a longer registration
+
+
+def _busy_status(name: str, value: int | None) -> int | None:
+    if value is not None and value not in BUSY_STATUSES:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, BUSY_STATUSES))}")
+    return value
+
+
+BUSY_STATUSES = (429, 503, 529)
+
+
 def _finite_above_zero(name: str, value: float) -> float:
     # Finite as well: an infinite interval or timeout cannot be scheduled.
     if not (math.isfinite(value) and value > 0):
@@ -292,6 +311,39 @@ class SchedulerSettings:
              "pool's capacity, its decisions under the `pool` label, and a route naming an "
              "unknown pool is allowed too. Refused with `--coordination-url` or "
              "`--edge-shed`."))
+    overload_hints: bool = flag(
+        "--overload-hints", default=False, switch=True,
+        help=("computed Retry-After on refusals (the class queue's predicted drain time, "
+              "1..60 s, jittered) and an x-smg-queue-wait-ms header on allows and refusals"),
+        doc=("Overload answers that calm retries (an extension; off, the contract's fixed "
+             "values): a refusal's `Retry-After` is the predicted time for its class queue to "
+             "drain what it holds, bounded to 1..60 s and jittered ±20 % (the contract's value "
+             "while there is no estimate yet), and `x-smg-queue-wait-ms` tells the client the "
+             "wait: predicted on a refusal, measured on an allow "
+             "([Deadlines](#deadlines-ttft-targets-and-overload-answers))."))
+    busy_status: int | None = flag(
+        "--busy-status", default=None, type=int, metavar="CODE", check=_busy_status,
+        shown_default="the contract's",
+        help=("status for refusals that mean busy (queue full or timed out, rate limit, "
+              "overload, over target): 429, 503 or 529; Envoy's own 503 then means down"),
+        doc=("The HTTP status of every refusal that means the pool is busy: a full or "
+             "timed-out queue, the request-rate check, the overload shed, an unknown pool, a "
+             "wait over target (the `X-SMG-Error-Code` stays the contract's). 429, 503 or 529 "
+             "(Dynamo's \"busy\"). Unset: the contract's statuses (429 full, 503 timed out). "
+             "Set, a 503 is left to mean down: the sidecar or the workers unreachable (Envoy's "
+             "own), or a preemption ([Deadlines](#deadlines-ttft-targets-and-overload-answers))."))
+    refuse_uncapped_fallback: bool = flag(
+        "--refuse-uncapped-fallback", default=False, switch=True,
+        help=("start-up fails (exit 1) instead of serving a pool whose reservations do not "
+              "fit its capacity with legacy admission and no cap (--max-concurrent-requests "
+              "<= 0)"),
+        doc=("Opt-in refusal of the contract's uncapped fallback: when a pool's reservations "
+             "do not fit its capacity at start-up ([the start-up reservation "
+             "check](#the-start-up-reservation-check-and-the-legacy-fallback)) and "
+             "`--max-concurrent-requests` ≤ 0 leaves legacy admission without a cap, start-up "
+             "fails (`startup_failed`, exit 1) instead of serving that pool uncapped. Off (the "
+             "contract's default): it serves, loudly (`legacy_admission_uncapped`, "
+             "`smg_sidecar_admission_fallback{mode=\"legacy_uncapped\"}`)."))
     default_max_class_valid: bool = derived()
     """False: --priority-scheduler-default-max-class named no class (default is used)."""
 
@@ -378,7 +430,7 @@ class CapacitySettings:
               "context extension)"),
         doc=("Workers to probe for health and capacity (`http://` or `https://`). An entry "
              "`POOL=URL` puts the worker in the named pool instead of the default one "
-             "([Pools](design.md#pools-several-models-behind-one-gateway)); `default=URL` is "
+             "([Pools](design.md#pools-the-unit-of-admission)); `default=URL` is "
              "the same as a bare URL."))
     worker_capacity_override: int | None = flag(
         "--worker-capacity-override", default=None, type=int, metavar="N", check=_at_least(1),
@@ -399,6 +451,14 @@ class CapacitySettings:
         "--envoy-cluster", default="workers", metavar="NAME",
         help="Envoy cluster holding the workers (with --envoy-admin-url)",
         doc="The Envoy cluster holding the workers (with `--envoy-admin-url`).")
+    envoy_cluster_scheme: str = flag(
+        "--envoy-cluster-scheme", default="http", choices=("http", "https"),
+        help=("how the hosts found through --envoy-admin-url are probed: http, or https "
+              "for workers that serve TLS"),
+        doc=("How the hosts found through `--envoy-admin-url` are probed: `http://` or "
+             "`https://ADDRESS:PORT` (workers that serve TLS; their certificate is checked "
+             "against the system's CAs, or `$SSL_CERT_FILE`, for the address Envoy lists). "
+             "With `--worker-auth-file`, `http` needs `--worker-auth-allow-http`."))
     health_interval_secs: float = flag(
         "--health-interval-secs", default=1.0, type=float, metavar="SECS", check=_finite_above_zero,
         help="worker health poll interval",
@@ -438,16 +498,41 @@ class CapacitySettings:
              "guard](#engines-where-each-workers-capacity-comes-from)). One extra request per "
              "worker per interval (per loaded model of a llama.cpp router); a refused one (401, "
              "or 501 without `--metrics`) only every 30 s."))
+    adaptive_capacity: bool = flag(
+        "--adaptive-capacity", default=False, switch=True,
+        help=("tune each pool's capacity from the engines' time to first byte, between "
+              "--adaptive-capacity-floor and what the workers report"),
+        doc=("Each pool's capacity tunes itself: a limit between `--adaptive-capacity-floor` "
+             "and the capacity its workers report (their cap, or "
+             "`--worker-max-running-requests` per worker for an engine that reports none), "
+             "lowered when the engines' time to first byte jumps (requests queue inside the "
+             "engine) and raised by one while it is all used and the engines keep up "
+             "([Capacity that tunes itself](#capacity-that-tunes-itself---adaptive-capacity)). "
+             "With `--coordination-url` the pool reports the limit to the ledger, so the "
+             "fleet's capacity is the smallest limit its replicas found."))
+    adaptive_capacity_start: int | None = flag(
+        "--adaptive-capacity-start", default=None, type=int, metavar="N", check=_at_least(1),
+        shown_default="the workers' capacity",
+        help="the limit --adaptive-capacity starts from (default: what the workers report)",
+        doc=("The limit `--adaptive-capacity` starts from. Unset: the capacity the workers "
+             "report. ≥ 1."))
+    adaptive_capacity_floor: int = flag(
+        "--adaptive-capacity-floor", default=1, type=int, metavar="N", check=_at_least(1),
+        help="the lowest limit --adaptive-capacity goes to",
+        doc="The lowest limit `--adaptive-capacity` goes to. ≥ 1.")
     worker_auth_file: str | None = flag(
         "--worker-auth-file", default=None, metavar="FILE",
         help=("file holding the workers' API key, sent with every probe as 'Authorization: "
               "Bearer KEY' (never put the key itself in argv)"),
         doc=("The workers' API key (llama-server/vLLM/SGLang `--api-key`): FILE holds it on "
              "one line (a final line break is dropped; ≤ 8 KiB, ASCII, no control characters). "
-             "Sent with every probe to the workers as `Authorization: Bearer KEY`, never to "
+             "Sent with every probe to the workers as `Authorization: Bearer KEY`, over "
+             "`https://` only (plain `http://` needs `--worker-auth-allow-http`), never to "
              "Envoy's admin API; with it, probes follow no redirect. Never give the key in argv "
-             "(every process on the host can read argv); it is never logged, and errors about "
-             "the file never quote it. Unset: probes carry no credential, and an engine that "
+             "(every process on the host can read argv); no log line shows it or any 8 "
+             "characters of it, even where a worker echoes it back into a value the sidecar "
+             "quotes, and errors about the file never quote it. Unset: probes carry no "
+             "credential, and an engine that "
              "answers 401 is counted as "
              "[refused](#engines-where-each-workers-capacity-comes-from)."))
     worker_auth_header: str | None = flag(
@@ -457,6 +542,16 @@ class CapacitySettings:
         doc=("With `--worker-auth-file`: send the key verbatim as header NAME (e.g. "
              "`x-api-key`) instead of `Authorization: Bearer KEY`. Without `--worker-auth-file` "
              "it is a start-up error."))
+    worker_auth_allow_http: bool = flag(
+        "--worker-auth-allow-http", default=False, switch=True,
+        help=("send the --worker-auth-file key to workers over plain http:// too (default: "
+              "only over https://; an http:// worker with a key is a start-up error)"),
+        doc=("With `--worker-auth-file`: also send the key to workers over plain `http://` "
+             "(anyone on the path reads it). Without it the key goes over TLS only: an "
+             "`http://` entry of `--worker-urls`, or `--envoy-admin-url` with "
+             "`--envoy-cluster-scheme http`, is a start-up error naming the worker, and a probe "
+             "to an `http://` worker never carries the key (`worker_credential_withheld`). "
+             "For workers on loopback or a network you trust, as the demo's are."))
     startup_capacity_wait_secs: float = flag(
         "--startup-capacity-wait-secs", default=0, type=float, metavar="SECS",
         check=_finite_at_least_zero,
@@ -473,6 +568,13 @@ class CapacitySettings:
     pool's workers stay in worker_urls (bare entries) or come from --envoy-admin-url."""
     worker_credential: Mapping[str, str] | None = derived(repr=False)
     """Header name -> value sent with every worker probe; never in a repr."""
+
+    def pool_sources(self) -> dict[str, tuple[tuple[str, ...], str | None]]:
+        """Every pool's workers, the default pool first: (worker URLs, Envoy admin URL).
+        The default pool's are the bare ``--worker-urls`` entries or ``--envoy-admin-url``'s
+        cluster; a named pool's are its ``POOL=URL`` entries."""
+        return {DEFAULT_POOL: (self.worker_urls, self.envoy_admin_url),
+                **{name: (urls, None) for name, urls in self.pool_workers.items()}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,19 +652,26 @@ class FleetSettings:
              "characters, no spaces or braces."))
     replica_id: str = flag(
         "--replica-id", default=None, metavar="NAME",
-        check=_replica_id, shown_default="`<hostname>-<pid>`",
-        help="this replica's name in the fleet (default: <hostname>-<pid>)",
-        doc=("This replica's name in the fleet; must be unique within it. 1..128 "
-             "characters, no spaces or braces."))
+        check=_replica_id, shown_default="`<hostname>`",
+        help="this replica's name in the fleet (default: the hostname: in Kubernetes the "
+             "pod's name, kept across a container restart)",
+        doc=("This replica's name in the fleet; one live sidecar per name. The default, "
+             "the hostname, is the pod's name in Kubernetes: a restarted sidecar container "
+             "keeps it and takes over the admissions its predecessor left running. Two "
+             "sidecars sharing a hostname (two on one host outside Kubernetes) each need "
+             "their own: once the second registers, the ledger refuses the first "
+             "(`coordination_replica_id_in_use`, and it admits within its degraded share). "
+             "1..128 characters, no spaces or braces (others in a hostname become `_`)."))
     replica_ttl_secs: float = flag(
-        "--replica-ttl-secs", default=10.0, type=float, metavar="SECS", check=_finite_above_zero,
+        "--replica-ttl-secs", default=10.0, type=float, metavar="SECS", check=_ttl,
         help=("a replica that stops heartbeating this long loses its admissions "
               "fleet-wide; also how soon a replica degrades to its local share when the server "
               "is unreachable"),
         doc=("A replica that stops heartbeating this long loses its admissions and waiters "
              "fleet-wide; heartbeats go every third of it. Also the bound on how soon a replica "
              "degrades to its local share when the server is unreachable. Give every replica of "
-             "a fleet the same value. Finite, > 0."))
+             "a fleet the same value. Finite, > 0 and at most 86,400 (a day: the ledger refuses "
+             "longer)."))
     coordination_password: str | None = derived(repr=False)
     """Never in a repr: Settings may be printed or logged whole."""
 
@@ -723,9 +832,13 @@ def coordination_password(ns: argparse.Namespace,
 
 
 def default_replica_id() -> str:
-    """``<hostname>-<pid>``: unique per process on a host, readable in the ledger."""
-    host = re.sub(r"[\s{}]", "_", socket.gethostname()) or "replica"
-    return f"{host}-{os.getpid()}"
+    """The hostname (spaces and braces as ``_``, at most 128 characters): in Kubernetes the
+    pod's name, unique among live pods and kept across a container restart, so that a
+    restarted sidecar takes over the admissions still running under it (a new id each
+    start, ``<hostname>-<pid>`` before, let the old registration lapse and free them while
+    they ran: 12 of 9 measured). Two sidecars on one hostname collide loudly, never
+    silently: the ledger refuses the one taken over (``replica_id_in_use``)."""
+    return re.sub(r"[\s{}]", "_", socket.gethostname())[:128] or "replica"
 
 
 MAX_CREDENTIAL_BYTES = 8192
@@ -793,6 +906,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     capacity = CapacitySettings(**{**flags.checked_values(CapacitySettings, ns),
                                    "worker_urls": default_urls}, pool_workers=pool_workers,
                                 worker_credential=credential)
+    check_credential_transport(capacity)
     legacy = LegacySettings(**flags.checked_values(LegacySettings, ns))
     liveness = LivenessSettings(**flags.checked_values(LivenessSettings, ns))
     fleet_values = flags.checked_values(FleetSettings, ns)
@@ -836,12 +950,41 @@ def split_worker_urls(entries: Sequence[str]
             raise ConfigError(f"--worker-urls: pool name {clip(name)!r} must be "
                               f"{POOL_NAME_RULE}")
         if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"--worker-urls: {url!r} must start with http:// or https://")
+            raise ConfigError(f"--worker-urls: {redact_url(url)!r} must start with http:// or "
+                              "https://")
         if name == DEFAULT_POOL:
             default.append(url)
         else:
             pools.setdefault(name, []).append(url)
     return tuple(default), {name: tuple(urls) for name, urls in pools.items()}
+
+
+def sends_credential(url: str, over_http: bool) -> bool:
+    """The one rule for where the workers' key may go: over TLS (``https://``) only,
+    unless plain ``http://`` was allowed (``--worker-auth-allow-http``). Checked for every
+    worker source at start-up (:func:`check_credential_transport`) and for every probe
+    (sidecar.health)."""
+    return url.lower().startswith("https://") or over_http
+
+
+def check_credential_transport(capacity: CapacitySettings) -> None:
+    """Every worker source that would send the workers' key over plain http is refused
+    here, before anything is probed (:func:`sends_credential`)."""
+    if capacity.worker_credential is None or capacity.worker_auth_allow_http:
+        return
+    allow = "--worker-auth-allow-http"
+    for urls, _ in capacity.pool_sources().values():
+        for url in urls:
+            if not sends_credential(url, False):
+                raise ConfigError(f"--worker-urls {clip(redact_url(url))!r}: "
+                                  f"--worker-auth-file's key would go over plain http; give "
+                                  f"the worker as https://, or allow plain http with {allow}")
+    if capacity.envoy_admin_url is not None and not sends_credential(
+            f"{capacity.envoy_cluster_scheme}://", False):
+        raise ConfigError("--envoy-admin-url with --worker-auth-file: the hosts found there are "
+                          "probed over http (--envoy-cluster-scheme http), so the key would go "
+                          "over plain http; give --envoy-cluster-scheme https for workers "
+                          f"that serve TLS, or allow plain http with {allow}")
 
 
 def check_pools(cfg: PriorityConfig, pool_workers: Mapping[str, tuple[str, ...]]) -> None:

@@ -35,7 +35,11 @@ the sidecar's own, :data:`EDGE_REPLIES`) before any Check. Three parts:
   but was not empty: the next one lets through :data:`PROBE` times as many
   (with the margin) of all the class's arrivals, the Checks plus the edge's own
   sheds counted in that interval, and the switch goes to 0 once that is all of
-  them (or when no edge sheds were counted). So a flood whose queue has a moment
+  them (or when no edge sheds were counted). The sheds counted are trusted only as
+  far as the share in force explains them: more than ``share / (1 - share)`` per
+  Check let through never slows the let-through's growth below PROBE x (1 + MARGIN)
+  per interval, so a forged or late count can delay a switch's fall to 0 by at most six
+  intervals and never hold it on. So a flood whose queue has a moment
   of room is not let through whole (measured before: the share fell to 0 every
   0.5-1.5 s at 100x, each time ~400 Checks at once, ahead of interactive's);
   a queue that keeps room without emptying sees the let-through grow 2.5x per
@@ -45,9 +49,14 @@ the sidecar's own, :data:`EDGE_REPLIES`) before any Check. Three parts:
   replica's traffic meets it.
 * **Counting.** Envoy writes one access-log entry per edge shed on a logger of
   its own (batched, :data:`SHED_LOG_NAME`), marked by gRPC metadata on its
-  stream; the sidecar counts them without decoding an entry: each batch adds
-  its length to ``smg_scheduler_admit_total{class,outcome="rejected_queue_full"}``
-  and ``smg_sidecar_edge_shed_total{class}`` and to the ``rejections`` log line.
+  stream; the sidecar counts the entries that are what that logger sends (the edge
+  route's name, :func:`route_name`, and its 429) into
+  ``smg_scheduler_admit_total{class,outcome="rejected_queue_full"}``
+  and ``smg_sidecar_edge_shed_total{class}`` and the ``rejections`` log line.
+  A stream marked with a class that is not an edge class, or a pool this sidecar
+  lacks, counts nothing. The port is not authenticated (docs/reference.md, "Who can
+  call the gRPC port"): a caller can forge such entries and so raise those
+  counters, but by the rule above not hold a switch on.
   The batch interval (:data:`SHED_LOG_FLUSH_SECS`) is well inside any scrape
   interval.
 * **Pools.** Each pool has its own switches, control loop and logger: a pool's
@@ -76,7 +85,7 @@ from envoy.service.runtime.v3 import rtds_pb2
 from sidecar import codec, logs, responses
 from sidecar.classes import PriorityClass
 from sidecar.config import DEFAULT_POOL
-from sidecar.metrics import Recorder
+from sidecar.metrics import PoolRecorder
 
 RTDS_SERVICE = "envoy.service.runtime.v3.RuntimeDiscoveryService"
 RUNTIME_TYPE_URL = "type.googleapis.com/envoy.service.runtime.v3.Runtime"
@@ -113,6 +122,14 @@ def runtime_key(cls: PriorityClass, pool: str = DEFAULT_POOL) -> str:
     if pool == DEFAULT_POOL:
         return RUNTIME_KEY_PREFIX + cls.label
     return f"{RUNTIME_KEY_PREFIX}pool.{pool}.{cls.label}"
+
+
+def route_name(cls: PriorityClass, pool: str = DEFAULT_POOL) -> str:
+    """The edge route's name (envoy/render.py, the k8s recipes): each shed's access-log
+    entry carries it, and only entries that do are counted."""
+    if pool == DEFAULT_POOL:
+        return f"smg_edge_shed_{cls.label}"
+    return f"smg_edge_shed_pool_{pool}_{cls.label}"
 
 
 EDGE_REPLIES: Final[Mapping[PriorityClass, responses.Reply]] = {
@@ -180,8 +197,11 @@ class ShedController:
             if s.arrived:
                 # All that got through found room: let PROBE times as many through, of
                 # all arrivals (Checks + the edge's own sheds); 0 once that is all of them.
-                target = 1.0 - PROBE * s.arrived * (1.0 + MARGIN) / (s.arrived + s.shed)
-                return 0.0 if target < 2 * DEADBAND else round(min(target, s.share), 4)
+                # The sheds count only as far as the share in force explains them: more
+                # (forged on the unauthenticated port, or late) would hold the switch on.
+                through = max(s.arrived / (s.arrived + s.shed), 1.0 - s.share)
+                target = 1.0 - PROBE * (1.0 + MARGIN) * through
+                return 0.0 if target < 2 * DEADBAND else round(target, 4)
             if s.share < 2 * DEADBAND:
                 return 0.0
             # Nothing got through, so nothing is known: shed less until something does.
@@ -201,16 +221,22 @@ class RuntimeServer:
     """SotW RTDS for one layer: the current shares, with a TTL, to every open stream.
     Shares are keyed by (pool, class); one layer carries every pool's switches."""
 
-    def __init__(self, metrics: Recorder, pools: Iterable[str] = (DEFAULT_POOL,)) -> None:
-        self._metrics = metrics
+    def __init__(self, pools: Mapping[str, PoolRecorder]) -> None:
+        self._recorders = dict(pools)
         self._streams: set[asyncio.Queue[bytes]] = set()
         self._version = itertools.count(1)
         self._nonce = itertools.count(1)
         names = tuple(pools)
+        # The default pool's keys carry no pool (a bootstrap without pools is unchanged),
+        # and neither do its log lines when it is the only one.
         self._pooled = names != (DEFAULT_POOL,)
         self._shares: dict[tuple[str, PriorityClass], float] = {
             (p, c): 0.0 for p in names for c in EDGE_CLASSES}
         self._current = self._encode()
+        # Per message of a stream anyone reaching the port may open: one line per 10 s.
+        self._decode_failed_log = logs.Throttled(log, "rtds_decode_failed")
+        self._rejected_log = logs.Throttled(log, "rtds_rejected")
+        self._unknown_log = logs.Throttled(log, "rtds_unknown_subscription")
 
     @property
     def streams(self) -> int:
@@ -231,7 +257,7 @@ class RuntimeServer:
                 log.debug("edge_shed_changed",
                           shares={self._name(k): v for k, v in shares.items()})
         for (pool, cls), share in self._shares.items():
-            self._metrics.edge_share(cls, share, pool if self._pooled else None)
+            self._recorders[pool].edge_share(cls, share)
         for q in self._streams:
             _offer(q, self._current)
 
@@ -281,33 +307,34 @@ class RuntimeServer:
             try:
                 req = discovery_pb2.DiscoveryRequest.FromString(data)
             except Exception as exc:  # a malformed message is logged, not fatal
-                log.warning("rtds_decode_failed", error=str(exc))
+                self._decode_failed_log.event(error=str(exc)[:200])
                 continue
             if req.HasField("error_detail"):
-                log.warning("rtds_rejected", message=req.error_detail.message,
-                            version=req.version_info)
+                self._rejected_log.event(message=req.error_detail.message[:200],
+                                         version=req.version_info[:64])
             if q not in self._streams:  # the first request: send what is in force now
                 if req.type_url != RUNTIME_TYPE_URL or LAYER not in req.resource_names:
-                    log.warning("rtds_unknown_subscription", type_url=req.type_url,
-                                resources=list(req.resource_names)[:4])
+                    self._unknown_log.event(type_url=req.type_url[:200],
+                                            resources=[r[:64] for r in
+                                                       list(req.resource_names)[:4]])
                 self._streams.add(q)
                 _offer(q, self._current)
 
 
 class EdgeShed:
     """The controllers (one per pool), the RTDS server and the shed counter, run every
-    interval."""
+    interval. ``pools``: every pool's name (the default pool's included) and recorder."""
 
-    def __init__(self, metrics: Recorder, rejections: Callable[[str, str, str], None],
-                 pools: Iterable[str] = (DEFAULT_POOL,)) -> None:
-        names = tuple(pools)  # every pool's name, the default pool's included
-        self.controllers = {p: ShedController() for p in names}
-        # The default pool's: without pools, Checks feed it without a pool lookup.
-        self.controller = self.controllers[DEFAULT_POOL]
-        self.server = RuntimeServer(metrics, names)
-        self._pooled = names != (DEFAULT_POOL,)
-        self._metrics = metrics
+    def __init__(self, pools: Mapping[str, PoolRecorder],
+                 rejections: Callable[[str, str, str], None]) -> None:
+        self.controllers = {p: ShedController() for p in pools}
+        self.server = RuntimeServer(pools)
+        self._recorders = dict(pools)
         self._rejections = rejections
+        self._unknown_pool_log = logs.Throttled(log, "edge_shed_unknown_pool")
+        self._bad_class_log = logs.Throttled(log, "edge_shed_unknown_class")
+        self._decode_failed_log = logs.Throttled(log, "edge_shed_decode_failed")
+        self._not_edge_log = logs.Throttled(log, "edge_shed_entries_not_counted")
 
     async def run(self) -> None:
         while True:
@@ -321,10 +348,10 @@ class EdgeShed:
     def shed_counted(self, cls: PriorityClass, n: int, pool: str = DEFAULT_POOL) -> None:
         controller = self.controllers.get(pool)
         if controller is None:  # a logger naming a pool this sidecar does not have
-            log.warning("edge_shed_unknown_pool", pool=pool[:64], entries=n)
+            self._unknown_pool_log.event(pool=pool[:64], entries=n)
             return
         controller.edge_shed(cls, n)
-        self._metrics.edge_shed(cls, n, pool if self._pooled else None)
+        self._recorders[pool].edge_shed(cls, n)
         for _ in range(n):
             self._rejections(cls.label, "rejected_queue_full", EDGE_TENANT)
 
@@ -342,18 +369,38 @@ class EdgeShed:
                 return await completion(requests, context)
             cls = PriorityClass.from_name(mark)
             pool = _stream_mark(context, POOL_MARK_KEY) or DEFAULT_POOL
+            if cls not in EDGE_CLASSES:  # no edge route sheds it: not Envoy's logger
+                self._bad_class_log.event(mark=mark[:32], pool=pool[:64])
+                return await _drain(requests)
+            assert cls is not None
+            edge_route = route_name(cls, pool)
+            status = EDGE_REPLIES[cls].status
             async for data in requests:
                 try:
-                    n = len(als_pb2.StreamAccessLogsMessage.FromString(data)
-                            .http_logs.log_entry)
+                    entries = als_pb2.StreamAccessLogsMessage.FromString(data).http_logs.log_entry
+                    n = sum(1 for e in entries
+                            if e.common_properties.route_name == edge_route
+                            and e.response.response_code.value == status)
                 except Exception as exc:
-                    log.warning("access_log_decode_failed", error=str(exc))
+                    self._decode_failed_log.event(error=str(exc)[:200])
                     continue
-                if cls is not None and n:
+                if n < len(entries):  # what Envoy's edge logger never sends: not counted
+                    self._not_edge_log.event(cls=cls.label, pool=pool[:64],
+                                             entries=len(entries), not_counted=len(entries) - n,
+                                             route=edge_route[:128])
+                if n:
                     self.shed_counted(cls, n, pool)
             return codec.ALS_RESPONSE
 
         return handler
+
+
+async def _drain(requests: AsyncIterator[bytes]) -> bytes:
+    """Read a stream to its end without acting on it (closing it early would only make a
+    misconfigured Envoy reconnect at once)."""
+    async for _ in requests:
+        pass
+    return codec.ALS_RESPONSE
 
 
 def _offer(q: asyncio.Queue[bytes], data: bytes) -> None:

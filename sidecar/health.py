@@ -32,6 +32,7 @@ from sidecar.capacity import (
     ProbeStatus,
     WorkerProbe,
 )
+from sidecar.config import sends_credential
 
 __all__ = [
     "DEFAULT_WORKER_CAPACITY",
@@ -42,6 +43,7 @@ __all__ = [
     "http_get",
     "new_session",
     "probe_worker",
+    "sends_credential",
 ]
 
 DEFAULT_WORKER_CAPACITY = 64  # the contract's count for a healthy worker that reports none
@@ -323,16 +325,26 @@ class NoLoadedModel(ProbeProblem):
                          "no model is loaded; counted as one slot until one is")
 
 
+def credential_secrets(credential: Mapping[str, str]) -> list[str]:
+    """What of a credential must never be shown: each header value, without the
+    ``Bearer`` scheme word (the key itself)."""
+    return [v.removeprefix("Bearer ").strip() for v in credential.values()]
+
+
 class WorkerProber:
     """Probes workers by engine; remembers per worker what ``auto`` recognised.
 
     ``credential`` (header name -> value, from ``--worker-auth-file``) goes with
-    every probe to the workers, never anywhere else, and is never logged.
+    every probe to a worker over TLS (or over plain http with ``credential_over_http``),
+    never anywhere else, and is never logged: whatever a worker answers, every line
+    this prober writes is scrubbed of it (:func:`sidecar.logs.redact`), and so is every
+    line of the process once it is registered here.
     """
 
     def __init__(self, session: Callable[[], aiohttp.ClientSession], *, engine: str,
                  timeout: float, saturation_guard: bool,
                  credential: Mapping[str, str] | None = None,
+                 credential_over_http: bool = False,
                  refused_retry_secs: float = REFUSED_RETRY_SECS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._session = session
@@ -340,6 +352,9 @@ class WorkerProber:
         self.timeout = timeout
         self.saturation_guard = saturation_guard
         self._headers = dict(credential) if credential else None
+        for secret in credential_secrets(self._headers or {}):
+            logs.register_secret(secret)
+        self.credential_over_http = credential_over_http
         self.refused_retry_secs = refused_retry_secs
         self._clock = clock
         self.state: dict[str, _WorkerState] = {}
@@ -351,7 +366,19 @@ class WorkerProber:
         if len(self._logged) > 10_000:  # bounded: a churning fleet must not grow it forever
             self._logged.clear()
         self._logged.add((event, *key))
-        log.warning(event, **kw)
+        # What a worker answered is in these fields: never its echo of the key.
+        log.warning(event, **{k: logs.redact(v) for k, v in kw.items()})
+
+    def _credential_for(self, base: str) -> Mapping[str, str] | None:
+        """The credential headers for a request to worker ``base``: none over plain http
+        unless allowed (start-up refuses such a worker set, so this is the last guard)."""
+        if self._headers is None or sends_credential(base, self.credential_over_http):
+            return self._headers
+        self.log_once("worker_credential_withheld", (base,), worker=base,
+                      reason="the workers' key goes over TLS (https://) only",
+                      hint="give the worker as https://, or allow plain http with "
+                           "--worker-auth-allow-http")
+        return None
 
     def _problem(self, base: str, p: ProbeProblem, problems: list[tuple[str, str]]) -> None:
         """Note a refusal for the metric; log it once per worker, endpoint and reason."""
@@ -374,7 +401,7 @@ class WorkerProber:
                 raise held[0]
             del st.refused[path]
         status, body = await http_get(self._session(), base + path, self.timeout, limit,
-                                      self._headers)
+                                      self._credential_for(base))
         if status in REFUSALS:
             refusal = Refused(path, status)
             st.refused[path] = (refusal, self._clock() + self.refused_retry_secs)
@@ -393,7 +420,7 @@ class WorkerProber:
         base = base_url.rstrip("/")
         try:
             status, _ = await http_get(self._session(), f"{base}/health", self.timeout,
-                                       headers=self._headers)
+                                       headers=self._credential_for(base))
         except PROBE_ERRORS as exc:
             self.state.pop(base, None)
             kind = ProbeStatus.INCONCLUSIVE if is_local_failure(exc) else ProbeStatus.UNHEALTHY
@@ -651,8 +678,9 @@ async def probe_worker(session: aiohttp.ClientSession, base_url: str, timeout: f
     return UNREAD_WORKER_CAPACITY if p.cap_failed else DEFAULT_WORKER_CAPACITY
 
 
-def routable_hosts(clusters_json: object, cluster: str) -> list[str]:
-    """Base URLs of the hosts Envoy would route to in ``cluster``."""
+def routable_hosts(clusters_json: object, cluster: str, scheme: str = "http") -> list[str]:
+    """Base URLs (``scheme``://addr:port, ``--envoy-cluster-scheme``) of the hosts Envoy
+    would route to in ``cluster``."""
     out: list[str] = []
     if not isinstance(clusters_json, dict):
         return out
@@ -669,7 +697,7 @@ def routable_hosts(clusters_json: object, cluster: str) -> list[str]:
             eds = hs.get("eds_health_status")
             if failed or eds not in (None, "HEALTHY"):
                 continue
-            out.append(f"http://{addr}:{port}")
+            out.append(f"{scheme}://{addr}:{port}")
     return out
 
 
@@ -692,6 +720,8 @@ class CapacityMonitor:
         saturation_guard: bool = False,
         clock: Callable[[], float] | None = None,
         credential: Mapping[str, str] | None = None,
+        credential_over_http: bool = False,
+        envoy_cluster_scheme: str = "http",
         pool: str | None = None,
     ) -> None:
         # With pools (sidecar.pools) every line of this monitor names its pool.
@@ -699,6 +729,7 @@ class CapacityMonitor:
         self.worker_urls = list(worker_urls)
         self.envoy_admin_url = envoy_admin_url
         self.envoy_cluster = envoy_cluster
+        self.envoy_cluster_scheme = envoy_cluster_scheme
         self.interval = interval
         self.timeout = timeout
         self.fallback = fallback
@@ -711,6 +742,7 @@ class CapacityMonitor:
                                      clock=clock or time.monotonic)
         self.prober = WorkerProber(lambda: self.session, engine=engine, timeout=timeout,
                                    saturation_guard=saturation_guard, credential=credential,
+                                   credential_over_http=credential_over_http,
                                    clock=clock or time.monotonic)
 
     @property
@@ -734,7 +766,8 @@ class CapacityMonitor:
             status, body = await http_get(self.session, url, self.timeout,
                                            CLUSTERS_BODY_LIMIT)
             if status == 200:
-                return routable_hosts(json.loads(body), self.envoy_cluster)
+                return routable_hosts(json.loads(body), self.envoy_cluster,
+                                      self.envoy_cluster_scheme)
             self._log.warning("envoy_admin_unreachable", url=url, status=status)
         except PROBE_ERRORS as exc:
             self._log.warning("envoy_admin_unreachable", url=url, error=str(exc)[:200])

@@ -36,22 +36,81 @@ when the connection or the process goes. So:
   (released) and which are this process's (no lease). Owners without an admin keep the
   time-only rules.
 
-:class:`OwnerTable` is the pure part (the caller passes the time in and applies what
-its methods return); :class:`EnvoyLiveness` wires it to the admission service, the
-gRPC hooks and a timer.
+The owner's state
+=================
+
+Each owner is in exactly one :class:`State`; a :class:`Trigger` moves it by
+:data:`TRANSITIONS`, and every pair not listed raises :class:`IllegalTransition` (a driver
+bug: a stream closed that never opened, a periodic entry with no stream). *Identified*
+owners are those whose Envoy's admin can be asked (``identifiable``); the others are
+decided on time alone and only ever are UNWATCHED, ALIVE or LOST. An owner the table does
+not keep (never seen, or forgotten with nothing left to track) is UNWATCHED. "Ack" says
+what an acknowledgement does there: the lease stays, or it is held without one.
+
+===========  =====  ===============================  =======================================
+state        ack    carries                          leaves by: trigger → next state
+===========  =====  ===============================  =======================================
+UNWATCHED    lease  nothing                          ``opened`` → ALIVE; ``opened_ask``
+                                                     (identified) → IDENTIFYING
+ALIVE        none   :class:`Open`: streams (≥ 1),    ``opened_more``, ``closed_more``,
+                    its last periodic entry          ``periodic`` → ALIVE; ``closed_last``
+                                                     → LOST
+IDENTIFYING  none   :class:`Open` with the question  ``opened_more``, ``closed_more``,
+                    asked at its first stream, and   ``periodic`` → IDENTIFYING;
+                    whether the loss it ended was    ``identified`` (the answer, or none)
+                    a confirmed blip                 → ALIVE; ``closed_last`` → LOST (the
+                                                     answer will be stale)
+LOST         lease  :class:`Loss`: since when, and   ``opened`` → ALIVE; ``opened_ask`` →
+                    the grace's end                  IDENTIFYING; ``grace_passed`` (time
+                                                     only) → UNWATCHED [dead]; ``check_due``
+                                                     (identified) → ASKING
+ASKING       lease  :class:`Loss` with the question  ``opened_ask`` → IDENTIFYING;
+                    to its admin                     ``checked_blip`` → BLIP;
+                                                     ``checked_restarted`` → UNWATCHED
+                                                     [restarted]; ``checked_dead`` →
+                                                     UNWATCHED [dead]
+BLIP         none   :class:`Loss`: since when, and   ``opened_ask`` → IDENTIFYING;
+                    the next check                   ``check_due`` → BLIP_ASKING
+BLIP_ASKING  none   :class:`Loss` with the question  ``opened_ask`` → IDENTIFYING;
+                    to its admin                     ``checked_blip`` → BLIP;
+                                                     ``checked_restarted`` → UNWATCHED
+                                                     [restarted]; ``checked_dead`` →
+                                                     UNWATCHED [dead, and what was
+                                                     acknowledged since the blip]
+===========  =====  ===============================  =======================================
+
+What moves with them: [dead] releases every admission the owner asked for before the loss
+and Envoy has not shown since; [restarted], every one asked for before the new process
+started. The first stream after none (``opened``, ``opened_ask``) puts what was
+acknowledged before the loss back under the lease (a relapse) and takes the lease off
+what was acknowledged since, or ever, from UNWATCHED; ``identified`` releases what was
+asked for before the running process started and takes the lease off a relapsed one
+asked for after it (not when that process sends periodic entries: their next one does).
+An acknowledgement where "ack" says lease puts even one held without a lease back under
+it (a sign after the loss spares it the loss's release), and UNWATCHED holds nothing
+without a lease (entering it, what is left goes back under one): so an admission held
+without a lease always has a way out, its owner's death.
+An admin's answer counts only while its owner's state still waits for that question (its
+token): any other answer is stale and changes nothing.
+
+:class:`OwnerTable` is the pure part: the caller passes the time in and releases what
+its methods return; unleasing and relapsing go straight to the lease home it is given
+(the admission service's lease table, the one place that keeps them).
+:class:`EnvoyLiveness` wires it to the admission service, the gRPC hooks and a timer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import ipaddress
 import itertools
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import unquote, urlsplit
 
 import aiohttp
@@ -62,7 +121,7 @@ from sidecar.metrics import NullRecorder, Recorder
 from sidecar.scheduler import LEASE_EXPIRED, ReleaseResult
 
 if TYPE_CHECKING:
-    from sidecar.admission import AdmissionService
+    from sidecar.admission import AdmissionsById
 
 log = logs.get("sidecar.liveness")
 
@@ -96,35 +155,156 @@ def owner_of(peer: str) -> str:
     return host.strip("[]")
 
 
+class State(enum.StrEnum):
+    """Where one owner is (see the module table)."""
+
+    UNWATCHED = "unwatched"
+    ALIVE = "alive"
+    IDENTIFYING = "identifying"
+    LOST = "lost"
+    ASKING = "asking"
+    BLIP = "blip"
+    BLIP_ASKING = "blip_asking"
+
+
+class Trigger(enum.StrEnum):
+    """What happened, as far as an owner's state is concerned."""
+
+    OPENED = "opened"  # its first stream after none (decided on time alone)
+    OPENED_ASK = "opened_ask"  # the same, for an identified owner: its admin is asked
+    OPENED_MORE = "opened_more"  # another stream, one already open
+    CLOSED_MORE = "closed_more"  # a stream closed, another still open
+    CLOSED_LAST = "closed_last"  # its last open stream closed
+    PERIODIC = "periodic"  # a periodic access-log entry on one of its streams
+    GRACE_PASSED = "grace_passed"  # lost for the grace, decided on time alone: dead
+    CHECK_DUE = "check_due"  # identified, lost for the grace (or a grace since a blip)
+    IDENTIFIED = "identified"  # its admin answered the question of its first stream
+    CHECKED_BLIP = "checked_blip"  # its admin: the process that was lost still runs
+    CHECKED_RESTARTED = "checked_restarted"  # its admin: a new process started after it
+    CHECKED_DEAD = "checked_dead"  # no answer, or one that cannot tell: dead
+
+
+S, T = State, Trigger
+TRANSITIONS: Mapping[tuple[State, Trigger], State] = {
+    (S.UNWATCHED, T.OPENED): S.ALIVE,
+    (S.UNWATCHED, T.OPENED_ASK): S.IDENTIFYING,
+    (S.ALIVE, T.OPENED_MORE): S.ALIVE,
+    (S.ALIVE, T.CLOSED_MORE): S.ALIVE,
+    (S.ALIVE, T.PERIODIC): S.ALIVE,
+    (S.ALIVE, T.CLOSED_LAST): S.LOST,
+    (S.IDENTIFYING, T.OPENED_MORE): S.IDENTIFYING,
+    (S.IDENTIFYING, T.CLOSED_MORE): S.IDENTIFYING,
+    (S.IDENTIFYING, T.PERIODIC): S.IDENTIFYING,
+    (S.IDENTIFYING, T.IDENTIFIED): S.ALIVE,
+    (S.IDENTIFYING, T.CLOSED_LAST): S.LOST,
+    (S.LOST, T.OPENED): S.ALIVE,
+    (S.LOST, T.OPENED_ASK): S.IDENTIFYING,
+    (S.LOST, T.GRACE_PASSED): S.UNWATCHED,
+    (S.LOST, T.CHECK_DUE): S.ASKING,
+    (S.ASKING, T.OPENED_ASK): S.IDENTIFYING,
+    (S.ASKING, T.CHECKED_BLIP): S.BLIP,
+    (S.ASKING, T.CHECKED_RESTARTED): S.UNWATCHED,
+    (S.ASKING, T.CHECKED_DEAD): S.UNWATCHED,
+    (S.BLIP, T.OPENED_ASK): S.IDENTIFYING,
+    (S.BLIP, T.CHECK_DUE): S.BLIP_ASKING,
+    (S.BLIP_ASKING, T.OPENED_ASK): S.IDENTIFYING,
+    (S.BLIP_ASKING, T.CHECKED_BLIP): S.BLIP,
+    (S.BLIP_ASKING, T.CHECKED_RESTARTED): S.UNWATCHED,
+    (S.BLIP_ASKING, T.CHECKED_DEAD): S.UNWATCHED,
+}
+"""(state, trigger) → next state; a pair not listed is illegal."""
+del S, T
+
+# A stream is open exactly in these (alive).
+OPEN = frozenset({State.ALIVE, State.IDENTIFYING})
+# An acknowledgement needs no lease in these: its owner is alive, or its admin said the
+# same process runs.
+VOUCHED = frozenset({State.ALIVE, State.IDENTIFYING, State.BLIP, State.BLIP_ASKING})
+# Its admin's answer is awaited in these (the question's token is the state's ``ask``).
+ASKED = frozenset({State.IDENTIFYING, State.ASKING, State.BLIP_ASKING})
+
+
+class IllegalTransition(RuntimeError):
+    """A trigger the table does not allow in an owner's state: a driver bug."""
+
+    def __init__(self, state: State, trigger: Trigger) -> None:
+        super().__init__(f"{trigger.value} is not allowed in state {state.value}")
+        self.state = state
+        self.trigger = trigger
+
+
+def next_state(state: State, trigger: Trigger) -> State:
+    """The table, as a function: the next state, or :class:`IllegalTransition`."""
+    try:
+        return TRANSITIONS[state, trigger]
+    except KeyError:
+        raise IllegalTransition(state, trigger) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """ALIVE, IDENTIFYING: ``streams`` (≥ 1) are open."""
+
+    streams: int
+    periodic_at: float | None
+    """This process's last periodic access-log entry (None: none seen). Such entries
+    acknowledge its requests, so an allow may let it skip ext_proc (sidecar.authz), and
+    after a blip its earlier admissions can wait for their next one under the lease."""
+    ask: int | None = None
+    """IDENTIFYING: the token of the question asked at its first stream."""
+    after_blip: bool = False
+    """IDENTIFYING: the loss this stream ended was a confirmed blip (counted already)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """LOST, ASKING, BLIP, BLIP_ASKING: its last stream closed at ``at``."""
+
+    at: float
+    periodic_at: float | None  # as :attr:`Open.periodic_at`: the same process, maybe
+    due: float | None = None
+    """LOST, BLIP: when the grace passes (dead, or its admin is asked)."""
+    ask: int | None = None
+    """ASKING, BLIP_ASKING: the token of the pending question."""
+
+
+Phase = Open | Loss | None
+
+
+def fits(state: State, phase: Phase) -> bool:
+    """``phase`` is the data ``state`` carries, and nothing else (UNWATCHED: none)."""
+    if state is State.UNWATCHED:
+        return phase is None
+    if state in OPEN:
+        return (isinstance(phase, Open) and phase.streams >= 1
+                and (phase.ask is not None) == (state is State.IDENTIFYING)
+                and (state is State.IDENTIFYING or not phase.after_blip))
+    return (isinstance(phase, Loss) and (phase.ask is not None) == (state in ASKED)
+            and (phase.due is not None) == (state in (State.LOST, State.BLIP)))
+
+
+@dataclass(slots=True)
+class _Owner:
+    state: State = State.UNWATCHED
+    phase: Phase = None
+    ids: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
+
+
 @dataclass(slots=True)
 class _Tracked:
     owner: str
     admitted_at: float
     acked_at: float | None = None  # last time Envoy showed it runs it
-    unleased: bool = False  # acknowledged while its owner was alive: no lease
-    relapsed: bool = False  # unleased, then back under the lease at a gap (maybe a restart)
+    relapsed: bool = False  # held without a lease, then back under it at a gap
 
 
-@dataclass(slots=True)
-class _Owner:
-    streams: int = 0
-    watched: bool = False
-    lost_at: float | None = None  # last stream closed at; None while alive or never watched
-    ids: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
-    # Identified owners (their Envoy's admin answers): when to ask it next whether the
-    # process that was lost still lives; None while alive or while an answer is pending.
-    check_at: float | None = None
-    blip_seen: bool = False  # this loss was already found to be a blip (counted once)
-    # The reopening that ended a loss already counted as a blip: not counted again.
-    blip_counted: bool = False
-    # This Envoy process sends periodic access-log entries: they acknowledge its
-    # requests, so an allow may let it skip ext_proc (sidecar.authz), and after a blip its
-    # earlier admissions can wait for their next periodic entry under the lease.
-    periodic: bool = False
-    periodic_at: float = 0.0  # the last one, to tell whose process it came from
-    # Bumped at every open after none and every last close: an admin answer asked for
-    # under an older one describes a state that has passed and is dropped.
-    epoch: int = 0
+class LeaseHome(Protocol):
+    """Where "held without a lease" is kept: the admission service's lease table. The
+    owner table asks it and tells it, and keeps no copy."""
+
+    def unleased(self, aid: str) -> bool: ...
+    def hold_without_lease(self, aid: str) -> bool: ...
+    def lease_again(self, aid: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +330,11 @@ class ProcessStart:
 
 @dataclass(frozen=True, slots=True)
 class Reopened:
-    """What an owner's stream opening asks of the caller."""
+    """What an owner's stream opening did to the lease home (for logs), and asks of the
+    caller."""
 
     unlease: list[str]
-    """Acknowledged while the owner was not alive: the owner is alive now, drop their lease."""
+    """Acknowledged while the owner was not alive: the owner is alive now, lease dropped."""
     relapse: list[str]
     """Acknowledged before a gap: back under the lease (a new process may have replaced it)."""
     ask: int | None = None
@@ -163,7 +344,8 @@ class Reopened:
 
 @dataclass(frozen=True, slots=True)
 class Identified:
-    """What an admin's answer at an owner's (re)opening asks of the caller."""
+    """What an admin's answer at an owner's (re)opening asks of the caller (release), and
+    did to the lease home (unlease)."""
 
     release: list[str]
     """Admitted before the current process started: its predecessor's, and it is dead."""
@@ -192,23 +374,39 @@ START_MARGIN = 0.1
 
 
 class OwnerTable:
-    """Owners (by peer host) with their open ALS streams and the admissions they asked for.
+    """Owners (by peer host), each one state of :data:`TRANSITIONS`, with the admissions
+    they asked for.
 
     ``identifiable(owner)``: the caller can ask that owner's Envoy when its process started
     (its admin API: a loopback owner, the pod's own Envoy). For those owners a loss past the
     grace and a first stream after none are decided on the process's start
     (:meth:`due_checks`, :meth:`checked`, :meth:`identified`); for the others, on time alone.
+    ``leases``: the admission service, which alone keeps whether an admission is held
+    without a lease; the table unleases and relapses through it as it decides.
     """
 
     def __init__(self, grace: float,
-                 identifiable: Callable[[str], bool] = lambda owner: False) -> None:
+                 identifiable: Callable[[str], bool] = lambda owner: False, *,
+                 leases: LeaseHome) -> None:
         self.grace = grace
         self.identifiable = identifiable
-        # One sequence for every owner: a token never matches an owner forgotten and
-        # seen again.
-        self._epochs = itertools.count(1)
+        self.leases = leases
+        # One sequence for every question to every owner: an answer matches only the
+        # question its owner's state still waits for.
+        self._tokens = itertools.count(1)
         self._owners: dict[str, _Owner] = {}
         self._ids: dict[str, _Tracked] = {}
+
+    def _move(self, o: _Owner, trigger: Trigger, phase: Phase) -> State:
+        new = next_state(o.state, trigger)
+        assert fits(new, phase), (new, phase)
+        o.state, o.phase = new, phase
+        return new
+
+    def state(self, owner: str) -> State:
+        """``owner``'s state (an owner the table does not keep is UNWATCHED)."""
+        o = self._owners.get(owner)
+        return State.UNWATCHED if o is None else o.state
 
     # ------------------------------------------------------------------ admissions
 
@@ -218,18 +416,21 @@ class OwnerTable:
         self._owners.setdefault(owner, _Owner()).ids[aid] = None
 
     def acknowledge(self, aid: str, now: float) -> bool:
-        """Envoy showed it runs ``aid``. True: its owner is alive, so it needs no lease
-        (an owner not alive yet unleases it when its first stream opens)."""
+        """Envoy showed it runs ``aid``. True: held without a lease from now (its owner is
+        alive, or its admin said the same process runs); else the lease stays (an owner
+        not alive yet unleases it when its first stream opens)."""
         t = self._ids.get(aid)
         if t is None:
             return False
         t.acked_at = now
-        o = self._owners[t.owner]
-        # Never watched, or lost: the lease stays until it is alive, unless its admin
-        # confirmed since the loss that the same process runs (a blip).
-        if o.streams == 0 and not o.blip_seen:
+        if self._owners[t.owner].state not in VOUCHED:
+            # Under the lease, also one held without it since before a loss: this sign,
+            # after the loss, spares it the loss's release, so only a lease can end it.
+            if self.leases.unleased(aid):
+                self.leases.lease_again(aid)
             return False
-        t.unleased = True
+        if not self.leases.hold_without_lease(aid):
+            return False
         t.relapsed = False
         return True
 
@@ -241,7 +442,7 @@ class OwnerTable:
                 o.ids.pop(aid, None)
                 # Nothing left to know about it (no admissions, no stream, no grace
                 # running): forgotten, so churning peers cannot grow the table.
-                if not o.ids and o.streams == 0 and o.lost_at is None:
+                if not o.ids and o.state is State.UNWATCHED:
                     del self._owners[t.owner]
 
     def prune(self, holds: Callable[[str], bool]) -> int:
@@ -251,7 +452,7 @@ class OwnerTable:
             self.ended(aid)
         # Owners with nothing left to track (pods that came and went): forgotten.
         for key in [k for k, o in self._owners.items()
-                    if not o.ids and o.streams == 0 and o.lost_at is None]:
+                    if not o.ids and o.state is State.UNWATCHED]:
             del self._owners[key]
         return len(gone)
 
@@ -260,49 +461,48 @@ class OwnerTable:
         return None if t is None else t.owner
 
     def unleased(self, aid: str) -> bool:
-        t = self._ids.get(aid)
-        return t is not None and t.unleased
+        """``aid`` is tracked here and held without a lease (asked of :attr:`leases`)."""
+        return aid in self._ids and self.leases.unleased(aid)
 
     def periodic_entry(self, owner: str, now: float) -> None:
         """A periodic access-log entry arrived on one of ``owner``'s streams."""
-        o = self._owners.get(owner)
-        if o is not None:
-            o.periodic = True
-            o.periodic_at = now
+        o = self._owners.get(owner) or _Owner()
+        if not isinstance(o.phase, Open):
+            raise IllegalTransition(o.state, Trigger.PERIODIC)  # no stream to carry it
+        self._move(o, Trigger.PERIODIC, replace(o.phase, periodic_at=now))
 
     def sends_periodic(self, owner: str) -> bool:
         o = self._owners.get(owner)
-        return o is not None and o.periodic
+        return o is not None and o.phase is not None and o.phase.periodic_at is not None
 
     # ------------------------------------------------------------------ streams
 
     def stream_opened(self, owner: str, now: float) -> Reopened:
         o = self._owners.setdefault(owner, _Owner())
-        o.streams += 1
-        if o.streams > 1:
+        if isinstance(o.phase, Open):
+            self._move(o, Trigger.OPENED_MORE, replace(o.phase, streams=o.phase.streams + 1))
             return Reopened([], [])
-        lost_at, o.lost_at = o.lost_at, None
-        o.watched = True
-        o.check_at = None
-        o.blip_counted, o.blip_seen = o.blip_seen, False
-        o.epoch = next(self._epochs)
+        loss = o.phase
+        ask = next(self._tokens) if self.identifiable(owner) else None
+        self._move(o, Trigger.OPENED if ask is None else Trigger.OPENED_ASK,
+                   Open(1, None if loss is None else loss.periodic_at, ask,
+                        ask is not None and o.state in (State.BLIP, State.BLIP_ASKING)))
         unlease: list[str] = []
         relapse: list[str] = []
         for aid in o.ids:
             t = self._ids[aid]
             if t.acked_at is None:
                 continue
-            if lost_at is not None and t.acked_at <= lost_at:
+            if loss is not None and t.acked_at <= loss.at:
                 t.acked_at = None  # only a new sign from Envoy unleases it again
-                if t.unleased:
-                    t.unleased = False
-                    t.relapsed = True  # unless the admin says the same process lives
+                # Back under the lease, unless the admin says the same process lives.
+                if self.leases.unleased(aid) and self.leases.lease_again(aid):
+                    t.relapsed = True
                     relapse.append(aid)
-            elif not t.unleased:  # acknowledged while not alive: alive now
-                t.unleased = True
-                unlease.append(aid)
+            elif not self.leases.unleased(aid) and self.leases.hold_without_lease(aid):
+                unlease.append(aid)  # acknowledged while not alive: alive now
         # Until the admin answers, the above holds (what is decided without it).
-        return Reopened(unlease, relapse, o.epoch if self.identifiable(owner) else None)
+        return Reopened(unlease, relapse, ask)
 
     def identified(self, owner: str, ask: int, start: ProcessStart | None,
                    now: float) -> Identified:
@@ -312,54 +512,62 @@ class OwnerTable:
         under the lease is unleased again. Within the start's resolution nothing changes
         (what :meth:`stream_opened` decided holds: the time-only rule)."""
         o = self._owners.get(owner)
-        if start is None or o is None or o.epoch != ask or o.streams == 0:
+        if o is None or o.state is not State.IDENTIFYING:
             return Identified([], [])  # stale: a later open asks again, a loss checks
-        if o.periodic and start.before(o.periodic_at):
-            o.periodic = False  # surely its predecessor's: this process's config is unknown
+        op = o.phase
+        assert isinstance(op, Open)
+        if op.ask != ask:
+            return Identified([], [])
+        if start is None:
+            self._move(o, Trigger.IDENTIFIED, Open(op.streams, op.periodic_at))
+            return Identified([], [])
+        periodic_at = op.periodic_at
+        if periodic_at is not None and start.before(periodic_at):
+            periodic_at = None  # surely its predecessor's: this process's config is unknown
+        self._move(o, Trigger.IDENTIFIED, Open(op.streams, periodic_at))
         release: list[str] = []
         unlease: list[str] = []
         for aid in o.ids:
             t = self._ids[aid]
             if start.before(t.admitted_at):
                 release.append(aid)
-            elif o.periodic:
+            elif periodic_at is not None:
                 # A final entry may have been lost with the connection: the live ones are
                 # acknowledged again by their next periodic entry, the rest expire.
                 continue
-            elif start.after(t.admitted_at) and t.relapsed and not t.unleased:
+            elif (start.after(t.admitted_at) and t.relapsed
+                    and not self.leases.unleased(aid) and self.leases.hold_without_lease(aid)):
                 t.relapsed = False
-                t.unleased = True
                 t.acked_at = now
                 unlease.append(aid)
         for aid in release:
             self.ended(aid)
-        return Identified(release, unlease, o.blip_counted)
+        return Identified(release, unlease, op.after_blip)
 
     def stream_closed(self, owner: str, now: float) -> None:
-        o = self._owners.get(owner)
-        if o is None or o.streams == 0:
-            return
-        o.streams -= 1
-        if o.streams == 0:
-            o.lost_at = now
-            o.epoch = next(self._epochs)
-            o.check_at = now + self.grace if self.identifiable(owner) else None
+        o = self._owners.get(owner) or _Owner()
+        op = o.phase
+        if not isinstance(op, Open):
+            raise IllegalTransition(o.state, Trigger.CLOSED_LAST)  # none open to close
+        if op.streams > 1:
+            self._move(o, Trigger.CLOSED_MORE, replace(op, streams=op.streams - 1))
+        else:
+            self._move(o, Trigger.CLOSED_LAST, Loss(now, op.periodic_at, now + self.grace))
 
     def alive(self, owner: str) -> bool:
-        o = self._owners.get(owner)
-        return o is not None and o.streams > 0
+        return self.state(owner) in OPEN
 
     def watched(self, owner: str) -> bool:
-        o = self._owners.get(owner)
-        return o is not None and o.watched
+        return self.state(owner) is not State.UNWATCHED
 
     @property
     def open_streams(self) -> int:
-        return sum(o.streams for o in self._owners.values())
+        return sum(o.phase.streams for o in self._owners.values()
+                   if isinstance(o.phase, Open))
 
     @property
     def alive_owners(self) -> int:
-        return sum(1 for o in self._owners.values() if o.streams > 0)
+        return sum(1 for o in self._owners.values() if o.state in OPEN)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -371,27 +579,22 @@ class OwnerTable:
         """Asked for before its owner was lost, and no sign from Envoy since."""
         return t.admitted_at <= lost_at and (t.acked_at is None or t.acked_at <= lost_at)
 
-    def _due(self, key: str, o: _Owner) -> float | None:
-        if o.lost_at is None:
-            return None
-        if self.identifiable(key):
-            return o.check_at  # None while its admin's answer is pending
-        return o.lost_at + self.grace
-
     def next_deadline(self) -> float | None:
-        due = [d for k, o in self._owners.items() if (d := self._due(k, o)) is not None]
+        due = [o.phase.due for o in self._owners.values()
+               if isinstance(o.phase, Loss) and o.phase.due is not None]
         return min(due) if due else None
 
-    def _bury(self, key: str, o: _Owner, ids: list[str]) -> None:
+    def _bury(self, key: str, o: _Owner, trigger: Trigger, ids: list[str]) -> None:
         """``o``'s process is dead: forget ``ids`` (the caller releases them); what it
         asks for from now on is a new process's, not watched yet."""
+        self._move(o, trigger, None)
         for aid in ids:
             self.ended(aid)
-        o.lost_at = None
-        o.check_at = None
-        o.watched = False
-        o.periodic = False  # a new process: its config is not known yet
-        o.blip_seen = False
+        for aid in o.ids:
+            # Left, and held without a lease: a new process's, acknowledged while its
+            # predecessor's blip was vouched for. Not watched: under the lease.
+            if self.leases.unleased(aid):
+                self.leases.lease_again(aid)
         if not o.ids and key in self._owners:
             del self._owners[key]
 
@@ -405,12 +608,12 @@ class OwnerTable:
         """
         dead: list[tuple[str, list[str]]] = []
         for key, o in list(self._owners.items()):
-            if (o.lost_at is None or self.identifiable(key)
-                    or o.lost_at + self.grace > now):
+            loss = o.phase
+            if (o.state is not State.LOST or not isinstance(loss, Loss) or loss.due is None
+                    or loss.due > now or self.identifiable(key)):
                 continue
-            lost_at = o.lost_at
-            ids = [aid for aid in o.ids if self._is_before(self._ids[aid], lost_at)]
-            self._bury(key, o, ids)
+            ids = [aid for aid in o.ids if self._is_before(self._ids[aid], loss.at)]
+            self._bury(key, o, Trigger.GRACE_PASSED, ids)
             dead.append((key, ids))
         return dead
 
@@ -419,40 +622,43 @@ class OwnerTable:
         ask each one's admin and pass the answer with its token to :meth:`checked`."""
         due: list[tuple[str, int]] = []
         for key, o in self._owners.items():
-            if (o.lost_at is not None and o.check_at is not None and o.check_at <= now
-                    and self.identifiable(key)):
-                o.check_at = None
-                due.append((key, o.epoch))
+            loss = o.phase
+            if (o.state in (State.LOST, State.BLIP) and isinstance(loss, Loss)
+                    and loss.due is not None and loss.due <= now and self.identifiable(key)):
+                ask = next(self._tokens)
+                self._move(o, Trigger.CHECK_DUE, Loss(loss.at, loss.periodic_at, ask=ask))
+                due.append((key, ask))
         return due
 
     def checked(self, owner: str, ask: int, start: ProcessStart | None,
                 now: float) -> Checked:
         """A lost owner's admin answered (``start``) or not (None)."""
         o = self._owners.get(owner)
-        if o is None or o.epoch != ask or o.lost_at is None:
+        loss = None if o is None else o.phase
+        if (o is None or o.state not in (State.ASKING, State.BLIP_ASKING)
+                or not isinstance(loss, Loss) or loss.ask != ask):
             return Checked(STALE, [])  # a stream opened (or closed again) meanwhile
-        lost_at = o.lost_at
-        if start is not None and start.after(lost_at):
+        blip = o.state is State.BLIP_ASKING
+        if start is not None and start.after(loss.at):
             # The process that held the streams still runs: only its connection went.
             # Envoy reopens the stream at its next entry; until then nothing is released
             # and the admin is asked again every grace.
-            first = not o.blip_seen
-            o.blip_seen = True
-            o.check_at = now + self.grace
-            return Checked(BLIP, [], first)
-        if start is not None and start.before(lost_at):
+            self._move(o, Trigger.CHECKED_BLIP,
+                       Loss(loss.at, loss.periodic_at, now + self.grace))
+            return Checked(BLIP, [], not blip)
+        if start is not None and start.before(loss.at):
             # A new process: whatever was asked for before it started is its
             # predecessor's, lost or not yet; what came after is its own, under the lease.
             ids = [aid for aid in o.ids if start.before(self._ids[aid].admitted_at)]
-            self._bury(owner, o, ids)
+            self._bury(owner, o, Trigger.CHECKED_RESTARTED, ids)
             return Checked(RESTARTED, ids)
         # No answer: dead, as without an admin. A start within the uptime's resolution
         # of the loss cannot say which side it is on: the time-only rule (dead) too.
         # After a blip was confirmed, admissions acknowledged since the loss had no lease
         # (acknowledge): they die with the process too.
-        ids = [aid for aid in o.ids if self._is_before(self._ids[aid], lost_at)
-               or (o.blip_seen and self._ids[aid].unleased)]
-        self._bury(owner, o, ids)
+        ids = [aid for aid in o.ids if self._is_before(self._ids[aid], loss.at)
+               or (blip and self.leases.unleased(aid))]
+        self._bury(owner, o, Trigger.CHECKED_DEAD, ids)
         return Checked(DEAD, ids)
 
 
@@ -561,7 +767,8 @@ class AdminProcessStart:
 
 
 class EnvoyLiveness:
-    """The table wired to an admission service: unleases, relapses and releases.
+    """The table wired to an admission service (its lease home, through which the table
+    unleases and relapses), the gRPC hooks and a timer that releases.
 
     Hooks: ``admitted`` (Check, with its peer), ``acknowledged`` (ext_proc stream opened,
     periodic entry), ``ended`` (final entry), ``stream_opened``/``stream_closed`` (each
@@ -569,7 +776,7 @@ class EnvoyLiveness:
     lease's one job is a slot with no owner left.
     """
 
-    def __init__(self, controller: AdmissionService, *, grace: float,
+    def __init__(self, controller: AdmissionsById, *, grace: float,
                  metrics: Recorder | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  start_of: StartSource | None = None,
@@ -580,7 +787,8 @@ class EnvoyLiveness:
         self.controller = controller
         self._start_of = start_of
         self.table = OwnerTable(grace, identifiable if start_of is not None and
-                                identifiable is not None else lambda owner: False)
+                                identifiable is not None else lambda owner: False,
+                                leases=controller)
         self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
         self._clock = clock
         self._timer: asyncio.TimerHandle | None = None
@@ -609,8 +817,7 @@ class EnvoyLiveness:
             if not self.controller.holds(aid):
                 return
             self.table.admitted(aid, owner_of(peer), self._clock())
-        if self.table.acknowledge(aid, self._clock()):
-            self.controller.hold_without_lease(aid)
+        self.table.acknowledge(aid, self._clock())
 
     def ended(self, aid: str) -> None:
         self.table.ended(aid)
@@ -620,10 +827,6 @@ class EnvoyLiveness:
         owner = owner_of(peer)
         first = not self.table.watched(owner)
         r = self.table.stream_opened(owner, self._clock())
-        for aid in r.unlease:
-            self.controller.hold_without_lease(aid)
-        for aid in r.relapse:
-            self.controller.lease_again(aid)
         if first or r.relapse:
             log.info("envoy_owner_watched", owner=owner, unleased=len(r.unlease),
                      back_under_lease=len(r.relapse))
@@ -645,8 +848,6 @@ class EnvoyLiveness:
         if self._closed:
             return
         r = self.table.identified(owner, ask, start, self._clock())
-        for aid in r.unlease:
-            self.controller.hold_without_lease(aid)
         if r.unlease:
             log.info("envoy_owner_blip", owner=owner, unleased_again=len(r.unlease),
                      reason="its access-log stream reopened and its admin says the "

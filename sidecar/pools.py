@@ -1,60 +1,90 @@
-"""Model pools: one admission core per pool, routed by the admission id.
+"""Pools: the unit of admission. Every request goes through one.
 
 A pool is a set of workers with a capacity of its own (several models behind one
-gateway). Each pool gets an independent :class:`~sidecar.admission.AdmissionController`
-over its own core, so its class queues, reservations, starvation aging, preemption
-(only ever within the pool), tenant limits and leases never see another pool's
-traffic. Envoy's route names the pool (ext_authz per-route ``context_extensions``,
-key :data:`POOL_KEY`); a route that names none belongs to :data:`DEFAULT_POOL`.
+gateway), and everything admission does is done once per pool: its class queues,
+reservations, starvation aging, preemption (only ever within the pool), tenant
+limits, leases, the legacy fallback, capacity readings, the fleet ledger
+(``--coordination-url``), edge shedding and shadow mode. A sidecar without named pools
+has exactly one, :data:`DEFAULT_POOL`; ``--worker-urls POOL=URL`` adds named ones.
 
-Every later message about an admission (access-log entries, ext_proc, liveness)
-carries only its id, so the id carries the pool: ``<pool>.<32 hex>`` for a named
-pool, the plain 32 hex digits for the default pool (ids look as they do without
-pools). :class:`PooledAdmission` routes each call to the pool the id names; an id
-naming no pool here (a pool removed across a restart) is treated as unknown.
+:class:`Pool` is one pool: its capacity monitor and reading, its admission service (an
+in-process :class:`~sidecar.admission.AdmissionController` over its own core, or a
+:class:`~sidecar.coordination.controller.FleetController` over its own ledger), its
+shadow and edge switch when those are on, its class table in force and its metrics.
+:class:`Pools` holds them all and routes by admission id.
 
-With ``--coordination-url`` each pool's controller is a
-:class:`~sidecar.coordination.controller.FleetController` over that pool's own ledger
-(``pg:{fleet}:pool:<pool>``; the default pool keeps the fleet's ``pg:{fleet}``), and the
-same routing by id holds (docs/design.md, "Pools in a fleet").
+Routing. Envoy's route names the pool (ext_authz per-route ``context_extensions``, key
+:data:`POOL_KEY`); a route that names none belongs to the default pool, and a sidecar
+with only the default pool takes every route (so the Envoy side of a pools roll-out can
+land before the sidecar's: :meth:`Pools.for_route`). Every later message about an
+admission (access-log entries, ext_proc, liveness) carries only its id, so the id carries
+the pool: ``<pool>.<32 hex>`` for a named pool, the plain 32 hex digits for the default
+pool. An id naming no pool here (a pool removed across a restart) is unknown.
+
+With ``--coordination-url`` each pool's ledger is its own in the fleet
+(``pg:{fleet}:pool:<pool>``; the default pool keeps the fleet's ``pg:{fleet}``):
+docs/design.md, "Pools in a fleet".
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
+from sidecar import logs
 from sidecar.admission import AdmissionService, new_admission_id
+from sidecar.capacity import CapacityReading
 from sidecar.classes import PriorityClass
-from sidecar.codec import POOL_KEY
+from sidecar.codec import POOL_KEY, LogEntry
 from sidecar.config import DEFAULT_POOL
-from sidecar.metrics import NullRecorder, Recorder
+from sidecar.coordination import server
+from sidecar.deadlines import Deadlines
+from sidecar.edge import ShedController
+from sidecar.health import CapacityMonitor
+from sidecar.limiter import INTERVAL, AdaptiveLimit
+from sidecar.metrics import PoolRecorder, Recorder
+from sidecar.priority_yaml import PriorityConfig, unreserved_preemptors
 from sidecar.scheduler import (
     Admitted,
     ClassSettings,
-    ClassSnapshot,
-    Event,
-    Outcome,
     ReleaseReason,
     ReleaseResult,
-    Snapshot,
+    preemptible_classes,
+    without_preemption,
 )
+from sidecar.shadow import ShadowCore
+
+if TYPE_CHECKING:
+    from sidecar.coordination.controller import FleetController
 
 SEPARATOR = "."  # never in a pool name nor in the hex part of an id
 
+# Engines that cannot stop a request whose client went away while they are busy:
+# llama.cpp's server notices a closed connection only after one second without a result
+# of *any* task, which another stream, a /metrics or /slots request never lets pass. A
+# preempted victim runs to its end there, so preempting frees no slot: the preemptor
+# would wait in the engine's own queue while the engine runs one more than its capacity
+# (docs/reference.md, Engines). While a worker counted runs one, the pool's classes do not
+# preempt.
+CANNOT_CANCEL_ENGINES = frozenset({"llamacpp"})
+
 __all__ = [
+    "CANNOT_CANCEL_ENGINES",
     "DEFAULT_POOL",
     "POOL_KEY",
-    "PoolRecorder",
-    "PooledAdmission",
+    "Pool",
+    "Pools",
     "id_factory",
-    "merge_snapshots",
     "pool_of",
+    "uncancellable_workers",
 ]
+
+log = logs.get("sidecar.pools")
 
 
 def id_factory(pool: str) -> Callable[[], str]:
-    """New admission ids that name ``pool`` (the default pool's are unchanged)."""
+    """New admission ids that name ``pool`` (the default pool's are plain)."""
     if pool == DEFAULT_POOL:
         return new_admission_id
     prefix = pool + SEPARATOR
@@ -66,161 +96,296 @@ def pool_of(aid: str) -> str:
     return name if sep else DEFAULT_POOL
 
 
-def merge_snapshots(snaps: list[Snapshot]) -> Snapshot:
-    """The pools summed: what one core over all of them would report."""
-    classes: dict[PriorityClass, ClassSnapshot] = {}
-    for cls in PriorityClass:
-        parts = [s.classes[cls] for s in snaps if cls in s.classes]
-        tenants: dict[str, int] = {}
-        for p in parts:
-            for t, n in p.tenant_depths.items():
-                tenants[t] = tenants.get(t, 0) + n
-        classes[cls] = ClassSnapshot(
-            inflight=sum(p.inflight for p in parts),
-            queue_depth=sum(p.queue_depth for p in parts),
-            queue_limit=sum(p.queue_limit for p in parts),
-            reserved=sum(p.reserved for p in parts),
-            tenant_depths=tenants)
-    return Snapshot(capacity=sum(s.capacity for s in snaps),
-                    inflight=sum(s.inflight for s in snaps), classes=classes)
+def uncancellable_workers(reading: CapacityReading) -> tuple[str, ...]:
+    """The workers counted in ``reading`` whose engine cannot cancel a running request."""
+    return tuple(sorted(w.url for w in reading.workers if w.engine in CANNOT_CANCEL_ENGINES))
 
 
-class PoolRecorder(NullRecorder):
-    """What a pool's controller records: its events under its pool's label (a fleet
-    controller's coordination series and a pool's shadow's would-be decisions too;
-    docs/reference.md, Metrics)."""
+class Pool:
+    """One pool, complete from construction: its workers' capacity, its admission, and what
+    follows from both (the class table in force, preemption suspended or not)."""
 
-    def __init__(self, metrics: Recorder, pool: str) -> None:
-        self._metrics = metrics
-        self.pool = pool
-
-    def on_events(self, events: Iterable[Event]) -> None:
-        self._metrics.pool_events(self.pool, events)
-
-    def rate_limit(self, allowed: bool) -> None:
-        self._metrics.rate_limit(allowed)
-
-    def shadow_admit(self, cls: PriorityClass, outcome: Outcome,
-                     pool: str | None = None) -> None:
-        self._metrics.shadow_admit(cls, outcome, self.pool)  # --shadow: this pool's shadow
-
-    def completion_unmatched(self, reason: str) -> None:
-        self._metrics.completion_unmatched(reason)
-
-    def preemption_undelivered(self) -> None:
-        self._metrics.preemption_undelivered()
-
-    def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int,
-                   pool: str | None = None) -> None:
-        self._metrics.fleet_seen(inflight, live_replicas, self.pool)
-
-    def coordination_changed(self, state: str, pool: str | None = None) -> None:
-        self._metrics.coordination_changed(state, self.pool)
-
-    def coordination_fault(self, kind: str, pool: str | None = None) -> None:
-        self._metrics.coordination_fault(kind, self.pool)
-
-    def fleet_collision(self, kind: str, pool: str | None = None) -> None:
-        self._metrics.fleet_collision(kind, self.pool)
-
-
-class PooledAdmission:
-    """An :class:`~sidecar.admission.AdmissionService` over one controller per pool.
-
-    ``admit`` without a pool goes to the default pool; the Check handler picks the
-    pool's controller itself (:meth:`get`). Everything keyed by an admission id is
-    routed by the pool the id names.
-    """
-
-    def __init__(self, controllers: Mapping[str, AdmissionService],
-                 metrics: Recorder | None = None) -> None:
-        if DEFAULT_POOL not in controllers:
-            raise ValueError("the default pool is missing")
-        self.controllers = dict(controllers)
-        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
-
-    def get(self, pool: str) -> AdmissionService | None:
-        return self.controllers.get(pool)
-
-    def scope(self, aid: str) -> AdmissionService | None:
-        """The controller an admission id's pool names (None: no such pool).
-
-        Every call keyed by an id goes there; adoption's bound is that pool's capacity
-        against that pool's leases (the sum over pools would let made-up ids naming a small
-        pool fill it many times over).
-        """
-        return self.controllers.get(pool_of(aid))
+    def __init__(self, name: str, *, controller: AdmissionService, monitor: CapacityMonitor,
+                 reading: CapacityReading, config: PriorityConfig, metrics: PoolRecorder,
+                 labelled: bool, fleet: FleetController | None = None,
+                 shadow: ShadowCore | None = None,
+                 on_classes_changed: Callable[[], None] = lambda: None,
+                 limiter: AdaptiveLimit | None = None) -> None:
+        self.name = name
+        self.controller = controller
+        self.monitor = monitor
+        self.reading = reading
+        self.metrics = metrics
+        self.fleet = fleet
+        self.shadow = shadow
+        # Where the sidecar has named pools, every line about a pool names it.
+        self.log = log.bind(pool=name) if labelled else log
+        self.log_fields: dict[str, str] = {"pool": name} if labelled else {}
+        # --edge-shed: this pool's switch, fed by its Checks (None: off, or legacy admission,
+        # which answers admission_queue_full, a code the edge route never sends).
+        self.edge: ShedController | None = None
+        self._config = config
+        self._on_classes_changed = on_classes_changed
+        # Time-to-first-token targets (sidecar.deadlines). A fleet's ledger predicts no
+        # waits: its pools measure, never budget.
+        self.deadlines = Deadlines({} if fleet is not None else config.classes_for(name),
+                                   config.deadline_mode)
+        if fleet is not None and any(k.ttft_target_ms is not None
+                                     for k in config.classes_for(name).values()):
+            self.log.warning("ttft_targets_not_enforced_in_a_fleet",
+                             reason="the fleet's ledger predicts no waits: targets are "
+                                    "measured (smg_sidecar_ttft_seconds), never applied")
+        # --adaptive-capacity: the pool's capacity tunes itself below its workers' (legacy
+        # admission does not follow capacity: nothing to tune).
+        self.limiter = None if controller.legacy else limiter
+        if self.limiter is not None:
+            self.limiter.set_ceiling(reading.capacity)
+            controller.set_capacity(self.capacity)
+            metrics.adaptive_limit(self.limiter.limit, "start", False)
+        self.uncancellable = uncancellable_workers(reading)
+        if self.uncancellable:
+            self._preemption_suspended()
+            controller.update_config(self.classes)  # built with the file's table
+        metrics.preemption_suspended(bool(self.uncancellable))
+        metrics.capacity_read(reading)
+        if fleet is not None:
+            # The fleet-id collision check compares what each replica's pool counts.
+            fleet.ledger.identity = server.capacity_source(reading)
+        else:
+            # The saturation guard compares the engines' own counts with what this pool
+            # holds (a fleet's ledger holds other replicas' admissions too: not compared).
+            monitor.policy.held = lambda: self.controller.snapshot().inflight
+        # From here on a new capacity reading also resizes admission.
+        monitor.on_change = self.on_capacity
 
     @property
     def legacy(self) -> bool:
-        """Only when every pool fell back (a pool's own mode is its controller's)."""
-        return all(c.legacy for c in self.controllers.values())
+        return self.controller.legacy
+
+    @property
+    def capacity(self) -> int:
+        """What admission counts: the workers' capacity, or the tuned limit below it."""
+        cap = self.reading.capacity
+        return cap if self.limiter is None else min(cap, self.limiter.limit)
+
+    @property
+    def classes(self) -> Mapping[PriorityClass, ClassSettings]:
+        """The file's class table for this pool, without preemption while it is suspended."""
+        classes = self._config.classes_for(self.name)
+        return without_preemption(classes) if self.uncancellable else classes
+
+    def preemptible(self) -> frozenset[PriorityClass]:
+        """The classes whose requests can be preempted here (legacy admission: none)."""
+        return frozenset() if self.legacy else preemptible_classes(self.classes)
+
+    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
+        """A Check of this pool's route: admitted, queued (awaited) or ``Denied``, within
+        the wait budget its class's target leaves (sidecar.deadlines)."""
+        return await self.controller.admit(cls, tenant, wait_budget=self.deadlines.budget(cls),
+                                           enforce=self.deadlines.enforce)
+
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """The wait an arrival of ``cls`` would have now (None: no estimate)."""
+        return self.controller.predicted_wait(cls)
+
+    def completed(self, entry: LogEntry) -> None:
+        """A request of this pool ended (its final access-log entry): what it took."""
+        cls = PriorityClass.from_name(entry.cls)
+        if cls is None:
+            return
+        if entry.engine_ttfb_secs is not None:
+            self.deadlines.observed(cls, entry.engine_ttfb_secs)
+            if self.limiter is not None and entry.engine_secs is not None:
+                self.limiter.sample(entry.engine_ttfb_secs, entry.engine_secs)
+        self.metrics.completed(cls, entry.ttft_secs, entry.engine_ttfb_secs)
+
+    def on_capacity(self, reading: CapacityReading) -> None:
+        """A changed reading from this pool's workers: resizes this pool only."""
+        self.reading = reading
+        self.metrics.capacity_read(reading)
+        if self.fleet is not None:  # published with the next heartbeat (watch_fleet)
+            self.fleet.ledger.identity = server.capacity_source(reading)
+        was, self.uncancellable = self.uncancellable, uncancellable_workers(reading)
+        if bool(self.uncancellable) != bool(was):
+            if self.uncancellable:
+                self._preemption_suspended()
+            else:
+                self.log.info("preemption_resumed",
+                              reason="no counted worker runs an engine that cannot cancel a "
+                                     "running request")
+            self.controller.update_config(self.classes)
+            self.metrics.preemption_suspended(bool(self.uncancellable))
+            self._on_classes_changed()
+        if self.limiter is not None:
+            t = self.limiter.set_ceiling(reading.capacity)
+            self.metrics.adaptive_limit(t.limit, t.reason, t.changed)
+        self.controller.set_capacity(self.capacity)
+
+    async def tune(self) -> None:
+        """--adaptive-capacity: one tuning step every interval (sidecar.limiter), with the
+        most requests in flight during it (looked at ten times per interval)."""
+        limiter = self.limiter
+        if limiter is None:
+            return
+        while True:
+            peak, used = 0, False
+            for _ in range(10):
+                await asyncio.sleep(INTERVAL / 10)
+                snap = self.controller.snapshot()
+                peak = max(peak, snap.inflight)
+                used = used or snap.inflight >= limiter.limit or any(
+                    c.queue_depth for c in snap.classes.values())
+            t = limiter.tick(used=used, inflight=peak)
+            self.metrics.adaptive_limit(t.limit, t.reason, t.changed)
+            if t.changed:
+                self.log.info("adaptive_limit_changed", limit=t.limit, reason=t.reason.value,
+                              workers_capacity=self.reading.capacity, samples=t.samples,
+                              engine_queued=None if t.queued is None else round(t.queued, 2))
+                self.controller.set_capacity(self.capacity)
+
+    def apply_config(self, cfg: PriorityConfig) -> None:
+        """A valid new config: new class knobs for new decisions (queued requests keep
+        their place; in-flight ones are untouched; reservations follow the live capacity)."""
+        self._config = cfg
+        self.controller.update_config(self.classes)
+        if self.uncancellable:
+            self._warn_unreserved_preemptors()
+        if self.fleet is None:
+            self.deadlines.configure(cfg.classes_for(self.name), cfg.deadline_mode)
+        if self.legacy:
+            self.log.warning("config_reload_legacy_mode",
+                             hint="class knobs apply only to the scheduler; tenant ceilings "
+                                  "apply")
+
+    def _preemption_suspended(self) -> None:
+        r = self.reading
+        self.log.warning("preemption_suspended", workers=list(self.uncancellable),
+                         engines=sorted({w.engine for w in r.workers
+                                         if w.engine in CANNOT_CANCEL_ENGINES}),
+                         reason="the engine runs a preempted request to its end, so "
+                                "preempting frees no slot; higher classes wait at the head "
+                                "of their queue instead")
+        self._warn_unreserved_preemptors()
+
+    def _warn_unreserved_preemptors(self) -> None:
+        """While preemption is suspended, a class that would preempt but reserves no slot
+        at this capacity waits for a running request to end: said, with the fix."""
+        unreserved = unreserved_preemptors(self._config.classes_for(self.name),
+                                           self.reading.capacity)
+        if unreserved:
+            self.log.warning("preempting_class_without_reservation",
+                             classes=[c.label for c in unreserved],
+                             capacity=self.reading.capacity,
+                             reason="preemption is suspended on these workers, so a request "
+                                    "of these classes waits for a running request to finish",
+                             hint="give each a reserved_floor of at least 1 in priority.yaml "
+                                  "(docs/operations.md, Preemption on llama.cpp)")
+
+
+class Pools:
+    """Every pool, and what is keyed by an admission id, routed to the pool it names.
+
+    The access log, ext_proc and Envoy liveness call these with an id alone; each call
+    goes to the pool the id names (:func:`pool_of`). An id naming no pool here is unknown:
+    counted as an unmatched completion, never renewed or adopted.
+    """
+
+    def __init__(self, pools: Mapping[str, Pool], metrics: Recorder) -> None:
+        if DEFAULT_POOL not in pools:
+            raise ValueError("the default pool is missing")
+        self._pools = dict(pools)
+        self._metrics = metrics
+
+    def __getitem__(self, name: str) -> Pool:
+        return self._pools[name]
+
+    def __iter__(self) -> Iterator[Pool]:
+        return iter(self._pools.values())
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._pools)
+
+    def for_route(self, name: str) -> Pool | None:
+        """The pool a Check's route names (``""``: none named, the default pool's). With
+        the default pool alone every route is its own; else None for a pool not here."""
+        if len(self._pools) == 1:
+            return self._pools[DEFAULT_POOL]
+        return self._pools.get(name or DEFAULT_POOL)
+
+    def of(self, aid: str) -> Pool | None:
+        """The pool an admission id names (None: no such pool here).
+
+        Adoption's bound is that pool's capacity against that pool's leases (the sum over
+        pools would let made-up ids naming a small pool fill it many times over).
+        """
+        return self._pools.get(pool_of(aid))
+
+    def preemptible(self) -> frozenset[PriorityClass]:
+        """One allow format for all pools: a class preemptible in any pool opens a stream."""
+        out: frozenset[PriorityClass] = frozenset()
+        for p in self._pools.values():
+            out |= p.preemptible()
+        return out
+
+    # ---------------------------------------------------------------- keyed by id
 
     @property
     def lease_count(self) -> int:
-        return sum(c.lease_count for c in self.controllers.values())
-
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
-        return await self.controllers[DEFAULT_POOL].admit(cls, tenant)
+        return sum(p.controller.lease_count for p in self._pools.values())
 
     def release(self, aid: str,
                 reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
-        c = self.scope(aid)
-        if c is None:
-            self._metrics.completion_unmatched(ReleaseResult.UNKNOWN.value)
-            return ReleaseResult.UNKNOWN
-        return c.release(aid, reason)
+        p = self.of(aid)
+        result = ReleaseResult.UNKNOWN if p is None else p.controller.release(aid, reason)
+        if result is not ReleaseResult.RELEASED:
+            self._metrics.completion_unmatched(result.value)
+        return result
 
     def renew_or_adopt(self, aid: str, cls: PriorityClass | None = None,
                        tenant: str = "") -> bool:
-        c = self.scope(aid)
-        return c is not None and c.renew_or_adopt(aid, cls, tenant)
+        p = self.of(aid)
+        return p is not None and p.controller.renew_or_adopt(aid, cls, tenant)
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
-        c = self.scope(aid)
-        return None if c is None else c.open_stop_channel(aid)
+        p = self.of(aid)
+        return None if p is None else p.controller.open_stop_channel(aid)
 
     def holds(self, aid: str) -> bool:
-        c = self.scope(aid)
-        return c is not None and c.holds(aid)
+        p = self.of(aid)
+        return p is not None and p.controller.holds(aid)
 
     def hold_without_lease(self, aid: str) -> bool:
-        c = self.scope(aid)
-        return c is not None and c.hold_without_lease(aid)
+        p = self.of(aid)
+        return p is not None and p.controller.hold_without_lease(aid)
 
     def lease_again(self, aid: str) -> bool:
-        c = self.scope(aid)
-        return c is not None and c.lease_again(aid)
+        p = self.of(aid)
+        return p is not None and p.controller.lease_again(aid)
+
+    def unleased(self, aid: str) -> bool:
+        p = self.of(aid)
+        return p is not None and p.controller.unleased(aid)
 
     def mark_first_byte(self, aid: str) -> bool:
-        c = self.scope(aid)
-        return c is not None and c.mark_first_byte(aid)
+        p = self.of(aid)
+        return p is not None and p.controller.mark_first_byte(aid)
 
     async def confirm_first_byte(self, aid: str) -> bool:
         # In process: True at once; a pool's fleet controller may wait for its ledger.
-        c = self.scope(aid)
-        return True if c is None else await c.confirm_first_byte(aid)
+        p = self.of(aid)
+        return True if p is None else await p.controller.confirm_first_byte(aid)
 
     def close_stop_channel(self, aid: str) -> None:
-        c = self.scope(aid)
-        if c is not None:
-            c.close_stop_channel(aid)
+        p = self.of(aid)
+        if p is not None:
+            p.controller.close_stop_channel(aid)
 
-    def set_capacity(self, capacity: int) -> None:
-        """Only the default pool's: each pool's capacity comes from its own workers."""
-        self.controllers[DEFAULT_POOL].set_capacity(capacity)
-
-    def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
-        for c in self.controllers.values():
-            c.update_config(classes)
-
-    def snapshot(self) -> Snapshot:
-        return merge_snapshots([c.snapshot() for c in self.controllers.values()])
-
-    def snapshots(self) -> dict[str, Snapshot]:
-        return {name: c.snapshot() for name, c in self.controllers.items()}
-
-    def close(self) -> None:
-        for c in self.controllers.values():
-            c.close()
-
+    def preemption_undelivered(self, aid: str) -> None:
+        """A preemption of ``aid`` whose 503 could not be written (counted by its pool)."""
+        p = self.of(aid)
+        if p is not None:
+            p.metrics.preemption_undelivered()

@@ -31,7 +31,7 @@ import yaml
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
-from sidecar.scheduler.reservations import reservations_fit
+from sidecar.scheduler.reservations import reservations_fit, scaled_reservations
 
 MAX_CONFIG_BYTES = 1024 * 1024
 """Largest priority.yaml accepted (a ConfigMap cannot hold more); refused before parsing."""
@@ -83,11 +83,13 @@ class ConfigError(Exception):
 # The YAML keys of a class section and their types: the core's fields, in order
 # (tenant_weights comes from tenant_policies; an unset per-tenant limit is None).
 _CLASS_FIELDS: dict[str, type] = {
-    name: int if name == "max_queued_per_tenant" else hint
+    name: {"max_queued_per_tenant": int, "ttft_target_ms": float}.get(name, hint)
     for name, hint in typing.get_type_hints(ClassSettings).items()
     if name != "tenant_weights"
 }
 _POLICY_KEYS = ("max_class", "weight")
+_TOP_KEYS = ("classes", "tenant_policies", "pools", "deadline_mode")
+DEADLINE_MODES = ("shadow", "enforce")
 _CLASS_NAMES = ", ".join(c.label for c in HIGH_TO_LOW)
 
 
@@ -108,6 +110,9 @@ class PriorityConfig:
     pools: Mapping[str, Mapping[PriorityClass, ClassSettings]] = field(default_factory=dict)
     """Per-pool class tables (the ``pools:`` map), each merged field-wise over ``classes``;
     a pool not named here uses ``classes``."""
+    deadline_mode: str = "shadow"
+    """``shadow``: predictions against ``ttft_target_ms`` are counted, never refuse;
+    ``enforce``: a sheddable class's request predicted to miss its target is refused."""
 
     def classes_for(self, pool: str) -> Mapping[PriorityClass, ClassSettings]:
         return self.pools.get(pool, self.classes)
@@ -311,6 +316,10 @@ def _validate_class(c: ClassSettings, file: str, key: str) -> None:
         raise ConfigError("must be >= 0", file=file, key=f"{key}.queue_size")
     if c.max_queued_per_tenant is not None and c.max_queued_per_tenant < 1:
         raise ConfigError("must be >= 1", file=file, key=f"{key}.max_queued_per_tenant")
+    if c.ttft_target_ms is not None and not (math.isfinite(c.ttft_target_ms)
+                                             and c.ttft_target_ms > 0):
+        raise ConfigError("must be a finite number > 0", file=file,
+                          key=f"{key}.ttft_target_ms")
     # Finite as well as > 0: an infinite timeout cannot be scheduled.
     for name in ("queue_timeout_secs", "starvation_threshold_secs"):
         v = getattr(c, name)
@@ -405,11 +414,15 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
             "top level must be a mapping with optional 'classes' and 'tenant_policies'", file=file
         )
     for top in doc:
-        if top not in ("classes", "tenant_policies", "pools"):
+        if top not in _TOP_KEYS:
             raise ConfigError(
-                "unknown key (expected: classes, tenant_policies, pools)", file=file,
+                f"unknown key (expected: {', '.join(_TOP_KEYS)})", file=file,
                 key=key_segment(top)
             )
+    mode = doc.get("deadline_mode", "shadow")
+    if mode not in DEADLINE_MODES:
+        raise ConfigError(f"must be one of: {', '.join(DEADLINE_MODES)}, got {quote(mode)}",
+                          file=file, key="deadline_mode")
     classes = _parse_classes(doc.get("classes"), BUILTIN_CLASSES, file, "classes")
     policies, weights = _parse_policies(doc.get("tenant_policies"), file)
     if weights:  # the core reads a class's weights from its own settings
@@ -417,7 +430,7 @@ def parse_priority_config(text: str, file: str = "<string>") -> PriorityConfig:
     pools = _parse_pools(doc.get("pools"), classes, file)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return PriorityConfig(classes=classes, tenant_policies=policies, tenant_weights=weights,
-                          source=file, digest=digest, pools=pools)
+                          source=file, digest=digest, pools=pools, deadline_mode=mode)
 
 
 def _parse_classes(raw: object, base: Mapping[PriorityClass, ClassSettings], file: str,
@@ -532,12 +545,19 @@ def format_class_table(cfg: PriorityConfig,
     return "\n".join(lines)
 
 
+# Shown only where a class of the table has a target: a file without targets prints the
+# table it always did.
+_DEADLINE_FIELDS = ("ttft_target_ms", "sheddable")
+
+
 def _class_rows(classes: Mapping[PriorityClass, ClassSettings]) -> list[str]:
-    cols = ("class", *_CLASS_FIELDS)
+    targets = any(c.ttft_target_ms is not None for c in classes.values())
+    fields = [n for n in _CLASS_FIELDS if targets or n not in _DEADLINE_FIELDS]
+    cols = ("class", *fields)
     rows = [cols]
     for cls in HIGH_TO_LOW:
         c = classes[cls]
-        rows.append((cls.label, *(_effective(c, n) for n in _CLASS_FIELDS)))
+        rows.append((cls.label, *(_effective(c, n) for n in fields)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
@@ -551,3 +571,79 @@ def smallest_fitting_capacity(cfg: PriorityConfig, limit: int = 65535) -> int | 
     while low > 1 and reservations_fit(cfg.classes, low - 1):
         low -= 1
     return low
+
+
+def starvation_overtakes(classes: Mapping[PriorityClass, ClassSettings]
+                         ) -> list[tuple[PriorityClass, PriorityClass]]:
+    """(lower, higher) class pairs where the starvation rule can admit a ``lower`` request
+    ahead of a ``higher`` one that arrived before it and still waits.
+
+    The rule admits a queue head that has waited ``starvation_threshold_secs`` before any
+    higher class's head (lowest class first, ``system`` never aged: docs/design.md). A
+    ``lower`` request that arrived after a queued ``higher`` one ages past its threshold
+    while that one still waits whenever the threshold is below ``higher``'s
+    ``queue_timeout_secs``; on a fleet with few slots the ``higher`` request can then time
+    out (503). Only where both can queue, and ``lower`` ages before its own timeout.
+    """
+    out: list[tuple[PriorityClass, PriorityClass]] = []
+    for lo in HIGH_TO_LOW:
+        low = classes[lo]
+        if (lo is PriorityClass.SYSTEM or low.queue_size == 0
+                or low.starvation_threshold_secs >= low.queue_timeout_secs):
+            continue
+        for hi in HIGH_TO_LOW:
+            high = classes[hi]
+            if (hi > lo and high.queue_size > 0
+                    and low.starvation_threshold_secs < high.queue_timeout_secs):
+                out.append((lo, hi))
+    return out
+
+
+def starvation_warnings(cfg: PriorityConfig) -> list[str]:
+    """``--check-config``'s warnings for :func:`starvation_overtakes`, per class table."""
+    tables = [("classes", cfg.classes),
+              *((f"pools.{p}.classes", t) for p, t in sorted(cfg.pools.items()))]
+    lines = []
+    for where, classes in tables:
+        for lo, hi in starvation_overtakes(classes):
+            low, high = classes[lo], classes[hi]
+            lines.append(
+                f"{where}.{lo.label}.starvation_threshold_secs ({low.starvation_threshold_secs:g})"
+                f" is below {where}.{hi.label}.queue_timeout_secs "
+                f"({high.queue_timeout_secs:g}): the starvation rule can admit a request of "
+                f"{lo.label} ahead of an earlier one of {hi.label}, which on few slots can time "
+                f"out (503); to keep {hi.label} first, raise {lo.label}'s "
+                "starvation_threshold_secs "
+                f"to at least {high.queue_timeout_secs:g} or lower {hi.label}'s "
+                "queue_timeout_secs (docs/operations.md, PriorityGateSystemShedding)")
+    return lines
+
+
+def unreserved_preemptors(classes: Mapping[PriorityClass, ClassSettings],
+                          capacity: int | None = None) -> list[PriorityClass]:
+    """Classes that may preempt but hold no reserved slot: at ``capacity``, or at any
+    capacity (``None``: no ``reserved_floor``; a share alone rounds to none on few slots).
+
+    Where preemption is suspended (an engine that cannot cancel a running request:
+    llama.cpp) such a class's request waits for a running one to end, whoever runs it;
+    a reserved slot is the only place kept free for it.
+    """
+    if capacity is None:
+        return [c for c in HIGH_TO_LOW
+                if classes[c].can_preempt and classes[c].reserved_floor == 0]
+    reserved = scaled_reservations(classes, capacity)
+    return [c for c in HIGH_TO_LOW if classes[c].can_preempt and reserved[c] == 0]
+
+
+def preemption_warnings(cfg: PriorityConfig) -> list[str]:
+    """``--check-config``'s warnings for :func:`unreserved_preemptors`, per class table."""
+    tables = [("classes", cfg.classes),
+              *((f"pools.{p}.classes", t) for p, t in sorted(cfg.pools.items()))]
+    return [
+        f"{where}.{c.label}.can_preempt is true but {c.label} reserves no slot "
+        f"(reserved_floor 0, reserved_per_slot {classes[c].reserved_per_slot:g}): on an "
+        f"engine that cannot cancel a running request (llama.cpp) preemption is suspended, "
+        f"and a {c.label} request waits for a running request to finish, however long it "
+        f"runs; give {where}.{c.label}.reserved_floor at least 1 "
+        "(docs/operations.md, Preemption on llama.cpp)"
+        for where, classes in tables for c in unreserved_preemptors(classes)]

@@ -14,7 +14,15 @@ PREEMPTED                 503     ``scheduler_preempted``     ``Retry-After: 1``
                                                               ``X-SMG-Preempted: true``
 LEGACY_QUEUE_FULL         429     ``admission_queue_full``    ``Retry-After: 2``
 LEGACY_QUEUE_TIMEOUT      503     ``admission_queue_timeout`` ``Retry-After: 2``
+UNKNOWN_POOL              429     ``scheduler_queue_full``    ``Retry-After: 2``
+OVER_TARGET               429     ``scheduler_over_target``   ``Retry-After: 2``
 ========================  ======  ==========================  ============================
+
+OVER_TARGET is an extension, sent only with ``deadline_mode: enforce`` and a class's
+``ttft_target_ms`` (docs/reference.md, "Deadlines"): the request would have queued
+past its target. With ``--overload-hints`` a refusal's ``Retry-After`` comes from the
+predicted drain time instead (:func:`with_hints`), and ``--busy-status`` changes the
+status of the refusals that mean "busy" (:data:`BUSY`).
 
 Every reply also carries ``X-SMG-Error-Code``, ``content-type:
 application/json`` and the body
@@ -43,8 +51,10 @@ from __future__ import annotations
 import enum
 import http
 import json
+import math
+import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, assert_never
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
@@ -64,6 +74,8 @@ class Rejection(enum.Enum):
     LEGACY_QUEUE_TIMEOUT = enum.auto()
     # The route names a pool this sidecar does not have (sidecar.pools).
     UNKNOWN_POOL = enum.auto()
+    # Predicted to wait past its class's time-to-first-token target (deadline_mode: enforce).
+    OVER_TARGET = enum.auto()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,20 +87,55 @@ class Reply:
     message: str
     retry_after: int
     preempted: bool = False
+    wait_hint_ms: int | None = None  # --overload-hints: the predicted wait
 
     @property
     def headers(self) -> tuple[tuple[str, str], ...]:
         extra = (("x-smg-preempted", "true"),) if self.preempted else ()
+        hint = (() if self.wait_hint_ms is None
+                else ((WAIT_HINT_HEADER, str(self.wait_hint_ms)),))
         return (("x-smg-error-code", self.code), ("content-type", "application/json"),
-                ("retry-after", str(self.retry_after)), *extra)
+                ("retry-after", str(self.retry_after)), *extra, *hint)
 
     @property
     def body(self) -> str:
         """The gateway's JSON error body, byte for byte."""
         return json.dumps(
-            {"error": {"type": http.HTTPStatus(self.status).phrase, "code": self.code,
+            {"error": {"type": reason_phrase(self.status), "code": self.code,
                        "message": self.message, "param": None}},
             separators=(",", ":"))
+
+
+WAIT_HINT_HEADER = "x-smg-queue-wait-ms"
+# Refusals that mean "busy, come back later" (--busy-status): all but a preemption.
+BUSY: Final = frozenset({"QUEUE_FULL", "RATE_LIMITED", "OVERLOADED", "QUEUE_TIMEOUT",
+                         "LEGACY_QUEUE_FULL", "LEGACY_QUEUE_TIMEOUT", "UNKNOWN_POOL",
+                         "OVER_TARGET"})
+RETRY_AFTER_BOUNDS = (1, 60)  # seconds, for a computed Retry-After
+RETRY_AFTER_JITTER = 0.2  # ± this share, so refused clients do not come back together
+
+
+def reason_phrase(status: int) -> str:
+    """The status's reason phrase (529, which the standard library lacks, is Dynamo's and
+    Cloudflare's "Site is overloaded")."""
+    return "Site is overloaded" if status == 529 else http.HTTPStatus(status).phrase
+
+
+def busy(rep: Reply, status: int | None) -> Reply:
+    """``rep`` answered with the busy status (``--busy-status``); unchanged when unset."""
+    return rep if status is None else replace(rep, status=status)
+
+
+def with_hints(rep: Reply, predicted: float | None, rng: random.Random) -> Reply:
+    """``--overload-hints``: ``Retry-After`` from ``predicted`` (the class queue's drain
+    time, bounded and jittered) and the wait hint; the contract's value without one."""
+    if predicted is None or not math.isfinite(predicted):
+        return rep
+    low, high = RETRY_AFTER_BOUNDS
+    seconds = min(max(predicted, low), high) * rng.uniform(1 - RETRY_AFTER_JITTER,
+                                                             1 + RETRY_AFTER_JITTER)
+    return replace(rep, retry_after=max(low, math.ceil(seconds)),
+                   wait_hint_ms=round(max(0.0, predicted) * 1000))
 
 
 def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
@@ -97,7 +144,8 @@ def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
     ``cls``, the request's effective class, only words the class queue rows'
     messages; those rows need it.
     """
-    if cls is None and rejection in (Rejection.QUEUE_FULL, Rejection.QUEUE_TIMEOUT):
+    if cls is None and rejection in (Rejection.QUEUE_FULL, Rejection.QUEUE_TIMEOUT,
+                                     Rejection.OVER_TARGET):
         raise ValueError(f"{rejection.name} names the class in its message")
     c = cls.label if cls is not None else ""
     match rejection:
@@ -130,6 +178,10 @@ def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
             return Reply(429, "scheduler_queue_full",
                          "No admission pool is configured for this route; retry later",
                          retry_after=2)
+        case Rejection.OVER_TARGET:
+            return Reply(429, "scheduler_over_target",
+                         f"The '{c}' priority queue would not start this request within "
+                         "its time-to-first-token target; retry later", retry_after=2)
         case _:
             assert_never(rejection)
 
@@ -150,6 +202,8 @@ def for_denial(outcome: Outcome, *, legacy: bool, rate_limited: bool) -> Rejecti
         return Rejection.LEGACY_QUEUE_FULL if legacy else Rejection.QUEUE_FULL
     if outcome is Outcome.REJECTED_QUEUE_TIMEOUT:
         return Rejection.LEGACY_QUEUE_TIMEOUT if legacy else Rejection.QUEUE_TIMEOUT
+    if outcome is Outcome.REJECTED_OVER_TARGET:
+        return Rejection.OVER_TARGET
     # ADMITTED and PREEMPTED are not refusals of a Check; CLIENT_CANCELLED has nobody
     # to answer (module docstring).
     raise ValueError(f"no response for a {outcome.value} denial")

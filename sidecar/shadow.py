@@ -4,7 +4,7 @@
 every arrival at once and never queues, preempts or refuses. Alongside, it
 feeds the same calls to the real core built from the same flags and YAML (the
 *shadow*: a :class:`~sidecar.scheduler.Scheduler`, or legacy admission), and
-reports each would-be decision through :meth:`Recorder.shadow_admit`
+reports each would-be decision through :meth:`PoolRecorder.shadow_admit`
 (``smg_sidecar_shadow_admit_total``). The asyncio adapter, leases, liveness,
 ext_proc and the access log work on the real side unchanged, so
 ``smg_scheduler_admit_total`` and the snapshot gauges say what really happened.
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from sidecar import responses
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.metrics import Recorder
+from sidecar.logs import ShadowSummary
+from sidecar.metrics import PoolRecorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     Admission,
@@ -96,9 +97,12 @@ def _rejected(outcome: Outcome, *, legacy: bool, rate_limited: bool = False) -> 
 class ShadowCore:
     """Admits every arrival; runs ``shadow`` on the same calls and reports its decisions."""
 
-    def __init__(self, shadow: AdmissionCore, clock: Clock, metrics: Recorder, *,
-                 bucket: TokenBucket | None = None, remember_ended: int = 100_000) -> None:
+    def __init__(self, shadow: AdmissionCore, clock: Clock, metrics: PoolRecorder, *,
+                 bucket: TokenBucket | None = None, remember_ended: int = 100_000,
+                 summary: ShadowSummary | None = None) -> None:
         self.shadow = shadow
+        # The verdict's log line and running totals (sidecar.logs), fed with each count.
+        self.summary = summary
         self.legacy = shadow.legacy
         self._clock = clock
         self._metrics = metrics
@@ -130,21 +134,24 @@ class ShadowCore:
 
     # ------------------------------------------------------------------ AdmissionCore
 
-    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision:
+    def arrive(self, id: str, cls: PriorityClass, tenant: str, *,
+               wait_budget: float | None = None, enforce: bool = False) -> Decision:
         now = self._clock()
         adm = Admission(id, cls, tenant, now)
         self._held[id] = adm
         self._inflight[cls] += 1
         admitted = Admitted(adm, waited=0.0, queued=False)
         self._events.append(admitted)
-        self._remember(id, self._shadow_arrive(id, cls, tenant))
+        self._remember(id, self._shadow_arrive(id, cls, tenant, wait_budget, enforce))
         return admitted
 
-    def _shadow_arrive(self, id: str, cls: PriorityClass, tenant: str) -> Verdict:
+    def _shadow_arrive(self, id: str, cls: PriorityClass, tenant: str,
+                       wait_budget: float | None, enforce: bool) -> Verdict:
         if self._bucket is not None and not self._bucket.try_take():
-            self._metrics.shadow_admit(cls, Outcome.REJECTED_QUEUE_FULL)
+            self._decided(cls, tenant, Outcome.REJECTED_QUEUE_FULL)
             return self._rate_limited
-        decision = self.shadow.arrive(id, cls, tenant)
+        decision = self.shadow.arrive(id, cls, tenant, wait_budget=wait_budget,
+                                      enforce=enforce)
         if isinstance(decision, Queued):
             self._shadow_queued.add(id)
         self._drain()  # counts an Admitted or Rejected decision from its event
@@ -152,6 +159,8 @@ class ShadowCore:
             return ADMITTED
         if isinstance(decision, Queued):
             return WOULD_QUEUE
+        if decision.outcome is Outcome.REJECTED_OVER_TARGET:
+            return _rejected(decision.outcome, legacy=self.legacy)
         return self._full
 
     def _remember(self, id: str, verdict: Verdict) -> None:
@@ -235,6 +244,10 @@ class ShadowCore:
         self.shadow.tick()
         self._drain()
 
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """What enforcement's queue would make an arrival wait (nothing waits here)."""
+        return self.shadow.predicted_wait(cls)
+
     def next_deadline(self) -> float | None:
         due = self.shadow.next_deadline()
         if self._due and (due is None or self._due[0][0] < due):
@@ -260,6 +273,11 @@ class ShadowCore:
 
     # ------------------------------------------------------------------ internals
 
+    def _decided(self, cls: PriorityClass, tenant: str, outcome: Outcome) -> None:
+        self._metrics.shadow_admit(cls, outcome)
+        if self.summary is not None:
+            self.summary.add(cls.label, outcome.value, tenant)
+
     def _drain(self) -> None:
         """Count the shadow's decisions and keep its slot lifetimes like enforcement's."""
         for e in self.shadow.take_events():
@@ -267,7 +285,7 @@ class ShadowCore:
                 id = e.admission.id
                 if e.adopted:
                     continue  # not a decision of this process
-                self._metrics.shadow_admit(e.admission.cls, Outcome.ADMITTED)
+                self._decided(e.admission.cls, e.admission.tenant, Outcome.ADMITTED)
                 if id not in self._shadow_queued:
                     continue
                 self._shadow_queued.discard(id)
@@ -280,9 +298,9 @@ class ShadowCore:
                 else:  # unknown to the real side (cannot happen): hold nothing
                     heapq.heappush(self._due, (self._clock(), id))
             elif isinstance(e, Rejected):
-                self._metrics.shadow_admit(e.cls, e.outcome)
+                self._decided(e.cls, e.tenant, e.outcome)
                 self._shadow_queued.discard(e.id)
                 self._ended_while_queued.pop(e.id, None)
             elif isinstance(e, Preempted):
-                self._metrics.shadow_admit(e.victim.cls, Outcome.PREEMPTED)
+                self._decided(e.victim.cls, e.victim.tenant, Outcome.PREEMPTED)
                 self._lag.pop(e.victim.id, None)

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from sidecar.app import build_runtime
-from sidecar.config import parse_settings
+from sidecar.config import DEFAULT_POOL, parse_settings
 
 
 def free_port() -> int:
@@ -84,7 +84,7 @@ async def test_reservations_exceeding_capacity_fall_back_to_legacy() -> None:
         "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]))
     await app.serve()
     try:
-        assert app.core.legacy
+        assert app.pools[DEFAULT_POOL].controller.core.legacy
         assert app.metrics.registry.get_sample_value(
             "smg_sidecar_admission_mode", {"mode": "legacy"}) == 1
     finally:
@@ -120,7 +120,7 @@ async def test_startup_waits_for_real_capacity_before_choosing_the_mode() -> Non
         await worker.start()
         app = await asyncio.wait_for(building, 10)
         try:
-            assert app.core.legacy
+            assert app.pools[DEFAULT_POOL].controller.core.legacy
             assert (await http_get(f"{base}/readyz", 1))[0] == 503  # built, not serving
             await app.serve()
             assert (await http_get(f"{base}/readyz", 1))[0] == 200

@@ -12,7 +12,7 @@ import pytest
 from envoy_data_plane.envoy.service.auth.v3 import CheckResponse as EdpCheckResponse
 
 from sidecar.app import Runtime, build_runtime
-from sidecar.config import parse_settings
+from sidecar.config import DEFAULT_POOL, parse_settings
 from tests.grpc_client import EnvoyStandIn, admission_id, headers_of
 
 PRIORITY = """
@@ -38,7 +38,7 @@ class Harness:
 
     @property
     def inflight(self) -> int:
-        return self.app.core.snapshot().inflight
+        return self.app.pools[DEFAULT_POOL].controller.core.snapshot().inflight
 
 
 async def start(tmp_path: Path, *extra: str) -> Harness:
@@ -158,8 +158,8 @@ async def test_cancel_while_queued_is_client_cancelled(h: Harness) -> None:
     first = await h.envoy.check({})
     call = h.envoy.check({})
     await asyncio.sleep(0.05)
-    assert h.app.core.snapshot().classes[
-        next(iter(h.app.core.snapshot().classes))].queue_depth == 0
+    assert h.app.pools[DEFAULT_POOL].controller.core.snapshot().classes[
+        next(iter(h.app.pools[DEFAULT_POOL].controller.core.snapshot().classes))].queue_depth == 0
     call.cancel()
     for _ in range(100):
         if h.sample("smg_scheduler_admit_total",
@@ -170,7 +170,8 @@ async def test_cancel_while_queued_is_client_cancelled(h: Harness) -> None:
                     **{"class": "default", "outcome": "client_cancelled"}) == 1
     await h.envoy.log((admission_id(first), "end"))
     assert h.inflight == 0
-    assert h.app.core.snapshot().classes[next(iter(h.app.core.snapshot().classes))].queue_depth == 0
+    snap = h.app.pools[DEFAULT_POOL].controller.snapshot()
+    assert snap.classes[next(iter(snap.classes))].queue_depth == 0
 
 
 async def test_forged_and_duplicate_completions_change_nothing(h: Harness) -> None:
@@ -190,13 +191,13 @@ async def test_lease_expires_and_periodic_entries_renew(tmp_path: Path) -> None:
     h = await start(tmp_path, "--admission-lease-secs", "0.3")
     try:
         renewed = admission_id(await h.envoy.check({"x-smg-priority": "bulk"}))
-        h.app.controller.set_capacity(2)
+        h.app.pools[DEFAULT_POOL].controller.set_capacity(2)
         lost = admission_id(await h.envoy.check({"x-smg-priority": "bulk"}))
         for _ in range(4):
             await asyncio.sleep(0.15)
             await h.envoy.log((renewed, "periodic"))
-        assert h.app.core.is_admitted(renewed)
-        assert not h.app.core.is_admitted(lost)
+        assert h.app.pools[DEFAULT_POOL].controller.core.is_admitted(renewed)
+        assert not h.app.pools[DEFAULT_POOL].controller.core.is_admitted(lost)
         assert h.sample("smg_sidecar_lease_expired_total", **{"class": "bulk"}) == 1
         await h.envoy.log((lost, "end"))  # a late completion for a reclaimed lease
         assert h.sample("smg_sidecar_completion_unmatched_total", reason="already_released") == 1
@@ -260,7 +261,7 @@ async def test_legacy_path_codes(tmp_path: Path) -> None:
         assert app.metrics.registry.get_sample_value(
             "smg_sidecar_admission_mode", {"mode": "legacy"}) == 1
         await envoy.log((admission_id(first), "end"))
-        assert app.core.snapshot().inflight == 0
+        assert app.pools[DEFAULT_POOL].controller.core.snapshot().inflight == 0
     finally:
         await envoy.close()
         await app.stop()
@@ -388,9 +389,9 @@ def test_access_log_entry_carries_the_allows_preemptible_flag() -> None:
 def test_preemptible_classes_are_those_below_a_preempting_class() -> None:
     from dataclasses import replace
 
-    from sidecar.authz import preemptible_classes
     from sidecar.classes import PriorityClass as P
     from sidecar.config import BUILTIN_CLASSES
+    from sidecar.scheduler import preemptible_classes
 
     def with_preemptors(*preemptors: P) -> frozenset[P]:
         return preemptible_classes({c: replace(x, can_preempt=c in preemptors)

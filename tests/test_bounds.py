@@ -16,6 +16,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from sidecar import codec
+from sidecar.config import DEFAULT_POOL
 from sidecar.scheduler import ReleaseReason
 from sidecar.scheduler.lifecycle import EndedIds
 from tests.grpc_client import admission_id, check_request
@@ -75,7 +76,7 @@ async def test_adoptions_stop_at_the_capacity_and_are_counted(h: Harness) -> Non
     for i in range(50):  # a flood of made-up ids
         await h.envoy.log((f"{i:032x}", "periodic"), cls="default")
     assert h.inflight == 1
-    assert h.app.controller.lease_count == 1
+    assert h.app.pools[DEFAULT_POOL].controller.lease_count == 1
     assert h.sample("smg_sidecar_adopted_total", **{"class": "bulk"}) == 1
     assert h.sample("smg_sidecar_adopted_total", **{"class": "default"}) == 0
     assert h.sample("smg_sidecar_adoption_refused_total", **{"class": "default"}) == 50

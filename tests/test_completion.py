@@ -9,11 +9,12 @@ from dataclasses import replace
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 
+from devtools import pooled
 from sidecar import codec
 from sidecar.admission import AdmissionController
 from sidecar.classes import PriorityClass
 from sidecar.completion import ResponsePathService
-from sidecar.config import BUILTIN_CLASSES
+from sidecar.config import BUILTIN_CLASSES, DEFAULT_POOL
 from sidecar.metrics import Metrics
 from sidecar.scheduler import Scheduler
 
@@ -56,7 +57,7 @@ async def test_preemption_in_the_same_turn_as_response_headers_is_still_delivere
     stream = ScriptedStream()
     stream.incoming.put_nowait(request_headers(victim))
     handler = asyncio.ensure_future(
-        ResponsePathService(ctl).process(None, stream))  # type: ignore[arg-type]
+        ResponsePathService(pooled.single(ctl)).process(None, stream))  # type: ignore[arg-type]
     for _ in range(5):
         await asyncio.sleep(0)
     assert stream.writes == ["request_headers"]
@@ -82,7 +83,7 @@ async def test_victim_preempted_before_its_request_headers_never_reaches_a_worke
     await asyncio.sleep(0)
     stream = ScriptedStream()
     stream.incoming.put_nowait(request_headers(victim))
-    await asyncio.wait_for(ResponsePathService(ctl).process(None, stream), 2)  # type: ignore[arg-type]
+    await asyncio.wait_for(ResponsePathService(pooled.single(ctl)).process(None, stream), 2)  # type: ignore[arg-type]
     # the queued interactive request took the slot when the stop channel opened, and
     # the victim is answered 503 instead of being let through to a worker
     assert stream.writes == ["immediate_response"]
@@ -105,12 +106,13 @@ async def test_a_preemption_that_cannot_be_written_is_counted() -> None:
     metrics = Metrics(tenant_top_n=4)
     ctl = AdmissionController(Scheduler(classes, 1, time.monotonic,
                                         preemptible_on_admit=False), lease_secs=30,
-                              metrics=metrics)
+                              metrics=metrics.pool(DEFAULT_POOL))
     victim = (await ctl.admit(PriorityClass.BULK, "t")).admission.id
     stream = BrokenStream()
     stream.incoming.put_nowait(request_headers(victim))
     handler = asyncio.ensure_future(
-        ResponsePathService(ctl, metrics).process(None, stream))  # type: ignore[arg-type]
+        ResponsePathService(pooled.single(ctl, metrics), metrics).process(
+            None, stream))  # type: ignore[arg-type]
 
     async def let_through() -> None:
         while stream.writes != ["request_headers"]:

@@ -376,7 +376,8 @@ def test_coordination_defaults() -> None:
     s = parse_settings([])
     assert s.coordination_url is None
     assert s.fleet_id == "default"
-    assert s.replica_id == f"{socket.gethostname()}-{os.getpid()}"
+    # The hostname (the pod's name in Kubernetes), kept across a restart: not the pid.
+    assert s.replica_id == socket.gethostname()[:128] != f"{socket.gethostname()}-{os.getpid()}"
     assert s.replica_ttl_secs == 10.0
 
 

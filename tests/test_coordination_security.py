@@ -17,7 +17,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,8 @@ from structlog.testing import capture_logs
 from devtools.proc import die_with_parent
 from devtools.valkey import ValkeyServer, free_port, server_binary
 from sidecar.app import build_runtime
-from sidecar.config import ConfigError, parse_settings
+from sidecar.classes import PriorityClass
+from sidecar.config import DEFAULT_POOL, ConfigError, parse_settings
 from sidecar.coordination.credentials import (
     PASSWORD_ENV,
     redact_url,
@@ -197,10 +198,13 @@ def runtime_rules() -> list[str]:
     return list(acl["data"]["runtime-rules"].split())
 
 
-def run_sidecar(tmp_path: Path, args: list[str], seconds: float,
-                env: dict[str, str] | None = None) -> tuple[str, list[str]]:
-    """Run ``python -m sidecar`` for ``seconds`` at debug level, then SIGTERM; its output and
-    argv as the OS shows it."""
+def run_sidecar(tmp_path: Path, args: list[str], until: Callable[[set[str]], bool],
+                seconds: float, env: dict[str, str] | None = None,
+                deadline: float = 60.0) -> tuple[str, list[str]]:
+    """Run ``python -m sidecar`` at debug level for at least ``seconds`` (its periodic
+    paths log too) and until the events it logged satisfy ``until`` (or it exits, or
+    ``deadline`` s pass: a loaded box may take seconds to start it), then SIGTERM; its
+    output and argv as the OS shows it."""
     argv = [sys.executable, "-m", "sidecar", "--grpc-listen", f"127.0.0.1:{free_port()}",
             "--http-listen", f"127.0.0.1:{free_port()}", "--log-format", "json",
             "--log-level", "debug", *args]
@@ -209,7 +213,11 @@ def run_sidecar(tmp_path: Path, args: list[str], seconds: float,
         proc = subprocess.Popen(die_with_parent(argv), stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     try:
-        time.sleep(seconds)
+        start = time.monotonic()
+        while proc.poll() is None and time.monotonic() < start + deadline and (
+                time.monotonic() < start + seconds
+                or not until({str(e.get("event")) for e in events(out.read_text())})):
+            time.sleep(0.05)
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0") \
             if proc.poll() is None else []
     finally:
@@ -240,11 +248,14 @@ async def test_no_log_line_and_no_argv_holds_the_password(
     await create_runtime_user(admin, "fleet-a", "a", SECRET)
     await admin.function_load(LUA)  # the admin's job: the runtime user may not
     pw = password_file(tmp_path, (SECRET if right else SECRET + "-wrong") + "\n")
+    # What the run must have logged by the time it is stopped (checked below).
+    want = ({"started", "coordination_registered", "coordination_server_unchecked"} if right
+            else {"started", "coordination_unreachable_at_startup"})
     output, cmdline = await asyncio.to_thread(run_sidecar, tmp_path, [
         "--priority-scheduler-enabled", "--worker-capacity-override", "4",
         "--coordination-url", f"redis://fleet-a@127.0.0.1:{acl_server.port}/0",
         "--coordination-password-file", str(pw), "--fleet-id", "a", "--replica-id", "r1",
-        "--replica-ttl-secs", "1"], seconds=3.0)
+        "--replica-ttl-secs", "1"], until=want.issubset, seconds=3.0)
     names = [e.get("event") for e in events(output)]
     assert "started" in names, output
     if right:
@@ -398,20 +409,142 @@ async def test_the_watch_counts_a_mismatch_and_the_controller_degrades(
     app = await build_runtime(settings)
     await app.serve()
     try:
-        assert app.fleet is not None and app.fleet.state == "ok"
+        fleet = app.pools[DEFAULT_POOL].fleet
+        assert fleet is not None and fleet.state == "ok"
         await admin.function_load(EVIL, replace=True)
-        deadline = time.monotonic() + 10
-        while app.fleet.state != "degraded" and time.monotonic() < deadline:
+
+        def mismatches() -> float:
+            return sample(app.metrics, "smg_sidecar_coordination_library_mismatch_total")
+
+        # The watch counts the mismatch and the controller degrades. On a loaded box a
+        # slow call can degrade it first: wait for both, not for the state alone.
+        deadline = time.monotonic() + 30
+        while not (fleet.state == "degraded" and mismatches() >= 1):
+            assert time.monotonic() < deadline, \
+                f"after 30 s: state {fleet.state}, {mismatches()} mismatches counted"
             await asyncio.sleep(0.05)
-        assert app.fleet.state == "degraded"
-        assert sample(app.metrics, "smg_sidecar_coordination_library_mismatch_total") >= 1
         assert sample(app.metrics, "smg_sidecar_coordination_library_state",
                       state="mismatch") == 1
         await admin.function_load(LUA, replace=True)
-        deadline = time.monotonic() + 10
-        while app.fleet.state != "ok" and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while fleet.state != "ok":
+            assert time.monotonic() < deadline, f"after 30 s: state {fleet.state}, not ok"
             await asyncio.sleep(0.05)
-        assert app.fleet.state == "ok"
+    finally:
+        await app.stop()
+
+
+# Other code under this version's name, as someone with FUNCTION LOAD REPLACE could put
+# there: one that admits every request (and otherwise answers like ours), one that answers
+# every call with an error, one whose replies have another shape.
+GREEDY = LUA.replace("if queued == 0 and avail >= 1 then", "if true then", 1)
+FAILING = LUA.replace("local function run(keys, argv)\n",
+                      "local function run(keys, argv)\n"
+                      "  if keys then return redis.error_reply('ERR not today') end\n", 1)
+ODD = LUA.replace("return {gen, loss, taken, reply, redis.call('ZCARD', K_REPLICAS)}",
+                  "return {gen, loss, taken, reply}", 1)
+assert GREEDY != LUA and FAILING != LUA and ODD != LUA
+
+
+async def test_a_library_swapped_after_start_is_refused_by_the_next_heartbeat(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    # Every heartbeat verifies first (before: only the watch, every --replica-ttl-secs, so
+    # a library swapped for less than that ran every call in between unnoticed).
+    await admin.function_load(LUA)
+    led = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r1")
+    try:
+        await led.register(BUILTIN_CLASSES, 1)
+        await admin.function_load(GREEDY, replace=True)
+        gen = int(await admin.get("pg:{a}:gen") or 0)
+        with pytest.raises(LibraryMismatch):
+            await led.heartbeat()
+        assert int(await admin.get("pg:{a}:gen") or 0) == gen  # its code never ran
+        assert led.library_state is LibraryState.MISMATCH
+        await admin.function_load(LUA, replace=True)
+        assert (await led.heartbeat()).capacity == 1  # the next heartbeat finds it back
+        assert led.library_state is LibraryState.OK
+    finally:
+        await led.client.aclose()
+
+
+async def test_a_new_connection_verifies_the_library_before_its_first_call(
+        acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    await admin.function_load(LUA)
+    led = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r1",
+                      pipelined=True)
+    try:
+        await led.register(BUILTIN_CLASSES, 1)
+        assert (await led.arrive("x", PriorityClass.BULK, "t")).status.value == "admitted"
+        await admin.function_load(GREEDY, replace=True)
+        await admin.execute_command("CLIENT", "KILL", "TYPE", "normal")  # not this one
+        for _ in range(200):
+            if led.connected is False:
+                break
+            await asyncio.sleep(0.01)
+        assert led.connected is False, "the ledger's connection did not see the kill"
+        with pytest.raises(LibraryMismatch):  # GREEDY would have admitted it past 1
+            await led.arrive("y", PriorityClass.BULK, "t")
+    finally:
+        await led.aclose()
+        await led.client.aclose()
+
+
+@pytest.mark.parametrize("other", ["FAILING", "ODD"])
+async def test_an_error_or_malformed_reply_verifies_the_library_at_once(
+        acl_server: ValkeyServer, admin: redis.Redis, other: str) -> None:
+    await admin.function_load(LUA)
+    led = FleetLedger(redis.Redis(port=acl_server.port, decode_responses=True), "a", "r1")
+    seen: list[LibraryState] = []
+    led.on_library = seen.append
+    try:
+        await led.register(BUILTIN_CLASSES, 1)
+        await admin.function_load({"FAILING": FAILING, "ODD": ODD}[other], replace=True)
+        with pytest.raises(LibraryMismatch):
+            await led.arrive("x", PriorityClass.BULK, "t")
+        assert seen[-1] is LibraryState.MISMATCH
+    finally:
+        await led.client.aclose()
+
+
+async def test_a_library_swapped_for_less_than_a_ttl_is_counted_and_refused(
+        tmp_path: Path, acl_server: ValkeyServer, admin: redis.Redis) -> None:
+    # The bound: a swap is found by the next heartbeat (every 0.3 x --replica-ttl-secs),
+    # or at once by a call it answers oddly; here it lasts one heartbeat interval and a
+    # call timeout, half the watch's period, and no request comes meanwhile.
+    ttl = 4.0
+    bound = 0.3 * ttl + ttl / 5  # a heartbeat interval and a call timeout
+    await admin.function_load(LUA)
+    settings = parse_settings([
+        "--priority-scheduler-enabled", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--worker-capacity-override", "4",
+        "--log-format", "json", "--coordination-url",
+        f"redis://127.0.0.1:{acl_server.port}/0", "--fleet-id", "a", "--replica-id", "r1",
+        "--replica-ttl-secs", str(ttl)])
+    app = await build_runtime(settings)
+    await app.serve()
+    try:
+        fleet = app.pools[DEFAULT_POOL].fleet
+        assert fleet is not None and fleet.state == "ok"
+        mismatches = sample(app.metrics, "smg_sidecar_coordination_library_mismatch_total")
+        await admin.function_load(GREEDY, replace=True)
+        t0 = time.monotonic()
+        found = None
+        while time.monotonic() - t0 < bound:
+            if sample(app.metrics, "smg_sidecar_coordination_library_mismatch_total") \
+                    > mismatches:
+                found = time.monotonic() - t0
+                break
+            await asyncio.sleep(0.01)
+        await admin.function_load(LUA, replace=True)
+        print(f"library swapped for {time.monotonic() - t0:.2f} s: counted after "
+              f"{found} s (bound {bound:.2f} s, the watch's period {ttl} s)")
+        assert found is not None, f"a swap of {bound:.2f} s went unnoticed"
+        assert fleet.state == "degraded"  # refused: its calls went nowhere
+        deadline = time.monotonic() + 3 * ttl
+        while fleet.state != "ok" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert fleet.state == "ok"
+        assert sample(app.metrics, "smg_sidecar_coordination_library_state", state="ok") == 1
     finally:
         await app.stop()
 
@@ -623,7 +756,8 @@ async def test_rediss_with_a_password_file_and_a_private_ca(
         app = await build_runtime(parse_settings([
             *base, f"rediss://fleet-t@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"]))
         try:
-            assert app.fleet is not None and app.fleet.state == "ok"
+            fleet = app.pools[DEFAULT_POOL].fleet
+            assert fleet is not None and fleet.state == "ok"
             assert await admin.exists("pg:{t}:replicas") and tls_connections >= 1
         finally:
             await app.stop()
@@ -631,7 +765,8 @@ async def test_rediss_with_a_password_file_and_a_private_ca(
         with capture_logs() as logs:
             app = await build_runtime(parse_settings([*base, f"rediss://fleet-t@127.0.0.1:{port}/0"]))
         try:
-            assert app.fleet is not None and app.fleet.state == "degraded"
+            fleet = app.pools[DEFAULT_POOL].fleet
+            assert fleet is not None and fleet.state == "degraded"
             assert any(e["event"] == "coordination_unreachable_at_startup" for e in logs)
             assert SECRET not in repr(logs)
         finally:

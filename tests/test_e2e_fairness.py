@@ -44,8 +44,11 @@ def bulk_from(tenant: str) -> dict[str, str]:
 @pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
 async def test_a_light_tenant_gets_its_share_behind_a_heavy_one(
         make_stack: StackFactory, fair: bool) -> None:
+    # The per-tenant 429 below is the sidecar's: edge shedding counts it as the class's
+    # overflow and would shed a share of every tenant's bulk at Envoy (docs/reference.md,
+    # "Edge shedding"), so this test of the sidecar's fairness runs without it.
     stack = await make_stack(priority_yaml=priority(fair), workers=1, max_running_requests=1,
-                             jwt_secret=SECRET)
+                             jwt_secret=SECRET, edge_shed=False)
     blocker = await hold(stack, "busy", priority="bulk")
     await until(stack, lambda m: m.get('smg_scheduler_inflight{class="bulk"}') == 1, timeout=15)
     heavy = [asyncio.ensure_future(request(stack.listen_port, headers=bulk_from(HEAVY),

@@ -21,18 +21,27 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.runtime.v3 import rtds_pb2
 from google.protobuf import json_format
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from devtools.httpclient import HTTP_ERRORS, get, request
 from devtools.stack import Stack, StackConfig, load_renderer
 from sidecar import edge, logs, responses
+from sidecar.app import Runtime, build_runtime
 from sidecar.classes import PriorityClass
+from sidecar.config import DEFAULT_POOL, parse_settings
 from sidecar.edge import ShedController
-from sidecar.metrics import NullRecorder
+from sidecar.metrics import Metrics, NullPoolRecorder
+from tests.conftest import StackFactory
+from tests.grpc_client import EnvoyStandIn, admission_id
 from tests.test_k8s import _envoy_bin
+from tests.test_reload import eventually
 
 B, D = PriorityClass.BULK, PriorityClass.DEFAULT
 BULK_FULL = responses.reply(responses.Rejection.QUEUE_FULL, B)
@@ -145,7 +154,7 @@ def test_other_classes_never_move_a_switch() -> None:
 
 
 def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
-    server = edge.RuntimeServer(NullRecorder())
+    server = edge.RuntimeServer({"default": NullPoolRecorder()})
     server.publish({("default", B): 0.25}, changed=True)
     resp = discovery_pb2.DiscoveryResponse.FromString(server._with_nonce(server._current))
     assert resp.type_url == edge.RUNTIME_TYPE_URL and resp.nonce
@@ -160,7 +169,7 @@ def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
         "smg.edge.shed.bulk": {"numerator": 250000.0, "denominator": "MILLION"}}
     # With pools the one layer carries every pool's switch; the default pool's key is as
     # without pools.
-    pooled = edge.RuntimeServer(NullRecorder(), ("default", "big"))
+    pooled = edge.RuntimeServer({"default": NullPoolRecorder(), "big": NullPoolRecorder()})
     pooled.publish({("default", B): 0.0, ("big", B): 0.5}, changed=True)
     res = discovery_pb2.Resource()
     discovery_pb2.DiscoveryResponse.FromString(pooled._current).resources[0].Unpack(res)
@@ -171,7 +180,7 @@ def test_the_rtds_response_carries_the_layer_with_a_ttl() -> None:
 
 
 async def test_a_stream_that_has_not_sent_yet_gets_the_newest_state() -> None:
-    server = edge.RuntimeServer(NullRecorder())
+    server = edge.RuntimeServer({"default": NullPoolRecorder()})
 
     async def envoy() -> AsyncIterator[bytes]:
         yield discovery_pb2.DiscoveryRequest(
@@ -204,7 +213,7 @@ def test_the_rendered_edge_reply_is_the_sidecars_byte_for_byte() -> None:
     routes = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
     shed = routes[0]
-    assert shed["name"] == "smg_edge_shed_bulk"
+    assert shed["name"] == "smg_edge_shed_bulk" == edge.route_name(B)  # what is counted
     assert shed["direct_response"] == {"status": BULK_FULL.status,
                                        "body": {"inline_string": BULK_FULL.body}}
     assert {h["header"]["key"]: h["header"]["value"] for h in shed["response_headers_to_add"]
@@ -215,6 +224,14 @@ def test_the_rendered_edge_reply_is_the_sidecars_byte_for_byte() -> None:
     assert layers[1]["rtds_layer"]["name"] == edge.LAYER
     # Off by default: the shipped bootstrap has no edge route.
     assert "smg_edge" not in _render(edge_shed=False)
+    # A named pool's edge route has the name its shed log's entries are counted by.
+    pooled = _yaml(load_renderer().render(
+        listen_port=10000, admin_port=9901, sidecar_host="127.0.0.1", sidecar_port=9001,
+        workers=[("127.0.0.1", 8081)], authz_timeout_secs=310, flush_interval_secs=5,
+        edge_shed=True, pools=[("big", "/big/", [("127.0.0.1", 8091)])]))
+    names = [r.get("name") for r in pooled["static_resources"]["listeners"][0]["filter_chains"][0][  # type: ignore[index]
+        "filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]]
+    assert edge.route_name(B, "big") in names and edge.route_name(B) in names
 
 
 def test_edge_sheds_join_the_rejections_line() -> None:
@@ -225,7 +242,7 @@ def test_edge_sheds_join_the_rejections_line() -> None:
             lines.append({"event": event, **kw})
 
     summary = logs.RejectionSummary(Log(), schedule=lambda delay, fn: None)  # type: ignore[arg-type]
-    shed = edge.EdgeShed(NullRecorder(), summary.add)
+    shed = edge.EdgeShed({"default": NullPoolRecorder()}, summary.add)
     shed.shed_counted(B, 3)
     summary.flush()
     # The first at once, the others summed at the end of the interval.
@@ -597,14 +614,14 @@ K8S = Path(__file__).resolve().parents[1] / "k8s"
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-@pytest.mark.parametrize("overlay,first_route", [
-    ("edge-shed", "smg_edge_shed_bulk"),
-    ("pools-edge-shed", "smg_edge_shed_pool_chat-70b_bulk"),  # a switch per pool
+@pytest.mark.parametrize("target,first_route", [
+    ("base", "smg_edge_shed_bulk"),  # on by default
+    ("overlays/pools", "smg_edge_shed_pool_chat-70b_bulk"),  # a switch per pool
 ])
-def test_the_k8s_overlay_turns_both_sides_on_and_its_envoy_config_validates(
-        overlay: str, first_route: str, tmp_path: Path) -> None:
+def test_the_k8s_base_turns_both_sides_on_and_its_envoy_config_validates(
+        target: str, first_route: str, tmp_path: Path) -> None:
     import yaml
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / target)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -617,14 +634,284 @@ def test_the_k8s_overlay_turns_both_sides_on_and_its_envoy_config_validates(
     text = cm["data"]["envoy.yaml"]
     boot = yaml.safe_load(text)
     assert _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["name"] == first_route
-    # The same pod, the same ports and settings as the base otherwise.
-    base = yaml.safe_load(load_renderer().render(
+    # render.py's default has the edge path; its opt-out has none of it.
+    render = load_renderer().render
+    args: dict[str, Any] = dict(
         listen_port=1, admin_port=2, sidecar_host="127.0.0.1", sidecar_port=3,
-        workers=[("127.0.0.1", 4)], authz_timeout_secs=310, flush_interval_secs=5))
-    assert "layered_runtime" not in base and "layered_runtime" in boot
+        workers=[("127.0.0.1", 4)], authz_timeout_secs=310, flush_interval_secs=5)
+    assert "layered_runtime" in yaml.safe_load(render(**args)) and "layered_runtime" in boot
+    off = render(**args, edge_shed=False)
+    assert "layered_runtime" not in yaml.safe_load(off) and "smg_edge_shed" not in off
     cfg = tmp_path / "envoy.yaml"
     cfg.write_text(text, encoding="utf-8")
     done = subprocess.run([str(_envoy()), "--mode", "validate", "-c", str(cfg),
                            "--disable-hot-restart", "--log-level", "warn"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ============================================================================
+# Edge shedding with pools, through a real Envoy: each pool's route has a switch of its own,
+# steered by that pool's queue alone, and its edge sheds are counted for that pool.
+
+
+# One slot and a two-deep bulk queue on the flooded pool; two slots on the calm one.
+POOLS = {"flooded": (1, 1), "calm": (1, 2)}
+
+
+@pytest.mark.e2e
+async def test_a_flood_on_one_pool_switches_only_that_pools_edge(
+        make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1,
+                             service_time=0.5, pools=POOLS, edge_shed=True)
+    flooded, calm = edge.runtime_key(B, "flooded"), edge.runtime_key(B, "calm")
+    flood = Flood(stack, path="/flooded/v1/chat/completions")
+    try:
+        await wait_share(stack, lambda s: s >= 0.5, timeout=10, key=flooded)
+        # The other routes' bulk requests still reach their own pools' queues.
+        calm_results = await asyncio.gather(*(
+            request(stack.listen_port, "/calm/v1/chat/completions",
+                    headers={"x-smg-priority": "bulk"}, body=b"{}", timeout=30)
+            for _ in range(4)))
+        default_result = await request(stack.listen_port, headers={"x-smg-priority": "bulk"},
+                                       body=b"{}", timeout=30)
+        others = (await envoy_share(stack, calm), await envoy_share(stack, edge.runtime_key(B)))
+        still_on = await envoy_share(stack, flooded)
+    finally:
+        await flood.stop()
+    assert [r.status for r in calm_results] == [200] * 4
+    assert default_result.status == 200
+    # Still on (its share moves with the flood's rate, which a loaded box slows).
+    assert others == (0.0, 0.0) and still_on > 0.0
+    rejected = [r for r in flood.responses if r[0] == 429]
+    assert rejected
+    for status, headers, body in rejected:  # Envoy's and the sidecar's alike
+        assert status == BULK_FULL.status and body == BULK_FULL.body.encode()
+        for k, v in BULK_FULL.headers:
+            assert headers.get(k) == v, (k, headers)
+    # Counted for the flooded pool only, as the contract counts (the edge's within a flush).
+    denied_by_sidecar = await stack.envoy_stat("http\\.ingress\\.ext_authz\\.denied")
+    full_key = 'smg_scheduler_admit_total{class="bulk",outcome="rejected_queue_full",pool="%s"}'
+    shed_key = 'smg_sidecar_edge_shed_total{class="bulk",pool="%s"}'
+    deadline = time.monotonic() + 2 * edge.SHED_LOG_FLUSH_SECS + 2
+    while True:
+        m = await stack.metrics()
+        if m.get(full_key % "flooded") == len(rejected) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert m[full_key % "flooded"] == len(rejected)
+    assert m[shed_key % "flooded"] == len(rejected) - denied_by_sidecar > 0
+    for pool in ("calm", "default"):
+        assert m.get(full_key % pool, 0.0) == 0.0, pool
+        assert m.get(shed_key % pool, 0.0) == 0.0, pool
+        assert m[f'smg_sidecar_edge_shed_share{{class="bulk",pool="{pool}"}}'] == 0.0
+    assert m['smg_sidecar_edge_shed_share{class="bulk",pool="flooded"}'] > 0.0
+
+
+def test_a_shed_log_naming_no_pool_of_this_sidecar_is_not_counted() -> None:
+    metrics = Metrics(tenant_top_n=4, pools=True)
+    lines: list[tuple[str, str, str]] = []
+    shed = edge.EdgeShed({p: metrics.pool(p) for p in ("default", "big")},
+                         lambda *a: lines.append(a))
+    shed.shed_counted(B, 3, "big")
+    shed.shed_counted(B, 5, "ghost")  # an Envoy rendered with a pool this sidecar lacks
+    shed.shed_counted(B, 2)
+    r = metrics.registry
+    assert r.get_sample_value("smg_sidecar_edge_shed_total",
+                              {"class": "bulk", "pool": "big"}) == 3
+    assert r.get_sample_value("smg_sidecar_edge_shed_total",
+                              {"class": "bulk", "pool": "default"}) == 2
+    assert r.get_sample_value("smg_sidecar_edge_shed_total",
+                              {"class": "bulk", "pool": "ghost"}) is None
+    assert r.get_sample_value("smg_scheduler_admit_total", {
+        "class": "bulk", "outcome": "rejected_queue_full", "pool": "big"}) == 3
+    assert len(lines) == 5
+    # Each pool's switch moves on its own pool's overflow only.
+    for _ in range(10):
+        shed.controllers["big"].arrived(B)
+        shed.controllers["big"].overflowed(B)
+    for c in shed.controllers.values():
+        c.tick()
+    assert shed.controllers["big"].shares()[B] > 0 == shed.controllers["default"].shares()[B]
+    assert edge.runtime_key(B, "big") == "smg.edge.shed.pool.big.bulk"
+    assert edge.runtime_key(B) == "smg.edge.shed.bulk"
+
+
+# ============================================================================
+# The edge-shed logger's stream on an unauthenticated port: what a forger can do.
+# Anyone reaching the gRPC port can open a stream marked as the edge-shed logger and send
+# entries. It may raise bulk's counters of a pool the sidecar has, nothing else, and can
+# never hold a switch on: the counted sheds are trusted only as far as the share in force
+# explains them.
+
+
+@settings(max_examples=300, deadline=None)
+@given(overflow=st.integers(1, 400), arrivals=st.lists(st.integers(1, 50), min_size=6,
+                                                      max_size=6),
+       sheds=st.lists(st.integers(0, 10**7), min_size=6, max_size=6))
+def test_counted_sheds_never_hold_a_switch_on(overflow: int, arrivals: list[int],
+                                              sheds: list[int]) -> None:
+    """After a flood, intervals whose Checks all queue (the queue has room, none overflow,
+    none admitted at once) while any number of sheds is counted: the switch falls every
+    interval and is off within 6 (from the 0.99 at most), as an honest count gives."""
+    c = ShedController()
+    _interval(c, overflow, overflow)  # nothing absorbed: the share jumps to its target
+    seen = [c.shares()[B]]
+    assert 0 < seen[0] <= edge.MAX_SHARE
+    for arrived, shed in zip(arrivals, sheds, strict=True):
+        seen.append(_interval(c, arrived, 0, shed=shed))
+        if seen[-1] == 0.0:
+            break
+    assert seen[-1] == 0.0, seen
+    assert all(a > b for a, b in itertools.pairwise(seen)), seen
+
+
+def test_an_honest_count_still_keeps_a_flood_from_being_let_through_whole() -> None:
+    """The liveness twin's other side: with sheds the share in force explains, a quiet
+    interval lets PROBE x (1 + MARGIN) times as many through, not everything."""
+    c = ShedController()
+    _interval(c, 100, 100)
+    high = c.shares()[B]
+    through = 4
+    total = round(through / (1 - high))
+    quiet = _interval(c, through, 0, shed=total - through)
+    assert quiet == pytest.approx(1 - edge.PROBE * (1 + edge.MARGIN) * through / total,
+                                  abs=2e-3)
+    assert quiet > 0.9
+
+
+def _als_batch(n: int, route: str = edge.route_name(B), code: int = 429) -> bytes:
+    """A batch as Envoy's edge-shed logger sends it (or a forgery with other fields)."""
+    msg = als_pb2.StreamAccessLogsMessage()
+    msg.identifier.log_name = edge.SHED_LOG_NAME
+    for _ in range(n):
+        e = msg.http_logs.log_entry.add()
+        e.common_properties.route_name = route
+        e.response.response_code.value = code
+    out: bytes = msg.SerializeToString()
+    return out
+
+
+def _als_stream(channel: grpc.aio.Channel) -> grpc.aio.StreamUnaryMultiCallable:
+    return channel.stream_unary("/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
+                                request_serializer=None, response_deserializer=None)
+
+
+@contextlib.asynccontextmanager
+async def edge_runtime(tmp_path: Path) -> AsyncIterator[tuple[Runtime, EnvoyStandIn]]:
+    """The sidecar with --edge-shed in this loop: one slot, a two-deep bulk queue."""
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text(PRIORITY)
+    app = await build_runtime(parse_settings([
+        "--priority-scheduler-enabled", "--edge-shed", "--priority-scheduler-config", str(cfg),
+        "--worker-capacity-override", "1", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
+    await app.serve()
+    envoy = EnvoyStandIn(app.grpc_port)
+    try:
+        yield app, envoy
+    finally:
+        await envoy.close()
+        await app.stop()
+
+
+def _sample(app: Runtime, name: str, **labels: str) -> float:
+    v = app.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+async def test_only_what_envoys_edge_logger_sends_is_counted(tmp_path: Path) -> None:
+    async with edge_runtime(tmp_path) as (app, envoy):
+        send = _als_stream(envoy.channel)
+
+        async def stream(batches: list[bytes], *marks: tuple[str, str]) -> None:
+            await send(iter(batches), metadata=marks)
+
+        def full(cls: str) -> float:
+            return _sample(app, "smg_scheduler_admit_total",
+                           **{"class": cls, "outcome": "rejected_queue_full"})
+
+        bulk = (edge.STREAM_MARK_KEY, "bulk")
+        # A class no edge route sheds: nothing counted for it (no system rejections).
+        for cls in ("system", "interactive", "default", "Bulk", "nonsense"):
+            await stream([_als_batch(50)], (edge.STREAM_MARK_KEY, cls))
+        # Entries Envoy's edge logger never writes: another route, another status.
+        await stream([_als_batch(50, route="some_other_route"), _als_batch(50, code=200),
+                      _als_batch(50, route=edge.route_name(B, "ghost"))], bulk)
+        # A pool this sidecar does not have.
+        await stream([_als_batch(50, route=edge.route_name(B, "ghost"))], bulk,
+                     (edge.POOL_MARK_KEY, "ghost"))
+        assert [full(c) for c in ("system", "interactive", "default", "bulk")] == [0] * 4
+        assert _sample(app, "smg_sidecar_edge_shed_total", **{"class": "bulk"}) == 0
+        # What the logger does send is counted, entry by entry, mixed batches included.
+        mixed = als_pb2.StreamAccessLogsMessage.FromString(_als_batch(7))
+        mixed.MergeFrom(als_pb2.StreamAccessLogsMessage.FromString(_als_batch(5, code=503)))
+        await stream([_als_batch(3), mixed.SerializeToString()], bulk)
+        assert full("bulk") == 10
+        assert _sample(app, "smg_sidecar_edge_shed_total", **{"class": "bulk"}) == 10
+
+
+async def test_a_forged_shed_stream_cannot_hold_the_switch_on(tmp_path: Path) -> None:
+    """The switch goes on by a real overflow; then every bulk Check queues (the queue keeps
+    room, nothing overflows) while a forger streams perfect edge-shed entries. The switch is
+    off within six intervals of the overflow's end, not held for the whole forgery."""
+    async with edge_runtime(tmp_path) as (app, envoy):
+        controller = app.edge.controllers[DEFAULT_POOL] if app.edge is not None else None
+        assert controller is not None
+        bulk = {"x-smg-priority": "bulk"}
+        holder = admission_id(await envoy.check(bulk))
+        queued = [asyncio.ensure_future(envoy.check(bulk)) for _ in range(2)]
+        await eventually(lambda: app.pools[DEFAULT_POOL].controller.waiting == 2, 5)
+        # The flood: the queue is full, every further bulk Check overflows.
+        deadline = time.monotonic() + 5
+        while controller.shares()[B] < 0.5:
+            assert time.monotonic() < deadline, "the switch never went on"
+            for r in await asyncio.gather(*(envoy.check(bulk) for _ in range(20))):
+                assert r.denied_response.status.code == 429
+            await asyncio.sleep(0.05)
+        on = controller.shares()[B]
+        stop = asyncio.Event()
+
+        async def forger() -> None:
+            async def batches() -> AsyncIterator[bytes]:
+                while not stop.is_set():
+                    yield _als_batch(500)
+                    await asyncio.sleep(0.02)
+            await _als_stream(envoy.channel)(batches(), metadata=(
+                (edge.STREAM_MARK_KEY, "bulk"),))
+
+        async def keeper() -> None:
+            """One release and one new bulk Check per step: a queued one takes the slot,
+            the new one queues behind it. Arrivals every interval, none overflowing."""
+            nonlocal holder
+            while not stop.is_set():
+                await envoy.log((holder, "end"))
+                first = queued.pop(0)
+                holder = admission_id(await asyncio.wait_for(first, 5))
+                queued.append(asyncio.ensure_future(envoy.check(bulk)))
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(forger()), asyncio.create_task(keeper())]
+        started = time.monotonic()
+        try:
+            off_at = None
+            forged_before = _sample(app, "smg_sidecar_edge_shed_total", **{"class": "bulk"})
+            while time.monotonic() - started < 6.0:  # the finding: held 6 s at 0.83
+                if controller.shares()[B] == 0.0:
+                    off_at = time.monotonic()
+                    break
+                await asyncio.sleep(0.01)
+            forged = _sample(app, "smg_sidecar_edge_shed_total",
+                             **{"class": "bulk"}) - forged_before
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        assert forged > 0, "the forged entries were not counted at all: nothing was tried"
+        assert off_at is not None, f"the switch was held on at {controller.shares()[B]} " \
+                                   f"(from {on}) for 6 s of forging"
+        # Six intervals from the share in force when the forgery began, with a margin for
+        # the interval under way and a loaded machine.
+        assert off_at - started <= 7 * edge.CONTROL_INTERVAL_SECS + 1.0, off_at - started
+        for q in queued:
+            await envoy.log((admission_id(await asyncio.wait_for(q, 5)), "end"))
+        await envoy.log((holder, "end"))

@@ -13,7 +13,7 @@ from pathlib import Path
 from structlog.testing import capture_logs
 
 from sidecar.app import build_runtime
-from sidecar.config import parse_settings
+from sidecar.config import DEFAULT_POOL, parse_settings
 from tests.test_probe_refusals import FakeLlama
 
 SMALL = """
@@ -36,18 +36,18 @@ async def test_requests_the_sidecar_does_not_hold_take_slots_until_gone(
         app = await build_runtime(settings)
         try:
             reg = app.metrics.registry
-            assert app.controller.snapshot().capacity == 4
+            assert app.pools[DEFAULT_POOL].controller.snapshot().capacity == 4
             w.processing = 3  # three requests the sidecar never admitted (or released)
             with capture_logs() as logs:
-                await app.monitor.poll_once()
-                await app.monitor.poll_once()
-            assert app.controller.snapshot().capacity == 1
+                await app.pools[DEFAULT_POOL].monitor.poll_once()
+                await app.pools[DEFAULT_POOL].monitor.poll_once()
+            assert app.pools[DEFAULT_POOL].controller.snapshot().capacity == 1
             assert reg.get_sample_value("smg_sidecar_engine_excess") == 3
             assert [e["excess"] for e in logs if e["event"] == "engine_excess"] == [3]
             w.processing = 0
             with capture_logs() as logs:
-                await app.monitor.poll_once()
-            assert app.controller.snapshot().capacity == 4
+                await app.pools[DEFAULT_POOL].monitor.poll_once()
+            assert app.pools[DEFAULT_POOL].controller.snapshot().capacity == 4
             assert reg.get_sample_value("smg_sidecar_engine_excess") == 0
             assert [e["event"] for e in logs if e["event"].startswith("engine_excess")] == [
                 "engine_excess_gone"]

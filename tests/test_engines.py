@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from devtools.fleet import FakeWorker, prometheus_gauges, sglang_server_info, wait_for
 from sidecar.app import build_runtime
 from sidecar.capacity import UNREAD_WORKER_CAPACITY, ProbeStatus
-from sidecar.config import parse_settings
+from sidecar.config import DEFAULT_POOL, parse_settings
 from sidecar.health import (
     DEFAULT_WORKER_CAPACITY,
     SATURATION_METRICS,
@@ -225,7 +225,7 @@ async def test_worker_capacity_metric_through_the_sidecar(tmp_path: Path) -> Non
                                         {"worker": b.url, "engine": "llamacpp"}) == 6
             assert reg.get_sample_value("smg_sidecar_capacity") == 102
             b.healthy = False
-            await app.monitor.poll_once()
+            await app.pools[DEFAULT_POOL].monitor.poll_once()
             assert reg.get_sample_value("smg_sidecar_worker_capacity",
                                         {"worker": b.url, "engine": "llamacpp"}) is None
             assert reg.get_sample_value("smg_sidecar_capacity") == 96

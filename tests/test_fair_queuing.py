@@ -593,13 +593,15 @@ def test_fifo_queue_answers_like_a_tenant_queue() -> None:
 
 @pytest.mark.parametrize("fair", [True, False])
 def test_tenant_metrics_show_depth_and_admissions_under_the_label_cap(fair: bool) -> None:
+    from sidecar.config import DEFAULT_POOL
     from sidecar.metrics import Metrics
 
     s = Scheduler(bulk_only(fair_queuing=fair), 1, FakeClock())
     metrics = Metrics(tenant_top_n=2)
-    metrics.started(legacy=False, snapshot=s.snapshot, config_digest="test")
+    metrics.pool(DEFAULT_POOL).admission_started(legacy=False, snapshot=s.snapshot)
     fill_then_queue(s, [("a0", "A"), ("a1", "A"), ("b0", "B"), ("c0", "C"), ("d0", "D")])
-    metrics.on_events(s.take_events())  # events since: none, the blocker was taken
+    pool = metrics.pool(DEFAULT_POOL)
+    pool.on_events(s.take_events())  # events since: none, the blocker was taken
     reg = metrics.registry
 
     def depth(tenant: str) -> float | None:
@@ -610,13 +612,13 @@ def test_tenant_metrics_show_depth_and_admissions_under_the_label_cap(fair: bool
     assert (depth("A"), depth("B"), depth("other")) == (2, 1, 2)  # C and D folded
     assert depth("C") is None and depth("x") is None
     s.release("blocker")
-    metrics.on_events(s.take_events())
+    pool.on_events(s.take_events())
     assert reg.get_sample_value("smg_sidecar_tenant_admitted_total",
                                 {"class": "bulk", "tenant": "A"}) == 1
     assert (depth("A"), depth("other")) == (1, 2)
     for holder in ("a0", "a1" if not fair else "b0"):
         s.release(holder)
-        metrics.on_events(s.take_events())
+        pool.on_events(s.take_events())
     total = sum(reg.get_sample_value("smg_sidecar_tenant_admitted_total",
                                      {"class": "bulk", "tenant": t}) or 0
                 for t in ("A", "B", "other"))

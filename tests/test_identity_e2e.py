@@ -33,7 +33,7 @@ async def test_envoy_killed_before_its_first_access_log_stream_frees_its_slots_o
     # Review finding #2: before, the new process's first stream unleased the dead one's
     # acknowledged slots, held then until the new process died. The lease (60 s) is far
     # longer than the wait below: only the identification can free them.
-    stack = await make_stack(priority_yaml=BURST, lease_secs=60.0, mesh=True,
+    stack = await make_stack(priority_yaml=BURST, lease_secs=60.0, mesh=True, edge_shed=False,
                              capacity_from_envoy=True,
                              sidecar_args=["--envoy-owner-grace-secs", "1"])
     streams = await bulk_streams(stack, 2)  # acknowledged by ext_proc; no entry yet
@@ -118,7 +118,7 @@ async def test_a_blip_of_the_access_log_connection_keeps_a_long_streams_slot(
     # Review finding #3: before, the lost stream read as a death after the grace and the
     # running stream's slot was released (over-admission).
     lease, grace = 3.0, 1.0
-    stack = await make_stack(priority_yaml=BURST, lease_secs=lease, mesh=True,
+    stack = await make_stack(priority_yaml=BURST, lease_secs=lease, mesh=True, edge_shed=False,
                              capacity_from_envoy=True,
                              sidecar_args=["--envoy-owner-grace-secs", str(grace)])
     relay = Relay(stack.grpc_port)

@@ -46,6 +46,8 @@ CRD_REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
                              ("spec.targetRefs", "spec.retry.retryOn.triggers")),
     "EnvoyPatchPolicy": ("gateway.envoyproxy.io/v1alpha1",
                          ("spec.targetRef", "spec.type", "spec.jsonPatches")),
+    "HTTPRouteFilter": ("gateway.envoyproxy.io/v1alpha1",
+                        ("spec.credentialInjection.credential.valueRef.name",)),
 }
 
 
@@ -263,7 +265,8 @@ def _built_sidecar(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
     ("overlays/single-replica", ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy",
                                  "Service"]),
     ("overlays/pools", _BASE_KINDS),  # two replicas on the fleet ledger, a ledger per pool
-    ("overlays/pools-edge-shed", _BASE_KINDS),  # the same with a switch per pool
+    ("overlays/no-edge-shed", _BASE_KINDS),  # the opt-out: no edge path on either side
+    ("overlays/engine-key", _BASE_KINDS),  # the engine's key upstream and on the probes
 ])
 def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -282,7 +285,15 @@ def test_kustomize_builds(target: str, want: list[str], tmp_path: Path) -> None:
     args = _expanded_args(sidecar)
     args[args.index("--priority-scheduler-config") + 1] = str(cfg)
     _local_password_file(args, tmp_path)
+    if "--worker-auth-file" in args:  # the mounted Secret, here a local file
+        key = tmp_path / "api-key"
+        key.write_text("engine-key")
+        args[args.index("--worker-auth-file") + 1] = str(key)
     settings = settings_from_args(build_parser().parse_args(args), isatty=False)
+    # Both sides of edge shedding, or neither: the sidecar's switch and Envoy's edge path.
+    boot = _built_envoy(docs)
+    assert settings.edge_shed == ("layered_runtime" in boot) == (
+        target != "overlays/no-edge-shed"), target
     if target.startswith("overlays/pools"):
         # the pools the routes name are the sidecar's, each with its own workers and table
         assert set(settings.pool_workers) == set(settings.priority.pools) == set(
@@ -590,13 +601,14 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
 
 
 def _exported_metric_names() -> set[str]:
-    from sidecar.config import BUILTIN_CLASSES
+    from sidecar.config import BUILTIN_CLASSES, DEFAULT_POOL
     from sidecar.metrics import Metrics
     from sidecar.scheduler import Scheduler
 
     m = Metrics(tenant_top_n=4)
     snapshot = Scheduler(BUILTIN_CLASSES, 256, time.monotonic).snapshot()
-    m.started(legacy=False, snapshot=lambda: snapshot, config_digest="builtin")
+    m.pool(DEFAULT_POOL).admission_started(legacy=False, snapshot=lambda: snapshot)
+    m.pool(DEFAULT_POOL).shadow_started(lambda: snapshot)  # --shadow's gauges too
     names: set[str] = set()
     for family in m.registry.collect():
         # A labelled metric with no child yet has no samples; what Prometheus would

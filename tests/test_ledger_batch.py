@@ -26,7 +26,7 @@ from devtools.valkey import ValkeyServer
 from sidecar.classes import PriorityClass
 from sidecar.coordination.controller import FleetController
 from sidecar.coordination.ledger import ArriveStatus, FleetLedger
-from sidecar.metrics import NullRecorder
+from sidecar.metrics import NullPoolRecorder
 from sidecar.scheduler import ClassSettings
 from tests.clock import FakeClock
 from tests.ledger_support import client, connect, valkey_server
@@ -137,7 +137,7 @@ BULK, SYSTEM = PriorityClass.BULK, PriorityClass.SYSTEM
 PREEMPTING = {c: ClassSettings(0, 0.0, 4, 10.0, 1e6, c is SYSTEM) for c in PriorityClass}
 
 
-class Undelivered(NullRecorder):
+class Undelivered(NullPoolRecorder):
     def __init__(self) -> None:
         self.undelivered = 0
 
@@ -145,7 +145,7 @@ class Undelivered(NullRecorder):
         self.undelivered += 1
 
 
-async def _controller(server: ValkeyServer, metrics: NullRecorder, *, mark_delay: float,
+async def _controller(server: ValkeyServer, metrics: NullPoolRecorder, *, mark_delay: float,
                       events: bool) -> FleetController:
     ctl = await FleetController.connect(server.url, fleet="f", replica="b", ttl=10.0,
                                         classes=PREEMPTING, capacity=1, metrics=metrics,
@@ -165,7 +165,7 @@ async def _eventually(check: Any, what: str) -> None:
 
 async def test_a_request_whose_response_starts_within_the_delay_costs_no_mark(
         valkey_server: ValkeyServer, client: redis.Redis) -> None:
-    ctl = await _controller(valkey_server, NullRecorder(), mark_delay=0.2, events=True)
+    ctl = await _controller(valkey_server, NullPoolRecorder(), mark_delay=0.2, events=True)
     try:
         calls0 = ctl.ledger.calls
         adm = await ctl.admit(BULK, "t")
@@ -184,7 +184,7 @@ async def test_a_request_whose_response_starts_within_the_delay_costs_no_mark(
 
 async def test_a_longer_request_becomes_a_candidate_after_the_delay(
         valkey_server: ValkeyServer, client: redis.Redis) -> None:
-    ctl = await _controller(valkey_server, NullRecorder(), mark_delay=0.01, events=True)
+    ctl = await _controller(valkey_server, NullPoolRecorder(), mark_delay=0.01, events=True)
     try:
         adm = await ctl.admit(BULK, "t")
         aid = adm.admission.id

@@ -11,6 +11,11 @@ and when the next timer is due -- also across hot reloads of the class settings.
 timeouts: the ledger expires waiters itself from stored deadlines, on any call, exactly
 when the core's ``tick`` does.
 
+Inputs the sidecar never sends are drawn too (``bad_input``: one field of one op set to a
+non-finite, absurd, negative or non-numeric value, tests/ledger_support.py ``FIELDS``): the
+ledger must refuse each with an error, and since the core sees nothing, every later
+decision still being identical shows that the refused call changed nothing.
+
 Fairness between tenants is drawn too: fair queuing on or off per class, per-tenant queue
 limits, tenant weights (tenant keys with spaces and non-ASCII characters), several tenants
 per class, and reloads switching any of them; the grants of a step must come in the same
@@ -24,11 +29,14 @@ import asyncio
 import os
 from typing import Any
 
+import pytest
+import redis.asyncio as redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from devtools.valkey import ValkeyServer
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
+from sidecar.coordination import ledger as ledger_module
 from sidecar.coordination.ledger import ArriveStatus, CancelResult, Event, FleetLedger, Holding
 from sidecar.scheduler import (
     Admitted,
@@ -40,7 +48,7 @@ from sidecar.scheduler import (
     Scheduler,
 )
 from tests.clock import FakeClock
-from tests.ledger_support import connect, valkey_server
+from tests.ledger_support import FIELDS, bad_call, connect, valkey_server
 from tests.strategies import classes, tenant_class_config, tenants
 
 __all__ = ["valkey_server"]
@@ -82,6 +90,8 @@ configs = st.one_of(
 )
 fair_configs = st.fixed_dictionaries({c: fair_config for c in PriorityClass})
 arrival = st.tuples(classes, tenants)
+bad_input = st.sampled_from([(f, v) for f, (_, values) in sorted(FIELDS.items())
+                             for v in values])
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("arrive"), arrival),
@@ -97,6 +107,7 @@ ops = st.lists(
         st.tuples(st.just("adopt"), arrival),
         st.tuples(st.just("advance"), st.sampled_from([0.1, 0.5, 1.0, 2.5, 6.0])),
         st.tuples(st.just("reload"), st.just(0)),
+        st.tuples(st.just("bad_input"), bad_input),
     ),
     min_size=10,
     max_size=60,
@@ -116,6 +127,7 @@ fair_ops = st.lists(
         st.tuples(st.just("capacity"), st.integers(1, 3)),
         st.tuples(st.just("advance"), st.sampled_from([0.5, 6.0])),
         st.tuples(st.just("reload"), st.just(0)),
+        st.tuples(st.just("bad_input"), bad_input),
     ),
     min_size=20,
     max_size=80,
@@ -173,7 +185,8 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassSettings], cap
     client = connect(server)
     await client.flushall()
     try:
-        led = FleetLedger(client, "d", "only", ttl=1e9, remember_ended_secs=1e12, clock=clock)
+        led = FleetLedger(client, "d", "only", ttl=86400.0, remember_ended_secs=86400.0,
+                          clock=clock)
         await led.register(cfg, capacity)
         ended: list[str] = []
         seq = 0
@@ -239,6 +252,12 @@ async def run(server: ValkeyServer, cfg: dict[PriorityClass, ClassSettings], cap
                 cfg, reload = reload, cfg
                 core.update_config(cfg)
                 await led.register(cfg, core.capacity)
+            elif op == "bad_input":
+                # Refused by the library; the core is not told: any change it made would
+                # show in this step's or a later step's comparison.
+                field, value = arg
+                with pytest.raises(redis.ResponseError, match=r"^ledger: "):
+                    await client.fcall(ledger_module.TEST_FUNCTION, *bad_call(led, field, value))
             elif op == "advance":
                 clock.advance(arg)
                 core.tick()

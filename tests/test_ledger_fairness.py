@@ -92,7 +92,7 @@ async def test_a_dead_replicas_waiters_leave_the_fair_queue_as_cancelled_ones(
 
 async def test_lost_fair_queue_keys_are_rebuilt_and_no_waiter_is_stranded(
         client: redis.Redis) -> None:
-    a, b = (FleetLedger(client, "f", r, ttl=1e9) for r in ("a", "b"))
+    a, b = (FleetLedger(client, "f", r, ttl=3600.0) for r in ("a", "b"))
     await a.register(FAIR, 1)
     await b.register(FAIR, 1)
     assert (await a.arrive("blocker", B, "x")).status is ArriveStatus.ADMITTED
@@ -117,7 +117,7 @@ async def test_the_class_config_older_libraries_read_keeps_its_format(
         client: redis.Redis) -> None:
     """A rolling upgrade runs two library versions on one fleet's keys: P:cfg keeps the six
     fields older libraries parse (can_preempt last); fairness lives in keys of its own."""
-    a = FleetLedger(client, "f", "a", ttl=1e9)
+    a = FleetLedger(client, "f", "a", ttl=3600.0)
     await a.register(FAIR, 1)
     fields = str(await client.hget("pg:{f}:cfg", str(int(PriorityClass.SYSTEM)))).split(" ")
     assert len(fields) == 6 and fields[5] == "1"
@@ -125,7 +125,7 @@ async def test_the_class_config_older_libraries_read_keeps_its_format(
 
 
 async def test_a_lost_tenant_fifo_is_rebuilt_at_the_next_heartbeat(client: redis.Redis) -> None:
-    a = FleetLedger(client, "f", "a", ttl=1e9)
+    a = FleetLedger(client, "f", "a", ttl=3600.0)
     await a.register(FAIR, 1)
     assert (await a.arrive("blocker", B, "x")).status is ArriveStatus.ADMITTED
     for rid, tenant in ARRIVALS:

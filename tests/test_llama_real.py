@@ -127,7 +127,8 @@ async def test_an_engine_with_an_api_key_is_read_with_the_key_file_and_never_cou
     await blind.stop()
     # With --worker-auth-file the slots are read; the client's own key reaches the engine.
     stack = await llama_stack(parallel=4, server_kwargs={"api_key_file": key},
-                              sidecar_args=["--worker-auth-file", str(key)])
+                              sidecar_args=["--worker-auth-file", str(key),
+                                            "--worker-auth-allow-http"])  # loopback engines
     await until(stack, lambda m: m.get("smg_sidecar_capacity") == 4, timeout=10)
     r = await request(stack.listen_port, body=completion(3), headers={
         "authorization": "Bearer s3cret-engine-key"})

@@ -1,6 +1,7 @@
 """The core scenarios through a real Envoy configured the way Istio / Envoy Gateway generate it.
 
-``StackConfig(mesh=True)`` renders the bootstrap through envoy/mesh.py: no periodic
+``StackConfig(mesh=True, edge_shed=False)`` renders the bootstrap through envoy/mesh.py (a
+mesh has no edge path unless its edge-shed recipe is applied): no periodic
 access-log entries, default ALS buffering (16 KiB / 1 s flush, so releases arrive batched and
 up to 1 s late), Istio's ext_authz settings (no metadata_context_namespaces, tenant from a
 header), ext_proc as the recipes' EnvoyFilter / EnvoyExtensionPolicy add it.
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from devtools import identity
 from devtools.httpclient import HTTP_ERRORS, Exchange, Response, chat_body, request
 from devtools.httpclient import get as http_get
 from devtools.proc import die_with_parent
@@ -44,7 +46,8 @@ classes:
 def test_mesh_config_drops_exactly_the_tuning_meshes_lack() -> None:
     text = load_renderer().render(
         listen_port=10000, admin_port=9901, sidecar_host="127.0.0.1", sidecar_port=9001,
-        workers=[("127.0.0.1", 8081)], authz_timeout_secs=310, flush_interval_secs=5)
+        workers=[("127.0.0.1", 8081)], authz_timeout_secs=310, flush_interval_secs=5,
+        edge_shed=False)
     boot = yaml.safe_load(load_renderer("mesh").meshify(text))
     (listener,) = boot["static_resources"]["listeners"]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
@@ -61,7 +64,7 @@ def test_mesh_config_drops_exactly_the_tuning_meshes_lack() -> None:
 
 
 async def test_mesh_batched_releases_balance_exactly(make_stack: StackFactory) -> None:
-    stack = await make_stack(priority_yaml=BURST, mesh=True)
+    stack = await make_stack(priority_yaml=BURST, mesh=True, edge_shed=False)
     rs = await asyncio.gather(*(request(stack.listen_port, headers={"x-smg-priority": "bulk"})
                                 for _ in range(8)))
     assert [r.status for r in rs] == [200] * 8
@@ -75,7 +78,7 @@ async def test_mesh_batched_releases_balance_exactly(make_stack: StackFactory) -
 
 
 async def test_mesh_without_ext_proc_is_reported(make_stack: StackFactory) -> None:
-    stack = await make_stack(priority_yaml=BURST, preemption=False, mesh=True)
+    stack = await make_stack(priority_yaml=BURST, preemption=False, mesh=True, edge_shed=False)
     for _ in range(3):
         assert (await request(stack.listen_port, headers={"x-smg-priority": "bulk"})).status == 200
     absent = 'smg_sidecar_envoy_feature{feature="ext_proc",state="absent"}'
@@ -85,7 +88,7 @@ async def test_mesh_without_ext_proc_is_reported(make_stack: StackFactory) -> No
 
 async def test_mesh_preemption_works_where_ext_proc_is_present(make_stack: StackFactory) -> None:
     stack = await make_stack(priority_yaml=PREEMPT, workers=1, max_running_requests=1,
-                             jwt_secret=SECRET, mesh=True)
+                             jwt_secret=SECRET, mesh=True, edge_shed=False)
     await preempt_held_bulk(stack, {"x-smg-priority": "interactive",
                                     "authorization": f"Bearer {token('auth:gold')}"})
     m = await settle(stack)
@@ -94,7 +97,7 @@ async def test_mesh_preemption_works_where_ext_proc_is_present(make_stack: Stack
 
 async def test_mesh_killed_envoy_slots_come_back_in_bounded_time(
         make_stack: StackFactory) -> None:
-    stack = await make_stack(priority_yaml=BURST, lease_secs=1.5, mesh=True)
+    stack = await make_stack(priority_yaml=BURST, lease_secs=1.5, mesh=True, edge_shed=False)
     streams = await bulk_streams(stack, 2)
     await until(stack, inflight_is("bulk", 2))
     stack.kill_envoy()  # SIGKILL: no final access-log entry will ever come
@@ -121,7 +124,7 @@ async def test_mesh_long_stream_keeps_its_slot(make_stack: StackFactory, lease: 
                                                hold: float) -> None:
     # A bulk stream, and a system one: nobody may preempt system, yet without periodic entries
     # it still gets its ext_proc stream, the sign that Envoy runs it (sidecar.authz).
-    stack = await make_stack(priority_yaml=BURST, lease_secs=lease, mesh=True,
+    stack = await make_stack(priority_yaml=BURST, lease_secs=lease, mesh=True, edge_shed=False,
                              sidecar_args=["--priority-scheduler-default-max-class", "system"])
     await warm_up(stack)
     classes = ("bulk", "system")
@@ -153,7 +156,7 @@ async def test_mesh_killed_envoy_frees_its_acknowledged_slots_after_the_grace(
     """SIGKILL the (watched) Envoy while its sidecar lives: its acknowledged slots, which no
     lease covers, come back once its streams stayed closed for the grace."""
     grace = 1.0
-    stack = await make_stack(priority_yaml=BURST, lease_secs=60.0, mesh=True,
+    stack = await make_stack(priority_yaml=BURST, lease_secs=60.0, mesh=True, edge_shed=False,
                              sidecar_args=["--envoy-owner-grace-secs", str(grace)])
     await warm_up(stack)
     streams = await bulk_streams(stack, 2)
@@ -181,7 +184,7 @@ async def test_mesh_vanished_envoy_is_found_by_keepalive(make_stack: StackFactor
     unanswered, the connection and its access-log stream close, and the grace runs."""
     grace = 1.0
     bound = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + grace
-    stack = await make_stack(priority_yaml=BURST, lease_secs=120.0, mesh=True,
+    stack = await make_stack(priority_yaml=BURST, lease_secs=120.0, mesh=True, edge_shed=False,
                              sidecar_args=["--envoy-owner-grace-secs", str(grace)])
     await warm_up(stack)
     [ex] = await bulk_streams(stack, 1)
@@ -206,7 +209,7 @@ async def test_two_envoys_sharing_one_sidecar_killing_one_frees_only_its_slots(
     """A shared authz service: two Envoys (distinct source addresses, as distinct pods
     have) admitted through one sidecar; SIGKILL one, only its slots come back."""
     grace = 1.0
-    stack = await make_stack(priority_yaml=BURST, lease_secs=60.0, mesh=True,
+    stack = await make_stack(priority_yaml=BURST, lease_secs=60.0, mesh=True, edge_shed=False,
                              sidecar_args=["--envoy-owner-grace-secs", str(grace)])
     other = await start_second_envoy(stack, tmp_path, source="127.0.0.2")
     try:
@@ -359,9 +362,21 @@ def _admitted(m: dict[str, float], **labels: str) -> float:
     return sum(v for k, v in m.items() if k.startswith(name + "{") and all(w in k for w in want))
 
 
+def istio_jwt_rule() -> dict[str, object]:
+    """The recipe's RequestAuthentication rule: the identity istiod's jwt_authn trusts."""
+    (doc,) = yaml.safe_load_all((ISTIO / "requestauthentication.yaml").read_text())
+    (rule,) = doc["spec"]["jwtRules"]
+    rule_: dict[str, object] = rule
+    return rule_
+
+
 async def _istio_stack(tmp_path: Path, tenant_source: str, *, custom: bool) -> IstioStack:
+    # jwt_authn as istiod generates it from the recipe's RequestAuthentication: its JWKS and
+    # issuer (the demo identity as shipped), the tenant claim to x-smg-tenant.
+    rule = istio_jwt_rule()
     stack = IstioStack(StackConfig(
-        priority_yaml=TENANTS, jwt_secret=SECRET, pools=ISTIO_POOLS,
+        priority_yaml=TENANTS, jwt_jwks=str(rule["jwks"]), jwt_issuer=str(rule["issuer"]),
+        pools=ISTIO_POOLS, edge_shed=False,
         sidecar_args=["--tenant-source", tenant_source]), workdir=tmp_path)
     stack.custom = custom
     try:
@@ -385,7 +400,8 @@ async def test_istio_recipe_checks_after_jwt_authn_with_each_routes_pool(
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         assert [f["name"].rsplit(".", 1)[-1] for f in hcm["http_filters"]] == [
             "header_mutation", "jwt_authn", "fault", "cors", "ext_authz", "ext_proc", "router"]
-        acme = {"x-smg-priority": "interactive", "authorization": f"Bearer {token('acme')}"}
+        from tests.test_first_hour import example_request
+        _, acme, _ = example_request(ISTIO / "README.md")  # the README's own example
         spoofed = {"x-smg-priority": "interactive", "x-smg-tenant": "acme"}
         for path, headers in (("/chat-70b/v1/chat/completions", acme),
                               ("/small-8b/v1/chat/completions", spoofed),
@@ -415,7 +431,8 @@ async def test_istio_custom_authorization_policy_checks_before_jwt_authn(
     stack = await _istio_stack(tmp_path, "header:x-smg-tenant", custom=True)
     try:
         r = await first_request(stack, "/v1/chat/completions", {
-            "x-smg-priority": "interactive", "authorization": f"Bearer {token('acme')}"})
+            "x-smg-priority": "interactive",
+            "authorization": f"Bearer {identity.token('acme')}"})
         assert r.status == 200
         m = await settle(stack)
         tenants = "smg_sidecar_tenant_admitted_total"
@@ -464,8 +481,10 @@ async def test_eg_edge_shed_sheds_a_flood_at_envoy_and_counts_it(tmp_path: Path)
     from sidecar.classes import PriorityClass
     from tests.test_edge import PRIORITY, Flood, counted, wait_share
 
+    # The bootstrap's own edge path off: the overlay's pieces are the edge path here.
     stack = EgEdgeStack(StackConfig(workers=1, max_running_requests=1, service_time=0.5,
-                                    priority_yaml=PRIORITY, sidecar_args=["--edge-shed"]),
+                                    priority_yaml=PRIORITY, edge_shed=False,
+                                    sidecar_args=["--edge-shed"]),
                         workdir=tmp_path)
     try:
         await stack.start()

@@ -239,7 +239,8 @@ def test_istio_recipe_passes_envoy_validate_on_an_istio_shaped_gateway(
     text = load_renderer().render(
         listen_port=10000, admin_port=9901, sidecar_host="127.0.0.1", sidecar_port=9001,
         workers=[("127.0.0.1", 8000)], authz_timeout_secs=310, flush_interval_secs=5,
-        jwt_hs256_secret="s", pools=[(p, f"/{p}/", [("127.0.0.1", 8001)]) for p in pools])
+        jwt_hs256_secret="s", pools=[(p, f"/{p}/", [("127.0.0.1", 8001)]) for p in pools],
+        edge_shed=False)
     routes = {f"/{p}/": p for p in pools} | {"/": "priority-gate"}
     shaped = load_renderer("mesh").istio_gateway(text, istio_envoy_filters(),
                                                  route_names=routes)
@@ -527,7 +528,8 @@ def test_eg_edge_shed_passes_envoy_validate_on_an_eg_shaped_proxy(tmp_path: Path
     merge, policies = eg_edge_pieces()
     text = load_renderer().render(
         listen_port=10000, admin_port=9901, sidecar_host="127.0.0.1", sidecar_port=9001,
-        workers=[("127.0.0.1", 8000)], authz_timeout_secs=310, flush_interval_secs=5)
+        workers=[("127.0.0.1", 8000)], authz_timeout_secs=310, flush_interval_secs=5,
+        edge_shed=False)
     cfg = tmp_path / "envoy.yaml"
     cfg.write_text(load_renderer("mesh").envoy_gateway(
         text, bootstrap_merge=merge, patch_policies=policies), encoding="utf-8")

@@ -18,6 +18,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from devtools import pooled as pool_support
+from devtools.fleet import wait_for
+from devtools.httpclient import Exchange, request
 from devtools.stack import load_renderer
 from sidecar import codec, edge
 from sidecar.admission import AdmissionController, Denied
@@ -32,9 +35,10 @@ from sidecar.config import (
     settings_from_args,
     split_worker_urls,
 )
-from sidecar.pools import DEFAULT_POOL, PooledAdmission, id_factory, merge_snapshots, pool_of
+from sidecar.pools import DEFAULT_POOL, Pools, id_factory, pool_of
 from sidecar.scheduler import BUILTIN_CLASSES, ReleaseResult, Scheduler
 from tests.clock import FakeClock
+from tests.conftest import StackFactory, assert_denied, assert_preempted, settle, until
 
 S, I, D, B = (PriorityClass.SYSTEM, PriorityClass.INTERACTIVE, PriorityClass.DEFAULT,
               PriorityClass.BULK)
@@ -112,8 +116,8 @@ def test_settings_with_and_without_pools() -> None:
 
 
 def test_pools_combine_with_a_fleet_shadow_and_edge_shed() -> None:
-    # --coordination-url: each pool has its own ledger (test_fleet_pools); --shadow: its
-    # own shadow (test_shadow_pools); --edge-shed: its own switches (test_edge_pools).
+    # --coordination-url: each pool has its own ledger (test_fleet); --shadow: its
+    # own shadow (test_shadow); --edge-shed: its own switches (test_edge).
     assert _settings("--worker-urls", "big=http://b:1", "--coordination-url",
                      "redis://127.0.0.1:6379/0").pool_workers == {"big": ("http://b:1",)}
     assert _settings("--worker-urls", "big=http://b:1", "--shadow").shadow
@@ -157,31 +161,58 @@ SMALL = {c: dataclasses.replace(k, reserved_floor=0, reserved_per_slot=0.0, queu
          for c, k in BUILTIN_CLASSES.items()}
 
 
-def pooled(clock: FakeClock, capacities: dict[str, int]) -> PooledAdmission:
-    return PooledAdmission({
+def pooled(clock: FakeClock, capacities: dict[str, int],
+           metrics: Any = None) -> Pools:
+    return pool_support.pools({
         name: AdmissionController(Scheduler(SMALL, cap, clock), lease_secs=60.0, clock=clock,
                                   id_factory=id_factory(name))
-        for name, cap in capacities.items()})
+        for name, cap in capacities.items()}, metrics)
+
+
+def close(p: Pools) -> None:
+    for q in p:
+        q.controller.close()
 
 
 async def test_calls_by_id_reach_the_pool_the_id_names() -> None:
+    from sidecar.metrics import Metrics
     clock = FakeClock()
-    p = pooled(clock, {DEFAULT_POOL: 1, "big": 1})
-    big = p.get("big")
-    assert big is not None
+    metrics = Metrics(tenant_top_n=4, pools=True)
+    p = pooled(clock, {DEFAULT_POOL: 1, "big": 1}, metrics)
+    big, default = p["big"].controller, p[DEFAULT_POOL].controller
     a = await big.admit(B, "t")
-    d = await p.admit(B, "t")  # no pool: the default pool
+    d = await default.admit(B, "t")
     assert pool_of(a.admission.id) == "big" and pool_of(d.admission.id) == DEFAULT_POOL
     assert p.holds(a.admission.id) and p.holds(d.admission.id)
-    assert p.snapshot().inflight == 2 and p.snapshot().capacity == 2
+    assert p.lease_count == 2
     assert p.release(a.admission.id) is ReleaseResult.RELEASED
-    assert big.snapshot().inflight == 0 and p.snapshot().inflight == 1
+    assert big.snapshot().inflight == 0 and default.snapshot().inflight == 1
+    # Unknown ids and second releases are counted once, by the router.
     assert p.release("ghost." + "0" * 32) is ReleaseResult.UNKNOWN
+    assert p.release(a.admission.id) is ReleaseResult.ALREADY_RELEASED
+    for reason in ("unknown", "already_released"):
+        assert metrics.registry.get_sample_value(
+            "smg_sidecar_completion_unmatched_total", {"reason": reason}) == 1
     # Adoption after a restart: the id alone finds the pool.
     assert p.renew_or_adopt("big." + "1" * 32, B, "t")
     assert big.snapshot().inflight == 1
     assert not p.renew_or_adopt("ghost." + "1" * 32, B, "t")
-    p.close()
+    close(p)
+
+
+def test_a_route_names_its_pool_and_a_sidecar_with_one_pool_takes_every_route() -> None:
+    clock = FakeClock()
+    two = pooled(clock, {DEFAULT_POOL: 1, "big": 1})
+    assert two.for_route("big") is two["big"] and two.for_route("") is two[DEFAULT_POOL]
+    assert two.for_route(DEFAULT_POOL) is two[DEFAULT_POOL]
+    assert two.for_route("ghost") is None
+    one = pooled(clock, {DEFAULT_POOL: 1})
+    # The Envoy side of a pools roll-out may land first: its routes' pools are ignored.
+    assert one.for_route("big") is one[DEFAULT_POOL] is one.for_route("")
+    with pytest.raises(ValueError, match="default pool"):
+        Pools({}, pool_support.NullRecorder())
+    close(two)
+    close(one)
 
 
 async def test_made_up_periodic_entries_naming_a_pool_stop_at_that_pools_capacity() -> None:
@@ -191,11 +222,10 @@ async def test_made_up_periodic_entries_naming_a_pool_stop_at_that_pools_capacit
     from sidecar.metrics import Metrics
 
     clock = FakeClock()
-    p = pooled(clock, {DEFAULT_POOL: 8, "small": 1})
     metrics = Metrics(tenant_top_n=4, pools=True)
+    p = pooled(clock, {DEFAULT_POOL: 8, "small": 1}, metrics)
     svc = CompletionService(p, metrics)
-    small = p.get("small")
-    assert small is not None
+    small = p["small"].controller
 
     def periodic(aid: str) -> codec.LogEntry:
         return codec.LogEntry(admission_id=aid, final=False, cls="default", tenant="t",
@@ -211,30 +241,20 @@ async def test_made_up_periodic_entries_naming_a_pool_stop_at_that_pools_capacit
     assert not svc._renew_or_adopt(periodic(f"ghost.{2:032x}"))
     assert metrics.registry.get_sample_value(
         "smg_sidecar_adoption_refused_total", {"class": "default"}) == 19
-    p.close()
+    close(p)
 
 
 async def test_a_full_pool_does_not_block_another() -> None:
     clock = FakeClock()
     p = pooled(clock, {DEFAULT_POOL: 1, "big": 1})
-    big, small = p.get("big"), p.get(DEFAULT_POOL)
-    assert big is not None and small is not None
+    big, small = p["big"].controller, p[DEFAULT_POOL].controller
     await big.admit(B, "t")
     waiting = asyncio.ensure_future(big.admit(B, "t"))
     await asyncio.sleep(0)
     assert not waiting.done()  # big is full: queued
     await small.admit(B, "t")  # the default pool still has its slot
     waiting.cancel()
-    p.close()
-
-
-def test_merged_snapshot_is_the_sum() -> None:
-    clock = FakeClock()
-    a, b = Scheduler(SMALL, 3, clock), Scheduler(SMALL, 5, clock)
-    a.arrive("x", B, "t")
-    m = merge_snapshots([a.snapshot(), b.snapshot()])
-    assert m.capacity == 8 and m.inflight == 1 and m.classes[B].inflight == 1
-    assert m.classes[B].queue_limit == 4
+    close(p)
 
 
 # --------------------------------------------------------------- independence property
@@ -260,12 +280,10 @@ OPS_B = st.lists(st.one_of(
 class Driver:
     """Runs one pool's ops and records what that pool decided."""
 
-    def __init__(self, p: PooledAdmission, pool: str) -> None:
+    def __init__(self, p: Pools, pool: str) -> None:
         self.p = p
         self.pool = pool
-        ctl = p.get(pool)
-        assert ctl is not None
-        self.ctl = ctl
+        self.ctl = p[pool].controller
         self.tasks: list[asyncio.Task[Any]] = []
         self.stops: dict[int, asyncio.Future[None] | None] = {}
 
@@ -339,7 +357,9 @@ async def run(ops_a: list[tuple[str, Any]], ops_b: list[tuple[str, Any]],
         ia += 1
         if op[0] == "time":  # the clock is shared: both pools see time pass
             clock.advance(op[1])
-            for ctl in p.controllers.values():
+            for q in p:
+                ctl = q.controller
+                assert isinstance(ctl, AdmissionController)
                 ctl.tick()
             for _ in range(3):
                 await asyncio.sleep(0)
@@ -349,7 +369,7 @@ async def run(ops_a: list[tuple[str, Any]], ops_b: list[tuple[str, Any]],
     for t in a.tasks + b.tasks:
         t.cancel()
     await asyncio.gather(*a.tasks, *b.tasks, return_exceptions=True)
-    p.close()
+    close(p)
     return out
 
 
@@ -388,12 +408,8 @@ async def test_reload_applies_each_pools_table_and_refuses_an_unknown_pool(
         "--http-listen", "127.0.0.1:0", "--log-format", "json"]))
     await app.serve()
     try:
-        assert app.pools is not None
-
         def limits() -> dict[str, int]:
-            assert app.pools is not None
-            return {n: c.snapshot().classes[B].queue_limit
-                    for n, c in app.pools.controllers.items()}
+            return {q.name: q.controller.snapshot().classes[B].queue_limit for q in app.pools}
 
         assert limits() == {DEFAULT_POOL: 5, "big": 3}
         path.write_text(RELOAD_B)
@@ -479,8 +495,7 @@ def test_check_config_prints_each_pools_table(capsys: pytest.CaptureFixture[str]
 async def test_preemption_takes_a_victim_only_in_the_preemptors_pool() -> None:
     clock = FakeClock()
     p = pooled(clock, {DEFAULT_POOL: 1, "big": 1})
-    big, small = p.get("big"), p.get(DEFAULT_POOL)
-    assert big is not None and small is not None
+    big, small = p["big"].controller, p[DEFAULT_POOL].controller
     victim = await small.admit(B, "t")  # the default pool's one slot, preemptible
     stop = p.open_stop_channel(victim.admission.id)
     assert stop is not None
@@ -493,4 +508,131 @@ async def test_preemption_takes_a_victim_only_in_the_preemptors_pool() -> None:
     await asyncio.gather(waiting, return_exceptions=True)
     await small.admit(S, "t")  # in its own pool the same arrival does preempt it
     assert stop.done() and not small.holds(victim.admission.id)
-    p.close()
+    close(p)
+
+
+# ============================================================================
+# Pools through a real Envoy: each route's pool admits on its own workers' capacity.
+# Envoy routes /big/ and /small/ to the pools' clusters with ``smg-pool`` in ext_authz's
+# context extensions, every other path to the default pool's workers, and /ghost/ to a
+# pool the sidecar does not have.
+
+
+pytestmark = pytest.mark.e2e
+
+
+PRIORITY = """
+classes:
+  system: {reserved_floor: 0}
+  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0}
+  bulk: {queue_size: 64, queue_timeout_secs: 20}
+"""
+
+
+# Per worker: the default pool 2 x 1 = 2, big 1 x 1 = 1, small 2 x 3 = 6 slots.
+POOLS = {"big": (1, 1), "small": (2, 3)}
+
+
+CAPACITY = {"default": 2, "big": 1, "small": 6}
+
+
+# Each pool on an engine of its own, its capacity read by that engine's rule.
+ENGINES = {"default": "generic", "big": "sglang", "small": "vllm"}
+
+
+POOL_WORKERS = {"big": {"engine": "sglang"}, "small": {"engine": "vllm", "dev_mode": True}}
+
+
+async def test_each_pool_admits_on_its_own_capacity(make_stack: StackFactory) -> None:
+    stack = await make_stack(priority_yaml=PRIORITY, max_running_requests=1, service_time=0.15,
+                             pools=POOLS, pool_worker_kwargs=POOL_WORKERS,
+                             envoy_extra_pools=("ghost",))
+    fleets = {"default": stack.fleet, **stack.pool_fleets}
+    paths = {"default": "/v1/chat/completions", "big": "/big/v1/chat/completions",
+             "small": "/small/v1/chat/completions"}
+    n = 14
+    results = await asyncio.gather(*(
+        request(stack.listen_port, paths[pool], headers={"x-smg-priority": "bulk"},
+                timeout=30)
+        for pool in paths for _ in range(n)))
+    assert [r.status for r in results] == [200] * (n * len(paths))
+    for pool, fleet in fleets.items():
+        workers = fleet.workers  # type: ignore[union-attr]
+        records = [rec for w in workers for rec in w.records]
+        assert len(records) == n, pool  # every request reached its own pool's workers
+        # Never above the pool's own capacity, and the other pools' load took none of it.
+        # (Per worker it is Envoy's balancing that decides, so the pool's sum is checked.)
+        assert fleet.tally.peak == CAPACITY[pool], pool  # type: ignore[union-attr]
+        ids = {rec.admission_id for rec in records}
+        assert all(i is not None and (i.startswith(f"{pool}.") if pool != "default"
+                                      else len(i) == 32) for i in ids), ids
+
+    # A route naming a pool the sidecar lacks: the documented 429, counted, no worker.
+    before = sum(len(w.records) for w in stack.fleet.workers)
+    r = await request(stack.listen_port, "/ghost/v1/chat/completions",
+                      headers={"x-smg-priority": "bulk"})
+    assert_denied(r, 429, "scheduler_queue_full", "2")
+    assert "pool" in r.json()["error"]["message"]
+    assert sum(len(w.records) for w in stack.fleet.workers) == before
+    m = await settle(stack)
+    assert m['smg_sidecar_unknown_pool_total{class="bulk"}'] == 1
+    # Per pool, under the pool label (summed over pools: today's series).
+    for pool, cap in CAPACITY.items():
+        assert m[f'smg_scheduler_admit_total{{class="bulk",outcome="admitted",pool="{pool}"}}'] == n
+        assert m[f'smg_sidecar_capacity{{pool="{pool}"}}'] == cap
+        assert m[f'smg_sidecar_healthy_workers{{pool="{pool}"}}'] == len(fleets[pool].workers)
+        for w in fleets[pool].workers:  # type: ignore[union-attr]
+            assert m[f'smg_sidecar_worker_capacity{{engine="{ENGINES[pool]}",'
+                     f'worker="{w.url}"}}'] == cap // len(fleets[pool].workers), pool
+    assert all("pool=" in k for k in m if k.startswith("smg_scheduler_admit_total{"))
+
+
+async def test_the_default_pool_may_take_its_workers_from_envoys_cluster(
+        make_stack: StackFactory) -> None:
+    # --envoy-admin-url: the default pool counts the `workers` cluster's hosts only, not
+    # the pools' clusters, whose workers the named pools probe themselves.
+    stack = await make_stack(priority_yaml=PRIORITY, max_running_requests=1, service_time=0.15,
+                             pools={"big": (1, 3)}, capacity_from_envoy=True)
+    m = await until(stack, lambda m: m.get('smg_sidecar_capacity{pool="default"}') == 2
+                    and m.get('smg_sidecar_capacity{pool="big"}') == 3, timeout=10)
+    assert m['smg_sidecar_healthy_workers{pool="default"}'] == 2
+    results = await asyncio.gather(*(
+        request(stack.listen_port, path, headers={"x-smg-priority": "bulk"}, timeout=30)
+        for path in ("/v1/chat/completions", "/big/v1/chat/completions") for _ in range(8)))
+    assert [r.status for r in results] == [200] * 16
+    assert stack.fleet.tally.peak == 2  # type: ignore[union-attr]
+    assert stack.pool_fleets["big"].tally.peak == 3
+    await settle(stack)
+
+
+async def test_preemption_through_envoy_stays_inside_the_pool(make_stack: StackFactory) -> None:
+    # big: 1 slot; the default pool: 1 slot. A bulk request held before its first byte in
+    # each; a system request on big's route preempts big's, never the default pool's.
+    stack = await make_stack(priority_yaml=PRIORITY, workers=1, max_running_requests=1,
+                             pools={"big": (1, 1)},  # anonymous may ask for system here:
+                             sidecar_args=["--priority-scheduler-default-max-class", "system"])
+    default_victim = await Exchange.send(
+        stack.listen_port, headers={"x-smg-priority": "bulk", "x-fake-gate": "d"})
+    big_victim = await Exchange.send(
+        stack.listen_port, "/big/v1/chat/completions",
+        headers={"x-smg-priority": "bulk", "x-fake-gate": "never"})
+    big_worker = stack.pool_fleets["big"].workers[0]
+    await wait_for(lambda: stack.fleet.workers[0].running == 1 and big_worker.running == 1, 5)
+    try:
+        r = await request(stack.listen_port, "/big/v1/chat/completions",
+                          headers={"x-smg-priority": "system"})
+        assert r.status == 200
+        await assert_preempted(big_victim)
+        assert stack.fleet.workers[0].running == 1  # the default pool's victim-to-be runs on
+        stack.fleet.gates.open("d")
+        await asyncio.wait_for(default_victim.read_head(), 10)
+        assert default_victim.status == 200
+        await asyncio.wait_for(default_victim.read_body(), 10)
+    finally:
+        await big_victim.close()
+        await default_victim.close()
+    m = await settle(stack)
+    key = 'smg_scheduler_preemption_total{by_class="system",pool="big",victim_class="bulk"}'
+    assert m[key] == 1
+    assert not any("preemption_total" in k and 'pool="default"' in k for k in m)

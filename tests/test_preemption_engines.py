@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from devtools.fleet import FakeWorker
 from sidecar.app import build_runtime
 from sidecar.classes import PriorityClass
-from sidecar.config import parse_settings
+from sidecar.config import DEFAULT_POOL, parse_settings
 
 PRIORITY = """
 classes:
@@ -40,8 +40,8 @@ async def test_preemption_follows_whether_a_llamacpp_worker_is_counted(tmp_path:
             reg = app.metrics.registry
             assert reg.get_sample_value("smg_sidecar_preemption_suspended") == 1
             assert app.authz.preemptible == frozenset()  # allows say preemptible: false
-            assert app.core is not None
-            assert app.core.snapshot().capacity == 8
+            assert app.pools[DEFAULT_POOL].controller.core is not None
+            assert app.pools[DEFAULT_POOL].controller.core.snapshot().capacity == 8
             suspended = [e for e in logs if e["event"] == "preemption_suspended"]
             assert len(suspended) == 1 and suspended[0]["workers"] == [llama.url]
             assert suspended[0]["engines"] == ["llamacpp"]
@@ -49,7 +49,7 @@ async def test_preemption_follows_whether_a_llamacpp_worker_is_counted(tmp_path:
             # The llama.cpp worker leaves the counted set: the file's rules apply again.
             llama.healthy = False
             with capture_logs() as logs:
-                await app.monitor.poll_once()
+                await app.pools[DEFAULT_POOL].monitor.poll_once()
             assert reg.get_sample_value("smg_sidecar_preemption_suspended") == 0
             assert PriorityClass.BULK in app.authz.preemptible
             assert [e["event"] for e in logs].count("preemption_resumed") == 1
@@ -57,7 +57,7 @@ async def test_preemption_follows_whether_a_llamacpp_worker_is_counted(tmp_path:
             # ... and comes back: suspended again, logged once more.
             llama.healthy = True
             with capture_logs() as logs:
-                await app.monitor.poll_once()
+                await app.pools[DEFAULT_POOL].monitor.poll_once()
             assert reg.get_sample_value("smg_sidecar_preemption_suspended") == 1
             assert app.authz.preemptible == frozenset()
             assert [e["event"] for e in logs].count("preemption_suspended") == 1

@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from sidecar.config import ConfigError, parse_settings, worker_credential
+from sidecar.config import DEFAULT_POOL, ConfigError, parse_settings, worker_credential
 from sidecar.health import CapacityMonitor
 from sidecar.metrics import Metrics
 from tests.clock import FakeClock
@@ -174,7 +174,7 @@ async def test_a_refused_capacity_read_counts_one_slot_never_64(keyed: FakeLlama
     try:
         with capture_logs() as logs:
             r = await m.poll_once()
-            metrics.capacity_read(r)
+            metrics.pool(DEFAULT_POOL).capacity_read(r)
             assert (r.source, r.capacity) == ("workers", 1)
             asked = sum(keyed.requests.values())
             for _ in range(3):  # within the retry window: only /health is asked again
@@ -191,7 +191,7 @@ async def test_a_refused_capacity_read_counts_one_slot_never_64(keyed: FakeLlama
         keyed.api_key = None
         clock.advance(31.0)
         r = await m.poll_once()
-        metrics.capacity_read(r)
+        metrics.pool(DEFAULT_POOL).capacity_read(r)
         assert (r.capacity, r.workers[0].engine) == (4, "llamacpp")
         assert refused_gauge(metrics, keyed.url, endpoint, "unauthorized") is None
     finally:
@@ -215,7 +215,9 @@ async def test_the_credential_file_opens_the_probes(keyed: FakeLlama, tmp_path: 
     f = tmp_path / "key"
     f.write_text(KEY + "\n")
     cred = worker_credential(str(f), header)
-    m = monitor([keyed.url], engine="auto", credential=cred, saturation_guard=True)
+    # The fake engine serves plain http: the key goes there only because it is allowed.
+    m = monitor([keyed.url], engine="auto", credential=cred, saturation_guard=True,
+                credential_over_http=True)
     try:
         with capture_logs() as logs:
             r = await m.poll_once()
@@ -232,11 +234,11 @@ async def test_the_key_is_never_in_a_log_line_or_the_settings_repr(keyed: FakeLl
     f = tmp_path / "key"
     f.write_text("wrong-" + KEY)
     s = parse_settings(["--worker-urls", keyed.url, "--worker-auth-file", str(f),
-                        "--worker-engine", "llamacpp"])
+                        "--worker-auth-allow-http", "--worker-engine", "llamacpp"])
     assert s.worker_credential == {"Authorization": f"Bearer wrong-{KEY}"}
     assert KEY not in repr(s)
     m = monitor([keyed.url], engine="llamacpp", credential=s.worker_credential,
-                saturation_guard=True)
+                saturation_guard=True, credential_over_http=True)
     try:
         with capture_logs() as logs:
             assert (await m.poll_once()).capacity == 1
@@ -288,7 +290,7 @@ async def test_metrics_not_enabled_is_said_once_and_not_asked_every_round() -> N
                 for _ in range(5):
                     r = await m.poll_once()
                     clock.advance(1.0)
-            metrics.capacity_read(r)
+            metrics.pool(DEFAULT_POOL).capacity_read(r)
             assert r.capacity == 4  # the cap is read; only the guard is blind
             assert w.requests["/metrics"] == 1
             refused = [e for e in logs if e["event"] == "worker_probe_refused"]
@@ -330,7 +332,7 @@ async def test_router_mode_without_a_loaded_model_says_so_once_and_counts_one() 
             with capture_logs() as logs:
                 for _ in range(3):
                     r = await m.poll_once()
-            metrics.capacity_read(r)
+            metrics.pool(DEFAULT_POOL).capacity_read(r)
             assert r.capacity == 1
             said = [e for e in logs if e["event"] == "llamacpp_router_no_loaded_model"]
             assert len(said) == 1 and said[0]["worker"] == w.url
@@ -386,7 +388,7 @@ async def test_a_refused_health_probe_counts_one_slot_not_the_fallback() -> None
             with capture_logs() as logs:
                 r = await m.poll_once()
                 await m.poll_once()
-            metrics.capacity_read(r)
+            metrics.pool(DEFAULT_POOL).capacity_read(r)
             assert (r.source, r.capacity) == ("workers", 1)
             assert [(e["endpoint"], e["reason"]) for e in logs
                     if e["event"] == "worker_probe_refused"] == [("/health", "unauthorized")]

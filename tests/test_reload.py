@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from sidecar.app import Runtime, build_runtime
 from sidecar.classes import PriorityClass
-from sidecar.config import parse_settings
+from sidecar.config import DEFAULT_POOL, parse_settings
+from tests.conftest import describe
 from tests.grpc_client import EnvoyStandIn, admission_id
+from tests.test_probe_refusals import FakeLlama
 
 CONFIG_A = """
 classes:
@@ -83,10 +87,16 @@ def value(app: Runtime, name: str, **labels: str) -> float:
     return 0.0 if v is None else v
 
 
-async def eventually(cond: object, timeout: float = 2.0) -> None:
+# A bound on a wait for an answer or a condition, generous for a loaded box: what these
+# tests check is what happens, in order, not how fast.
+WAIT = 30.0
+
+
+async def eventually(cond: object, timeout: float = WAIT) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline, "not within the time limit"
+        assert asyncio.get_running_loop().time() < deadline, \
+            f"not within {timeout} s: {describe(cond)}"  # type: ignore[arg-type]
         await asyncio.sleep(0.02)
 
 
@@ -96,7 +106,7 @@ async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
     inflight = await envoy.check({})
     q1 = asyncio.ensure_future(envoy.check({}))
     q2 = asyncio.ensure_future(envoy.check({}))
-    await eventually(lambda: app.controller.waiting == 2)
+    await eventually(lambda: app.pools[DEFAULT_POOL].controller.waiting == 2)
     cm.swap(CONFIG_B)
     await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
     assert value(app, "smg_sidecar_config_reload_total", result="ok") == 1
@@ -106,19 +116,19 @@ async def test_valid_swap_changes_behaviour_without_disturbing_anyone(
     # Tenant ceilings changed too.
     vip = envoy.check({"x-smg-priority": "system", "x-smg-tenant": "auth:vip"})
     # Queued requests kept their place and the in-flight one was not disturbed.
-    assert app.core.is_admitted(admission_id(inflight))
+    assert app.pools[DEFAULT_POOL].controller.core.is_admitted(admission_id(inflight))
     await envoy.log((admission_id(inflight), "end"))
     # system (the vip tenant's new ceiling) outranks the queued default requests
-    vip_resp = await asyncio.wait_for(vip, 2)
+    vip_resp = await asyncio.wait_for(vip, WAIT)
     assert vip_resp.dynamic_metadata.fields["class"].string_value == "system"
     assert not q1.done()
     await envoy.log((admission_id(vip_resp), "end"))
-    first = await asyncio.wait_for(q1, 2)
+    first = await asyncio.wait_for(q1, WAIT)
     assert first.status.code == 0
     await envoy.log((admission_id(first), "end"))
-    second = await asyncio.wait_for(q2, 2)
+    second = await asyncio.wait_for(q2, WAIT)
     await envoy.log((admission_id(second), "end"))
-    assert app.core.snapshot().inflight == 0
+    assert app.pools[DEFAULT_POOL].controller.core.snapshot().inflight == 0
 
 
 async def test_invalid_swap_changes_nothing_and_is_counted(
@@ -131,10 +141,10 @@ async def test_invalid_swap_changes_nothing_and_is_counted(
     # Old config still in force: queue_size 2, so two requests queue rather than shed.
     first = await envoy.check({})
     queued = [asyncio.ensure_future(envoy.check({})) for _ in range(2)]
-    await eventually(lambda: app.controller.waiting == 2)
+    await eventually(lambda: app.pools[DEFAULT_POOL].controller.waiting == 2)
     await envoy.log((admission_id(first), "end"))
     for q in queued:
-        r = await asyncio.wait_for(q, 2)
+        r = await asyncio.wait_for(q, WAIT)
         await envoy.log((admission_id(r), "end"))
     # Fixing the file is picked up again.
     cm.swap(CONFIG_B)
@@ -191,16 +201,17 @@ async def test_reload_turning_fair_queuing_on_re_sorts_the_queued_and_loses_none
     queued: dict[asyncio.Future[Any], str] = {}
     for n, tenant in enumerate(["auth:a", "auth:a", "auth:a", "auth:b", "auth:b"], start=1):
         queued[asyncio.ensure_future(envoy.check({"x-smg-tenant": tenant}))] = tenant
-        await eventually(lambda n=n: app.controller.waiting == n)
+        await eventually(lambda n=n: app.pools[DEFAULT_POOL].controller.waiting == n)
     cm.swap(DEEP_FAIR)
     await eventually(lambda: value(app, "smg_sidecar_config_generation") == 3)
-    assert app.core.snapshot().classes[PriorityClass.DEFAULT].queue_depth == 5
+    snap = app.pools[DEFAULT_POOL].controller.snapshot()
+    assert snap.classes[PriorityClass.DEFAULT].queue_depth == 5
     order: list[str] = []
     holder = admission_id(blocker)
     pending = set(queued)
     while pending:
         await envoy.log((holder, "end"))
-        done, pending = await asyncio.wait(pending, timeout=2,
+        done, pending = await asyncio.wait(pending, timeout=WAIT,
                                            return_when=asyncio.FIRST_COMPLETED)
         assert len(done) == 1, "exactly one admitted per release"
         resp = done.pop()
@@ -210,7 +221,7 @@ async def test_reload_turning_fair_queuing_on_re_sorts_the_queued_and_loses_none
     assert order == ["auth:a", "auth:b", "auth:a", "auth:b", "auth:a"]
     assert value(app, "smg_scheduler_admit_total", **{"class": "default",
                                                       "outcome": "rejected_queue_full"}) == 0
-    await eventually(lambda: app.core.snapshot().inflight == 0)
+    await eventually(lambda: app.pools[DEFAULT_POOL].controller.core.snapshot().inflight == 0)
 
 
 async def test_reload_of_can_preempt_changes_which_allows_say_preemptible(
@@ -238,3 +249,112 @@ async def test_reload_of_can_preempt_changes_which_allows_say_preemptible(
     await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
     assert app.authz.preemptible == frozenset()
     assert await preemptible_key() is False  # Envoy then opens no ext_proc stream for it
+
+
+# ---------------------------------------------------------------- no silent fail-open
+# A reload is checked against the start-up rule it would meet at the next restart: whose
+# reservations do not fit a pool's capacity start that pool on legacy admission, uncapped
+# while --max-concurrent-requests <= 0. Such a reload is refused (the file in force stays);
+# capped, it is applied with a warning.
+
+FITS_FOUR = """
+classes:
+  system: {reserved_floor: 1}
+  interactive: {reserved_floor: 1, reserved_per_slot: 0.0}
+  default: {reserved_per_slot: 0.0}
+"""
+NEEDS_EIGHT = FITS_FOUR.replace("system: {reserved_floor: 1}", "system: {reserved_floor: 8}")
+NEEDS_EIGHT_VIP = NEEDS_EIGHT + 'tenant_policies:\n  "auth:vip": {max_class: system}\n'
+
+
+@contextlib.asynccontextmanager
+async def reloading(tmp_path: Path, first: str, *extra: str) -> AsyncIterator[
+        tuple[Runtime, ConfigMapDir]]:
+    cm = ConfigMapDir(tmp_path)
+    cm.swap(first)
+    app = await build_runtime(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
+        "--worker-capacity-override", "4", "--config-poll-secs", "0.1",
+        "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--log-format", "json",
+        *extra]))
+    await app.serve()
+    try:
+        yield app, cm
+    finally:
+        await app.stop()
+
+
+async def test_a_reload_that_would_start_the_next_process_uncapped_is_refused(
+        tmp_path: Path) -> None:
+    with capture_logs() as logged:
+        async with reloading(tmp_path, FITS_FOUR) as (app, cm):
+            cm.swap(NEEDS_EIGHT)
+            await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
+                                           result="error") == 1)
+            assert value(app, "smg_sidecar_config_generation") == 1
+            assert not app.pools[DEFAULT_POOL].legacy  # the file in force keeps serving
+            # A file that fits is applied as ever: the rule refuses only what it must.
+            cm.swap(FITS_FOUR + 'tenant_policies:\n  "auth:vip": {max_class: system}\n')
+            await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
+    (rejected,) = [e for e in logged if e["event"] == "config_reload_rejected"]
+    assert rejected["log_level"] == "error" and rejected["key"] == "classes"
+    assert "no cap" in rejected["reason"] and "capacity of 4" in rejected["reason"]
+    assert "--check-capacity" in rejected["reason"]
+    # The ground truth: the refused file would have started this sidecar uncapped.
+    cfg = tmp_path / "refused.yaml"
+    cfg.write_text(NEEDS_EIGHT)
+    restarted = await build_runtime(parse_settings([
+        "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg),
+        "--worker-capacity-override", "4", "--grpc-listen", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0"]))
+    try:
+        assert restarted.pools[DEFAULT_POOL].legacy
+        assert restarted.metrics.registry.get_sample_value(
+            "smg_sidecar_admission_fallback",
+            {"mode": "legacy_uncapped", "reason": "reservations_exceed_capacity"}) == 1
+    finally:
+        await restarted.stop()
+
+
+async def test_a_capped_fallback_is_applied_with_a_warning(tmp_path: Path) -> None:
+    with capture_logs() as logged:
+        async with reloading(tmp_path, FITS_FOUR, "--max-concurrent-requests", "4") as (app, cm):
+            cm.swap(NEEDS_EIGHT)
+            await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
+            assert value(app, "smg_sidecar_config_reload_total", result="error") == 0
+    (warned,) = [e for e in logged if e["event"] == "config_reload_reservations_exceed_capacity"]
+    assert (warned["log_level"], warned["capacity"], warned["concurrency_cap"]) == (
+        "warning", 4, 4)
+    assert warned["reserved_total"] > 4
+
+
+async def test_a_reload_is_not_refused_for_what_the_file_in_force_does_too(
+        tmp_path: Path) -> None:
+    """Started on legacy admission (the file in force does not fit either): a reload that
+    does not fit is not this reload's doing, and tenant ceilings must still be changeable."""
+    async with reloading(tmp_path, NEEDS_EIGHT) as (app, cm):
+        assert app.pools[DEFAULT_POOL].legacy
+        cm.swap(NEEDS_EIGHT_VIP)
+        await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
+        assert value(app, "smg_sidecar_config_reload_total", result="error") == 0
+
+
+async def test_a_named_pools_reload_is_refused_naming_the_pool(tmp_path: Path) -> None:
+    async with FakeLlama() as big, FakeLlama() as small:  # four slots each
+        cm = ConfigMapDir(tmp_path)
+        cm.swap(FITS_FOUR)
+        app = await build_runtime(parse_settings([
+            "--priority-scheduler-enabled", "--priority-scheduler-config", cm.path,
+            "--worker-urls", big.url, f"small={small.url}", "--config-poll-secs", "0.1",
+            "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]))
+        await app.serve()
+        try:
+            with capture_logs() as logged:
+                cm.swap(FITS_FOUR + "pools:\n  small: {classes: {system: {reserved_floor: 8}}}\n")
+                await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
+                                               result="error") == 1)
+            (rejected,) = [e for e in logged if e["event"] == "config_reload_rejected"]
+            assert rejected["key"] == "pools.small.classes" and "'small'" in rejected["reason"]
+            assert value(app, "smg_sidecar_config_generation") == 1
+        finally:
+            await app.stop()

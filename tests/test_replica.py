@@ -11,6 +11,7 @@ import pytest
 from sidecar.classes import PriorityClass
 from sidecar.coordination.ledger import Arrival, ArriveStatus, FleetStatus, Holding
 from sidecar.coordination.ledger import Event as Notification
+from sidecar.coordination.outbox import Adopt, MarkFirstByte, MarkPreemptible, Release
 from sidecar.coordination.replica import (
     ACKS,
     LOCAL,
@@ -169,24 +170,27 @@ def test_losing_the_ledger_builds_the_local_core_once() -> None:
     assert r2.degraded_limit(8) == 0
 
 
-def test_degraded_keeps_the_last_view_and_a_resync_admits_nothing_locally() -> None:
+def test_degraded_keeps_the_last_view_and_its_limit_while_a_resync_is_in_flight() -> None:
+    # A recovery resync from DEGRADED may hang until its call timeout (the server is
+    # away): the local core keeps admitting within L meanwhile (the hung-server refusal:
+    # it used to be 0 here for a call timeout out of every interval).
     r, _ = _in(Mode.DEGRADED)
-    assert r.degraded_limit(8) == 4 and r.local_limit(8) == 4
+    assert r.degraded_limit(8) == 4
     assert r.degraded_limit(2) == 1  # our own capacity, if smaller: min(2, 8) over 2
     r.resync_sent()
-    assert r.local_limit(8) == 0 and r.degraded_limit(8) == 4
+    assert r.mode is Mode.RESYNCING and r.degraded_limit(8) == 4 and r.recycle is None
     r.resync_failed()
-    assert r.mode is Mode.DEGRADED and r.local_limit(8) == 4
+    assert r.mode is Mode.DEGRADED and r.degraded_limit(8) == 4
 
 
 def test_a_return_needs_a_whole_interval_of_answers_a_known_registration_and_a_settled_fleet(
 ) -> None:
     r, clock = _in(Mode.RESYNCING)
     assert r.resync_answered(known=True, settling=0.0, held=3, view=NEWER) is Mode.SETTLING
-    assert r.recycle == 3 and r.local_limit(8) == 3 and r.view == VIEW  # recycle-only
+    assert r.recycle == 3 and r.degraded_limit(8) == 3 and r.view == VIEW  # recycle-only
     clock.advance(0.5 * INTERVAL)
     r.resync_sent()
-    assert r.local_limit(8) == 0
+    assert r.degraded_limit(8) == 0  # from SETTLING: nothing reused until the answer
     assert r.resync_answered(known=True, settling=0.0, held=2, view=NEWER) is Mode.SETTLING
     assert r.recycle == 2
     clock.advance(0.5 * INTERVAL)
@@ -206,7 +210,7 @@ def test_a_failed_resync_restarts_the_interval_and_drops_the_recycle_cap() -> No
     clock.advance(INTERVAL)
     r.resync_sent()
     r.resync_failed()  # the outage rule again
-    assert r.mode is Mode.DEGRADED and r.recycle is None and r.local_limit(8) == 4
+    assert r.mode is Mode.DEGRADED and r.recycle is None and r.degraded_limit(8) == 4
     r.resync_sent()
     # The first answer after the failure counts from now, not from the earlier one.
     assert r.resync_answered(known=True, settling=0.0, held=1, view=NEWER) is Mode.SETTLING
@@ -217,7 +221,7 @@ def test_a_failed_resync_restarts_the_interval_and_drops_the_recycle_cap() -> No
 
 def test_starting_while_the_fleet_settles_reuses_nothing_and_keeps_no_view() -> None:
     r, clock = _in(Mode.SETTLING)
-    assert r.recycle == 0 and r.view == View() and r.local_limit(8) == 0
+    assert r.recycle == 0 and r.view == View() and r.degraded_limit(8) == 0
     assert not r.ledger_lost() and r.mode is Mode.SETTLING
     r.resync_sent()
     r.resync_failed()
@@ -305,7 +309,7 @@ def test_a_grant_answers_its_waiter_once_and_a_stray_grant_gives_the_slot_back()
     assert r.notified(Notification("grant", "w")) == []
     # A grant nobody waits for any more (left, answered, moved locally): released.
     assert r.notified(Notification("grant", "gone")) == [
-        Send("release", ("gone", ReleaseReason.CANCELLED))]
+        Send(Release("gone", ReleaseReason.CANCELLED))]
 
 
 def test_a_grant_while_away_from_the_ledger_is_given_back() -> None:
@@ -313,7 +317,7 @@ def test_a_grant_while_away_from_the_ledger_is_given_back() -> None:
     r.waiter_arrived("w", BULK, "t")
     r.ledger_lost()
     assert r.notified(Notification("grant", "w")) == [
-        Send("release", ("w", ReleaseReason.CANCELLED))]
+        Send(Release("w", ReleaseReason.CANCELLED))]
     assert "w" not in r.held
 
 
@@ -381,7 +385,7 @@ def test_a_release_in_ok_is_counted_and_sent_once() -> None:
     r.admitted("a", BULK, "t", waited=0.0, queued=False)
     result, (count, send) = r.release("a", ReleaseReason.COMPLETED)
     assert result is ReleaseResult.RELEASED
-    assert isinstance(count, Count) and send == Send("release", ("a", ReleaseReason.COMPLETED))
+    assert isinstance(count, Count) and send == Send(Release("a", ReleaseReason.COMPLETED))
     assert r.release("a", ReleaseReason.COMPLETED) == (ReleaseResult.ALREADY_RELEASED, [])
     assert r.release("b", ReleaseReason.COMPLETED) == (ReleaseResult.UNKNOWN, [])
 
@@ -389,7 +393,7 @@ def test_a_release_in_ok_is_counted_and_sent_once() -> None:
 def test_adoption_only_of_what_did_not_end_here_and_into_the_right_place() -> None:
     r, _ = _ok()
     fx = r.adopted("s", BULK, "t")
-    assert fx is not None and fx[-1] == Send("adopt", Holding("s", BULK, "t", True, False))
+    assert fx is not None and fx[-1] == Send(Adopt(Holding("s", BULK, "t", True, False)))
     assert r.held["s"].first_byte and r.held["s"].acknowledged
     r.release("s", ReleaseReason.COMPLETED)
     assert r.adopted("s", BULK, "t") is None  # completed here: never back
@@ -418,7 +422,7 @@ def test_an_id_the_ledger_ended_is_stopped_if_it_can_be_else_counted_again() -> 
     fx = r.ended_but_held(["stoppable", "running", "unknown"],
                           can_stop=lambda aid: aid == "stoppable")
     assert fx[0] == Fault("ended_but_running_stopped", "stoppable")
-    assert fx[-1] == Send("adopt", Holding("running", BULK, "t"))
+    assert fx[-1] == Send(Adopt(Holding("running", BULK, "t")))
     assert "stoppable" not in r.held and "running" in r.held
 
 
@@ -435,10 +439,11 @@ def test_the_return_marks_what_opened_while_away_and_resends_every_first_byte() 
     assert call.recovery and r.mode is Mode.RESYNCING
     listed = list(call.holdings)
     assert not next(h for h in listed if h.id == "pre").preemptible  # not told yet
-    # The first answer: "marked" was preempted in the ledger meanwhile.
+    # The first answer: "marked" was preempted in the ledger meanwhile (its slot is the
+    # preemptor's: the local core does not give it again).
     fx = r.recovery_answered(FleetStatus(True, 8, 1, 3, refused=("marked",)), listed)
-    assert fx[:2] == [LocalRelease("marked", ReleaseReason.PREEMPTED),
-                      Stop("marked", undelivered=False)]
+    assert fx[:2] == [LocalRelease("marked", ReleaseReason.PREEMPTED, reuse=False),
+                      Stop("marked", undelivered=True)]  # reported if it cannot be stopped
     assert fx[-1] == HoldLocal(None) and r.mode is Mode.SETTLING
     assert r.recycle == 3 and "marked" not in r.held  # recycle counted without it
     r.local_released("marked", ReleaseReason.PREEMPTED)  # the local core's event follows
@@ -450,9 +455,38 @@ def test_the_return_marks_what_opened_while_away_and_resends_every_first_byte() 
     assert r.mode is Mode.OK
     i = fx.index(Return())
     assert fx[:i] == [Seen({BULK: 3}, 1), Seen({BULK: 3}, 1)]
-    assert fx[i + 1:] == [Send("release", ("adm", ReleaseReason.COMPLETED)),
-                          Send("preemptible", "pre"), Send("first_byte", "streaming")]
+    assert fx[i + 1:] == [Send(Release("adm", ReleaseReason.COMPLETED)),
+                          Send(MarkPreemptible("pre")), Send(MarkFirstByte("streaming"))]
     assert r.held["pre"].stage is Stage.MARKED
+
+
+def test_an_admission_made_while_the_resync_flew_is_listed_again_before_any_return() -> None:
+    # While the recovery resync hung, the local core admitted within L ("late"); the answer
+    # comes with the list the resync carried, so the ledger does not count "late" yet:
+    # no return (not even a whole interval later), SETTLING holding at most what the
+    # ledger counts (the list's ids it kept), and a resync again at once, which lists it.
+    r, clock = _ok()
+    for aid in ("a", "b", "gone"):
+        r.admitted(aid, BULK, "t", waited=0.0, queued=False)
+    r.ledger_lost()
+    listed = list(r.heartbeat().holdings)
+    assert r.mode is Mode.RESYNCING and r.degraded_limit(8) == 4  # L, not 0
+    r.local_admitted(Admission("late", BULK, "t", clock()))  # the resync hangs meanwhile
+    r.local_released("a", ReleaseReason.COMPLETED)
+    clock.advance(INTERVAL)
+    fx = r.recovery_answered(FleetStatus(True, 8, 1, 3, refused=("gone",)), listed)
+    assert r.mode is Mode.SETTLING and fx[-1] == HoldLocal(0.0)
+    assert r.recycle == 2  # "a" and "b": the ledger counts them, "late" not
+    assert not any(isinstance(f, Return | Send) for f in fx)
+    assert fx[0] == LocalRelease("gone", ReleaseReason.PREEMPTED, reuse=False)
+    r.local_released("gone", ReleaseReason.PREEMPTED)
+    # The next resync (from SETTLING: nothing reused while it flies) lists "late".
+    call = r.heartbeat()
+    assert "late" in {h.id for h in call.holdings} and r.degraded_limit(8) == 0
+    clock.advance(INTERVAL)
+    fx = r.recovery_answered(FleetStatus(True, 8, 1, 2, by_class={BULK: 2}),
+                             list(call.holdings))
+    assert r.mode is Mode.OK and Return() in fx
 
 
 def test_start_up_registers_or_settles_with_no_view() -> None:
@@ -464,7 +498,7 @@ def test_start_up_registers_or_settles_with_no_view() -> None:
     fx = r.started(FleetStatus(True, 8, 2, 1, settling=0.1))
     assert fx[1:] == [GoLocal("RuntimeError: fleet settling", announce=False),
                       HoldLocal(0.1)]
-    assert r.mode is Mode.SETTLING and r.view == View() and r.local_limit(8) == 0
+    assert r.mode is Mode.SETTLING and r.view == View() and r.degraded_limit(8) == 0
     r, _ = _replica()
     assert r.started(FleetStatus(True, 8, 2, 1, settling=5.0))[-1] == HoldLocal(None)
 
@@ -505,7 +539,7 @@ def test_a_deferred_mark_leaves_only_for_a_candidate_before_its_first_byte_while
     r.held["pre"].move(Stage.PREEMPTIBLE)
     r.held["streaming"].move(Stage.PREEMPTIBLE)
     r.held["streaming"].move(Stage.STREAMING)
-    assert r.mark_due("pre") == [Send("preemptible", "pre")]
+    assert r.mark_due("pre") == [Send(MarkPreemptible("pre"))]
     assert r.mark_due("pre") == []  # sent once
     assert r.mark_due("streaming") == [] and r.mark_due("plain") == []
     assert r.mark_due("gone") == []
@@ -556,10 +590,10 @@ def test_the_first_byte_reaches_the_ledger_only_when_it_may_hold_a_candidate() -
         r.stop_opened(aid)
         r.mark_due(aid)
     assert r.first_byte("plain") == [] and r.first_byte("pre") == []
-    assert r.first_byte("marked") == [Send("first_byte", "marked")]
+    assert r.first_byte("marked") == [Send(MarkFirstByte("marked"))]
     assert r.first_byte("marked") is None and not r.stop_opened("marked")
     assert r.confirming("plain") is None  # past its first byte already
-    assert r.confirming("confirm") == [Send("first_byte", "confirm")]
+    assert r.confirming("confirm") == [Send(MarkFirstByte("confirm"))]
     assert r.held["confirm"].stage is Stage.CONFIRMING
     r.confirmed("confirm", True)
     assert r.held["confirm"].stage is Stage.STREAMING
@@ -588,7 +622,7 @@ def test_a_timeout_or_a_client_leaving_is_counted_for_the_waiter() -> None:
     (ev,) = count.events
     assert isinstance(ev, Rejected) and ev.outcome is Outcome.REJECTED_QUEUE_TIMEOUT
     assert r.notified(Notification("grant", "w")) == [
-        Send("release", ("w", ReleaseReason.CANCELLED))]
+        Send(Release("w", ReleaseReason.CANCELLED))]
     (count,) = r.client_left("x", BULK, "t", 1.0)
     assert isinstance(count, Count)
     (ev,) = count.events
@@ -620,7 +654,7 @@ def test_a_start_up_register_that_itself_found_a_loss_settles_already_local() ->
         GoLocal("RuntimeError: ledger data loss: stale_copy", announce=False)]
     fx = r.started(FleetStatus(True, 8, 2, 1, settling=0.1))
     assert fx[1:] == [HoldLocal(0.1)]  # no second GoLocal: the local core exists
-    assert r.mode is Mode.SETTLING and r.local_limit(8) == 0
+    assert r.mode is Mode.SETTLING and r.degraded_limit(8) == 0
     r, _ = _replica()
     r.lost("x")
     assert r.started(FleetStatus(True, 8, 2, 1)) == [Seen({}, 2)]
@@ -696,13 +730,13 @@ def test_settling_reuses_its_own_slots_even_before_the_others_count_it() -> None
     r.recovery_answered(FleetStatus(True, 8, 2, 3, held=3, unheard=1),
                         [Holding(f"h{i}", BULK, "t") for i in range(3)])
     assert r.mode is Mode.SETTLING and not r.heard
-    assert r.recycle == 0 and r.local_limit(8) == 0  # held nothing here: nothing to reuse
+    assert r.recycle == 0 and r.degraded_limit(8) == 0  # held nothing here: nothing to reuse
     for i in range(3):
         r.admitted(f"h{i}", BULK, "t", waited=0.0, queued=False)
     r.resync_sent()
     r.recovery_answered(FleetStatus(True, 8, 2, 3, held=3, unheard=1),
                         [Holding(f"h{i}", BULK, "t") for i in range(3)])
-    assert r.recycle == 3 and r.local_limit(8) == 3
+    assert r.recycle == 3 and r.degraded_limit(8) == 3
 
 
 def test_a_registration_made_again_by_a_flush_takes_no_share_until_counted() -> None:
@@ -725,3 +759,62 @@ def test_a_reply_from_a_ledger_that_lost_its_data_does_not_raise_the_share() -> 
     r.resync_sent()
     r.recovery_answered(FleetStatus(True, 8, 1, 0), [])  # held: SETTLING, old view kept
     assert r.live_replicas == 2
+
+
+def test_a_count_read_since_the_view_holds_when_a_ledger_that_lost_its_data_counts_fewer(
+        ) -> None:
+    # Found by the long profile (seed 1004, step 413,236): r0's view counted 2 (r2 joined
+    # after its last heartbeat); back from a server pause, still settling, it read a reply
+    # counting 3, and r2 took its share of C/3 once r0 had read one; then the server
+    # restarted empty and r0's first reply counted 1. Taking the newest reply's count, N
+    # fell back to the view's 2: shares 3 + 2 + 2 of 6. N now only grows until the next
+    # view.
+    r, clock = _ok()  # view: C 8, N 2
+    r.lost("TimeoutError")
+    r.resync_sent()
+    r.live_seen(3)  # the recovery resync's envelope: r2 joined
+    r.recovery_answered(FleetStatus(True, 8, 3, 0), [])  # back less than an interval ago
+    assert r.mode is Mode.SETTLING and r.live_replicas == 3 and r.share(8) == 2
+    r.live_seen(1)  # a server restarted empty: only r0 registered again so far
+    r.data_loss("stale_copy")
+    r.resync_sent()
+    r.recovery_answered(FleetStatus(False, 8, 1, 0, settling=0.8), [])
+    assert r.live_replicas == 3 and r.share(8) == 2 and r.degraded_limit(8) == 0
+    # The next view (back to ok, the fleet settled) is the count from then on: a replica
+    # that left is no longer counted.
+    r.resync_sent()
+    clock.advance(INTERVAL)
+    r.live_seen(2)
+    r.recovery_answered(FleetStatus(True, 8, 2, 0), [])
+    assert r.mode is Mode.OK and r.live_replicas == 2 and r.share(8) == 4
+
+
+def test_a_status_answered_while_the_fleet_settles_takes_a_share_away_never_gives_one(
+        ) -> None:
+    # Found by the long profile (SIM_VARY=1, seed 2014): r0 registered after r1 and r2 last
+    # read a reply (no share), and the server restarted empty before their next heartbeat.
+    # r0's first call found the loss alone in the new ledger: "none has not heard", and r0
+    # took C/3 beside r1 and r2 still dividing by 2: 3 + 4 + 4 of 9.
+    late = _started(3, 2, capacity=9)
+    assert not late.heard
+    late.lost("TimeoutError")
+    late.resync_sent()
+    late.recovery_answered(FleetStatus(False, 9, 1, 0, settling=0.8, unheard=0), [])
+    assert late.mode is Mode.SETTLING and not late.heard and late.share(9) == 0
+    # A replica every other one counted keeps its share through the window (they still
+    # divide by a count that includes it), but loses it when a status says one has not
+    # heard of it.
+    known = _started(2, 0, capacity=9)
+    known.lost("TimeoutError")
+    known.resync_sent()
+    known.recovery_answered(FleetStatus(False, 9, 1, 0, settling=0.8, unheard=0), [])
+    assert known.heard and known.share(9) == 4
+    known.resync_sent()
+    known.recovery_answered(FleetStatus(True, 9, 2, 0, settling=0.5, unheard=1), [])
+    assert not known.heard and known.share(9) == 0
+    # Settled, the ledger's count is the whole fleet's again: it gives the share back.
+    for r in (late, known):
+        r.resync_sent()
+        r.live_seen(3)  # (the reply's envelope, as the driver reports it)
+        r.recovery_answered(FleetStatus(True, 9, 3, 0, unheard=0), [])
+        assert r.heard and r.share(9) == 3

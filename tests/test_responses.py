@@ -30,6 +30,8 @@ CONTRACT: dict[Rejection, tuple[int, str, dict[str, str]]] = {
     Rejection.LEGACY_QUEUE_FULL: (429, "admission_queue_full", {"retry-after": "2"}),
     Rejection.UNKNOWN_POOL: (429, "scheduler_queue_full", {"retry-after": "2"}),
     Rejection.LEGACY_QUEUE_TIMEOUT: (503, "admission_queue_timeout", {"retry-after": "2"}),
+    # An extension (deadline_mode: enforce only), beside the contract's codes.
+    Rejection.OVER_TARGET: (429, "scheduler_over_target", {"retry-after": "2"}),
 }
 REASON = {429: "Too Many Requests", 503: "Service Unavailable"}
 ROWS = [(r, cls) for r in Rejection for cls in HIGH_TO_LOW]
@@ -79,7 +81,7 @@ def test_ext_proc_immediate_response(r: Rejection, cls: PriorityClass) -> None:
 def test_class_queue_messages_name_the_class_and_nothing_else_does() -> None:
     for r in Rejection:
         messages = {reply(r, cls).message for cls in HIGH_TO_LOW}
-        if r in (Rejection.QUEUE_FULL, Rejection.QUEUE_TIMEOUT):
+        if r in (Rejection.QUEUE_FULL, Rejection.QUEUE_TIMEOUT, Rejection.OVER_TARGET):
             for cls in HIGH_TO_LOW:
                 assert f"'{cls.label}'" in reply(r, cls).message
             with pytest.raises(ValueError):

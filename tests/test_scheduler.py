@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 from sidecar.classes import PriorityClass
+from sidecar.config import DEFAULT_POOL
 from sidecar.metrics import Metrics
 from sidecar.scheduler import (
     BUILTIN_CLASSES,
@@ -450,7 +451,7 @@ def test_metrics_report_the_contract_capacity_pressure() -> None:
     for i in range(40):
         s.arrive(f"d{i}", D, "t")
     metrics = Metrics(tenant_top_n=32)
-    metrics.started(legacy=False, snapshot=s.snapshot, config_digest="builtin")
+    metrics.pool(DEFAULT_POOL).admission_started(legacy=False, snapshot=s.snapshot)
     value = metrics.registry.get_sample_value("smg_scheduler_class_capacity_pressure",
                                               {"class": "default"})
     assert value == pytest.approx(14 / 96) == capacity_pressure(s.snapshot(), D)

@@ -44,6 +44,16 @@ what the effects say (``_apply``).
 Carried-over admissions stay as they are in the local core: one before its first byte
 whose stop channel (ext_proc stream) is open remains a preemption candidate, so a class
 that may preempt takes it locally, and this replica, its owner, delivers the 503.
+
+**One driver, two loops.** Every timer here (heartbeats, ticks, deferred marks, call
+timeouts, waiters' deadlines, and those of the local core it builds) is armed on the
+running loop's clock, which is also the only clock it reads. So the deterministic fleet
+simulation (``tests/fleet_dsim.py``) runs this class as it is, on an event loop whose
+clock is virtual, over a :class:`FleetLedger` whose sockets are simulated
+(:meth:`FleetController.open` takes a ready ledger and notification client): the code the
+simulation checks is the code that ships. The ledger ops it sends are typed
+(:mod:`sidecar.coordination.outbox`, which also decides what one flush sends), and
+:meth:`_apply` handles every effect type of the core exhaustively.
 """
 
 from __future__ import annotations
@@ -51,17 +61,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, assert_never
 
 import redis.asyncio as redis
 
 from sidecar import logs
 from sidecar.admission import AdmissionController, Denied, new_admission_id
-from sidecar.capacity import CapacityReading
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.config import DEFAULT_POOL
 from sidecar.coordination.ledger import (
@@ -71,6 +79,7 @@ from sidecar.coordination.ledger import (
     FleetStatus,
     Holding,
 )
+from sidecar.coordination.outbox import Flush, Op, Outbox, Register
 from sidecar.coordination.replica import (
     Answered,
     Arrived,
@@ -82,6 +91,7 @@ from sidecar.coordination.replica import (
     Grant,
     Held,
     HoldLocal,
+    LocalAdopt,
     LocalCarry,
     LocalFirstByte,
     LocalRelease,
@@ -93,13 +103,14 @@ from sidecar.coordination.replica import (
     Send,
     Stop,
 )
-from sidecar.metrics import NullRecorder, Recorder
+from sidecar.metrics import NullPoolRecorder, PoolRecorder
 from sidecar.ratelimit import TokenBucket
 from sidecar.scheduler import (
     Admitted,
     ClassSettings,
     ClassSnapshot,
     Outcome,
+    Preempted,
     Rejected,
     Released,
     ReleaseReason,
@@ -144,11 +155,10 @@ class _Waiter:
     tenant: str
 
 
-def degraded_share(fleet_capacity: int, own_capacity: int, live_replicas: int) -> int:
-    """floor(capacity / live replicas), capacity being the smaller of the fleet's and ours."""
-    if live_replicas < 1:
-        return 0  # never saw the fleet: no share to take
-    return max(0, min(fleet_capacity, own_capacity)) // live_replicas
+def call_timeout_for(ttl: float) -> float:
+    """How long a ledger call may take before the replica degrades: ttl/5, within
+    [0.05, 1] s (so several heartbeats fit in a ttl)."""
+    return max(0.05, min(1.0, ttl / 5))
 
 
 class FleetController:
@@ -166,8 +176,7 @@ class FleetController:
         call_timeout: float,
         ack_timeout: float = 30.0,
         bucket: TokenBucket | None = None,
-        metrics: Recorder | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        metrics: PoolRecorder | None = None,
         id_factory: Callable[[], str] = new_admission_id,
         mark_delay: float = MARK_DELAY_SECS,
         pool: str | None = None,
@@ -189,19 +198,23 @@ class FleetController:
         # Older than any call in flight (a call taking longer degrades the replica).
         self._orphan_age = 4 * call_timeout
         self._bucket = bucket
-        self._metrics: Recorder = metrics if metrics is not None else NullRecorder()
-        self._clock = clock
+        self._metrics: PoolRecorder = metrics if metrics is not None else NullPoolRecorder()
+        # ONE clock for everything: the running loop's, which every timer here (marks,
+        # ticks, heartbeats, call timeouts, the local core's deadlines) is armed on, so a
+        # loop with a virtual clock (tests/fleet_dsim.py) runs this driver as it is.
+        self._clock = asyncio.get_running_loop().time
         self._new_id = id_factory
         # The mode (ok, degraded, resyncing, settling) and the last view of the fleet, as
         # one pure state machine (sidecar.coordination.replica).
-        self._core = Replica(interval=self._interval, clock=clock, replica=ledger.replica)
+        self._core = Replica(interval=self._interval, clock=self._clock,
+                             replica=ledger.replica)
         self._waiting: dict[str, _Waiter] = {}
         self._stop_signals: dict[str, asyncio.Future[None]] = {}
         # The local core: exists exactly while the mode is a local one (Replica.local).
         self._local: AdmissionController | None = None
         self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._config_dirty = False
-        self._outbox: deque[tuple[str, Any]] = deque()
+        self._outbox = Outbox()
         self._mark_delay = mark_delay
         self._marks: deque[tuple[float, str]] = deque()  # (loop time due, id), in order
         self._marks_timer: asyncio.TimerHandle | None = None
@@ -212,7 +225,9 @@ class FleetController:
         self._tick_wake = asyncio.Event()
         self._tick_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[Any]] = set()
+        # Ordered (a dict, not a set of tasks hashed by id): aclose cancels them in the
+        # order they started, the same on every run.
+        self._background: dict[asyncio.Task[Any], None] = {}
         # A call that finds the ledger lost writes opens this replica's settling window;
         # the ledger reports losses and a predecessor's admissions as its replies are read.
         ledger.settle = self._settle
@@ -234,7 +249,7 @@ class FleetController:
         capacity: int,
         ack_timeout: float = 30.0,
         bucket: TokenBucket | None = None,
-        metrics: Recorder | None = None,
+        metrics: PoolRecorder | None = None,
         max_connections: int = 64,
         mark_delay: float = MARK_DELAY_SECS,
         pool: str | None = None,
@@ -246,7 +261,7 @@ class FleetController:
         whose admission ids ``id_factory`` makes: a named pool's ledger is its own in the
         fleet (``ledger.prefix``), the default pool's the fleet's own; None: no pools.
         """
-        call_timeout = max(0.05, min(1.0, ttl / 5))
+        call_timeout = call_timeout_for(ttl)
         # Bounded: a burst waits for a connection instead of opening thousands.
         connections = redis.BlockingConnectionPool.from_url(
             url, decode_responses=True, socket_timeout=call_timeout,
@@ -261,6 +276,31 @@ class FleetController:
         # waiters: a dead replica's slots are back within --replica-ttl-secs.
         ledger = FleetLedger(client, fleet, replica, ttl=0.9 * ttl, pipelined=True,
                              pool=None if pool == DEFAULT_POOL else pool)
+        return await cls.open(ledger, events_client, fleet=fleet, classes=classes,
+                              capacity=capacity, call_timeout=call_timeout, ack_timeout=ack_timeout,
+                              bucket=bucket, metrics=metrics, mark_delay=mark_delay,
+                              id_factory=id_factory, pool=pool)
+
+    @classmethod
+    async def open(
+        cls,
+        ledger: FleetLedger,
+        events_client: redis.Redis,
+        *,
+        fleet: str,
+        classes: Mapping[PriorityClass, ClassSettings],
+        capacity: int,
+        call_timeout: float,
+        ack_timeout: float = 30.0,
+        bucket: TokenBucket | None = None,
+        metrics: PoolRecorder | None = None,
+        mark_delay: float = MARK_DELAY_SECS,
+        id_factory: Callable[[], str] = new_admission_id,
+        pool: str | None = None,
+    ) -> FleetController:
+        """:meth:`connect` over a ready ledger and notification client (the deterministic
+        simulation hands in simulated ones): build, then register (an unreachable server
+        means starting degraded)."""
         self = cls(ledger, events_client, classes=classes, capacity=capacity,
                    call_timeout=call_timeout, ack_timeout=ack_timeout, bucket=bucket,
                    metrics=metrics, mark_delay=mark_delay, id_factory=id_factory, pool=pool)
@@ -268,16 +308,17 @@ class FleetController:
             status = await self._call(ledger.register(self._classes, capacity))
         except Exception as exc:
             self._log.warning("coordination_unreachable_at_startup", error=_describe(exc),
-                        hint="starting degraded: no share until the server answers")
+                              hint="starting degraded: no share until the server answers")
             self._degrade(exc, announce=False)
         else:
             self._apply(self._core.started(status))
             if self._core.mode is Mode.SETTLING:
-                self._log.info("coordination_settling", fleet=fleet, replica=replica,
-                         settling_secs=round(status.settling, 3))
+                self._log.info("coordination_settling", fleet=fleet, replica=ledger.replica,
+                               settling_secs=round(status.settling, 3))
             else:
-                self._log.info("coordination_registered", fleet=fleet, replica=replica,
-                         fleet_capacity=status.capacity, live_replicas=status.live_replicas)
+                self._log.info("coordination_registered", fleet=fleet, replica=ledger.replica,
+                               fleet_capacity=status.capacity,
+                               live_replicas=status.live_replicas)
         return self
 
     def start(self, *, heartbeat: bool = True, notifications: bool = True) -> None:
@@ -367,7 +408,8 @@ class FleetController:
 
     @property
     def live_replicas(self) -> int:
-        """Live replicas as the newest ledger reply counted them."""
+        """N for the degraded share: the largest live count of the last view and of every
+        ledger reply since (Replica.live_replicas)."""
         return self._core.live_replicas
 
     @property
@@ -382,8 +424,8 @@ class FleetController:
         return self._core.degraded_limit(self._capacity)
 
     def _local_limit(self) -> int:
-        """The local core's capacity: the degraded limit, or 0 while a resync is in flight."""
-        return self._core.local_limit(self._capacity)
+        """The local core's capacity in every local mode (Replica.degraded_limit)."""
+        return self._core.degraded_limit(self._capacity)
 
     @property
     def lease_count(self) -> int:
@@ -393,6 +435,10 @@ class FleetController:
     @property
     def waiting(self) -> int:
         return len(self._waiting) + (self._local.waiting if self._local is not None else 0)
+
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """The ledger predicts no waits (docs/design.md, "Deadlines")."""
+        return None
 
     def snapshot(self) -> Snapshot:
         """This replica's own in-flight and queue counts (the contract gauges stay per replica)."""
@@ -412,8 +458,12 @@ class FleetController:
 
     # ------------------------------------------------------------------ admission
 
-    async def admit(self, cls: PriorityClass, tenant: str) -> Admitted:
-        """Admit through the ledger (or locally while degraded), wait, or raise :class:`Denied`."""
+    async def admit(self, cls: PriorityClass, tenant: str, *,
+                    wait_budget: float | None = None, enforce: bool = False) -> Admitted:
+        """Admit through the ledger (or locally while degraded), wait, or raise :class:`Denied`.
+
+        The ledger predicts no waits: ``wait_budget`` and ``enforce`` are not used (a
+        pool in a fleet has no deadline: docs/design.md, "Deadlines")."""
         if self._bucket is not None:
             allowed = self._bucket.try_take()
             self._metrics.rate_limit(allowed)
@@ -546,11 +596,11 @@ class FleetController:
 
     def release(self, aid: str,
                 reason: ReleaseReason = ReleaseReason.COMPLETED) -> ReleaseResult:
-        """End an admission; a second or unknown release is counted and ignored."""
+        """End an admission; a second or unknown release changes nothing (the caller
+        counts it: :meth:`sidecar.pools.Pools.release`)."""
         result, effects = self._core.release(aid, reason)
         if result is not ReleaseResult.RELEASED:
-            self._metrics.completion_unmatched(result.value)
-            return result
+            return result  # counted by the caller (sidecar.pools.Pools.release)
         self._stop_signals.pop(aid, None)
         self._apply(effects)  # (while local, the mirror follows the local core's events)
         return result
@@ -572,7 +622,7 @@ class FleetController:
         if effects is None:
             return False
         self._apply(effects)
-        self._log.info("adopted", admission_id=aid, cls=cls.label, tenant=tenant)
+        self._log.info("adopted", admission_tag=logs.id_tag(aid), cls=cls.label, tenant=tenant)
         return True
 
     def open_stop_channel(self, aid: str) -> asyncio.Future[None] | None:
@@ -588,22 +638,22 @@ class FleetController:
         return fut
 
     def _defer_mark(self, aid: str) -> None:
-        loop = asyncio.get_running_loop()
-        self._marks.append((loop.time() + self._mark_delay, aid))
+        self._marks.append((self._clock() + self._mark_delay, aid))
         if self._marks_timer is None:
-            self._marks_timer = loop.call_at(self._marks[0][0], self._send_due_marks)
+            self._marks_timer = asyncio.get_running_loop().call_at(self._marks[0][0],
+                                                                   self._send_due_marks)
 
     def _send_due_marks(self) -> None:
         """Send the preemptible marks whose delay is over, for requests still before their
         first byte; they join whatever the outbox sends next (one multi call)."""
         self._marks_timer = None
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = self._clock()
         while self._marks and self._marks[0][0] <= now:
             _, aid = self._marks.popleft()
             self._apply(self._core.mark_due(aid))
         if self._marks:
-            self._marks_timer = loop.call_at(self._marks[0][0], self._send_due_marks)
+            self._marks_timer = asyncio.get_running_loop().call_at(self._marks[0][0],
+                                                                   self._send_due_marks)
 
     def mark_first_byte(self, aid: str) -> bool:
         self._stop_signals.pop(aid, None)
@@ -654,16 +704,15 @@ class FleetController:
             self._local.set_capacity(self._local_limit())
         self._heartbeat_wake.set()
 
-    def capacity_read(self, reading: CapacityReading) -> None:
-        self.set_capacity(reading.capacity)
-
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
-        """Hot reload: store the new class settings in the ledger (they become the fleet's)."""
+        """Hot reload: store the new class settings in the ledger (they become the fleet's).
+        Its registration is sent again on the return to ``ok`` if the replica is away, goes
+        away before it is sent, or its call fails (``_config_dirty``)."""
         self._classes = dict(classes)
         if self._local is not None:
             self._local.update_config(classes)
             self._config_dirty = True  # the outbox is not sent while degraded
-        self._send("register", None)
+        self._send(Register())
 
     # ------------------------------------------------------------------ notifications
 
@@ -680,64 +729,83 @@ class FleetController:
         if not self._signal_preempted(aid) and undelivered:
             # Its response started without the ledger's word (confirm_first_byte gave up:
             # the server was away): it has no stop channel any more and runs on, uncounted.
-            self._log.warning("preemption_delivery_failed", admission_id=aid,
+            self._log.warning("preemption_delivery_failed", admission_tag=logs.id_tag(aid),
                         error="response already started")
             self._metrics.preemption_undelivered()
 
     def _apply(self, effects: Iterable[Effect]) -> None:
-        """Do what the core decided, in its order."""
+        """Do what the core decided, in its order. Exhaustive: a new effect type that is
+        not handled here fails the type check (assert_never), never a silent branch."""
         for fx in effects:
-            if isinstance(fx, Send):
-                self._send(fx.op, fx.arg)
-            elif isinstance(fx, Count):
-                self._metrics.on_events(list(fx.events))
-            elif isinstance(fx, Stop):
-                self._stop(fx.id, undelivered=fx.undelivered)
-            elif isinstance(fx, Grant):
-                w = self._waiting.get(fx.id)
-                if w is not None and not w.fut.done():
-                    w.fut.set_result(fx.admitted)
-            elif isinstance(fx, Expire):
-                w = self._waiting.get(fx.id)
-                if w is not None and not w.fut.done():
-                    w.fut.set_exception(Denied(Outcome.REJECTED_QUEUE_TIMEOUT, legacy=False,
-                                               waited=fx.waited))
-            elif isinstance(fx, GoLocal):
-                self._go_local(fx.error, announce=fx.announce)
-            elif isinstance(fx, Seen):
-                self._metrics.fleet_seen(fx.by_class, fx.live_replicas)
-            elif isinstance(fx, HoldLocal):
-                self._hold_local(fx.wake_in)
-            elif isinstance(fx, Return):
-                self._return()
-            elif isinstance(fx, Registered):
-                self._metrics.coordination_changed(OK)
-            elif isinstance(fx, Answered):
-                fut = self._first_byte_waits.get(fx.id)
-                if fut is not None and not fut.done():
-                    fut.set_result(fx.ok)
-            elif isinstance(fx, Fault):
-                self._metrics.coordination_fault(fx.kind)
-                if fx.kind == "ended_but_running_stopped":
-                    self._log.warning("coordination_ended_but_running", admission_id=fx.id,
-                                action="stopped")
-                elif fx.kind == "ended_but_running_readded":
-                    self._log.warning("coordination_ended_but_running", admission_id=fx.id,
-                                action="readded", hint="the ledger had ended an admission "
-                                "Envoy reports running: counted again")
-            elif self._local is not None:
-                if isinstance(fx, LocalRelease):
-                    self._local.release(fx.id, fx.reason)  # the mirror follows its events
-                elif isinstance(fx, LocalCarry):
-                    core = self._local.core
+            match fx:
+                case Send(op):
+                    self._send(op)
+                case Count(events):
+                    self._metrics.on_events(list(events))
+                case Stop(aid, undelivered):
+                    self._stop(aid, undelivered=undelivered)
+                case Grant(aid, admitted):
+                    w = self._waiting.get(aid)
+                    if w is not None and not w.fut.done():
+                        w.fut.set_result(admitted)
+                case Expire(aid, waited):
+                    w = self._waiting.get(aid)
+                    if w is not None and not w.fut.done():
+                        w.fut.set_exception(Denied(Outcome.REJECTED_QUEUE_TIMEOUT,
+                                                   legacy=False, waited=waited))
+                case GoLocal(error, announce):
+                    self._go_local(error, announce=announce)
+                case Seen(by_class, live_replicas):
+                    self._metrics.fleet_seen(by_class, live_replicas)
+                case HoldLocal(wake_in):
+                    self._hold_local(wake_in)
+                case Return():
+                    self._return()
+                case Registered():
+                    self._metrics.coordination_changed(OK)
+                case Answered(aid, ok):
+                    fut = self._first_byte_waits.get(aid)
+                    if fut is not None and not fut.done():
+                        fut.set_result(ok)
+                case Fault(kind, aid):
+                    self._fault(kind, aid)
+                # The local core's effects come only while a local mode lasts, when the
+                # local core exists (the core emits them only then: Replica.local).
+                case LocalRelease(aid, reason, reuse):
+                    local = self._in_local(fx)
+                    if not reuse:  # the ledger gave the slot away: not the local core's
+                        local.set_capacity(max(0, local.core.snapshot().capacity - 1))
+                    local.release(aid, reason)  # the mirror follows its events
+                case LocalCarry(aid, cls, tenant, admitted_at, streaming):
+                    core = self._in_local(fx).core
                     assert isinstance(core, Scheduler)  # _go_local builds it
-                    core.carry(fx.id, fx.cls, fx.tenant, fx.admitted_at,
-                               streaming=fx.streaming)
-                elif isinstance(fx, LocalFirstByte):
-                    self._local.mark_first_byte(fx.id)
-                else:
-                    self._local.core.adopt(fx.id, fx.cls, fx.tenant)
-                    self._local.core.take_events()  # counted by the core's own Count
+                    core.carry(aid, cls, tenant, admitted_at, streaming=streaming)
+                case LocalFirstByte(aid):
+                    self._in_local(fx).mark_first_byte(aid)
+                case LocalAdopt(aid, cls, tenant):
+                    local = self._in_local(fx)
+                    local.core.adopt(aid, cls, tenant)
+                    local.core.take_events()  # counted by the core's own Count
+                case _:
+                    assert_never(fx)
+
+    def _in_local(self, fx: Effect) -> AdmissionController:
+        """The local core a local-core effect is for: it exists exactly while the mode is
+        a local one, which is the only time the core emits such effects."""
+        local = self._local
+        if local is None:
+            raise AssertionError(f"{fx!r} with no local core (mode {self._core.mode.value})")
+        return local
+
+    def _fault(self, kind: str, aid: str) -> None:
+        self._metrics.coordination_fault(kind)
+        if kind == "ended_but_running_stopped":
+            self._log.warning("coordination_ended_but_running", admission_tag=logs.id_tag(aid),
+                              action="stopped")
+        elif kind == "ended_but_running_readded":
+            self._log.warning("coordination_ended_but_running", admission_tag=logs.id_tag(aid),
+                              action="readded", hint="the ledger had ended an admission "
+                              "Envoy reports running: counted again")
 
     def _signal_preempted(self, aid: str) -> bool:
         fut = self._stop_signals.pop(aid, None)
@@ -755,7 +823,9 @@ class FleetController:
     def _go_local(self, error: str, *, announce: bool) -> None:
         """The mode just became a local one: build the local core from what is held."""
         assert self._local is None and self._core.local
-        self._outbox.clear()  # the resync on return covers what it held
+        # The resync on return covers what it held; a reload's registration is sent again.
+        if self._outbox.clear():
+            self._config_dirty = True
         limit = self.degraded_limit
         core = Scheduler(self._classes, limit, self._clock)
         for aid, h in self._core.held.items():
@@ -793,11 +863,13 @@ class FleetController:
         """Degraded: resync with the ledger; back to ok once it is safe (see Replica)."""
         local = self._local
         assert local is not None
-        # No local admission while the ledger's view is being written (the core is
-        # RESYNCING: _local_limit is 0, also for a capacity change meanwhile).
+        # The limit while the resync is in flight (Replica.resync_sent: L from DEGRADED,
+        # nothing reused from SETTLING): a resync that hangs until its call timeout must
+        # not stop a degraded replica admitting within its limit.
         local.set_capacity(self._local_limit())
         try:
-            self._outbox.clear()
+            if self._outbox.clear():
+                self._config_dirty = True
             # Arrivals whose reply may still be on its way: an admission stays in the
             # ledger (the reply makes it held here; the next resync lists it), a waiter
             # goes (its requester moves to the local queue, nobody would collect a grant).
@@ -825,7 +897,7 @@ class FleetController:
         self._wake_movers()  # local waiters arrive at the ledger now
         if self._config_dirty:
             self._config_dirty = False
-            self._send("register", None)
+            self._send(Register())
         self._outbox_wake.set()
 
     def _can_stop(self, aid: str) -> bool:
@@ -853,6 +925,10 @@ class FleetController:
         heartbeat now rather than up to an interval later, so the ledger hears it."""
         grew = n > self._core.live_replicas
         self._core.live_seen(n)
+        if self._local is not None:
+            # N moves the share: the local core follows at once (a reply read while away,
+            # e.g. an arrive's that returned after the switch).
+            self._local.set_capacity(self._local_limit())
         if grew:
             self._heartbeat_wake.set()
 
@@ -891,6 +967,11 @@ class FleetController:
             return False
         h.unacknowledge(self._clock())
         return True
+
+    def unleased(self, aid: str) -> bool:
+        """Acknowledged (hold_without_lease): no ack timeout reclaims it."""
+        h = self._core.held.get(aid)
+        return h is not None and h.acknowledged
 
     def expire_unacknowledged(self) -> int:
         """Release admissions Envoy never showed it runs, ``ack_timeout`` after admission.
@@ -981,53 +1062,42 @@ class FleetController:
             if nxt is not None:
                 self._schedule_tick(nxt)
 
-    def _send(self, op: str, arg: Any) -> None:
-        self._outbox.append((op, arg))
+    def _send(self, op: Op) -> None:
+        self._outbox.push(op)
         self._outbox_wake.set()
 
     async def _outbox_loop(self) -> None:
-        """One ordered channel for releases, marks, adoptions and config (marks batched)."""
+        """One ordered channel for releases, marks, adoptions and config: each flush
+        sends everything queued (what goes in which call: sidecar.coordination.outbox)."""
         while True:
             await self._outbox_wake.wait()
             self._outbox_wake.clear()
             while self._outbox and self._local is None:
-                batch = list(self._outbox)
-                self._outbox.clear()
+                flush = self._outbox.take()
+                if flush.empty:
+                    continue
                 try:
-                    await self._call(self._flush(batch))
+                    await self._call(self._flush(flush))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    if flush.register:
+                        # A reload's registration that may not have run: the only call that
+                        # stores the class settings (a resync does not), so it is sent
+                        # again on the return.
+                        self._config_dirty = True
                     self._degrade(exc)
 
-    async def _flush(self, batch: Iterable[tuple[str, Any]]) -> None:
-        # Releases and marks go in one pipelined round trip. Their order does not matter
-        # (a mark of an ended id, or a preemptible mark after the first byte, changes
-        # nothing), but the pipeline keeps it anyway. Adoptions and config go alone.
-        ops: list[tuple[str, list[str | int]]] = []
-        calls: list[Awaitable[Any]] = []
-        preemptible: list[str | int] = []
-        first_byte: list[str] = []  # one op each: a response may wait for its own reply
-        released = {arg[0] for op, arg in batch if op == "release"}
-        for op, arg in batch:
-            if op in ("preemptible", "first_byte") and arg in released:
-                continue  # ended in the same batch: the mark would change nothing
-            if op == "release":
-                ops.append(("release", [arg[0], str(arg[1])]))
-            elif op == "preemptible":
-                preemptible.append(arg)
-            elif op == "first_byte":
-                first_byte.append(arg)
-            elif op == "adopt":
-                calls.append(self._adopt(arg))
-            elif op == "register":
-                calls.append(self.ledger.register(self._classes, self._capacity,
-                                                  settle=self._settle))
-        if preemptible:
-            ops.append(("mark_preemptible", preemptible))
-        ops += [("mark_first_byte", [aid]) for aid in first_byte]
-        if ops:
-            calls.append(self.ledger.batch(ops))
+    async def _flush(self, flush: Flush) -> None:
+        """Send one flush (its batch, adoptions and registration at once) and answer the
+        first-byte marks it carried."""
+        calls: list[Awaitable[Any]] = [self._adopt(h) for h in flush.adopt]
+        if flush.register:
+            calls.append(self.ledger.register(self._classes, self._capacity,
+                                              settle=self._settle))
+        if flush.batch:
+            calls.append(self.ledger.batch(flush.batch))
+        first_byte = list(flush.first_byte)
         try:
             replies = await asyncio.gather(*calls)
         except BaseException:
@@ -1035,10 +1105,10 @@ class FleetController:
             raise
         # An adoption or a reload may be the first call to find this replica unknown (data
         # loss, or its registration lapsed): it registered it, without the rest of its
-        # holdings, and this batch's first-byte marks met a ledger without them.
+        # holdings, and this flush's first-byte marks met a ledger without them.
         lost = any(isinstance(r, FleetStatus) and not r.known for r in replies)
-        if lost or ops:
-            marks = replies[-1][len(ops) - len(first_byte):] if ops and not lost else None
+        if lost or flush.batch:
+            marks = flush.first_byte_answers(replies[-1]) if flush.batch and not lost else None
             self._apply(self._core.first_bytes_answered(first_byte, marks,
                                                         registration_lost=lost))
 
@@ -1051,11 +1121,14 @@ class FleetController:
 
     def _background_task(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background[task] = None
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.pop(task, None)
 
 
-class _LocalRecorder(NullRecorder):
+class _LocalRecorder(NullPoolRecorder):
     """The degraded-mode core's events: keep the mirror in step, then count them.
 
     Only what the local :class:`AdmissionController` reports is forwarded; every other
@@ -1075,6 +1148,10 @@ class _LocalRecorder(NullRecorder):
                 o._core.local_admitted(e.admission)
             elif isinstance(e, Released):
                 o._core.local_released(e.admission.id, e.reason)
+            elif isinstance(e, Preempted):
+                # Its stop goes out in this very step, ahead of its preemptor's answer (the
+                # chained channel's callback would take one more loop turn).
+                o._signal_preempted(e.victim.id)
             elif isinstance(e, Rejected) and e.outcome is Outcome.CLIENT_CANCELLED:
                 moving = _MOVING.get()
                 if moving is not None and moving[0]:
@@ -1085,9 +1162,6 @@ class _LocalRecorder(NullRecorder):
 
     def rate_limit(self, allowed: bool) -> None:
         self._o._metrics.rate_limit(allowed)
-
-    def completion_unmatched(self, reason: str) -> None:
-        self._o._metrics.completion_unmatched(reason)
 
 
 def _describe(exc: BaseException) -> str:

@@ -25,6 +25,11 @@
 --   replica, incarnation: the caller (replica id, and a random token per process); a
 --           new incarnation of a live replica takes over its predecessor's admissions
 --           (take_over()). Empty: a caller that is not a replica (a test's observer).
+-- Every argument is checked before anything is read or written (check_call(): numbers finite
+-- and within their field's range, names and ids well formed, an op's arity exact); a bad one
+-- is refused with "ERR ledger: <field>: <why>" and changes nothing, so no caller, whatever
+-- its credentials, can make later calls fail or freeze the fleet with one (a settle of inf,
+-- a seen of 1e20, a class of 7, a batch of n = -1).
 -- Reply: {generation, loss cause or "", taken over (groups: id cls first_byte tenant),
 --         the operation's reply, live replicas}. The live replica count rides on every
 --         reply (arrive included), so a replica's degraded share is never computed from a
@@ -38,7 +43,9 @@
 --   P:digests   HASH replica -> config digest  P:cfg      HASH class -> "floor share qsize
 --   P:fleet     HASH cap, r0..r3 (derived from    timeout starve preempt"
 --               the live replicas' reports)    P:inflight HASH class -> admissions in flight
---   P:adm       HASH id -> "replica cls admitted_at first_byte tenant"
+--   P:adm       HASH id -> "replica cls admitted_at first_byte tenant"; first_byte "0"/"1",
+--               or "2"/"3" for a record rebuilt after P:adm was lost whose class is a guess
+--               (rebuild_admissions()): never a candidate until its owner's resync fixes it
 --   P:pre:<c>   ZSET id -> mark sequence: class c's preemption candidates (owner has a stop
 --               channel, no first byte yet), in the order they became candidates
 --   P:q:<c>     ZSET id -> arrival sequence: class c's waiters, FIFO by arrival at the ledger
@@ -79,11 +86,62 @@
 --   P:lapsed    ZSET replica -> until when a replica whose registration lapsed still counts
 --               as not having heard of the others (one ttl after it was reaped; see
 --               unheard_by); removed when it registers again
+--   P:retired   HASH replica -> the incarnations a newer process of that id took over (the
+--               last few): a call from one is refused ("replica_id_in_use"): two live
+--               processes share the id (see take_over())
+--   P:order     HASH replica -> "<incarnation> <order>": the newest resync of that process
+--               the ledger applied (each process numbers its resyncs): one it sent before
+--               that runs only now changes nothing (stale_resync())
+--   P:meta      HASH: a second copy of what P:fleet holds that no other key can give back
+--               (ttl, keep, settle_secs, the settling window: settle, frozen) and of the class
+--               settings as last stored (class0..3: encode_class's text), so that losing
+--               P:fleet, P:cfg, P:tcfg or P:wt:<c> loses nothing (see "Keys lost" below)
+--   P:ghosts    ZSET id -> expiry: admissions the ledger knows it counted but whose ids were
+--               lost (see rebuild_admissions()); held by the pseudo-owner GHOST, "{lost}",
+--               which no replica id can be (no braces), in P:adm and P:own:{lost}
+--
+-- Keys lost (eviction, an operator's DEL): any single key, and keys lost one after another
+-- with a call in between, are noticed by the next call, or the next heartbeat where only
+-- fairness or liveness (never capacity) waits for it, and rebuilt from the keys that hold
+-- the same facts, so that the ledger never counts fewer admissions than run:
+--   P:adm       from the owners' sets (ids) and the counters (how many per class; P:pre:<c>
+--               names a candidate's class): placeholders, class "unsure" until the owner's
+--               next resync lists them; a remainder no set names is held by ghosts for one
+--               settling window (every live replica resyncs within it, re-adding its own)
+--   P:inflight  from the records (as before); both lost together: the owners' sets
+--   P:replicas  from P:reports: each registered again for one ttl (a dead one is reaped then)
+--   P:reports   the fleet's capacity is never raised by a missing report: a live replica
+--               without one counts as the fleet's last capacity until it reports again
+--   P:fleet     capacity from P:reports, the rest from P:meta (and P:meta from P:fleet)
+--   P:gen       carried past any generation a replica can have seen (GEN_JUMP)
+--   P:seq       continued after the highest sequence still queued or a candidate
+--   P:dl        from the waiters' records; P:q:<c> from them at the next heartbeat
+--   P:cfg, P:tcfg, P:wt:<c>  from P:meta; P:endq from P:ended; P:server rewritten
+--   P:pre:<c>   the owner's next resync marks its listed candidates again
+--   P:order     not rebuilt: each replica's next resync writes its entry again (until then a
+--               resync of its that runs late, after a newer one, is applied as it would
+--               have been before this key existed)
+-- Each rebuild is reported as the reply's cause ("admissions_rebuilt", "state_rebuilt",
+-- "counters_lost", "owners_lost"): none of them is a data loss, so nobody settles for it.
 
 -- Set at the start of every call (run, at the end): the library's state outlives a call.
 local P, now
+local loss = ''  -- the cause of a loss (or a rebuild) this call found ('' none), for the reply
+local taken = {} -- what this call took over from a predecessor (take_over), for the reply
+local taken_ids = {}
+local caller, caller_inc, caller_settle = '', '', 0
+local caller_seen, gen = 0, 0
+local lost = false -- lose() ran in this call
+local caller_prev = false -- P:inc's incarnation for the caller (retired_caller(), take_over())
+
+-- A rebuild this call made (see "Keys lost"): reported unless a loss or another rebuild
+-- already is (lose() overrides it: a data loss is what the replicas must act on).
+local function note(cause)
+  if loss == '' then loss = cause end
+end
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
-  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT, K_REG, K_HEARD, K_LAPSED
+  K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT, K_REG, K_HEARD, K_LAPSED,
+  K_RETIRED, K_META, K_GHOSTS, K_ORDER
 
 local function set_prefix(p)
   P = p
@@ -108,6 +166,10 @@ local function set_prefix(p)
   K_REG = P .. ':reg'
   K_HEARD = P .. ':heard'
   K_LAPSED = P .. ':lapsed'
+  K_RETIRED = P .. ':retired'
+  K_META = P .. ':meta'
+  K_GHOSTS = P .. ':ghosts'
+  K_ORDER = P .. ':order'
 end
 local function k_pre(c) return P .. ':pre:' .. c end
 local function k_q(c) return P .. ':q:' .. c end
@@ -119,8 +181,13 @@ local function k_own(r) return P .. ':own:' .. r end
 local function k_ev(r) return P .. ':ev:' .. r end
 
 local REAPED = 'replica_expired'
+-- The pseudo-owner of admissions whose ids were lost (rebuild_admissions()); braces make it
+-- no replica's id.
+local GHOST = '{lost}'
 
 local function fmt(x) return string.format('%.17g', x) end
+-- An integer as Redis stores one (redis.call would write a Lua number with %.14g).
+local function int(x) return string.format('%.0f', x) end
 
 -- Split on single spaces into n fields; the last field keeps the rest (tenants may hold spaces).
 local function split(s, n)
@@ -135,6 +202,281 @@ local function split(s, n)
   return out
 end
 
+-- -------------------------------------------------------------------------- arguments
+-- Every call's arguments are checked here, all of them, before the call reads or writes
+-- anything (run()): a refused call changes nothing. The ranges are wide enough for any
+-- configuration the sidecar accepts (ledger.py clamps what could exceed them) and narrow
+-- enough that no value can break a later call: a generation stays an exact integer, a
+-- time stays finite, a registration or a settling window ends within a day.
+
+local MAX_SECS = 1e9            -- a time span: a queue timeout, a starvation threshold, an age
+local MAX_TTL = 86400           -- a registration's ttl, a settling window, ended ids' memory
+local MAX_COUNT = 2147483647    -- capacity, reservations, queue sizes, per-tenant limits
+local MAX_GEN = 2 ^ 50          -- a generation a caller says it saw
+local GEN_JUMP = 2 ^ 32         -- past any generation a replica can have seen (P:gen lost)
+local MAX_NAME, MAX_ID, MAX_TENANT = 128, 256, 1024
+local TEST_BUILD = false
+--[[TEST_CLOCK
+TEST_BUILD = true
+TEST_CLOCK]]
+
+-- ReleaseReason (sidecar/scheduler/lifecycle.py); a test checks they agree.
+local REASONS = {completed = true, cancelled = true, preempted = true, lease_expired = true}
+local BATCHABLE = {arrive = true, release = true, cancel = true, mark_preemptible = true,
+                   mark_first_byte = true, tick = true}
+
+local function finite(x) return x == x and x > -math.huge and x < math.huge end
+
+-- A decimal number as ledger.py writes one (repr of a float, str of an int), finite.
+local function num(s)
+  if type(s) ~= 'string' or #s == 0 or #s > 40 then return nil end
+  -- (the common case first: digits only)
+  if not string.find(s, '^%d+$') and not string.find(s, '^[%-%+]?[%d%.]+[eE]?[%-%+]?%d*$') then
+    return nil
+  end
+  local n = tonumber(s)
+  if n == nil or not finite(n) then return nil end
+  return n
+end
+
+local function fail(field, value, want)
+  local shown = string.format('%q', string.sub(tostring(value), 1, 40))
+  error(field .. ' ' .. shown .. ': ' .. want, 0)
+end
+
+local function a_num(field, s, lo, hi)
+  local n = num(s)
+  if n == nil or n < lo or n > hi then
+    fail(field, s, 'must be a finite number in [' .. lo .. ', ' .. hi .. ']')
+  end
+  return n
+end
+
+local function a_pos(field, s, hi)
+  local n = num(s)
+  if n == nil or n <= 0 or n > hi then
+    fail(field, s, 'must be a finite number in (0, ' .. hi .. ']')
+  end
+  return n
+end
+
+local function a_int(field, s, lo, hi)
+  local n = num(s)
+  if n == nil or n ~= math.floor(n) or n < lo or n > hi then
+    fail(field, s, 'must be an integer in [' .. int(lo) .. ', ' .. int(hi) .. ']')
+  end
+  return n
+end
+
+local function a_flag(field, s)
+  if s ~= '0' and s ~= '1' then fail(field, s, 'must be 0 or 1') end
+end
+
+local function a_name(field, s)
+  if type(s) ~= 'string' or #s < 1 or #s > MAX_NAME or string.find(s, '[%s{}]') then
+    fail(field, s, 'must be 1..' .. MAX_NAME .. ' characters without spaces or braces')
+  end
+end
+
+-- (an id is only ever a hash field, a set member or the last word of a notification: any
+-- character will do, and one a periodic access-log entry brought must not fail a call)
+local function a_id(field, s)
+  if type(s) ~= 'string' or #s < 1 or #s > MAX_ID then
+    fail(field, s, 'must be 1..' .. MAX_ID .. ' bytes')
+  end
+end
+
+local function a_tenant(field, s)
+  if type(s) ~= 'string' or #s > MAX_TENANT then
+    fail(field, s, 'must be at most ' .. MAX_TENANT .. ' bytes')
+  end
+end
+
+local function a_arity(op, a, n)
+  if #a ~= n then fail(op, #a, 'takes ' .. n .. ' arguments') end
+end
+
+-- A class as ledger.py encode_class writes it: "floor share qsize timeout starve preempt
+-- fair limit", then under fair queuing "<weight> <bytes> <tenant>" per weighted tenant.
+-- -> the first six fields (P:cfg), fair, limit, the weights' text, the weights {tenant, w...}.
+-- Malformed (a missing field, a number out of range, a tenant running past the end): error.
+local function parse_class(s)
+  if type(s) ~= 'string' then fail('class', s, 'missing') end
+  local f, pos = {}, 1
+  for i = 1, 8 do
+    local j = string.find(s, ' ', pos, true)
+    if j == nil then
+      if i < 8 then fail('class', s, 'must have 8 fields') end
+      f[8] = string.sub(s, pos)
+      pos = #s + 2
+    else
+      f[i] = string.sub(s, pos, j - 1)
+      pos = j + 1
+    end
+  end
+  a_int('class reserved_floor', f[1], 0, MAX_COUNT)
+  a_num('class reserved_per_slot', f[2], 0, MAX_COUNT)
+  a_int('class queue_size', f[3], 0, MAX_COUNT)
+  a_num('class queue_timeout_secs', f[4], 0, MAX_SECS)
+  a_num('class starvation_threshold_secs', f[5], 0, MAX_SECS)
+  a_flag('class can_preempt', f[6])
+  a_flag('class fair_queuing', f[7])
+  if f[8] ~= '-' then a_int('class max_queued_per_tenant', f[8], 0, MAX_COUNT) end
+  local rest = ''
+  if pos <= #s then rest = string.sub(s, pos) end
+  if f[7] ~= '1' and rest ~= '' then fail('class', s, 'tenant weights without fair queuing') end
+  local weights = {}
+  pos = 1
+  while pos <= #rest do
+    local k = string.find(rest, ' ', pos, true)
+    local n = k and string.find(rest, ' ', k + 1, true)
+    if n == nil then fail('class tenant weight', string.sub(rest, pos), 'malformed') end
+    a_pos('class tenant weight', string.sub(rest, pos, k - 1), 1e300)
+    local len = a_int('class tenant length', string.sub(rest, k + 1, n - 1), 0, MAX_TENANT)
+    if n + len > #rest or (n + len < #rest and string.sub(rest, n + len + 1, n + len + 1) ~= ' ')
+    then
+      fail('class tenant', string.sub(rest, n + 1), 'runs past its length')
+    end
+    weights[#weights + 1] = string.sub(rest, n + 1, n + len)
+    weights[#weights + 1] = string.sub(rest, pos, k - 1)
+    pos = n + len + 2
+  end
+  return table.concat(f, ' ', 1, 6), f[7] == '1', f[8], rest, weights
+end
+
+-- heartbeat args: replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended settle
+local function check_heartbeat(a, who)
+  if a[1] ~= who or who == '' then fail('replica', a[1], 'must be the calling replica') end
+  a_pos('ttl', a[2], MAX_TTL)
+  local r = {string.match(a[3] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+)$')}
+  if #r ~= 5 then fail('report', a[3], 'must be "capacity r3 r2 r1 r0", five integers') end
+  for _, v in ipairs(r) do a_int('report', v, 0, MAX_COUNT) end
+  a_flag('force', a[4])
+  for c = 0, 3 do
+    local ok, err = pcall(parse_class, a[5 + c])
+    if not ok then error('class ' .. c .. ' ' .. err, 0) end
+  end
+  if type(a[9]) ~= 'string' or #a[9] < 1 or #a[9] > 256 or string.find(a[9], '%s') then
+    fail('digest', a[9], 'must be 1..256 characters without spaces')
+  end
+  a_num('keep_ended', a[10], 0, MAX_TTL)
+  a_num('settle', a[11], 0, MAX_TTL)
+end
+
+-- groups of (id cls first_byte preemptible tenant) from a[from]
+local function check_holdings(a, from, lowest)
+  if (#a - from + 1) % 5 ~= 0 then fail('holdings', #a - from + 1, 'come in groups of 5') end
+  for i = from, #a, 5 do
+    a_id('id', a[i])
+    a_int('class', a[i + 1], lowest, 3)
+    a_flag('first_byte', a[i + 2])
+    a_flag('preemptible', a[i + 3])
+    a_tenant('tenant', a[i + 4])
+  end
+end
+
+local function check_ids(a)
+  for _, id in ipairs(a) do a_id('id', id) end
+end
+
+local CHECK = {}
+CHECK.heartbeat = function(a, who)
+  a_arity('heartbeat', a, 11)
+  check_heartbeat(a, who)
+end
+CHECK.reregister = function(a, who)
+  if #a < 11 then fail('reregister', #a, 'takes 11 arguments and holdings') end
+  check_heartbeat(a, who)
+  check_holdings(a, 12, 0)
+end
+CHECK.adopt = CHECK.reregister
+CHECK.resync = function(a, who)
+  if #a < 13 then fail('resync', #a, 'takes 13 arguments and holdings') end
+  check_heartbeat(a, who)
+  a_num('min_age', a[12], 0, MAX_SECS)
+  a_int('order', a[13], 1, MAX_GEN)
+  check_holdings(a, 14, -2)
+end
+CHECK.arrive = function(a, who)
+  a_arity('arrive', a, 4)
+  -- (the caller's name is checked with the call's header)
+  if a[1] ~= who or who == '' then fail('replica', a[1], 'must be the calling replica') end
+  a_id('id', a[2])
+  a_int('class', a[3], 0, 3)
+  a_tenant('tenant', a[4])
+end
+CHECK.release = function(a)
+  a_arity('release', a, 2)
+  a_id('id', a[1])
+  if not REASONS[a[2]] then
+    fail('reason', a[2], 'must be completed, cancelled, preempted or lease_expired')
+  end
+end
+CHECK.cancel = function(a)
+  a_arity('cancel', a, 1)
+  a_id('id', a[1])
+end
+CHECK.mark_preemptible = check_ids
+CHECK.mark_first_byte = check_ids
+CHECK.tick = function(a) a_arity('tick', a, 0) end
+CHECK.snapshot = function(a) a_arity('snapshot', a, 0) end
+CHECK.multi = function(a, who)
+  local i = 1
+  while i <= #a do
+    local n = a_int('multi count', a[i], 1, #a - i)
+    local name = a[i + 1]
+    if CHECK[name] == nil then
+      error('unknown ledger op ' .. string.format('%q', string.sub(tostring(name), 1, 40)), 0)
+    end
+    if not BATCHABLE[name] then fail('multi op', name, 'cannot be batched') end
+    local args = {}
+    for j = i + 2, i + n do args[#args + 1] = a[j] end
+    CHECK[name](args, who)
+    i = i + n + 1
+  end
+end
+
+-- Call headers (prefix, replica, incarnation, settle) that passed: the same few every call.
+local good_callers, good_count = {}, 0
+
+-- The whole call: FCALL fn 1 <prefix> <op> <now> <seen> <settle> <replica> <incarnation>
+-- args. -> the op's arguments.
+local function check_call(keys, argv)
+  if #keys ~= 1 then fail('keys', #keys, 'must be one prefix') end
+  local op = argv[1]
+  if type(op) ~= 'string' or CHECK[op] == nil then
+    error('unknown ledger op ' .. string.format('%q', string.sub(tostring(op), 1, 40)), 0)
+  end
+  if argv[2] ~= '' then
+    if not TEST_BUILD then error('a caller clock is refused (test build only)', 0) end
+    a_num('now', argv[2], 0, 1e18)
+  end
+  local who = tostring(keys[1]) .. ' ' .. tostring(argv[5]) .. ' ' .. tostring(argv[6]) .. ' '
+    .. tostring(argv[4])
+  if not good_callers[who] then
+    if type(keys[1]) ~= 'string' or #keys[1] > 300
+        or not (string.find(keys[1], '^pg:{[^%s{}]+}$')
+                or string.find(keys[1], '^pg:{[^%s{}]+}:pool:[^%s{}]+$')) then
+      fail('key', keys[1], 'must be one prefix pg:{<fleet>} or pg:{<fleet>}:pool:<pool>')
+    end
+    a_num('settle', argv[4], 0, MAX_TTL)
+    if argv[5] ~= '' then a_name('caller', argv[5]) end
+    local inc = argv[6]
+    if type(inc) ~= 'string' or #inc > 64
+        or (inc ~= '' and not string.find(inc, '^[%w_%-]+$')) then
+      fail('incarnation', inc, 'must be up to 64 letters, digits, "_" or "-"')
+    end
+    if good_count >= 1000 then good_callers, good_count = {}, 0 end
+    good_callers[who] = true
+    good_count = good_count + 1
+  end
+  a_int('seen', argv[3], 0, MAX_GEN)
+  local args = {}
+  for i = 7, #argv do args[#args + 1] = argv[i] end
+  CHECK[op](args, argv[5])
+  return args
+end
+
 -- ------------------------------------------------------------------------------ records
 
 local function get_adm(id)
@@ -142,12 +484,14 @@ local function get_adm(id)
   if not s then return nil end
   local f = split(s, 5)
   return {id = id, replica = f[1], cls = tonumber(f[2]), admitted_at = tonumber(f[3]),
-          first_byte = f[4] == '1', tenant = f[5]}
+          first_byte = f[4] == '1' or f[4] == '3', unsure = f[4] == '2' or f[4] == '3',
+          tenant = f[5]}
 end
 
 local function put_adm(a)
+  local fb = (a.first_byte and 1 or 0) + (a.unsure and 2 or 0)
   redis.call('HSET', K_ADM, a.id, a.replica .. ' ' .. a.cls .. ' ' .. fmt(a.admitted_at) .. ' '
-             .. (a.first_byte and '1' or '0') .. ' ' .. a.tenant)
+             .. fb .. ' ' .. a.tenant)
 end
 
 local function get_waiter(id)
@@ -164,12 +508,19 @@ end
 local cap, res, inf, total = 0, {0, 0, 0, 0}, {}, 0
 local keep = nil -- how long ended ids are remembered (seconds; from the last heartbeat)
 local cfg = nil
+-- P:fleet was there at the last load (cap is written by every registration), and until when
+-- a settling window it holds runs (0: none).
+local fleet_kept, window = true, 0
+local store_cfg -- defined with the operations; load_cfg restores a lost configuration with it
 
 local function load_state()
-  local f = redis.call('HMGET', K_FLEET, 'cap', 'r0', 'r1', 'r2', 'r3', 'keep')
+  local f = redis.call('HMGET', K_FLEET, 'cap', 'r0', 'r1', 'r2', 'r3', 'keep', 'settle',
+                       'frozen')
+  fleet_kept = f[1] ~= false
   cap = tonumber(f[1]) or 0
   for c = 0, 3 do res[c] = tonumber(f[c + 2]) or 0 end
   keep = tonumber(f[6])
+  window = math.max(tonumber(f[7]) or 0, tonumber(f[8]) or 0)
   local n = redis.call('HMGET', K_INF, '0', '1', '2', '3')
   total = 0
   for c = 0, 3 do
@@ -178,11 +529,43 @@ local function load_state()
   end
 end
 
-local function load_cfg()
+-- P:fleet's fields that no other key gives back, copied to P:meta (see "Keys lost").
+local META = {'ttl', 'keep', 'settle_secs', 'settle', 'frozen'}
+
+local function mirror()
+  local v = redis.call('HMGET', K_FLEET, unpack(META))
+  local out = {}
+  for i, k in ipairs(META) do
+    if v[i] then
+      out[#out + 1] = k
+      out[#out + 1] = v[i]
+    end
+  end
+  if #out > 0 then redis.call('HSET', K_META, unpack(out)) end
+end
+
+-- The class settings as last stored (P:meta class0..3), for a configuration key lost
+-- between two registrations. False when there is no copy (nothing was ever stored).
+local function restore_cfg()
+  local m = redis.call('HMGET', K_META, 'class0', 'class1', 'class2', 'class3')
+  if not (m[1] and m[2] and m[3] and m[4]) then return false end
+  for i = 1, 4 do
+    if not pcall(parse_class, m[i]) then return false end -- not ours: no copy
+  end
+  store_cfg({[5] = m[1], [6] = m[2], [7] = m[3], [8] = m[4]})
+  note('state_rebuilt')
+  return true
+end
+
+-- ``stored_only``: what is stored, without restoring a lost key (store_cfg's "before").
+local function load_cfg(stored_only)
   if cfg then return cfg end
-  cfg = {}
   local raw = redis.call('HMGET', K_CFG, '0', '1', '2', '3')
   local tenants = redis.call('HMGET', K_TCFG, '0', '1', '2', '3')
+  if not stored_only and (not raw[1] or not tenants[1]) and restore_cfg() then
+    return load_cfg()
+  end
+  cfg = {}
   for c = 0, 3 do
     if raw[c + 1] then
       local f = split(raw[c + 1], 6)
@@ -207,20 +590,53 @@ end
 
 -- Fleet capacity = the smallest report among live replicas; its reservations come with it
 -- (computed by the replica with the Python spec, scaled_reservations). Ties: the smallest name.
+-- A live replica without a report (P:reports was lost) is not known to measure more than
+-- the fleet's capacity before: it counts as that row (0 if none is stored) until it reports
+-- again, so a lost report never raises the fleet's capacity.
 local function recompute_fleet()
   local all = redis.call('HGETALL', K_REPORTS)
   local best, best_name = nil, nil
+  local reported = {}
   for i = 1, #all, 2 do
     local f = split(all[i + 1], 5)
     local c = tonumber(f[1])
+    reported[all[i]] = true
     if best == nil or c < best[1] or (c == best[1] and all[i] < best_name) then
       best = {c, tonumber(f[5]), tonumber(f[4]), tonumber(f[3]), tonumber(f[2])}
       best_name = all[i]
     end
   end
+  for _, r in ipairs(redis.call('ZRANGE', K_REPLICAS, 0, -1)) do
+    if not reported[r] then
+      local f = redis.call('HMGET', K_FLEET, 'cap', 'r0', 'r1', 'r2', 'r3')
+      local row = {tonumber(f[1]) or 0, tonumber(f[2]) or 0, tonumber(f[3]) or 0,
+                   tonumber(f[4]) or 0, tonumber(f[5]) or 0}
+      if best == nil or row[1] < best[1] then best = row end
+      break
+    end
+  end
   if best == nil then best = {0, 0, 0, 0, 0} end
   redis.call('HSET', K_FLEET, 'cap', best[1], 'r0', best[2], 'r1', best[3], 'r2', best[4],
              'r3', best[5])
+end
+
+-- P:fleet was lost: its capacity comes back from the reports, the rest from P:meta.
+local function restore_fleet()
+  if redis.call('HLEN', K_REPORTS) == 0 and redis.call('ZCARD', K_REPLICAS) == 0 then
+    return -- nobody registered yet: there is nothing to restore
+  end
+  local v = redis.call('HMGET', K_META, unpack(META))
+  local out = {}
+  for i, k in ipairs(META) do
+    if v[i] then
+      out[#out + 1] = k
+      out[#out + 1] = v[i]
+    end
+  end
+  if #out > 0 then redis.call('HSET', K_FLEET, unpack(out)) end
+  recompute_fleet()
+  note('state_rebuilt')
+  load_state()
 end
 
 local function available(c)
@@ -247,6 +663,30 @@ end
 
 local function notify(replica, msg)
   redis.call('RPUSH', k_ev(replica), msg)
+end
+
+-- The next arrival / candidate / turn sequence. P:seq lost (it starts again at 1): carried
+-- past the highest sequence still queued, a candidate or a turn, so that nothing new orders
+-- before an older waiter or candidate.
+local function next_seq()
+  local s = redis.call('INCR', K_SEQ)
+  if s ~= 1 then return s end
+  local top = 0
+  for c = 0, 3 do
+    for _, k in ipairs({k_q(c), k_pre(c)}) do
+      local t = redis.call('ZREVRANGE', k, 0, 0, 'WITHSCORES')
+      if #t > 0 then top = math.max(top, tonumber(t[2])) end
+    end
+    for _, m in ipairs(redis.call('ZRANGE', k_turn(c), 0, -1)) do
+      top = math.max(top, tonumber(string.sub(m, 1, 16)) or 0)
+    end
+  end
+  if top >= s then
+    s = top + 1
+    redis.call('SET', K_SEQ, int(s))
+    note('state_rebuilt')
+  end
+  return s
 end
 
 -- ------------------------------------------------------------------ state changes
@@ -298,7 +738,7 @@ end
 -- A turn's member: its sequence, fixed width so equal tags order by it (the turn tagged
 -- first goes first), then the tenant.
 local function turn_member(tenant)
-  return string.format('%016d', redis.call('INCR', K_SEQ)) .. ' ' .. tenant
+  return string.format('%016d', next_seq()) .. ' ' .. tenant
 end
 
 -- TenantQueue.add, for a waiter already in P:q:<c> with arrival sequence ``seq``.
@@ -336,6 +776,16 @@ local function drop_waiter(w)
   if load_cfg()[w.cls].tenant then leave(w.cls, w.id, w.tenant) end
 end
 
+-- A waiter whose record was lost (P:w): out of the deadlines and out of its owner's set
+-- (whichever live replica's it is), so that nothing later takes its id for a lost admission
+-- (reconcile()). Its replica answers the request at its own queue timeout.
+local function forget_lost(id)
+  redis.call('ZREM', K_DL, id)
+  for _, r in ipairs(redis.call('ZRANGE', K_REPLICAS, 0, -1)) do
+    redis.call('SREM', k_own(r), id)
+  end
+end
+
 -- ClassQueues.configure for one class: the kind of queue changed (fair queuing switched, a
 -- per-tenant limit started or stopped acting, or the weights changed): every waiter moves
 -- to a new queue of the new kind in arrival order; none is lost, deadlines are untouched.
@@ -351,7 +801,7 @@ local function rebuild(c, cf)
       join(c, cf, w.id, w.tenant, ids[i + 1])
     else
       redis.call('ZREM', k_q(c), ids[i]) -- its record was lost (see oldest())
-      redis.call('ZREM', K_DL, ids[i])
+      forget_lost(ids[i])
     end
   end
 end
@@ -363,10 +813,9 @@ local function oldest(c)
     if #ids == 0 then return nil end
     local w = get_waiter(ids[1])
     if w ~= nil then return w end
-    -- Queued without its record (the waiters' key was lost): forgotten. Its replica
-    -- answers the request at its own queue timeout.
+    -- Queued without its record (the waiters' key was lost): forgotten.
     redis.call('ZREM', k_q(c), ids[1])
-    redis.call('ZREM', K_DL, ids[1])
+    forget_lost(ids[1])
   end
 end
 
@@ -398,7 +847,7 @@ local function head(c)
         end
         redis.call('ZREM', k_tq(c, tenant), ids[1])
         redis.call('ZREM', k_q(c), ids[1])
-        redis.call('ZREM', K_DL, ids[1])
+        forget_lost(ids[1])
       end
     end
   end
@@ -464,7 +913,7 @@ local function expire()
       drop_waiter(w)
       notify(w.replica, 'expired ' .. fmt(now - w.enqueued_at) .. ' ' .. id)
     else
-      redis.call('ZREM', K_DL, id) -- its record was lost (see head())
+      forget_lost(id) -- its record was lost (see oldest())
     end
   end
 end
@@ -516,9 +965,23 @@ local function preempt_for_queued()
   return false
 end
 
+-- P:dl lost while waiters remain (nothing would time out, and dispatch would think the
+-- queues empty): each waiter's deadline comes back from its record.
+local function rebuild_deadlines()
+  local w = redis.call('HGETALL', K_W)
+  for i = 1, #w, 2 do
+    redis.call('ZADD', K_DL, split(w[i + 1], 5)[4], w[i])
+  end
+  note('state_rebuilt')
+end
+
 local function dispatch()
+  if redis.call('ZCARD', K_DL) == 0 then
+    if redis.call('HLEN', K_W) == 0 then return end -- nothing queued: the common case
+    rebuild_deadlines()
+  end
   expire()
-  if redis.call('ZCARD', K_DL) == 0 then return end -- nothing queued: the common case
+  if redis.call('ZCARD', K_DL) == 0 then return end
   if frozen() then return end -- waiters keep their deadlines; grants wait for the settling
   while admit_starved() or admit_by_priority() or preempt_for_queued() do end
 end
@@ -537,14 +1000,59 @@ local function drop_replica(r)
   redis.call('DEL', k_own(r), k_ev(r))
   redis.call('SREM', K_RETURNING, r)
   redis.call('HDEL', K_INC, r)
+  redis.call('HDEL', K_RETIRED, r)
   redis.call('HDEL', K_REG, r)
   redis.call('HDEL', K_HEARD, r)
   redis.call('HDEL', K_REPORTS, r)
   redis.call('HDEL', K_DIGESTS, r)
+  redis.call('HDEL', K_ORDER, r)
   redis.call('ZREM', K_REPLICAS, r)
 end
 
+-- The fleet's registration ttl as last given, for what registers on a replica's behalf.
+local function fleet_ttl()
+  return tonumber(redis.call('HGET', K_FLEET, 'ttl')) or tonumber(redis.call('HGET', K_META, 'ttl'))
+    or 10
+end
+
+-- P:replicas lost (or a field of it): every replica that has a report (a live one always
+-- has both; reaping drops both) is registered again for one ttl. Alive, it heartbeats on;
+-- dead, it is reaped a ttl later, its slots counted until then (never given away early).
+-- Run when a replica's call finds it unregistered (live()): every call of a replica asks
+-- (take_over()), so the first one after the loss rebuilds it.
+local function check_replicas()
+  local n = redis.call('HLEN', K_REPORTS)
+  if n == 0 or redis.call('ZCARD', K_REPLICAS) >= n then return end
+  local until_ = fmt(now + fleet_ttl())
+  local back = false
+  for _, r in ipairs(redis.call('HKEYS', K_REPORTS)) do
+    if redis.call('ZADD', K_REPLICAS, 'NX', until_, r) == 1 then back = true end
+  end
+  if back then note('state_rebuilt') end
+end
+
+-- Prefixes that may hold ghosts: set when this library instance made some or found some
+-- (reconcile()), so that no call of a fleet without any pays for looking.
+local haunted = {}
+
+-- Admissions held by ghosts (rebuild_admissions()) end after their window: by then every
+-- live replica has re-added what it holds.
+local function expire_ghosts()
+  if not haunted[P] then return end
+  if redis.call('EXISTS', K_GHOSTS) == 0 then
+    haunted[P] = nil
+    return
+  end
+  local gone = redis.call('ZRANGEBYSCORE', K_GHOSTS, '-inf', fmt(now))
+  for _, id in ipairs(gone) do
+    local a = get_adm(id)
+    if a ~= nil then drop_adm(a, REAPED) end
+    redis.call('ZREM', K_GHOSTS, id)
+  end
+end
+
 local function reap()
+  expire_ghosts()
   local dead = redis.call('ZRANGEBYSCORE', K_REPLICAS, '-inf', fmt(now))
   if #dead == 0 then return end
   -- A lapsed replica may be alive (a server pause outlasted its registration, a
@@ -559,31 +1067,35 @@ local function reap()
   load_state()
 end
 
+-- Registered and not expired. A replica found unregistered may be one whose registration
+-- was lost with P:replicas: check_replicas() first (only then: nothing in steady state).
 local function live(r)
+  if redis.call('ZSCORE', K_REPLICAS, r) ~= false then return true end
+  check_replicas()
   return redis.call('ZSCORE', K_REPLICAS, r) ~= false
 end
 
 -- -------------------------------------------------------------- losses, incarnations
 
-local loss = ''  -- the cause of a loss this call found ('' none), for the reply
-local taken = {} -- what this call took over from a predecessor (take_over), for the reply
-local taken_ids = {}
-local caller, caller_inc, caller_settle = '', '', 0
-local caller_seen, gen = 0, 0
 
--- The ledger lost writes that replicas saw acknowledged (an older copy, or admission
--- records gone): any replica's admissions may be missing, so this is a data loss for the
+-- The ledger lost writes that replicas saw acknowledged (an older copy): any replica's
+-- admissions may be missing, and nothing says how many, so this is a data loss for the
 -- whole fleet, handled as the server restarting empty is: every replica alive becomes
 -- returning (it re-registers what it holds; its heartbeat answers "new"), and nothing is
--- admitted through the ledger (frozen) until the settling window is over.
+-- admitted through the ledger (frozen) until the settling window is over. (A lost key is
+-- no such loss: what it held comes back from the other keys, see "Keys lost".)
 local function lose(cause)
   loss = cause
+  lost = true
   local rs = redis.call('ZRANGE', K_REPLICAS, 0, -1)
   if #rs > 0 then redis.call('SADD', K_RETURNING, unpack(rs)) end
   -- A caller without a window of its own (not a replica: a monitoring client) still
   -- opens the fleet's, as its replicas last gave it.
   local settle = caller_settle
-  if settle <= 0 then settle = tonumber(redis.call('HGET', K_FLEET, 'settle_secs')) or 0 end
+  if settle <= 0 then
+    settle = tonumber(redis.call('HGET', K_FLEET, 'settle_secs'))
+      or tonumber(redis.call('HGET', K_META, 'settle_secs')) or 0
+  end
   local untl = now + settle
   if untl > (tonumber(redis.call('HGET', K_FLEET, 'settle')) or 0) then
     redis.call('HSET', K_FLEET, 'settle', fmt(untl))
@@ -591,6 +1103,7 @@ local function lose(cause)
   if untl > (tonumber(redis.call('HGET', K_FLEET, 'frozen')) or 0) then
     redis.call('HSET', K_FLEET, 'frozen', fmt(untl))
   end
+  mirror()
 end
 
 -- A ledger written by another server process than this one: the server restarted from
@@ -601,38 +1114,112 @@ end
 -- per library instance: the library's Lua state is new in every server process (and on
 -- every FUNCTION LOAD, when the check finds the same run_id and nothing happens).
 local server_checked = {}
+local server_id = nil
 local function check_server()
   if server_checked[P] then return end
-  local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
+  server_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)')
   local stored = redis.call('GET', K_SERVER)
-  if stored and stored ~= run_id then lose('server_changed') end
-  redis.call('SET', K_SERVER, run_id)
+  if stored and stored ~= server_id then lose('server_changed') end
+  redis.call('SET', K_SERVER, server_id)
   server_checked[P] = true
 end
 
+-- How long ghosts hold what the ledger could not name: the fleet's settling window (every
+-- replica alive resyncs within it, re-adding what it holds), or a ttl if none was given.
+local function ghost_window()
+  local w = caller_settle
+  if w <= 0 then
+    w = tonumber(redis.call('HGET', K_FLEET, 'settle_secs'))
+      or tonumber(redis.call('HGET', K_META, 'settle_secs')) or 0
+  end
+  if w <= 0 then w = fleet_ttl() end
+  return w
+end
+
+-- Admission records lost (P:adm, alone or with P:inflight): ``orphans`` are the ids the
+-- live replicas' own sets still name without any record ({replica, id}), ``deficit`` how
+-- many of each class the counters hold beyond the records. Each orphan gets a placeholder
+-- record: its owner from the set, its class from P:pre:<c> if it is a candidate there
+-- (known), else a class the counters are still short of ("unsure": never a candidate,
+-- and its owner's next resync, which lists it, gives the real class, first byte and
+-- tenant), admitted now (a resync keeps an unlisted one as long as a fresh admission),
+-- before its first byte (so a first-byte mark answers 1, never a false "preempted").
+-- What no set names (the sets were lost too) is held by ghosts for one settling window:
+-- the count never drops below what runs, and comes back to it as the replicas resync.
+-- -> how many records were added per class.
+local function rebuild_admissions(orphans, deficit)
+  table.sort(orphans, function(x, y) return x[2] < y[2] end)
+  local added = {[0] = 0, 0, 0, 0}
+  local guessed = {}
+  for _, o in ipairs(orphans) do
+    local cls = nil
+    for c = 0, 3 do
+      if redis.call('ZSCORE', k_pre(c), o[2]) then cls = c break end
+    end
+    if cls == nil then
+      guessed[#guessed + 1] = o
+    else
+      deficit[cls] = deficit[cls] - 1
+      added[cls] = added[cls] + 1
+      put_adm({id = o[2], replica = o[1], cls = cls, admitted_at = now, first_byte = false,
+               unsure = false, tenant = ''})
+    end
+  end
+  for _, o in ipairs(guessed) do
+    local cls = 0
+    for c = 0, 3 do
+      if deficit[c] > 0 then cls = c break end
+    end
+    deficit[cls] = deficit[cls] - 1
+    added[cls] = added[cls] + 1
+    put_adm({id = o[2], replica = o[1], cls = cls, admitted_at = now, first_byte = false,
+             unsure = true, tenant = ''})
+  end
+  local untl = fmt(now + ghost_window())
+  for c = 0, 3 do
+    while deficit[c] > 0 do
+      local id = GHOST .. ':' .. next_seq()
+      put_adm({id = id, replica = GHOST, cls = c, admitted_at = now, first_byte = true,
+               unsure = true, tenant = ''})
+      redis.call('SADD', k_own(GHOST), id)
+      redis.call('ZADD', K_GHOSTS, untl, id)
+      haunted[P] = true
+      deficit[c] = deficit[c] - 1
+      added[c] = added[c] + 1
+    end
+  end
+  note('admissions_rebuilt')
+  return added
+end
+
 -- The per-class counters against the admission records, the truth (each record is written
--- with its counter in one run). Fewer records than counted: records were lost (eviction,
--- a DEL): a loss. More records than counted: the counters were lost; the records give
--- them back exactly, reported but no loss. O(admissions): every heartbeat, and any call
--- whose O(1) check (the totals) disagrees.
+-- with its counter in one run). More records than counted: the counters were lost; the
+-- records give them back exactly (counters_lost). Fewer: records were lost; they are
+-- rebuilt (rebuild_admissions()). O(admissions): every heartbeat, and any call whose O(1)
+-- check (the totals) disagrees.
 -- Also each replica's own set against the records naming it: a lost set would leave its
--- admissions and waiters behind when it dies (reap() goes by the set); rebuilt.
-local function reconcile()
+-- admissions and waiters behind when it dies (reap() goes by the set); rebuilt. And every
+-- ghost has its expiry (P:ghosts lost: from now). ``scan``: look for ids the own sets name
+-- without a record even though the totals agree (both were lost together: see run()).
+local function reconcile(scan)
   local counted = {[0] = 0, 0, 0, 0}
   local adm = redis.call('HGETALL', K_ADM)
   local waiting = redis.call('HGETALL', K_W)
   local owned = {} -- replica -> ids its records name
+  local recorded = {}
   for i = 2, #adm, 2 do
     local r, c = string.match(adm[i], '^(%S+) (%d+)')
     c = tonumber(c)
     counted[c] = counted[c] + 1
     owned[r] = owned[r] or {}
     owned[r][#owned[r] + 1] = adm[i - 1]
+    recorded[adm[i - 1]] = true
   end
   for i = 2, #waiting, 2 do
     local r = string.match(waiting[i], '^(%S+)')
     owned[r] = owned[r] or {}
     owned[r][#owned[r] + 1] = waiting[i - 1]
+    recorded[waiting[i - 1]] = true
   end
   -- SADD of members already there changes nothing (and is not replicated); any it adds
   -- were missing.
@@ -642,29 +1229,84 @@ local function reconcile()
       added = added + redis.call('SADD', k_own(r), unpack(ids, j, math.min(j + 999, #ids)))
     end
   end
-  if added > 0 and loss == '' then loss = 'owners_lost' end
-  local fewer, differ = false, false
+  if added > 0 then note('owners_lost') end
+  if owned[GHOST] then
+    haunted[P] = true
+    for _, id in ipairs(owned[GHOST]) do
+      if not redis.call('ZSCORE', K_GHOSTS, id) then
+        redis.call('ZADD', K_GHOSTS, fmt(now + ghost_window()), id)
+      end
+    end
+  end
+  local deficit, short = {}, false
   for c = 0, 3 do
-    if counted[c] < inf[c] then fewer = true end
+    deficit[c] = math.max(0, inf[c] - counted[c])
+    if deficit[c] > 0 then short = true end
+  end
+  if short or scan then
+    local orphans = {}
+    for _, r in ipairs(redis.call('ZRANGE', K_REPLICAS, 0, -1)) do
+      for _, id in ipairs(redis.call('SMEMBERS', k_own(r))) do
+        -- (a waiter whose record was lost still has its deadline: not an admission)
+        if not recorded[id] and not redis.call('ZSCORE', K_DL, id) then
+          orphans[#orphans + 1] = {r, id}
+        end
+      end
+    end
+    if short or #orphans > 0 then
+      local more = rebuild_admissions(orphans, deficit)
+      for c = 0, 3 do counted[c] = counted[c] + more[c] end
+    end
+  end
+  local differ = false
+  for c = 0, 3 do
     if counted[c] ~= inf[c] then differ = true end
   end
   if not differ then return end
   redis.call('HSET', K_INF, '0', counted[0], '1', counted[1], '2', counted[2], '3', counted[3])
   load_state()
-  if fewer then lose('admissions_lost') elseif loss == '' then loss = 'counters_lost' end
+  note('counters_lost')
+end
+
+-- Nothing admitted, as the records and the counters agree (run()'s O(1) check): unless the
+-- two were lost together. The live replicas' own sets then still name the admissions, the
+-- only members that are not waiters. Without waiters, a set that exists is enough to tell
+-- (O(replicas)); with some, O(waiters), only while nothing is admitted.
+local function owners_name_any()
+  local rs = redis.call('ZRANGE', K_REPLICAS, 0, -1)
+  if #rs == 0 then return false end
+  local sets = {}
+  for i, r in ipairs(rs) do sets[i] = k_own(r) end
+  if redis.call('EXISTS', unpack(sets)) == 0 then return false end -- an idle fleet
+  if redis.call('HLEN', K_W) == 0 then return true end
+  for _, r in ipairs(rs) do
+    for _, id in ipairs(redis.call('SMEMBERS', k_own(r))) do
+      if redis.call('HEXISTS', K_W, id) == 0 then return true end
+    end
+  end
+  return false
 end
 
 -- A live replica registered by another process (the container restarted, same replica
 -- id): its predecessor's admissions are still running in Envoy, so they are kept and
 -- handed to the new process (the reply's ``taken``), which holds them until Envoy shows
 -- them (or its ack timeout ends them). Its waiters, stop channels (preemption candidates)
--- and notifications went with the old process.
+-- and notifications went with the old process, whose incarnation is retired: a call from
+-- it later is refused (run()), so that two live processes sharing one id (two sidecars on
+-- one host with the same default id) do not take each other's admissions back and forth,
+-- unnoticed, and a late call of a dead process cannot take them back either.
+local RETIRED_KEPT = 8
 local function take_over()
   if caller == '' or caller_inc == '' or not live(caller) then return end
-  local prev = redis.call('HGET', K_INC, caller)
+  local prev = caller_prev -- (read by retired_caller() at the start of this call)
   if prev == caller_inc then return end
   redis.call('HSET', K_INC, caller, caller_inc)
   if not prev then return end -- recorded by this call: nothing of another process's to take
+  local retired = {prev}
+  for old in string.gmatch(redis.call('HGET', K_RETIRED, caller) or '', '%S+') do
+    if #retired < RETIRED_KEPT and old ~= caller_inc then retired[#retired + 1] = old end
+  end
+  redis.call('HSET', K_RETIRED, caller, table.concat(retired, ' '))
   for _, id in ipairs(redis.call('SMEMBERS', k_own(caller))) do
     local a = get_adm(id)
     if a ~= nil then
@@ -680,6 +1322,24 @@ local function take_over()
     end
   end
   redis.call('DEL', k_ev(caller))
+end
+
+-- A call from an incarnation a newer process of its replica id took over: refused before it
+-- reads or writes anything (run()). -> the error text, or nil.
+local function retired_caller()
+  caller_prev = false
+  if caller == '' or caller_inc == '' then return nil end
+  local prev = redis.call('HGET', K_INC, caller)
+  caller_prev = prev
+  if not prev or prev == caller_inc then return nil end
+  for old in string.gmatch(redis.call('HGET', K_RETIRED, caller) or '', '%S+') do
+    if old == caller_inc then
+      return 'ERR ledger: replica_id_in_use: replica id ' .. caller .. ' was taken over by '
+        .. 'another process (incarnation ' .. prev .. '); this process (' .. caller_inc
+        .. ') may not use it: give each sidecar its own --replica-id'
+    end
+  end
+  return nil
 end
 
 -- When tick next has work: a queue timeout or a head turning starved (relative seconds).
@@ -737,6 +1397,9 @@ local function unheard_by(r)
       end
     end
   end
+  -- (After a loss the replicas alive are registered again one by one: those not back yet
+  -- are in no count here. A replica takes no share from a status answered while the fleet
+  -- settles: sidecar/coordination/replica.py, Replica._note.)
   return n
 end
 
@@ -752,36 +1415,11 @@ end
 
 -- ---------------------------------------------------------------------- operations
 
--- A class as ledger.py encode_class writes it: "floor share qsize timeout starve preempt
--- fair limit", then under fair queuing "<weight> <bytes> <tenant>" per weighted tenant.
--- -> the first six fields (P:cfg), fair, limit, the weights' text, the weights {tenant, w...}.
-local function parse_class(s)
-  local f, pos = {}, 1
-  for i = 1, 7 do
-    local j = string.find(s, ' ', pos, true)
-    f[i] = string.sub(s, pos, j - 1)
-    pos = j + 1
-  end
-  local j = string.find(s, ' ', pos, true)
-  local limit, rest = string.sub(s, pos, (j or 0) - 1), ''
-  if j then rest = string.sub(s, j + 1) end
-  local weights = {}
-  pos = 1
-  while pos <= #rest do
-    local k = string.find(rest, ' ', pos, true)
-    local n = string.find(rest, ' ', k + 1, true)
-    local len = tonumber(string.sub(rest, k + 1, n - 1))
-    weights[#weights + 1] = string.sub(rest, n + 1, n + len)
-    weights[#weights + 1] = string.sub(rest, pos, k - 1)
-    pos = n + len + 2
-  end
-  return table.concat(f, ' ', 1, 6), f[7] == '1', limit, rest, weights
-end
-
 -- Store the class configuration a[5..8] (heartbeat args); a class whose kind of queue
--- changed is re-sorted (rebuild()), as Scheduler.update_config does.
-local function store_cfg(a)
-  local before = load_cfg()
+-- changed is re-sorted (rebuild()), as Scheduler.update_config does. Its text is kept in
+-- P:meta too (a lost P:cfg, P:tcfg or P:wt:<c> comes back from it: load_cfg()).
+store_cfg = function(a)
+  local before = load_cfg(true)
   local plain, tenants = {}, {}
   for c = 0, 3 do
     local text, fair, limit, wtext, weights = parse_class(a[5 + c])
@@ -802,6 +1440,7 @@ local function store_cfg(a)
   end
   redis.call('HSET', K_CFG, unpack(plain))
   redis.call('HSET', K_TCFG, unpack(tenants))
+  redis.call('HSET', K_META, 'class0', a[5], 'class1', a[6], 'class2', a[7], 'class3', a[8])
   cfg = nil
   local after = load_cfg()
   for c = 0, 3 do
@@ -826,6 +1465,49 @@ local function check_tenants()
       end
     end
   end
+end
+
+-- Waiters that have a record but no place in their class queue (P:q:<c> lost: nobody
+-- would grant them, and later arrivals would pass them): queued again by arrival time.
+-- Before check_tenants(), which then re-sorts a per-tenant class from its queue.
+local function check_queues()
+  local n = redis.call('HLEN', K_W)
+  if n == 0 then return end
+  local queued = 0
+  for c = 0, 3 do queued = queued + redis.call('ZCARD', k_q(c)) end
+  if queued >= n then return end
+  local back = {}
+  local all = redis.call('HGETALL', K_W)
+  for i = 1, #all, 2 do
+    local f = split(all[i + 1], 5)
+    if not redis.call('ZSCORE', k_q(f[2]), all[i]) then
+      back[#back + 1] = {id = all[i], cls = f[2], at = tonumber(f[3])}
+    end
+  end
+  table.sort(back, function(x, y) return x.at < y.at or (x.at == y.at and x.id < y.id) end)
+  for _, w in ipairs(back) do redis.call('ZADD', k_q(w.cls), next_seq(), w.id) end
+  if #back > 0 then note('state_rebuilt') end
+end
+
+-- A fair class whose tenant weights are gone (P:wt:<c> lost) while its settings have some.
+local function weights_lost(a)
+  local cf = load_cfg()
+  for c = 0, 3 do
+    if cf[c].fair and redis.call('EXISTS', k_wt(c)) == 0 then
+      local _, _, _, wtext = parse_class(a[5 + c])
+      if wtext ~= '' then return true end
+    end
+  end
+  return false
+end
+
+-- Ended ids without their time (P:endq lost: never forgotten): forgotten from now on.
+local function check_ended()
+  if redis.call('HLEN', K_ENDED) <= redis.call('ZCARD', K_ENDQ) then return end
+  for _, id in ipairs(redis.call('HKEYS', K_ENDED)) do
+    redis.call('ZADD', K_ENDQ, 'NX', fmt(now), id)
+  end
+  note('state_rebuilt')
 end
 
 -- heartbeat replica ttl report force cfg0 cfg1 cfg2 cfg3 digest keep_ended settle
@@ -864,20 +1546,27 @@ local function heartbeat(a)
   -- Registered by this call (or its record was lost: stamped now, which only delays its
   -- share): the other replicas have not heard of it yet (unheard_by).
   if not known or redis.call('HEXISTS', K_REG, r) == 0 then
-    redis.call('HSET', K_REG, r, gen)
+    redis.call('HSET', K_REG, r, int(gen))
   end
-  if r == caller then redis.call('HSET', K_HEARD, r, caller_seen) end
+  if r == caller then redis.call('HSET', K_HEARD, r, int(caller_seen)) end
   redis.call('HSET', K_REPORTS, r, a[3])
-  if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 or redis.call('EXISTS', K_TCFG) == 0 then
+  if a[4] == '1' or redis.call('EXISTS', K_CFG) == 0 or redis.call('EXISTS', K_TCFG) == 0
+      or weights_lost(a) then
     store_cfg(a)
   end
+  check_queues()
   check_tenants()
+  check_ended()
+  if server_id and redis.call('EXISTS', K_SERVER) == 0 then
+    redis.call('SET', K_SERVER, server_id)
+  end
   redis.call('HSET', K_DIGESTS, r, a[9])
   redis.call('HSET', K_FLEET, 'keep', a[10])
   recompute_fleet()
   load_state()
-  reconcile()
+  reconcile(true) -- and ids the own sets name without a record (see reconcile())
   forget_ended(1000)
+  mirror()
   if known and redis.call('SISMEMBER', K_RETURNING, r) == 0 then return 'ok' end
   return 'new'
 end
@@ -888,6 +1577,32 @@ ops.heartbeat = function(a)
   local status = heartbeat(a)
   dispatch()
   return fleet_reply(status, a[1])
+end
+
+-- An admission its owner lists (a[i..i+4]: id cls first_byte preemptible tenant) that the
+-- ledger already counts. A record rebuilt with a guessed class (rebuild_admissions()) takes
+-- the listed class, first byte and tenant; a candidate the owner lists whose place in
+-- P:pre:<c> was lost is a candidate again (as the most recent one).
+local function relisted(cur, a, i)
+  if cur.unsure then
+    local c = tonumber(a[i + 1])
+    if c ~= cur.cls then
+      redis.call('ZREM', k_pre(cur.cls), cur.id)
+      redis.call('HINCRBY', K_INF, cur.cls, -1)
+      redis.call('HINCRBY', K_INF, c, 1)
+      inf[cur.cls] = inf[cur.cls] - 1
+      inf[c] = inf[c] + 1
+      cur.cls = c
+    end
+    cur.unsure = false
+    cur.first_byte = cur.first_byte or a[i + 2] == '1'
+    cur.tenant = a[i + 4]
+    put_adm(cur)
+  end
+  if a[i + 3] == '1' and not cur.first_byte
+      and not redis.call('ZSCORE', k_pre(cur.cls), cur.id) then
+    redis.call('ZADD', k_pre(cur.cls), next_seq(), cur.id)
+  end
 end
 
 -- reregister <heartbeat args> then groups of (id cls first_byte preemptible tenant):
@@ -907,8 +1622,18 @@ local function reregister(a, force)
       -- Held by the replica, a waiter here: a copy from before its grant (a restore).
       drop_waiter(w)
     end
-    if redis.call('HEXISTS', K_ADM, id) == 1 then
-      -- already counted
+    local cur = get_adm(id)
+    if cur ~= nil then
+      -- Already counted. Adopted by another replica than the one it is recorded under:
+      -- the Envoy that runs it is this replica's (its process restarted under a new id,
+      -- and the old registration would free it when it lapses), so it moves here.
+      if force and cur.replica ~= a[1] then
+        redis.call('SREM', k_own(cur.replica), id)
+        redis.call('SADD', k_own(a[1]), id)
+        cur.replica = a[1]
+        put_adm(cur)
+      end
+      if cur.replica == a[1] then relisted(cur, a, i) end
     elseif ended and ended ~= REAPED and not force then
       refused[#refused + 1] = id
     else
@@ -917,7 +1642,7 @@ local function reregister(a, force)
                    first_byte = a[i + 2] == '1', tenant = a[i + 4]}
       admit(adm)
       if a[i + 3] == '1' and not adm.first_byte then
-        redis.call('ZADD', k_pre(adm.cls), 'NX', redis.call('INCR', K_SEQ), id)
+        redis.call('ZADD', k_pre(adm.cls), 'NX', next_seq(), id)
       end
       redis.call('HDEL', K_ENDED, id)
       redis.call('ZREM', K_ENDQ, id)
@@ -937,16 +1662,40 @@ ops.reregister = function(a) return reregister(a, false) end
 -- fleet_reply + the ids it had ended (re-added all the same; the replica reports them).
 ops.adopt = function(a) return reregister(a, true) end
 
--- resync <heartbeat args> min_age then groups like reregister (class -1: a waiter, kept as
--- is; class -2: see keep below): make the ledger's view of the
+-- A resync older than the newest one of its process the ledger applied (``order``: each
+-- process numbers its resyncs, and sends one only after the one before was answered or
+-- given up on). It can still run: its connection was given up on while the server was
+-- paused, and what that connection had sent ran on resume, after the new connection's
+-- newer resync (the deterministic fleet simulation found it: the late recovery resync,
+-- min_age 0, dropped what the newer one had re-added, streams that were running, and
+-- the fleet ran 7 of 6). Its list is older than what the ledger holds from the newer
+-- one, and so are its capacity report and its caller's ``seen``: it changes nothing.
+-- Otherwise its order is recorded. A new incarnation's numbers start again (P:order
+-- keeps the incarnation); a reaped replica's entry goes with it (nothing of the
+-- replica's is left for a late resync to drop).
+local function stale_resync(r, order)
+  local last = redis.call('HGET', K_ORDER, r)
+  if last then
+    local inc, n = string.match(last, '^(%S*) (%d+)$')
+    if inc == caller_inc and tonumber(n) >= order then return true end
+  end
+  redis.call('HSET', K_ORDER, r, caller_inc .. ' ' .. int(order))
+  return false
+end
+
+-- resync <heartbeat args> min_age order then groups like reregister (class -1: a waiter,
+-- kept as is; class -2: see keep below): make the ledger's view of the
 -- replica exactly what it holds. Adds back what it holds (as reregister) and drops every
 -- admission or waiter the ledger has for it that it does not list and that is at least
 -- min_age seconds old: released or cancelled while the server was away, or decided by a
 -- call whose reply the replica never read (it timed out, or the server ran it late). After
 -- an outage min_age is 0; in steady state it is larger than any call's time in flight, so
--- an admission whose reply is still on its way is not dropped. Reply: as reregister.
+-- an admission whose reply is still on its way is not dropped. ``order``: see
+-- stale_resync(); a stale one answers "stale" (nobody reads it: its caller gave up).
+-- Reply: as reregister.
 ops.resync = function(a)
   local min_age = tonumber(a[12])
+  if stale_resync(a[1], tonumber(a[13])) then return fleet_reply('stale', a[1]) end
   if settling() == 0 and live(a[1]) then redis.call('SREM', K_RETURNING, a[1]) end
   local rest = {}
   for i = 1, 11 do rest[i] = a[i] end
@@ -956,7 +1705,7 @@ ops.resync = function(a)
   -- if it is still queued (its requester has moved to the local queue).
   local keep = {}
   for id in pairs(taken_ids) do keep[id] = 'all' end -- taken over by this very call
-  for i = 13, #a, 5 do
+  for i = 14, #a, 5 do
     local c = a[i + 1]
     if c == '-2' then
       keep[a[i]] = 'admitted'
@@ -1023,7 +1772,7 @@ ops.arrive = function(a)
     return {'rejected_queue_full'}
   end
   local deadline = now + cf[c].timeout
-  local seq = redis.call('INCR', K_SEQ)
+  local seq = next_seq()
   redis.call('ZADD', k_q(c), seq, id)
   redis.call('HSET', K_W, id, r .. ' ' .. c .. ' ' .. fmt(now) .. ' ' .. fmt(deadline) .. ' '
              .. tenant)
@@ -1071,8 +1820,9 @@ ops.mark_preemptible = function(a)
     local adm = get_adm(id)
     if adm ~= nil and not adm.first_byte then
       n = n + 1
-      if redis.call('ZSCORE', k_pre(adm.cls), id) == false then
-        redis.call('ZADD', k_pre(adm.cls), redis.call('INCR', K_SEQ), id)
+      -- (a record whose class is a guess is no candidate until its owner lists it)
+      if not adm.unsure and redis.call('ZSCORE', k_pre(adm.cls), id) == false then
+        redis.call('ZADD', k_pre(adm.cls), next_seq(), id)
       end
       dispatch()
     end
@@ -1120,8 +1870,6 @@ ops.snapshot = function(_)
 end
 
 -- The single-operation calls ---------------------------------------------------------
-local BATCHABLE = {arrive = true, release = true, cancel = true, mark_preemptible = true,
-                   mark_first_byte = true, tick = true}
 
 -- multi n1 op1 args1... n2 op2 args2... : several of the batchable operations in one
 -- invocation (n = the op's own argument count), decided in order exactly as the same calls
@@ -1167,32 +1915,51 @@ local function clock(arg)
 end
 
 local function run(keys, argv)
+  local ok, args = pcall(check_call, keys, argv)
+  if not ok then return redis.error_reply('ERR ledger: ' .. tostring(args)) end
   set_prefix(keys[1])
   now = clock(argv[2])
   cfg = nil
-  loss, taken, taken_ids = '', {}, {}
-  caller_settle = tonumber(argv[4]) or 0
-  caller, caller_inc = argv[5] or '', argv[6] or ''
-  caller_seen = tonumber(argv[3]) or 0
-  local fn = ops[argv[1]]
-  if fn == nil then return redis.error_reply('ERR unknown ledger op ' .. tostring(argv[1])) end
+  loss, lost, taken, taken_ids = '', false, {}, {}
+  caller_settle = tonumber(argv[4])
+  caller, caller_inc = argv[5], argv[6]
+  caller_seen = tonumber(argv[3])
+  local retired = retired_caller()
+  if retired then return redis.error_reply(retired) end
   load_state()
+  if not fleet_kept then
+    restore_fleet()
+  elseif window > now and redis.call('EXISTS', K_META) == 0 then
+    mirror() -- a settling window runs: its second copy must be there
+  end
   check_server()
   gen = redis.call('INCR', K_GEN)
-  local seen = tonumber(argv[3]) or 0
-  if seen >= gen then
+  if gen == 1 and redis.call('EXISTS', K_FLEET, K_REPLICAS, K_REPORTS, K_ADM, K_INF) > 0 then
+    -- P:gen lost on its own (a new or wiped ledger has none of those keys): carried past
+    -- any generation a replica can have seen, so that nobody takes this for an older copy.
+    local top = caller_seen
+    for _, k in ipairs({K_REG, K_HEARD}) do
+      for _, v in ipairs(redis.call('HVALS', k)) do top = math.max(top, tonumber(v) or 0) end
+    end
+    gen = top + GEN_JUMP
+    redis.call('SET', K_GEN, int(gen))
+    note('state_rebuilt')
+  end
+  if caller_seen >= gen then
     -- Older than what the caller already saw acknowledged: carry the generation forward
     -- (so the loss is handled once) and treat it as data loss.
-    gen = seen + 1
-    redis.call('SET', K_GEN, gen)
-    if loss == '' then lose('stale_copy') end
+    gen = caller_seen + 1
+    redis.call('SET', K_GEN, int(gen))
+    if not lost then lose('stale_copy') end
   end
   reap()
-  if redis.call('HLEN', K_ADM) ~= total then reconcile() end
+  if redis.call('HLEN', K_ADM) ~= total then
+    reconcile(false)
+  elseif total == 0 and owners_name_any() then
+    reconcile(true)
+  end
   take_over()
-  local args = {}
-  for i = 7, #argv do args[#args + 1] = argv[i] end
-  local reply = fn(args) -- first: it may find a loss too (reconcile() in heartbeat())
+  local reply = ops[argv[1]](args) -- first: it may find a loss too (reconcile() in heartbeat())
   return {gen, loss, taken, reply, redis.call('ZCARD', K_REPLICAS)}
 end
 

@@ -66,10 +66,10 @@ import math
 import re
 import secrets
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, TypeVar
 
 import redis.asyncio as redis
 from redis.exceptions import NoPermissionError, ResponseError
@@ -101,6 +101,19 @@ TEST_LUA = (f"#!lua name={TEST_LIBRARY}\n"
 # How long the ledger remembers ended ids (to tell a duplicate release from a stranger).
 DEFAULT_REMEMBER_ENDED_SECS = 600.0
 
+# The ranges ledger.lua accepts (its check_call() refuses anything else, changing nothing):
+# a registration's ttl, a settling window and ended ids' memory up to a day; a time span
+# (queue timeout, starvation threshold, an age) up to 1e9 s; counts (capacity,
+# reservations, queue sizes, limits) up to 2**31 - 1. encode_class and the capacity report
+# clamp to them: a larger value would act the same (1e9 s is 31 years) or is no capacity
+# any worker has.
+MAX_TTL_SECS = 86400.0
+MAX_SPAN_SECS = 1e9
+MAX_COUNT = 2**31 - 1
+
+# The ops that register this replica (or re-register it): each verifies the library first.
+_REGISTERING = frozenset({"heartbeat", "reregister", "adopt", "resync"})
+
 _NAME = re.compile(r"^[^\s{}]+$")
 
 
@@ -124,6 +137,14 @@ def _num(x: float) -> str:
     return repr(float(x))
 
 
+def _span(x: float) -> str:
+    return _num(min(x, MAX_SPAN_SECS))
+
+
+def _count(n: int) -> int:
+    return max(0, min(int(n), MAX_COUNT))
+
+
 def encode_class(c: ClassSettings) -> str:
     """One class as the ledger stores it: "floor share qsize timeout starve preempt fair
     limit", then (fair queuing only, where they act) the tenant weights.
@@ -135,10 +156,11 @@ def encode_class(c: ClassSettings) -> str:
     ``ClassQueues.configure`` does).
     """
     limit = c.tenant_queue_limit
-    text = " ".join((str(c.reserved_floor), _num(c.reserved_per_slot), str(c.queue_size),
-                     _num(c.queue_timeout_secs), _num(c.starvation_threshold_secs),
+    text = " ".join((str(_count(c.reserved_floor)), _num(min(c.reserved_per_slot, MAX_COUNT)),
+                     str(_count(c.queue_size)), _span(c.queue_timeout_secs),
+                     _span(c.starvation_threshold_secs),
                      "1" if c.can_preempt else "0", "1" if c.fair_queuing else "0",
-                     "-" if limit is None else str(limit)))
+                     "-" if limit is None else str(_count(limit))))
     if c.fair_queuing:
         for tenant, weight in sorted(c.tenant_weights.items()):
             text += f" {_num(weight)} {len(tenant.encode())} {tenant}"
@@ -310,6 +332,18 @@ class LibraryNotLoaded(ConnectionError):
     """The library is missing and this user may not load it (FUNCTION LOAD denied)."""
 
 
+class ReplicaIdInUse(ConnectionError):
+    """The ledger refused this process: a newer process registered under its replica id
+    and took over its admissions (ledger.lua take_over()). Two live sidecars share the id
+    (outside Kubernetes, two on one host with the default, the hostname); this one may not
+    use the ledger again. A ConnectionError, so the controller degrades as when the server
+    is unreachable, while the log says why (``coordination_replica_id_in_use``)."""
+
+
+def _replica_id_in_use(exc: ResponseError) -> bool:
+    return "replica_id_in_use" in str(exc)
+
+
 def _library_code(reply: Any) -> str | None:
     """The code of the first library in a FUNCTION LIST ... WITHCODE reply (RESP2 or 3)."""
     for lib in reply or ():
@@ -352,6 +386,18 @@ def _per_class(values: Sequence[Any]) -> dict[PriorityClass, int]:
 
 # ---------------------------------------------------------------------------- client
 
+
+
+T_ = TypeVar("T_")
+
+
+def _shared(coro: Coroutine[Any, Any, T_]) -> asyncio.Future[T_]:
+    """A task several callers await through ``asyncio.shield``: one that gives up (its call
+    timed out) leaves the task running, so its failure is retrieved here, never reported
+    as "Task exception was never retrieved" (every caller still waiting gets it)."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
 class _Pipelined:
     """One connection on which calls are written as they come and answered in order.
@@ -397,7 +443,7 @@ class _Pipelined:
 
     async def _connect(self) -> Any:
         if self._connecting is None or self._connecting.done():
-            self._connecting = asyncio.ensure_future(self._open())
+            self._connecting = _shared(self._open())
         return await asyncio.shield(self._connecting)
 
     async def _open(self) -> Any:
@@ -493,6 +539,13 @@ class FleetLedger:
     ) -> None:
         if not _NAME.match(replica):
             raise ValueError(f"replica id must be non-empty, without spaces or braces: {replica!r}")
+        # The library refuses anything else (check_call()): said here, once, at start-up.
+        if not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL_SECS):
+            raise ValueError(f"ledger ttl must be in (0, {MAX_TTL_SECS:g}] s, got {ttl!r}")
+        if not (math.isfinite(remember_ended_secs)
+                and 0 <= remember_ended_secs <= MAX_TTL_SECS):
+            raise ValueError(f"remember_ended_secs must be in [0, {MAX_TTL_SECS:g}] s, "
+                             f"got {remember_ended_secs!r}")
         self._client = client
         self._prefix = prefix(fleet, pool)
         self.pool = pool  # None: the fleet's own namespace (no pools, or the default pool)
@@ -508,10 +561,19 @@ class FleetLedger:
         self._library: LibraryState | None = None
         self._verifying: asyncio.Future[LibraryState] | None = None
         self._untrusted: LibraryMismatch | None = None
+        # Told of every verification's result (sidecar.coordination.server.watch_library
+        # turns them into the library metrics).
+        self.on_library: Callable[[LibraryState], None] | None = None
+        # Refused as a retired incarnation (ReplicaIdInUse) by the last call: logged once.
+        self._id_in_use = False
         # Published with the config digest ("<digest>@<identity>") so that replicas can tell
         # a second deployment under the same fleet id (sidecar.coordination.server).
         self.identity = ""
         self.calls = 0  # ledger calls sent (round trips; for tests and benchmarks)
+        # Resyncs built so far: each carries the next number, so that one that runs after a
+        # newer one of this process (late, on a connection given up on) changes nothing
+        # (ledger.lua, stale_resync()). Per process, like the incarnation.
+        self.resyncs = 0
         # The highest ledger generation acknowledged to us: a ledger found below it is an
         # older copy (ledger.lua, lose()). Per process, like the incarnation.
         self.generation = 0
@@ -541,7 +603,13 @@ class FleetLedger:
         return f"{self._prefix}:ev:{self.replica}"
 
     async def _call(self, op: str, *args: str | int) -> Any:
-        return self._unwrap(await self._call_raw(op, *args))
+        raw = await self._call_raw(op, *args)
+        try:
+            return self._unwrap(raw)
+        except (ValueError, TypeError, IndexError, KeyError) as exc:
+            # Not the reply this version's library gives: perhaps not its code.
+            await self._suspect()
+            raise ResponseError(f"malformed ledger reply to {op}: {exc!r}") from exc
 
     def _unwrap(self, raw: Sequence[Any]) -> Any:
         """{generation, loss cause, taken over, reply, live replicas}: note all but the
@@ -565,21 +633,58 @@ class FleetLedger:
         now = "" if self._clock is None else _num(self._clock())
         self.calls += 1
         args = (self.generation, _num(self.settle), self.replica, self.incarnation, *args)
+        verify = op in _REGISTERING
         try:
-            return await self._fcall(op, now, *args)
+            reply = await self._fcall(op, now, *args, verify=verify)
         except ResponseError as exc:
             if not _function_missing(exc):
-                raise
-        # First call on this server, or it restarted without its data: load, then retry.
-        if self._clock is not None:
-            await self._client.function_load(TEST_LUA, replace=True)
-        else:
-            await self.load_library()
-        return await self._fcall(op, now, *args)
+                await self._refused(exc)
+            # First call on this server, or it restarted without its data: load, then retry.
+            if self._clock is not None:
+                await self._client.function_load(TEST_LUA, replace=True)
+            else:
+                await self.load_library()
+            try:
+                reply = await self._fcall(op, now, *args, verify=False)
+            except ResponseError as exc:
+                await self._refused(exc)
+        self._id_in_use = False
+        return reply
 
-    async def _fcall(self, *args: str | int) -> Any:
-        if self._library is None and self._clock is None:
-            await self.verify_library()  # once, before the first call runs its code
+    async def _refused(self, exc: ResponseError) -> NoReturn:
+        """An error reply. This version's library gives some (a bad argument, a retired
+        incarnation), but so could other code under its name: the library is verified before
+        the error is passed on (as LibraryMismatch if it is not ours)."""
+        await self._suspect()
+        if _replica_id_in_use(exc):
+            if not self._id_in_use:
+                self._id_in_use = True
+                log.error("coordination_replica_id_in_use", replica=self.replica,
+                          incarnation=self.incarnation,
+                          hint="another live process registered with this --replica-id and "
+                               "took over its admissions; this one admits within its "
+                               "degraded share: give each sidecar its own --replica-id")
+            raise ReplicaIdInUse(str(exc)) from exc
+        raise exc
+
+    async def _suspect(self) -> None:
+        """Something the library answered could mean it is another library: verify it
+        now (not at the next periodic check); raise LibraryMismatch if it is."""
+        if self._clock is not None:
+            return
+        with contextlib.suppress(redis.RedisError, OSError, TimeoutError):
+            await self.verify_library()
+        if self._untrusted is not None:
+            raise self._untrusted
+
+    async def _fcall(self, *args: str | int, verify: bool = False) -> Any:
+        # Verified before the first call, before a registering call (every heartbeat), and
+        # before the first call on a new connection (the server may have restarted, or the
+        # connection may lead elsewhere); a library replaced meanwhile is found by the next
+        # of these, or by the first error or malformed reply it gives (_refused, _call).
+        if self._clock is None and (verify or self._library is None or (
+                self._pipe is not None and self._pipe._conn is None)):
+            await self.verify_library()
         if self._untrusted is not None:
             raise self._untrusted
         fn = FUNCTION if self._clock is None else TEST_FUNCTION
@@ -616,7 +721,7 @@ class FleetLedger:
         Calls that all find it missing at once (a restarted server) share one load.
         """
         if self._loading is None or self._loading.done():
-            self._loading = asyncio.ensure_future(self._load())
+            self._loading = _shared(self._load())
         await asyncio.shield(self._loading)
 
     async def _load(self) -> None:
@@ -652,12 +757,14 @@ class FleetLedger:
         Logs a change of state once. Concurrent callers share one check.
         """
         if self._verifying is None or self._verifying.done():
-            self._verifying = asyncio.ensure_future(self._verify())
+            self._verifying = _shared(self._verify())
         return await asyncio.shield(self._verifying)
 
     async def _verify(self) -> LibraryState:
         state = await library_state(self._client)
         before, self._library = self._library, state
+        if self.on_library is not None:
+            self.on_library(state)
         if state is LibraryState.MISMATCH:
             self._untrusted = LibraryMismatch(
                 f"the server's ledger library {LIBRARY} is not this version's code")
@@ -677,9 +784,10 @@ class FleetLedger:
     def _heartbeat_args(self, capacity: int, force: bool, settle: float) -> list[str | int]:
         if self._classes is None:
             raise RuntimeError("register() before heartbeat()")
-        self._capacity = max(0, capacity)
+        self._capacity = _count(capacity)
         reserved = scaled_reservations(self._classes, self._capacity)
-        report = " ".join(str(v) for v in (self._capacity, *(reserved[c] for c in HIGH_TO_LOW)))
+        report = " ".join(str(_count(v))
+                          for v in (self._capacity, *(reserved[c] for c in HIGH_TO_LOW)))
         return [
             self.replica, _num(self.ttl), report, "1" if force else "0",
             *(encode_class(self._classes[PriorityClass(i)]) for i in range(4)),
@@ -689,6 +797,8 @@ class FleetLedger:
 
     @staticmethod
     def _status(reply: Sequence[Any]) -> FleetStatus:
+        # ("stale": a resync older than one already applied; its caller gave up on it, so
+        # nobody reads this. Read, it would count as unknown: an outage and a return.)
         return FleetStatus(reply[0] == "ok", int(reply[1]), int(reply[2]), int(reply[3]),
                            int(reply[4]), _per_class(reply[5:9]), tuple(reply[11:]),
                            float(reply[9]), int(reply[10]))
@@ -743,18 +853,28 @@ class FleetLedger:
         whose reply is still on its way. ``waiting``: this replica's waiters, kept as they are.
         ``in_flight``: arrivals whose reply it still waits for (after an outage, min_age 0):
         kept if the ledger admitted them, dropped if they are queued (their requesters have
-        moved to the local queue).
+        moved to the local queue). Each resync is numbered (:attr:`resyncs`): one the server
+        runs only after a newer one of this process (late, on a connection given up on)
+        changes nothing.
         """
+        return self._status(await self._call("resync", *self._resync_args(
+            holdings, capacity, min_age, waiting, settle, in_flight)))
+
+    def _resync_args(self, holdings: Iterable[Holding], capacity: int | None = None,
+                     min_age: float = 0.0, waiting: Iterable[str] = (),
+                     settle: float = 0.0, in_flight: Iterable[str] = ()) -> list[str | int]:
+        """A resync's arguments, numbered: the next in this process's order."""
         cap = self._capacity if capacity is None else capacity
         args = self._heartbeat_args(cap, False, settle)
-        args.append(_num(min_age))
+        self.resyncs += 1
+        args += [_num(min_age), self.resyncs]
         for h in holdings:
             args += _holding_args(h)
         for id in waiting:
             args += [id, -1, "0", "0", ""]
         for id in in_flight:
             args += [id, -2, "0", "0", ""]
-        return self._status(await self._call("resync", *args))
+        return args
 
     # ------------------------------------------------------------------- decisions
 

@@ -28,9 +28,10 @@ OK          the ledger                           ``ledger_lost`` (a call failed 
                                                  the ledger lost writes) → DEGRADED.
 DEGRADED    the local core, within the degraded  ``resync_sent`` (the heartbeat found the
             limit of the last view               server again) → RESYNCING.
-RESYNCING   nobody: the resync's list is fixed,  ``resync_failed`` → DEGRADED (the outage rule
-            a local admission would miss it      again); ``resync_held`` → SETTLING;
-                                                 ``resync_back`` → OK.
+RESYNCING   the local core, with the limit of    ``resync_failed`` → DEGRADED (the outage rule
+            the mode it left: L from DEGRADED    again); ``resync_held`` → SETTLING (also when
+            (the resync may hang), nothing new   it admitted after its list was fixed: a
+            from SETTLING                        resync again at once); ``resync_back`` → OK.
 SETTLING    the local core, reusing only the     ``resync_sent`` (the next heartbeat) →
             slots freed since the resync         RESYNCING.
             (recycle-only)
@@ -73,17 +74,25 @@ heartbeat interval (ttl/3) plus one call timeout before the outage, and views fr
 different moments may count different N (the fleet simulation found 6 + 3 + 2 = 11 of 6:
 three replicas started one after the other, each with its own N = 1, 2, 3, and the server
 hung before the first one's next heartbeat). So the share s_i = floor(C/N_i) takes N_i
-from the newest reply (every ledger reply carries the live count, an arrive's too; the
-view's if larger: a ledger that lost its data counts fewer until the fleet has
-re-registered, and a shrink is taken with the next view), and
+as the largest live count of the view and of every reply since it (every ledger reply
+carries the live count, an arrive's too): it grows with the replies and shrinks only with
+the next view (a ledger that lost its data counts fewer until the fleet has re-registered:
+taking the newest reply's count alone, a replica back from a pause that had read 3 fell
+back to its view's 2 on the first reply of a server restarted empty, while the replica
+that joined kept its share of C/3: 3 + 2 + 2 of 6), and
 is 0 while another replica may not have read a reply that counts it (each status says how
 many: ``FleetStatus.unheard``; the ledger keeps when each replica registered and the
 newest generation each has read, from the ``seen`` its heartbeats carry, and counts a
 replica whose registration lapsed within a ttl as not having heard: alive, it may still
-divide by a count from before). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
+divide by a count from before; a status answered while the fleet settles never gives a
+share, only takes one away: after a loss the replicas alive are registered again one by
+one, and those not back yet are in no count, so a replica alone in a ledger restarted
+empty was told none had not heard, and took its share of C/3 beside two that had never
+counted it, 3 + 4 + 4 of 9). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
 share; each i in S has its share only because every other replica then registered, or
-lapsed within a ttl, had read a reply made after i registered, and that reply, like every
-later one, counts i while it stays registered; so every N_j (j in S) counts all of S, and
+lapsed within a ttl, had read a reply made after i registered, and that reply counts i;
+N_j is at least that count until j takes a new view, which (a settled ledger that knows j)
+counts i too while i stays registered; so every N_j (j in S) counts all of S, and
 Σ_S floor(C/N_j) ≤ |S|·floor(C/|S|) ≤ C. No clock is involved in the counting; the ttl
 only bounds how long a lapsed replica keeps the others' shares at 0 (one that stays
 unreachable longer is the partition case, with its own bound). Comparing registration
@@ -125,9 +134,9 @@ documented (docs/reference.md, "Failure modes").
 
 The heartbeat keeps trying; each success is a ``resync`` that makes the ledger's view of
 this replica exactly what it holds (adds back local admissions, drops what ended
-meanwhile), during which local admission pauses. After it, while the replica still
-waits to return to ``ok``, it only reuses slots freed from then on (the ledger counts
-what it holds again, and replicas already back admit against that). The replica returns
+meanwhile). After it, while the replica still waits to return to ``ok``, it only reuses
+slots freed from then on (the ledger counts what it holds again, and replicas already
+back admit against that). The replica returns
 to ``ok`` once a resync finds its registration still known, at least one heartbeat
 interval has passed since the server answered again, and the fleet has settled: the first
 resync the ledger answers for a replica it does not know (data loss, or every registration
@@ -139,6 +148,37 @@ timing out when the server came back re-registers up to a call timeout later tha
 Waiters queued locally then re-arrive at the ledger. A replica that starts while the fleet
 settles admits nothing until it has. A replica that has never reached the server (start-up
 during an outage) has no view: it queues by the class rules until the server answers.
+
+*A resync in flight.* The heartbeat's recovery resync lists what the replica holds when it
+is sent; the answer comes a round trip later, or never (a hung server: the call times out
+after ``call_timeout``, one heartbeat interval after another). Pausing local admission for
+the flight, as this core once did, made a degraded replica refuse requests its limit
+allows for a call timeout out of every interval while the server hung (two sidecars of a
+capacity-4 fleet, each holding 1 of its share of 2, answered a bulk Check 429 with the
+server SIGSTOPped; the deterministic simulation's liveness check found it at once). So a
+resync sent from DEGRADED keeps the limit L: until it is answered the replica is as away
+as before, and what it admits meanwhile is within L, covered by the outage bound exactly
+like its other local admissions. The cost is on the answer: an admission made after the
+list was fixed (and still held) is not in the ledger, whose count of this replica is the
+list's. Such an answer is never a return, even a whole interval later: the replica goes to
+SETTLING holding at most what the ledger counts for it (the list's ids it kept: it reuses
+a listed slot that ended, never more), and resyncs again at once; that resync lists them,
+and from SETTLING nothing new is admitted while it flies, so its answer lists everything
+held and the ordinary rule applies (two round trips instead of one). Until the second
+answer the ledger undercounts this replica by what it admitted during the first flight
+and kept, as it undercounts a replica whose first resync has not arrived yet: the others
+return to ``ok`` only after an interval of answers, and this replica's first answer came
+within an interval of the server's return, the second one round trip later. A resync sent
+from SETTLING admits nothing new while it flies (``recycle`` 0): its list is what the
+ledger will count, and a slot reused meanwhile would be in neither; if the server hangs
+then, the call fails within a call timeout and the outage rule (L) applies again. An id the
+answer says the ledger had ended is released locally without its slot being reused (the
+ledger gave it to another request: ``LocalRelease(reuse=False)``). A resync given up on
+(failed or timed out here) may still run later: a paused server, resumed, runs what a
+connection dropped meanwhile had sent, possibly after the next resync. The ledger applies
+only the newest resync of a process (``ledger.lua``, ``stale_resync()``), so a late one
+never puts back an older list (it once dropped two running streams that the newer one
+had re-added).
 
 One held admission
 ==================
@@ -205,6 +245,7 @@ from sidecar.coordination.ledger import (
     degraded_limit,
 )
 from sidecar.coordination.ledger import Event as Notification
+from sidecar.coordination.outbox import Adopt, MarkFirstByte, MarkPreemptible, Op, Release
 from sidecar.scheduler.lifecycle import (
     Admission,
     Admitted,
@@ -438,11 +479,10 @@ class Held:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Queue one ledger op on the driver's ordered outbox: ``release`` (id, reason),
-    ``preemptible`` id, ``first_byte`` id, ``adopt`` Holding, ``register`` None."""
+    """Queue one ledger op on the driver's ordered outbox (:mod:`sidecar.coordination.outbox`
+    decides what each flush sends)."""
 
-    op: str
-    arg: object
+    op: Op
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,10 +529,13 @@ class Stop:
 
 @dataclass(frozen=True, slots=True)
 class LocalRelease:
-    """The local core releases ``id`` (its Released event then moves the mirror)."""
+    """The local core releases ``id`` (its Released event then moves the mirror).
+    ``reuse`` False: its slot is not the local core's to give again (the ledger gave it
+    away): its capacity shrinks by one with it, until the next limit is set."""
 
     id: str
     reason: ReleaseReason
+    reuse: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,11 +663,11 @@ class Replica:
         self._back_at: float | None = None
         self._recycle: int | None = None
         self._view = NO_VIEW
-        # N for the share: the live count of the newest ledger reply (every reply carries
-        # it; 0: none yet, the view's count), and whether every other replica is known to
-        # have read a reply that counts it (the newest answered
-        # status's ``unheard`` is 0; before any status there is no view, so no share
-        # either way). See "the remaining window" in the module docstring.
+        # N for the share: the largest live count of the ledger replies since the view was
+        # taken (every reply carries one; a view resets it to its own: 0, none yet), and
+        # whether every other replica is known to have read a reply that counts it (the
+        # newest answered status's ``unheard`` is 0; before any status there is no view,
+        # so no share either way). See "the remaining window" in the module docstring.
         self._live = 0
         self._heard = True
         # What this replica holds (the local mirror; moved here, and by the local core's
@@ -652,9 +695,12 @@ class Replica:
 
     @property
     def live_replicas(self) -> int:
-        """N for the degraded share: the newest reply's live count, or the view's if larger
-        (a reply from a ledger that lost its data, before the fleet re-registered, counts
-        fewer; a shrink is taken with the next view)."""
+        """N for the degraded share: the largest live count of the view and of every reply
+        since it. It only grows between two views: a reply from a ledger that lost its
+        data counts fewer until the fleet has re-registered (the newest reply's count
+        alone fell from 3 to the view's 2 while the replica that joined kept its share of
+        C/3: 3 + 2 + 2 of 6, the deterministic simulation found), and a shrink is taken
+        with the next view."""
         return max(self._live, self._view.live_replicas)
 
     @property
@@ -664,12 +710,27 @@ class Replica:
         return self._heard
 
     def live_seen(self, n: int) -> None:
-        """A ledger reply (any: arrive, release, heartbeat) counted ``n`` live replicas."""
-        self._live = n
+        """A ledger reply (any: arrive, release, heartbeat) counted ``n`` live replicas:
+        N grows to it (:attr:`live_replicas`)."""
+        self._live = max(self._live, n)
+
+    def _take_view(self, view: View) -> None:
+        """A consistent view of a ledger that knows us, settled: N is its count from here
+        (a replica that left is no longer counted). No reply read after the view's own
+        is lost by this: the driver hands the core a call's answer in the step its reply
+        is read in (``FleetLedger._call`` reports the live count, the caller goes on
+        without waiting in between), before any later reply's count."""
+        self._view = view
+        self._live = view.live_replicas
 
     def _note(self, status: FleetStatus) -> None:
-        """An answered status: may the other replicas all count us?"""
-        self._heard = status.unheard == 0
+        """An answered status: may the other replicas all count us? While the fleet
+        settles, a status says so only for the replicas registered again so far: it takes
+        the share away (someone has not heard), never gives it."""
+        if status.unheard > 0:
+            self._heard = False
+        elif status.settling <= 0:
+            self._heard = True
 
     def _move(self, trigger: Trigger) -> Mode:
         old = self._mode
@@ -688,7 +749,7 @@ class Replica:
     def registered(self, view: View) -> None:
         """Start-up: the ledger registered us and the fleet is settled."""
         self._move(Trigger.REGISTERED)
-        self._view = view
+        self._take_view(view)
 
     def fleet_settling(self) -> None:
         """Start-up: registered while the fleet settles. Keep no view (an outage meanwhile
@@ -706,38 +767,53 @@ class Replica:
     def seen(self, view: View) -> None:
         """A consistent view (every heartbeat while OK; one answered just after a switch
         to DEGRADED is newer than the one the switch used, and kept)."""
-        self._view = view
+        self._take_view(view)
 
     def resync_sent(self) -> None:
-        self._move(Trigger.RESYNC_SENT)
+        """A recovery resync left; its list is fixed from here. From DEGRADED the local core
+        keeps its limit L (the server may not answer at all: see "A resync in flight"); from
+        SETTLING reuse pauses until the answer (recycle 0: a slot reused now would be in
+        neither the list nor the ledger's count of it)."""
+        old = self._move(Trigger.RESYNC_SENT)
+        if old is Mode.SETTLING:
+            self._recycle = 0
 
     def resync_failed(self) -> None:
         """Unreachable again: the outage rule, and a whole interval of answers again."""
         self._move(Trigger.RESYNC_FAILED)
 
     def resync_answered(self, *, known: bool, settling: float, held: int,
-                        view: View) -> Mode:
+                        view: View, unlisted: int = 0, counted: int = 0) -> Mode:
         """The recovery resync's answer (``held``: what this replica holds now). Back to
         OK (taking ``view``) once the ledger knew us, the fleet has settled and the server
         has answered for at least one interval; else SETTLING, reusing only slots freed
-        from now on."""
+        from now on. ``unlisted``: admissions made after the list was fixed (while it hung,
+        within L), which the ledger does not count yet: never a return; SETTLING holding
+        at most what the ledger counts for us (``counted``: the list's ids it kept),
+        until the next resync (sent at once) lists them."""
         now = self._clock()
         back_at = now if self._back_at is None else self._back_at
-        if not known or settling > 0 or now - back_at < self._interval * 0.99:
+        if unlisted:
+            self._move(Trigger.RESYNC_HELD)
+            self._back_at = back_at
+            self._recycle = counted
+        elif not known or settling > 0 or now - back_at < self._interval * 0.99:
             self._move(Trigger.RESYNC_HELD)
             self._back_at = back_at
             self._recycle = held
         else:
             self._move(Trigger.RESYNC_BACK)
-            self._view = view
+            self._take_view(view)
         return self._mode
 
     # ------------------------------------------------------------------ limits
 
     def degraded_limit(self, own_capacity: int) -> int:
-        """What this replica may hold on its own while away from the ledger
-        (L_i of the module docstring), capped by ``recycle`` in SETTLING; 0 while another
-        replica may not count it yet (no share of its own)."""
+        """What this replica may hold on its own while away from the ledger, the local
+        core's capacity in every local mode: L_i of the module docstring (also while a
+        recovery resync from DEGRADED is in flight), capped by ``recycle`` in SETTLING
+        (0 while its resync is in flight); 0 while another replica may not count it yet
+        (no share of its own)."""
         v = self._view
         limit = degraded_limit(min(v.capacity, own_capacity), self.live_replicas, v.inflight,
                                v.held)
@@ -754,11 +830,6 @@ class Replica:
         if n < 1 or not self._heard:
             return 0
         return max(0, min(self._view.capacity, own_capacity)) // n
-
-    def local_limit(self, own_capacity: int) -> int:
-        """The local core's capacity: the degraded limit, or 0 while a resync is in flight
-        (its list is fixed: a local admission then would not be in it)."""
-        return 0 if self._mode is Mode.RESYNCING else self.degraded_limit(own_capacity)
 
     # ------------------------------------------------------------------ holdings
 
@@ -798,7 +869,7 @@ class Replica:
             if w is None or self.local:
                 # Its requester left, has its answer, or is being re-queued locally (the
                 # resync drops the grant): give the slot back.
-                return [Send("release", (e.id, ReleaseReason.CANCELLED))]
+                return [Send(Release(e.id, ReleaseReason.CANCELLED))]
             event, effects = self.admitted(e.id, w[0], w[1], waited=e.waited, queued=True,
                                            starvation=e.starvation, preempted=e.preempted)
             return [*effects, Grant(e.id, event)]
@@ -843,7 +914,7 @@ class Replica:
         self.ended.add(aid, reason)
         return ReleaseResult.RELEASED, [
             Count((Released(Admission(aid, h.cls, h.tenant, h.admitted_at), reason),)),
-            Send("release", (aid, reason))]
+            Send(Release(aid, reason))]
 
     def adopted(self, aid: str, cls: PriorityClass, tenant: str) -> list[Effect] | None:
         """A periodic entry for a stream this replica does not hold (this process restarted
@@ -856,7 +927,7 @@ class Replica:
         effects: list[Effect] = [Count((Admitted(Admission(aid, cls, tenant, now), 0.0,
                                                  queued=False, adopted=True),))]
         effects.append(LocalAdopt(aid, cls, tenant) if self.local
-                       else Send("adopt", h.holding(aid)))
+                       else Send(Adopt(h.holding(aid))))
         return effects
 
     def taken_over(self, holdings: list[Holding]) -> list[Effect]:
@@ -896,7 +967,7 @@ class Replica:
                 effects.append(Fault("ended_but_running_stopped", aid))
                 effects += self.preempted(aid, PriorityClass.SYSTEM)
             else:
-                effects.append(Send("adopt", h.holding(aid)))
+                effects.append(Send(Adopt(h.holding(aid))))
         return effects
 
     def started(self, status: FleetStatus) -> list[Effect]:
@@ -935,19 +1006,30 @@ class Replica:
         for aid in status.refused:  # ended in the ledger meanwhile (e.g. preempted)
             h = self.held.pop(aid, None)
             if h is not None:
-                # The local core's Released event follows (the local limit is 0 while
-                # RESYNCING, so it admits nothing in its place before the count below).
+                # The local core's Released event follows; its slot is not reused (the
+                # ledger gave it away), whatever limit the answer sets below.
                 h.move(Stage.RELEASED)
                 self.ended.add(aid, ReleaseReason.PREEMPTED)
-                effects += [LocalRelease(aid, ReleaseReason.PREEMPTED),
-                            Stop(aid, undelivered=False)]
-        late: list[Effect] = [Send("release", (hd.id, ReleaseReason.COMPLETED))
+                # Stopped as a preempted request is; one past its first byte (its response
+                # started without the ledger's word) runs on: counted and logged as a
+                # preemption that could not be delivered, as preempted() does.
+                effects += [LocalRelease(aid, ReleaseReason.PREEMPTED, reuse=False),
+                            Stop(aid, undelivered=h.stage is not Stage.STOPPED)]
+        late: list[Effect] = [Send(Release(hd.id, ReleaseReason.COMPLETED))
                               for hd in listed
                               if hd.id not in self.held and hd.id not in refused]
         seen = Seen(status.by_class, status.live_replicas)
         effects.append(seen)
+        listed_ids = {hd.id for hd in listed}
+        unlisted = sum(1 for aid in self.held if aid not in listed_ids)
         mode = self.resync_answered(known=status.known, settling=status.settling,
-                                    held=len(self.held), view=_view(status))
+                                    held=len(self.held), view=_view(status),
+                                    unlisted=unlisted,
+                                    counted=len(listed_ids - refused))
+        if unlisted:
+            # Admitted while the resync was in flight (it hung, within L): the ledger has
+            # the list, not these. Resync again at once; reuse only what it counts meanwhile.
+            return [*effects, HoldLocal(0.0)]
         if mode is Mode.SETTLING:
             # The view stays the one from before the outage: after a data loss the ledger
             # knows only the replicas that have re-registered so far (the fleet settles
@@ -1031,7 +1113,7 @@ class Replica:
         self.signed(h)
         if self.local:
             return [LocalFirstByte(aid)]
-        return [Send("first_byte", aid)] if marked else []
+        return [Send(MarkFirstByte(aid))] if marked else []
 
     def confirming(self, aid: str) -> list[Effect] | None:
         """The response is about to start: if the ledger may hold it as a candidate (its
@@ -1042,7 +1124,7 @@ class Replica:
             return None
         h.move(Stage.CONFIRMING)
         self.signed(h)
-        return [Send("first_byte", aid)]
+        return [Send(MarkFirstByte(aid))]
 
     def confirmed(self, aid: str, ok: bool) -> None:
         """The first-byte mark's answer (no answer counts as ok: away from the ledger, the
@@ -1112,7 +1194,7 @@ class Replica:
         if h is None or h.stage is not Stage.PREEMPTIBLE or self.local:
             return []
         h.move(Stage.MARKED)
-        return [Send("preemptible", aid)]
+        return [Send(MarkPreemptible(aid))]
 
     def unacknowledged(self, cutoff: float) -> list[str]:
         """Admissions Envoy has not shown it runs since ``cutoff`` or earlier: to release
@@ -1127,11 +1209,11 @@ class Replica:
             if h.stage is Stage.PREEMPTIBLE:
                 # Its stop channel opened while away: a candidate fleet-wide from now on.
                 h.move(Stage.MARKED)
-                effects.append(Send("preemptible", aid))
+                effects.append(Send(MarkPreemptible(aid)))
             elif h.first_byte:
                 # A first byte that came (or was dropped from the outbox) while away never
                 # reached the ledger, which may still hold the admission as a candidate.
-                effects.append(Send("first_byte", aid))
+                effects.append(Send(MarkFirstByte(aid)))
         return effects
 
     def local_admitted(self, a: Admission) -> None:

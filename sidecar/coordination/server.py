@@ -10,14 +10,18 @@
   "could not check" instead of a failure.
 * **Fleet id.** :func:`watch_fleet` notices a second deployment under the same fleet id
   (a second class config or capacity source among the live replicas).
-* **Library.** :func:`watch_library` re-reads the loaded ledger library every so often and
-  compares it with this version's code (:meth:`FleetLedger.verify_library`): a library
-  replaced by someone else makes the replica degrade instead of obeying it.
+* **Library.** The ledger client verifies the loaded library (compares it with this
+  version's code, :meth:`FleetLedger.verify_library`) before its first call, before every
+  registering call (each heartbeat), before the first call on a new connection, and
+  whenever a reply is an error or malformed; :func:`watch_library` adds a check every so
+  often and turns every check's result into the library metrics. A library replaced by
+  someone else makes the replica degrade instead of obeying it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -29,7 +33,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from sidecar import logs
 from sidecar.capacity import CapacityReading
 from sidecar.coordination.ledger import LIBRARY, LUA, FleetLedger, LibraryState
-from sidecar.metrics import NullRecorder, Recorder
+from sidecar.metrics import NullPoolRecorder, NullRecorder, PoolRecorder, Recorder
 
 log = logs.get("sidecar.coordination")
 
@@ -118,25 +122,37 @@ def _record(rec: Recorder, results: dict[str, str]) -> dict[str, str]:
 
 async def watch_library(ledger: FleetLedger, interval: float,
                         recorder: Recorder | None = None) -> None:
-    """Re-verify the loaded library every ``interval`` s (until cancelled).
+    """Record every verification of the loaded library, and verify it every ``interval`` s
+    as well (until cancelled).
 
-    Verification makes the ledger refuse every call while the server's library is not this
-    version's code (the controller then degrades to its local share) and accept them again
-    once it is. Errors reaching the server are the controller's business, not ours.
+    The ledger client verifies on its own paths too (each heartbeat, a new connection, an
+    error or malformed reply: :meth:`FleetLedger._fcall`); each result reaches the metrics
+    here, so a library replaced for less than ``interval`` is counted once a heartbeat
+    finds it. Verification makes the ledger refuse every call while the server's library
+    is not this version's code (the controller then degrades to its local share) and
+    accept them again once it is. Errors reaching the server are the controller's
+    business, not ours.
     """
     rec: Recorder = recorder if recorder is not None else NullRecorder()
-    last = ledger.library_state
-    if last is not None:
-        rec.library_checked(last.value)
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            state = await ledger.verify_library()
-        except (redis.RedisError, OSError, TimeoutError):
-            continue
+    last: LibraryState | None = None
+
+    def checked(state: LibraryState) -> None:
+        nonlocal last
         if state is not last or state is LibraryState.MISMATCH:
             rec.library_checked(state.value)
         last = state
+
+    ledger.on_library = checked
+    if ledger.library_state is not None:
+        checked(ledger.library_state)
+    try:
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(redis.RedisError, OSError, TimeoutError):
+                await ledger.verify_library()
+    finally:
+        if ledger.on_library is checked:
+            ledger.on_library = None
 
 
 # ------------------------------------------------------------ one fleet id, one fleet
@@ -166,7 +182,7 @@ def _split_digests(digests: Sequence[str]) -> dict[str, frozenset[str]]:
 
 
 async def watch_fleet(ledger: FleetLedger, interval: float,
-                      recorder: Recorder | None = None) -> None:
+                      recorder: PoolRecorder | None = None) -> None:
     """Every ``interval`` s, look for a second class config or capacity source among the
     live replicas of this fleet id (until cancelled).
 
@@ -175,7 +191,7 @@ async def watch_fleet(ledger: FleetLedger, interval: float,
     distinct set of values, and only once the same set was seen on two checks in a row,
     so that a worker coming up on one replica a poll before the other is not a collision.
     """
-    rec: Recorder = recorder if recorder is not None else NullRecorder()
+    rec: PoolRecorder = recorder if recorder is not None else NullPoolRecorder()
     previous: dict[str, frozenset[str]] = {}
     reported: dict[str, frozenset[str]] = {}
     while True:

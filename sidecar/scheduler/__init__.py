@@ -42,6 +42,7 @@ from sidecar.scheduler.lifecycle import (
     Decision,
     Event,
     Outcome,
+    OverTarget,
     Preempted,
     Queued,
     Rejected,
@@ -58,7 +59,12 @@ from sidecar.scheduler.reservations import (
     reservations_fit,
     scaled_reservations,
 )
-from sidecar.scheduler.settings import BUILTIN_CLASSES, ClassSettings
+from sidecar.scheduler.settings import (
+    BUILTIN_CLASSES,
+    ClassSettings,
+    preemptible_classes,
+    without_preemption,
+)
 
 __all__ = [
     "BUILTIN_CLASSES",
@@ -76,6 +82,7 @@ __all__ = [
     "Leases",
     "LegacyAdmission",
     "Outcome",
+    "OverTarget",
     "Preempted",
     "Queued",
     "Rejected",
@@ -88,6 +95,8 @@ __all__ = [
     "Waiter",
     "capacity_pressure",
     "desired_reservations",
+    "preemptible_classes",
     "reservations_fit",
     "scaled_reservations",
+    "without_preemption",
 ]

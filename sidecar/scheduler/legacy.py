@@ -37,12 +37,15 @@ class LegacyAdmission:
     """The legacy concurrency limit: one FIFO queue, no classes in the decision.
 
     ``limit`` None means no concurrency cap (``--max-concurrent-requests`` <= 0).
+    ``measured``: the workers' capacity, reported (never enforced) when there is no cap,
+    so an uncapped pool's capacity series shows what its workers can run, not 0.
     """
 
     limit: int | None
     queue_size: int
     queue_timeout_secs: float
     clock: Clock
+    measured: int = 0
     legacy: bool = True
     _admitted: dict[str, Admission] = field(default_factory=dict)
     _queue: OrderedDict[str, Waiter] = field(default_factory=OrderedDict)
@@ -52,7 +55,9 @@ class LegacyAdmission:
     def _has_slot(self) -> bool:
         return self.limit is None or len(self._admitted) < self.limit
 
-    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision:
+    def arrive(self, id: str, cls: PriorityClass, tenant: str, *,
+               wait_budget: float | None = None, enforce: bool = False) -> Decision:
+        """Legacy admission predicts nothing: a wait budget never refuses here."""
         now = self.clock()
         self._dispatch(now)
         if not self._queue and self._has_slot():
@@ -112,13 +117,19 @@ class LegacyAdmission:
         return State.QUEUED if id in self._queue else None
 
     def set_capacity(self, capacity: int) -> None:
-        """Legacy admission does not follow worker health (as in smg)."""
+        """Legacy admission does not follow worker health (as in smg); the reading is
+        only reported (``measured``)."""
+        self.measured = capacity
 
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
         """Class knobs do not apply to the legacy path."""
 
     def tick(self) -> None:
         self._dispatch(self.clock())
+
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """Legacy admission predicts nothing."""
+        return None
 
     def next_deadline(self) -> float | None:
         head = first(self._queue)
@@ -128,13 +139,17 @@ class LegacyAdmission:
         per: dict[PriorityClass, list[int]] = {c: [0, 0] for c in PriorityClass}
         for adm in self._admitted.values():
             per[adm.cls][0] += 1
-        for w in self._queue.values():
+        now = self.clock()
+        oldest: dict[PriorityClass, float] = {}
+        for w in self._queue.values():  # in arrival order: the first of a class is its oldest
             per[w.cls][1] += 1
+            oldest.setdefault(w.cls, now - w.enqueued_at)
         return Snapshot(
-            capacity=self.limit if self.limit is not None else 0,
+            capacity=self.limit if self.limit is not None else self.measured,
             inflight=len(self._admitted),
             classes={
-                c: ClassSnapshot(per[c][0], per[c][1], self.queue_size, 0) for c in HIGH_TO_LOW
+                c: ClassSnapshot(per[c][0], per[c][1], self.queue_size, 0,
+                                 oldest_wait=oldest.get(c, 0.0)) for c in HIGH_TO_LOW
             },
         )
 

@@ -13,7 +13,10 @@ state          slot?  victim  leaves by: call (what triggers it in the sidecar) 
                               free or a victim was preempted for it; → QUEUED (the ``Queued``
                               decision) when its class queue has room (and its tenant is
                               under ``max_queued_per_tenant``); else →
-                              rejected_queue_full [Rejected].
+                              rejected_queue_full [Rejected]. Given a wait budget, one that
+                              would queue and whose predicted wait exceeds it is counted
+                              [OverTarget] and, when enforced, → rejected_over_target
+                              [Rejected] instead of QUEUED.
                               ``adopt`` (an access-log entry for a stream an earlier process
                               admitted) → STREAMING [Admitted, ``adopted``].
 QUEUED         no     no      dispatch (inside ``release``, ``tick``, ``set_capacity``,
@@ -75,6 +78,7 @@ class State(enum.Enum):
     PREEMPTIBLE = "preemptible"
     STREAMING = "streaming"
     REJECTED_QUEUE_FULL = "rejected_queue_full"
+    REJECTED_OVER_TARGET = "rejected_over_target"
     REJECTED_QUEUE_TIMEOUT = "rejected_queue_timeout"
     CLIENT_CANCELLED = "client_cancelled"
     COMPLETED = "completed"
@@ -88,7 +92,8 @@ _RELEASED = frozenset({State.COMPLETED, State.CANCELLED, State.LEASE_EXPIRED})
 
 TRANSITIONS: Mapping[State, frozenset[State]] = {
     State.NEW: frozenset({State.ADMITTED, State.PREEMPTIBLE, State.QUEUED,
-                          State.REJECTED_QUEUE_FULL, State.STREAMING}),
+                          State.REJECTED_QUEUE_FULL, State.REJECTED_OVER_TARGET,
+                          State.STREAMING}),
     State.QUEUED: frozenset({State.ADMITTED, State.PREEMPTIBLE, State.REJECTED_QUEUE_TIMEOUT,
                              State.CLIENT_CANCELLED}),
     State.ADMITTED: frozenset({State.PREEMPTIBLE, State.STREAMING, *_RELEASED}),
@@ -96,6 +101,7 @@ TRANSITIONS: Mapping[State, frozenset[State]] = {
     State.STREAMING: _RELEASED,
     State.LEASE_EXPIRED: frozenset({State.STREAMING}),
     State.REJECTED_QUEUE_FULL: frozenset(),
+    State.REJECTED_OVER_TARGET: frozenset(),
     State.REJECTED_QUEUE_TIMEOUT: frozenset(),
     State.CLIENT_CANCELLED: frozenset(),
     State.COMPLETED: frozenset(),
@@ -113,6 +119,9 @@ class Outcome(enum.StrEnum):
     REJECTED_QUEUE_TIMEOUT = "rejected_queue_timeout"
     PREEMPTED = "preempted"
     CLIENT_CANCELLED = "client_cancelled"
+    # An extension, only with deadline_mode: enforce (docs/design.md, "Deadlines"): the
+    # request would have queued past its class's time-to-first-token target.
+    REJECTED_OVER_TARGET = "rejected_over_target"
 
 
 class ReleaseReason(enum.StrEnum):
@@ -160,6 +169,8 @@ class Waiter:
     tenant: str
     enqueued_at: float
     deadline: float
+    predicted: float | None = None  # its predicted wait when it queued (None: no estimate)
+    ahead: int = 0  # waiters of its class in front of it when it queued
 
 
 # ----------------------------------------------------------------------------- events
@@ -175,6 +186,7 @@ class Admitted:
     starvation: bool = False
     preempted: bool = False  # admitted by preempting a lower-class request
     adopted: bool = False  # admitted by an earlier process, found still streaming
+    predicted: float | None = None  # the wait predicted when it queued (None: no estimate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +206,22 @@ class Rejected:
     outcome: Outcome
     waited: float
     legacy: bool = False
+    # The wait predicted for it (a timeout: when it queued; refused at intake: had it
+    # queued at the tail; None: no estimate). Computed Retry-After hints come from it.
+    predicted: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OverTarget:
+    """An arrival whose predicted wait exceeds its wait budget (its class's target less the
+    pool's time to first byte): refused (``enforced``) or only counted (shadow)."""
+
+    id: str
+    cls: PriorityClass
+    tenant: str
+    predicted: float
+    budget: float
+    enforced: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +240,7 @@ class Released:
     reason: ReleaseReason
 
 
-Event = Admitted | Rejected | Preempted | Released
+Event = Admitted | Rejected | Preempted | Released | OverTarget
 Decision = Admitted | Queued | Rejected
 
 

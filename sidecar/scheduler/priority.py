@@ -1,12 +1,14 @@
 """The priority scheduler (docs/design.md, "The admission algorithm").
 
 Per-class reservations, class queues with size and timeout (FIFO, or fair
-across tenants: :mod:`sidecar.scheduler.queues`), starvation aging and
-preemption, over an injected clock. A class queue's ``head()`` is the waiter it
-serves next, which is what every rule below acts on; starvation ages by its
-``oldest()`` (the same waiter for a FIFO). Nothing here awaits or does
-I/O: every state change (see :mod:`sidecar.scheduler.lifecycle`) is reported
-as an event, collected until the caller takes them with ``take_events()``.
+across tenants: :mod:`sidecar.scheduler.queues`), starvation aging,
+preemption and, given a wait budget, refusal at intake of an arrival predicted
+to wait past it (:mod:`sidecar.scheduler.drain`), over an injected clock. A class
+queue's ``head()`` is the waiter it serves next, which is what every rule below
+acts on; starvation ages by its ``oldest()`` (the same waiter for a FIFO).
+Nothing here awaits or does I/O: every state change (see
+:mod:`sidecar.scheduler.lifecycle`) is reported as an event, collected until the
+caller takes them with ``take_events()``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 
 from sidecar.classes import HIGH_TO_LOW, LOW_TO_HIGH, PriorityClass
+from sidecar.scheduler.drain import DrainRates
 from sidecar.scheduler.interface import ClassSnapshot, Clock, Snapshot
 from sidecar.scheduler.lifecycle import (
     Admission,
@@ -23,6 +26,7 @@ from sidecar.scheduler.lifecycle import (
     EndedIds,
     Event,
     Outcome,
+    OverTarget,
     Preempted,
     Queued,
     Rejected,
@@ -78,6 +82,7 @@ class Scheduler:
         self._ended = EndedIds(remember_ended)
         self._events: list[Event] = []
         self._reserved: dict[PriorityClass, int] = scaled_reservations(self._cfg, self._capacity)
+        self._drain = DrainRates()
 
     # ------------------------------------------------------------------ queries
 
@@ -116,6 +121,13 @@ class Scheduler:
             return adm.state
         return State.QUEUED if id in self._waiting else None
 
+    def predicted_wait(self, cls: PriorityClass) -> float | None:
+        """The wait an arrival of ``cls`` would have now if it queued (None: no estimate;
+        0.0: a slot is free for it)."""
+        if not self._queue[cls] and self.available(cls) >= 1:
+            return 0.0
+        return self._predict(cls, self._clock())
+
     def available(self, cls: PriorityClass) -> int:
         """Free slots ``cls`` may take without eating a higher class's unused reservation.
 
@@ -129,6 +141,7 @@ class Scheduler:
         return self._capacity - self._total - held
 
     def snapshot(self) -> Snapshot:
+        now = self._clock()
         return Snapshot(
             capacity=self._capacity,
             inflight=self._total,
@@ -139,6 +152,7 @@ class Scheduler:
                     queue_limit=self._cfg[c].queue_size,
                     reserved=self._reserved[c],
                     tenant_depths=self._queue[c].tenant_depths() if self._queue[c] else {},
+                    oldest_wait=now - w.enqueued_at if (w := self._queue[c].oldest()) else 0.0,
                 )
                 for c in HIGH_TO_LOW
             },
@@ -166,8 +180,15 @@ class Scheduler:
 
     # ---------------------------------------------------------------- mutations
 
-    def arrive(self, id: str, cls: PriorityClass, tenant: str) -> Decision:
-        """new → ADMITTED, QUEUED or rejected_queue_full."""
+    def arrive(self, id: str, cls: PriorityClass, tenant: str, *,
+               wait_budget: float | None = None, enforce: bool = False) -> Decision:
+        """new → ADMITTED, QUEUED, rejected_queue_full or (``wait_budget`` given and
+        ``enforce``) rejected_over_target.
+
+        ``wait_budget``: the longest this request may wait in its queue. Only an arrival
+        that would queue is measured against it, so one that finds a free slot (an idle
+        pool) is never refused by a prediction, and neither is one with no estimate yet.
+        """
         now = self._clock()
         self._dispatch(now)
         queue = self._queue[cls]
@@ -188,7 +209,7 @@ class Scheduler:
                 return admitted
         # Earlier arrivals of this class keep FIFO order: this one queues behind
         # them (the dispatch above already preempted for their head if it could).
-        return self._enqueue(id, cls, tenant, now)
+        return self._enqueue(id, cls, tenant, now, wait_budget, enforce)
 
     def cancel(self, id: str) -> bool:
         """QUEUED → client_cancelled (the client went away). False if ``id`` is not queued."""
@@ -210,7 +231,9 @@ class Scheduler:
             return ReleaseResult.ALREADY_RELEASED if id in self._ended else ReleaseResult.UNKNOWN
         self._end(adm, reason)
         self._events.append(Released(adm, reason))
-        self._dispatch(self._clock())
+        now = self._clock()
+        self._drain.released(now)
+        self._dispatch(now)
         return ReleaseResult.RELEASED
 
     def adopt(self, id: str, cls: PriorityClass, tenant: str) -> bool:
@@ -311,6 +334,7 @@ class Scheduler:
         queued: bool,
         starvation: bool = False,
         preempted: bool = False,
+        predicted: float | None = None,
     ) -> Admitted:
         adm = Admission(id, cls, tenant, now)
         self._admitted[id] = adm
@@ -319,7 +343,7 @@ class Scheduler:
             self._preemptible[cls][id] = adm
         self._inflight[cls] += 1
         self._total += 1
-        event = Admitted(adm, waited, queued, starvation, preempted)
+        event = Admitted(adm, waited, queued, starvation, preempted, predicted=predicted)
         self._events.append(event)
         return event
 
@@ -331,18 +355,38 @@ class Scheduler:
         self._total -= 1
         self._ended.add(adm.id, reason)
 
-    def _enqueue(self, id: str, cls: PriorityClass, tenant: str, now: float) -> Decision:
+    def _enqueue(self, id: str, cls: PriorityClass, tenant: str, now: float,
+                 wait_budget: float | None, enforce: bool) -> Decision:
         cfg = self._cfg[cls]
         queue = self._queue[cls]
         limit = cfg.tenant_queue_limit  # not None: the queue is a TenantQueue
+        predicted = self._predict(cls, now)
         if len(queue) >= cfg.queue_size or (
                 limit is not None and queue.depth_of(tenant) >= limit):
-            event = Rejected(id, cls, tenant, Outcome.REJECTED_QUEUE_FULL, 0.0)
+            event = Rejected(id, cls, tenant, Outcome.REJECTED_QUEUE_FULL, 0.0,
+                             predicted=predicted)
             self._events.append(event)
             return event
-        waiter = Waiter(id, cls, tenant, now, now + cfg.queue_timeout_secs)
+        if wait_budget is not None and predicted is not None and predicted > wait_budget:
+            self._events.append(OverTarget(id, cls, tenant, predicted, wait_budget, enforce))
+            if enforce:
+                event = Rejected(id, cls, tenant, Outcome.REJECTED_OVER_TARGET, 0.0,
+                                 predicted=predicted)
+                self._events.append(event)
+                return event
+        waiter = Waiter(id, cls, tenant, now, now + cfg.queue_timeout_secs, predicted,
+                        ahead=len(queue))
         self._queues.push(waiter)
         return Queued(waiter)
+
+    def _predict(self, cls: PriorityClass, now: float) -> float | None:
+        """The wait of an arrival of ``cls`` now, behind the whole queue (drain.py)."""
+        queue = self._queue[cls]
+        oldest = queue.oldest()
+        # Its wait so far, spread over every position it needs (its own included): a floor
+        # that stays below the average while the queue drains as learnt.
+        floor = 0.0 if oldest is None else (now - oldest.enqueued_at) / (oldest.ahead + 1)
+        return self._drain.predict(cls, len(queue), floor)
 
     def _pick_victim(self, by: PriorityClass,
                      admitted_by: float | None = None) -> Admission | None:
@@ -369,8 +413,10 @@ class Scheduler:
                     preempted: bool = False) -> None:
         """QUEUED → ADMITTED for the head of ``cls``'s queue."""
         waiter = self._queues.pop_head(cls)
+        self._drain.served(cls, now - waiter.enqueued_at, waiter.ahead)
         self._admit(waiter.id, cls, waiter.tenant, now, waited=now - waiter.enqueued_at,
-                    queued=True, starvation=starvation, preempted=preempted)
+                    queued=True, starvation=starvation, preempted=preempted,
+                    predicted=waiter.predicted)
 
     def _dispatch(self, now: float) -> None:
         if not self._waiting:
@@ -406,7 +452,7 @@ class Scheduler:
         for waiter in self._queues.pop_expired(now):
             self._events.append(
                 Rejected(waiter.id, waiter.cls, waiter.tenant, Outcome.REJECTED_QUEUE_TIMEOUT,
-                         now - waiter.enqueued_at)
+                         now - waiter.enqueued_at, predicted=waiter.predicted)
             )
 
     def _admit_starved(self, now: float) -> bool:

@@ -10,9 +10,9 @@ The field names are the YAML keys of ``classes.<class>``, except ``tenant_weight
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from sidecar.classes import PriorityClass
+from sidecar.classes import HIGH_TO_LOW, PriorityClass
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,12 @@ class ClassSettings:
     """Serve the class's waiters across tenants by weighted fair queuing (False: one FIFO)."""
     max_queued_per_tenant: int | None = None
     """A tenant's waiters at most; one more is refused with 429 (None: no per-tenant limit)."""
+    ttft_target_ms: float | None = None
+    """The class's time-to-first-token target (None: none). A request predicted to wait
+    so long that it would miss it is counted, and refused at intake where the class is
+    ``sheddable`` and ``deadline_mode`` is ``enforce`` (docs/design.md, "Deadlines")."""
+    sheddable: bool = False
+    """Whether a prediction may refuse the class's requests (never: system, interactive)."""
     tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
     """Each tenant's share under fair queuing (absent: 1). Not a class key:
     ``sidecar.priority_yaml`` fills it from ``tenant_policies.<tenant>.weight``, the same
@@ -60,9 +66,33 @@ BUILTIN_CLASSES: Mapping[PriorityClass, ClassSettings] = {
         starvation_threshold_secs=5.0, can_preempt=True),
     PriorityClass.DEFAULT: ClassSettings(
         reserved_floor=0, reserved_per_slot=0.10, queue_size=512, queue_timeout_secs=60.0,
-        starvation_threshold_secs=30.0, can_preempt=False),
+        starvation_threshold_secs=30.0, can_preempt=False, sheddable=True),
     PriorityClass.BULK: ClassSettings(
         reserved_floor=0, reserved_per_slot=0.0, queue_size=1024, queue_timeout_secs=300.0,
-        starvation_threshold_secs=120.0, can_preempt=False),
+        starvation_threshold_secs=120.0, can_preempt=False, sheddable=True),
 }
 """The contract's built-in class table (what an empty ``priority.yaml`` means)."""
+
+
+def preemptible_classes(classes: Mapping[PriorityClass, ClassSettings]
+                        ) -> frozenset[PriorityClass]:
+    """The classes a request can be preempted in: some strictly higher class ``can_preempt``.
+
+    The others are admitted with ``preemptible: false`` in the metadata, so Envoy opens
+    no ext_proc stream for them (the stream is most of the cost of an admitted request
+    through Envoy): whatever the load, nothing could ever stop them.
+    """
+    out: set[PriorityClass] = set()
+    preemptor_above = False
+    for cls in HIGH_TO_LOW:
+        if preemptor_above:
+            out.add(cls)
+        if classes[cls].can_preempt:
+            preemptor_above = True
+    return frozenset(out)
+
+
+def without_preemption(classes: Mapping[PriorityClass, ClassSettings]
+                       ) -> dict[PriorityClass, ClassSettings]:
+    """``classes`` with ``can_preempt`` off everywhere (preemption suspended)."""
+    return {c: replace(k, can_preempt=False) for c, k in classes.items()}
