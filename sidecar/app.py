@@ -33,6 +33,7 @@ from sidecar.coordination.credentials import with_password
 from sidecar.edge import RTDS_SERVICE, EdgeShed
 from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
+from sidecar.limiter import AdaptiveLimit
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
 from sidecar.metrics import Metrics, PoolRecorder
 from sidecar.pools import DEFAULT_POOL, Pool, Pools, id_factory
@@ -374,9 +375,14 @@ class Runtime:
             if legacy and s.scheduler.scheduler_enabled else None)
         if shadow is not None:
             metrics.shadow_started(shadow.shadow_snapshot)
+        c = s.capacity
+        limiter = None if not c.adaptive_capacity else AdaptiveLimit(
+            start=c.adaptive_capacity_start or reading.capacity,
+            floor=c.adaptive_capacity_floor, ceiling=reading.capacity)
         return Pool(name, controller=controller, monitor=monitor, reading=reading,
                     config=s.scheduler.priority, metrics=metrics, labelled=labelled,
-                    fleet=fleet, shadow=shadow, on_classes_changed=self._classes_changed)
+                    fleet=fleet, shadow=shadow, on_classes_changed=self._classes_changed,
+                    limiter=limiter)
 
     async def serve(self) -> None:
         s = self.settings
@@ -387,6 +393,8 @@ class Runtime:
         ttl = s.fleet.replica_ttl_secs
         for p in self.pools:
             self._tasks.append(asyncio.create_task(p.monitor.run()))
+            if p.limiter is not None:
+                self._tasks.append(asyncio.create_task(p.tune()))
             if p.fleet is not None:
                 p.fleet.start()
                 # A library replaced after start-up is noticed within one

@@ -31,6 +31,8 @@ from sidecar.scheduler import Outcome
 from sidecar.tracing import AdmissionSpan, AdmissionTracer
 
 ANONYMOUS = "anonymous"
+# Anonymous requests clamped, with no tenant ever seen, before tenant_source_yields_no_tenant.
+ANONYMOUS_CLAMPS_WARNED = 20
 # Checks held open at once (queued, or being decided) before a new one is shed with
 # the counted OVERLOADED reply: bounds the memory a burst can pin. Above any sane
 # sum of class queue sizes, so in practice only a flood reaches it.
@@ -140,6 +142,9 @@ class AuthzService:
         self.rejection_counted = self._rejections.add
         self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
         self._decode_failed_log = logs.Throttled(log, "check_decode_failed")
+        # Anonymous requests clamped below what they asked, while no Check has named a
+        # tenant yet: a source Envoy never sets (None once a tenant was seen, or said).
+        self._anonymous_clamped: int | None = 0
 
     def _rejected(self, cls: PriorityClass, outcome: str, tenant: str) -> None:
         """A refused Check: counted by tenant, and summed in the ``rejections`` line."""
@@ -152,6 +157,26 @@ class AuthzService:
         """The Check handler to serve: the traced one only when tracing is on, so that off,
         a decision pays one ``is None`` test for it (sidecar.tracing)."""
         return self.check if self.tracer is None else self.check_traced
+
+    def _watch_tenant_source(self, tenant: str, clamped: bool) -> None:
+        """Until a Check names a tenant: after ``ANONYMOUS_CLAMPS_WARNED`` anonymous
+        requests clamped below what they asked, say once that the source yields nothing
+        (every class above the default ceiling is then out of reach)."""
+        if tenant != ANONYMOUS:
+            self._anonymous_clamped = None  # the source works
+        elif clamped and self._anonymous_clamped is not None:
+            self._anonymous_clamped += 1
+            if self._anonymous_clamped >= ANONYMOUS_CLAMPS_WARNED:
+                self._anonymous_clamped = None
+                log.warning("tenant_source_yields_no_tenant",
+                            tenant_source=f"{self.tenant_source.kind}:"
+                                          f"{self.tenant_source.name}".rstrip(":"),
+                            clamped=ANONYMOUS_CLAMPS_WARNED,
+                            default_max_class=self.policy.default_max.label,
+                            hint="no Check so far carried a tenant from this source, so "
+                                 "every request is anonymous and clamped to the default "
+                                 "ceiling: check that Envoy sets it (JWT claim_to_headers, "
+                                 "mTLS) or choose --tenant-source accordingly")
 
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
@@ -209,6 +234,8 @@ class AuthzService:
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
+        if self._anonymous_clamped is not None:
+            self._watch_tenant_source(tenant, c.clamped)
         pool = self.pools.for_route(view.pool or "")
         edge = pool.edge if pool is not None else None
         if edge is not None:

@@ -260,6 +260,8 @@ class LogEntry:
     # engine's (from the request reaching the worker to the first byte back).
     ttft_secs: float | None = None
     engine_ttfb_secs: float | None = None
+    # From the request reaching the worker to its last byte back (None: not measured).
+    engine_secs: float | None = None
 
 
 def decode_access_logs(data: bytes) -> list[LogEntry]:
@@ -298,6 +300,7 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             if shadow_value is not None else "",
             ttft_secs=_secs(cp, "time_to_first_downstream_tx_byte"),
             engine_ttfb_secs=_engine_ttfb(cp),
+            engine_secs=_engine_secs(cp),
         ))
     return out
 
@@ -307,6 +310,15 @@ def _secs(cp: accesslog_pb2.AccessLogCommon, name: str) -> float | None:
         return None
     d = getattr(cp, name)
     return float(d.seconds + d.nanos / 1e9)
+
+
+def _engine_secs(cp: accesslog_pb2.AccessLogCommon) -> float | None:
+    """From the last byte of the request sent upstream to the last byte back."""
+    sent = _secs(cp, "time_to_last_upstream_tx_byte")
+    last = _secs(cp, "time_to_last_upstream_rx_byte")
+    if sent is None or last is None or last < sent:
+        return None
+    return last - sent
 
 
 def _engine_ttfb(cp: accesslog_pb2.AccessLogCommon) -> float | None:

@@ -550,6 +550,28 @@ class CapacitySettings:
              "guard](#engines-where-each-workers-capacity-comes-from)). One extra request per "
              "worker per interval (per loaded model of a llama.cpp router); a refused one (401, "
              "or 501 without `--metrics`) only every 30 s."))
+    adaptive_capacity: bool = flag(
+        "--adaptive-capacity", default=False, switch=True,
+        help=("tune each pool's capacity from the engines' time to first byte, between "
+              "--adaptive-capacity-floor and what the workers report"),
+        doc=("Each pool's capacity tunes itself: a limit between `--adaptive-capacity-floor` "
+             "and the capacity its workers report (their cap, or "
+             "`--worker-max-running-requests` per worker for an engine that reports none), "
+             "lowered when the engines' time to first byte jumps (requests queue inside the "
+             "engine) and raised by one while it is all used and the engines keep up "
+             "([Capacity that tunes itself](#capacity-that-tunes-itself---adaptive-capacity)). "
+             "With `--coordination-url` the pool reports the limit to the ledger, so the "
+             "fleet's capacity is the smallest limit its replicas found."))
+    adaptive_capacity_start: int | None = flag(
+        "--adaptive-capacity-start", default=None, type=int, metavar="N", check=_at_least(1),
+        shown_default="the workers' capacity",
+        help="the limit --adaptive-capacity starts from (default: what the workers report)",
+        doc=("The limit `--adaptive-capacity` starts from. Unset: the capacity the workers "
+             "report. ≥ 1."))
+    adaptive_capacity_floor: int = flag(
+        "--adaptive-capacity-floor", default=1, type=int, metavar="N", check=_at_least(1),
+        help="the lowest limit --adaptive-capacity goes to",
+        doc="The lowest limit `--adaptive-capacity` goes to. ≥ 1.")
     worker_auth_file: str | None = flag(
         "--worker-auth-file", default=None, metavar="FILE",
         help=("file holding the workers' API key, sent with every probe as 'Authorization: "
