@@ -97,7 +97,8 @@ TOKEN = "tok-" + secrets.token_hex(12)
     (f"authorization: Bearer {TOKEN}\x01\n", "https://127.0.0.1:4317", "control character"),
     (f"authorization: Bearer {TOKEN}é\n", "https://127.0.0.1:4317", "not ASCII"),
     ("x: " + "a" * 9000, "https://127.0.0.1:4317", "longer than 8192 bytes"),
-])
+], ids=["no-endpoint", "plaintext", "no-colon", "bad-name", "only-comment", "control",
+        "not-ascii", "too-long"])  # fixed ids: the random token must not name a test
 def test_a_bad_headers_file_is_refused_without_quoting_it(
         tmp_path: Path, content: str, endpoint: str | None, message: str) -> None:
     f = tmp_path / "headers"
