@@ -16,8 +16,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# xds-protos ships OTLP 0.9's modules under opentelemetry/proto/: opentelemetry-proto's files
+# back on top, for the OTLP exporter (--otlp-endpoint).
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install --no-index --find-links /wheels priority-gate \
+ && pip install --no-index --find-links /wheels --force-reinstall --no-deps opentelemetry-proto \
+ && python -c 'from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope' \
  && groupadd --system --gid 10001 smg \
  && useradd --system --uid 10001 --gid smg --no-create-home --shell /usr/sbin/nologin smg
 # Numeric so Kubernetes runAsNonRoot can verify it without /etc/passwd.

@@ -10,13 +10,17 @@ PY := $(VENV)/bin/python
 ENVOY := $(ENVOY_VENV)/bin/envoy
 PYTEST_ARGS ?=
 
-.PHONY: install envoy llama-server test test-llama lint typecheck pytest run front bench fuzz sim-long dsim-long clean
+.PHONY: install envoy llama-server check test test-llama lint typecheck pytest pytest-fast run front bench fuzz sim-long dsim-long clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# xds-protos ships OTLP 0.9's modules under opentelemetry/proto/, the paths of
+	# opentelemetry-proto's: whichever pip installs last owns them. Put the OTLP exporter's back.
+	$(PY) -m pip install --quiet --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
+	$(PY) -c 'from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope'
 	$(PY) -c 'import subprocess, devtools.valkey as v; subprocess.run([v.server_binary(), "--version"], check=True)'
 	touch $@
 
@@ -41,6 +45,14 @@ typecheck: install
 
 pytest: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m pytest -q -m 'not llama' $(PYTEST_ARGS)
+
+# The inner loop, under a minute: lint, strict typing, and the tests that start no child
+# process (no Envoy, valkey-server, sidecar process or engine). tests/tiers.py marks the
+# others `external` from the code each test reaches; nobody keeps a list.
+check: lint typecheck pytest-fast
+
+pytest-fast: install
+	$(PY) -m pytest -q -n auto -m 'not external' $(PYTEST_ARGS)
 
 # The README's test command: lint, strict typing, then the whole suite (unit, property,
 # end-to-end through a real Envoy). pytest's exit code 5 ("no tests ran") fails the target.
@@ -80,9 +92,11 @@ front: install envoy
 	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.front \
 		$(if $(LLAMA),--llama $(LLAMA),--worker-urls $(WORKERS)) $(FRONT_ARGS)
 
-bench: install envoy
+# bench.qos runs a real llama-server: built first (cached) like test-llama's.
+bench: install envoy llama-server
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
-	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m bench
+	ENVOY_BIN=$(abspath $(ENVOY)) LLAMA_SERVER_BIN=$$(devtools/build-llama-server.sh | tail -n 1) \
+		$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) $(ENVOY_VENV) .pytest_cache .mypy_cache .ruff_cache bench/out

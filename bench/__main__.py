@@ -19,6 +19,7 @@ from bench import (
     codec,
     coordination,
     core,
+    deadlines,
     e2e,
     edge,
     ext_proc_cost,
@@ -27,6 +28,7 @@ from bench import (
     ledger,
     llm,
     pools,
+    qos,
     saturation,
 )
 
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="",
                    help="comma list: codec,core,pools,check,ext_proc,e2e,pools_envoy,isolation,"
-                        "fairness,saturation,ledger,coordination,edge,llm")
+                        "fairness,saturation,ledger,coordination,edge,deadlines,llm,qos")
     args = p.parse_args(argv)
     parts: list[tuple[str, Callable[[list[str]], int]]] = [
         ("codec", codec.main), ("core", core.main), ("pools", pools.main),
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         ("isolation", isolation.main),
         ("fairness", fairness.main),
         ("saturation", saturation.main), ("ledger", ledger.main),
-        ("coordination", coordination.main), ("edge", edge.main), ("llm", llm.main)]
+        ("coordination", coordination.main), ("edge", edge.main),
+        ("deadlines", deadlines.main), ("llm", llm.main), ("qos", qos.main)]
     if args.only:
         parts = [x for x in parts if x[0] in args.only.split(",")]
     flags = ["--quick"] if args.quick else []

@@ -15,6 +15,12 @@ a server near 100 % of a core is the bottleneck.
       --worker-capacity-override 1000000 ...`` (scheduler on, built-in classes)
 
     python -m bench.check_throughput [--seconds 3] [--quick]
+
+``--tracing-only``: the cost of admission traces (``--otlp-endpoint``) on the Check path,
+same-run ratios against a sidecar with tracing off: saturation and sidecar CPU per Check
+at 1 % (requests without a ``traceparent``, and with an unsampled one: the propagator's
+parse on every Check) and at 100 %, exporting to ``devtools.otlp`` (counting only) in a
+process of its own. Writes bench/out/tracing.txt.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +46,7 @@ from bench._util import (
     cpu_seconds,
     free_port,
     loadavg,
+    out_path,
     pct,
     run_client,
     spawn,
@@ -49,6 +56,7 @@ from bench._util import (
 from bench.codec import check_request_bytes
 from devtools.httpclient import get as http_get
 from sidecar import codec
+from sidecar.tracing import SCHEDULE_DELAY_MS
 
 CHECK = "/envoy.service.auth.v3.Authorization/Check"
 ALS = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
@@ -105,9 +113,10 @@ async def _checks(spec: dict[str, object]) -> dict[str, object]:
     rate = float(str(spec.get("rate", 0)))
     concurrency = int(str(spec.get("concurrency", 64)))
     release = bool(spec.get("release", True))
+    headers = spec.get("headers")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     check: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(CHECK)
-    req = check_request_bytes()
+    req = check_request_bytes(headers if isinstance(headers, dict) else None)
     rel = Releaser(channel) if release else None
     lat: list[float] = []
     errors = 0
@@ -238,12 +247,12 @@ SHED_ONLY = "classes:\n" + "".join(
 
 def start_sidecar(log: Path | None = None, *, capacity: int = 1000000,
                   priority_yaml: str | None = None, log_level: str = "warning",
-                  name: str = "sidecar") -> Server:
+                  name: str = "sidecar", extra: Sequence[str] = ()) -> Server:
     port, http = free_port(), free_port()
     argv = [sys.executable, "-m", "sidecar", "--priority-scheduler-enabled",
             "--worker-capacity-override", str(capacity),
             "--grpc-listen", f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{http}",
-            "--log-format", "json", "--log-level", log_level]
+            "--log-format", "json", "--log-level", log_level, *extra]
     if priority_yaml is not None:
         path = Path(tempfile.mkdtemp(prefix="smg-check-")) / "priority.yaml"
         path.write_text(priority_yaml)
@@ -301,6 +310,119 @@ def shed_cost(seconds: float, rate: float, log_level: str, rounds: int = 3) -> N
         terminate(shed.proc)  # type: ignore[arg-type]
 
 
+# A caller's trace its upstream chose not to sample: the sidecar parses it and follows.
+UNSAMPLED_PARENT = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"}
+
+
+async def _handler_cost(endpoint: str, n: int, rounds: int,
+                        say: Callable[[str], None]) -> None:
+    """The Check handler alone, in this process (no gRPC): CPU per decision + release, the
+    exporter's thread included (process time), tracing off / 1 % / 1 % with an unsampled
+    parent / 100 %, shapes alternating, medians compared."""
+    from sidecar import logs  # the sidecar in this process: only here
+    from sidecar.app import build_runtime
+    from sidecar.config import parse_settings
+
+    class Call:
+        """What the handler asks of its gRPC call: who asked (Envoy's address)."""
+
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:40000"
+
+    logs.configure("json", "error")
+
+    base = ["--priority-scheduler-enabled", "--worker-capacity-override", "1000000",
+            "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+            "--log-format", "json", "--log-level", "warning"]
+    otlp = ["--otlp-endpoint", endpoint, "--trace-sample-ratio"]
+    apps = {"off": await build_runtime(parse_settings(base)),
+            "1 %": await build_runtime(parse_settings([*base, *otlp, "0.01"])),
+            "100 %": await build_runtime(parse_settings([*base, *otlp, "1"]))}
+    shapes = [("off", "off", None), ("1 %", "1 %", None),
+              ("1 %, unsampled parent", "1 %", UNSAMPLED_PARENT), ("100 %", "100 %", None)]
+    per: dict[str, list[float]] = {name: [] for name, _, _ in shapes}
+    call = Call()
+    try:
+        for i in range(rounds):
+            for name, app_name, headers in (shapes if i % 2 == 0 else shapes[::-1]):
+                app = apps[app_name]
+                req = check_request_bytes(headers)
+                handler = app.authz.handler
+                t0 = time.process_time()
+                for _ in range(n):
+                    aid = admission_id(await handler(req, call))  # type: ignore[arg-type]
+                    assert aid is not None
+                    app.pools.release(aid)
+                per[name].append((time.process_time() - t0) / n * 1e6)
+                # The 100 % shape's spans exported before the next shape is timed.
+                await asyncio.sleep(1.2 * SCHEDULE_DELAY_MS / 1000)
+        base_us = statistics.median(per["off"])
+        say(f"  the Check handler in process (decide + release, no gRPC; CPU of the process, "
+            f"exporter thread included), {n:,} Checks per point, {rounds} alternating rounds:")
+        for name, _, _ in shapes:
+            med = statistics.median(per[name])
+            say(f"    {name:<22} {med:6.1f} us cpu/Check ({min(per[name]):.1f}-"
+                f"{max(per[name]):.1f}) = {med / base_us:.2f}x, {med - base_us:+.1f} us")
+    finally:
+        for app in apps.values():
+            await app.stop()
+
+
+def tracing_cost(seconds: float, rate: float, rounds: int) -> list[str]:
+    """Check throughput (closed loop, 64 callers) and sidecar CPU per Check (open loop at
+    ``rate``) with admission traces at 1 % and 100 % vs off, shapes alternating round by
+    round, medians compared; each allow released through the access log as above."""
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print(text)
+        lines.append(text)
+
+    rx_port = free_port()
+    rx = spawn([sys.executable, "-m", "devtools.otlp", "--port", str(rx_port), "--quiet"])
+    wait_tcp(rx_port, proc=rx)
+    otlp = ["--otlp-endpoint", f"http://127.0.0.1:{rx_port}"]
+    off = start_sidecar(name="off")
+    one = start_sidecar(name="1 %", extra=[*otlp, "--trace-sample-ratio", "0.01"])
+    every = start_sidecar(name="100 %", extra=[*otlp, "--trace-sample-ratio", "1"])
+    shapes: list[tuple[str, Server, dict[str, str] | None]] = [
+        ("off", off, None), ("1 %", one, None), ("1 %, unsampled parent", one, UNSAMPLED_PARENT),
+        ("100 %", every, None)]
+    try:
+        asyncio.run(_handler_cost(f"http://127.0.0.1:{rx_port}", 2000 if seconds < 2 else 5000,
+                                  rounds, say))
+        say(f"  admission traces: saturation (closed loop, 64 callers, {seconds:g} s) and "
+            f"sidecar CPU per Check (open loop {rate:,.0f} req/s, {seconds:g} s), {rounds} "
+            f"alternating rounds; spans to devtools.otlp (counting) in its own process "
+            f"(load {loadavg()})")
+        rps: dict[str, list[float]] = {n: [] for n, _, _ in shapes}
+        us: dict[str, list[float]] = {n: [] for n, _, _ in shapes}
+        for i in range(rounds):
+            order = shapes if i % 2 == 0 else shapes[::-1]
+            for name, server, headers in order:
+                r = measure(server, seconds=seconds, concurrency=64, headers=headers)
+                rps[name].append(num(r, "rps"))
+                say(f"    round {i} {name:<22} saturation {fmt(r)}")
+            for name, server, headers in order:
+                r = measure(server, seconds=seconds, rate=rate, headers=headers)
+                per = num(r, "server_cpu") / max(1.0, num(r, "rps")) * 1e6
+                us[name].append(per)
+                say(f"    round {i} {name:<22} paced      {fmt(r)}  -> {per:.0f} us cpu/Check")
+        base_rps, base_us = statistics.median(rps["off"]), statistics.median(us["off"])
+        say(f"  medians (ranges over rounds); ratios vs tracing off, same run "
+            f"(load {loadavg()}):")
+        for name, _, _ in shapes:
+            r_med, u_med = statistics.median(rps[name]), statistics.median(us[name])
+            say(f"    {name:<22} {r_med:>7,.0f} req/s ({min(rps[name]):,.0f}-"
+                f"{max(rps[name]):,.0f}) = {r_med / base_rps:.2f}x;  {u_med:.0f} us cpu/Check "
+                f"({min(us[name]):.0f}-{max(us[name]):.0f}) = {u_med / base_us:.2f}x")
+    finally:
+        for server in (off, one, every):
+            terminate(server.proc)  # type: ignore[arg-type]
+        terminate(rx)
+    return lines
+
+
 async def released(server: Server) -> float:
     _, body = await http_get(f"http://127.0.0.1:{server.http_port}/metrics", 2.0)
     total = 0.0
@@ -334,9 +456,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shed-only", action="store_true",
                    help="only the shed-vs-admitted cost part (--log-level for its sidecars)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--tracing-only", action="store_true",
+                   help="only the admission traces' cost (writes bench/out/tracing.txt)")
+    p.add_argument("--rounds", type=int, default=3, help="--tracing-only: alternating rounds")
     args = p.parse_args(argv)
     if args.client:
         print(json.dumps(client(json.loads(args.client))))
+        return 0
+    if args.tracing_only:
+        seconds = 1.0 if args.quick else args.seconds
+        head = (f"bench.check_throughput --tracing-only: {time.strftime('%F %T')}, "
+                f"{seconds:g} s per point, {args.rounds} rounds")
+        print(head)
+        lines = tracing_cost(seconds, 1000.0, args.rounds)
+        out_path("tracing.txt").write_text("\n".join([head, *lines]) + "\n")
         return 0
     if args.shed_only:
         shed_cost(args.seconds, 2000.0, args.log_level, 2 if args.quick else 3)

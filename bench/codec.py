@@ -26,7 +26,7 @@ from sidecar import codec
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-def check_request_bytes() -> bytes:
+def check_request_bytes(extra_headers: dict[str, str] | None = None) -> bytes:
     req = external_auth_pb2.CheckRequest()
     a = req.attributes
     a.source.address.socket_address.address = "10.0.0.7"
@@ -45,7 +45,7 @@ def check_request_bytes() -> bytes:
         ":authority": "llm.example.com", ":method": "POST", ":path": "/v1/chat/completions",
         ":scheme": "https", "content-type": "application/json", "content-length": "180",
         "user-agent": "openai-python/1.40.0", "x-request-id": "5f1c2a9e-8b7d-4e0f-9a61",
-        "x-smg-priority": "interactive", "x-smg-tenant": "auth:acme",
+        "x-smg-priority": "interactive", "x-smg-tenant": "auth:acme", **(extra_headers or {}),
     }
     for k, v in headers.items():
         http.headers[k] = v

@@ -43,6 +43,7 @@ import logging
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -200,6 +201,31 @@ class Tally:
         self.peak = self.running
 
 
+class Journal:
+    """The fake workers' log: one line per completion request, outcome and change of
+    state, newest last, in memory and bounded. A failed test's report ends with the
+    lines written while it ran (tests/logtails.py); ``count`` only grows, so a reader
+    remembers it and later asks for what came since."""
+
+    def __init__(self, maxlen: int = 5000) -> None:
+        self._lines: deque[str] = deque(maxlen=maxlen)
+        self.count = 0
+
+    def write(self, who: str, event: str) -> None:
+        now = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+        self._lines.append(f"{stamp} {who} {event}")
+        self.count += 1
+
+    def since(self, count: int) -> list[str]:
+        """The lines written after ``count`` was read (as many as are still kept)."""
+        new = self.count - count
+        return list(self._lines)[-new:] if new > 0 else []
+
+
+JOURNAL = Journal()  # every fake worker in this process writes here
+
+
 class Gates:
     """Named one-shot gates a test opens to let held requests go on."""
 
@@ -211,6 +237,8 @@ class Gates:
 
     def open(self, name: str) -> None:
         """Release every request held on ``name``, and those that arrive later."""
+        if not self._event(name).is_set():
+            JOURNAL.write("gates", f"open {name}")
         self._event(name).set()
 
     async def wait(self, name: str) -> None:
@@ -327,6 +355,7 @@ class FakeWorker:
         self.tokens = tokens
         self.stream_interval = stream_interval
         self.healthy = True
+        self._answered_healthy = True
         self.engine = engine
         self.dp_ranks = dp_ranks
         self.sglang_cli_cap: int | None = None
@@ -380,12 +409,14 @@ class FakeWorker:
             raise
         self._runner = runner
         self.port = runner.addresses[0][1]
+        JOURNAL.write(self.name, f"listening on {self.url} (engine {self.engine})")
 
     async def stop(self) -> None:
         """Stop listening and abort open connections (in-flight requests become cancelled)."""
         if self._runner is None:
             return
         runner, self._runner = self._runner, None
+        JOURNAL.write(self.name, f"stopping ({self._running} running)")
         await runner.cleanup()
 
     async def __aenter__(self) -> FakeWorker:
@@ -457,6 +488,9 @@ class FakeWorker:
     async def _health(self, request: web.Request) -> web.StreamResponse:
         if self.health_delay > 0:
             await asyncio.sleep(self.health_delay)
+        if self.healthy != self._answered_healthy:  # the checkers' view changes now
+            self._answered_healthy = self.healthy
+            JOURNAL.write(self.name, f"GET /health now {200 if self.healthy else 503}")
         if self.healthy:
             return _json(200, {"status": "ok"})
         return _json(503, {"status": "unhealthy"})
@@ -603,6 +637,9 @@ class FakeWorker:
             prompt_tokens=prompt_tokens(payload),
         )
         self.records.append(record)
+        JOURNAL.write(self.name, f"POST {request.path} id={record.request_id} "
+                      f"class={record.priority_class} admission={record.admission_id} "
+                      f"stream={stream} gate={request.headers.get(GATE_HEADER)}")
         # An engine with a full batch queues the request FIFO, whatever its priority.
         in_slot = False
         self._waiting += 1
@@ -616,6 +653,7 @@ class FakeWorker:
             self._waiting -= 1
             if not in_slot:
                 record.outcome, record.ended_at = "cancelled", time.time()
+                JOURNAL.write(self.name, f"id={record.request_id} cancelled in the queue")
         record.service_started_at = time.time()
         self._peak_running = max(self._peak_running, self._running)
         self.tally.enter()
@@ -646,6 +684,8 @@ class FakeWorker:
             self.tally.leave()
             record.outcome = outcome
             record.ended_at = time.time()
+            JOURNAL.write(self.name, f"id={record.request_id} {outcome} after "
+                          f"{record.ended_at - record.started_at:.3f} s ({self._running} running)")
             async with self._slots:
                 self._slots.notify_all()
 

@@ -34,6 +34,11 @@ from devtools.valkey import ValkeyServer
 from sidecar.config import parse_priority_config
 
 REPO = Path(__file__).resolve().parents[1]
+# Bounds on waits for the child processes, generous for a loaded 2-core box (other test
+# runs, CI neighbours): how long one may take to start serving, and to answer one query.
+# They bound a wait for a condition, not a promise under test.
+READY_SECS = 60.0
+ANSWER_SECS = 10.0
 
 
 def free_port() -> int:
@@ -262,7 +267,7 @@ class Stack:
             self.sidecar.wait(10)
             self.sidecar = None
 
-    async def wait_sidecar_ready(self, timeout: float = 20.0) -> None:
+    async def wait_sidecar_ready(self, timeout: float = READY_SECS) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.sidecar is not None and self.sidecar.poll() is not None:
@@ -320,7 +325,7 @@ class Stack:
         self.start_envoy()
         await self.wait_envoy_ready()
 
-    async def wait_envoy_ready(self, timeout: float = 20.0) -> None:
+    async def wait_envoy_ready(self, timeout: float = READY_SECS) -> None:
         deadline = time.monotonic() + timeout
         admin = f"http://127.0.0.1:{self.admin_port}"
         while time.monotonic() < deadline:
@@ -343,7 +348,7 @@ class Stack:
 
     async def metrics(self) -> dict[str, float]:
         """The sidecar's /metrics as ``{'name{label="v",...}': value}`` (labels sorted)."""
-        status, body = await http_get(f"http://127.0.0.1:{self.http_port}/metrics", 2.0)
+        status, body = await http_get(f"http://127.0.0.1:{self.http_port}/metrics", ANSWER_SECS)
         assert status == 200
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(body.decode()):
@@ -360,7 +365,7 @@ class Stack:
 
     async def envoy_stat(self, name: str) -> int:
         _, body = await http_get(
-            f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$", 2.0)
+            f"http://127.0.0.1:{self.admin_port}/stats?filter=^{name}$", ANSWER_SECS)
         value = body.decode().strip().rpartition(" ")[2]
         return int(value) if value.isdigit() else 0
 

@@ -33,6 +33,7 @@ from sidecar.coordination.credentials import with_password
 from sidecar.edge import RTDS_SERVICE, EdgeShed
 from sidecar.envoy_features import FeatureDetector
 from sidecar.health import CapacityMonitor
+from sidecar.limiter import AdaptiveLimit
 from sidecar.liveness import AdminProcessStart, EnvoyLiveness, local_owners
 from sidecar.metrics import Metrics, PoolRecorder
 from sidecar.pools import DEFAULT_POOL, Pool, Pools, id_factory
@@ -47,6 +48,7 @@ from sidecar.scheduler import (
 )
 from sidecar.shadow import ShadowCore
 from sidecar.status import StatusPage
+from sidecar.tracing import Tracing
 
 log = logs.get("sidecar")
 
@@ -125,7 +127,8 @@ async def build_runtime(settings: Settings) -> Runtime:
                 raise failed[0]
         return Runtime(s, metrics=metrics, admin=admin, http_port=http_port,
                        serving=serving, monitors=monitors, readings=readings, fleets=fleets,
-                       bucket=bucket)
+                       bucket=bucket,
+                       tracing=Tracing.build(s.tracing, instance=s.fleet.replica_id))
     except BaseException:
         for f in fleets.values():  # connected, or a Runtime that failed to build
             await f.aclose()
@@ -246,8 +249,10 @@ class Runtime:
                  monitors: Mapping[str, CapacityMonitor],
                  readings: Mapping[str, CapacityReading],
                  fleets: Mapping[str, FleetController],
-                 bucket: TokenBucket | None = None) -> None:
+                 bucket: TokenBucket | None = None, tracing: Tracing | None = None) -> None:
         s = self.settings = settings
+        # --otlp-endpoint: admission spans (sidecar.tracing); flushed, bounded, in stop().
+        self.tracing = tracing
         self.metrics = metrics
         self.http_port = http_port
         self._admin = admin
@@ -282,7 +287,8 @@ class Runtime:
                                                s.scheduler.default_max_class),
                                   self.pools.preemptible(), liveness=self.liveness,
                                   shadow=s.scheduler.shadow, busy_status=s.scheduler.busy_status,
-                                  hints=s.scheduler.overload_hints)
+                                  hints=s.scheduler.overload_hints,
+                                  tracer=None if tracing is None else tracing.tracer)
         self.features = FeatureDetector(metrics, lease_secs=s.liveness.admission_lease_secs,
                                         wall_clock=time.time)
         self.completion = CompletionService(self.pools, metrics, self.features, self.liveness)
@@ -311,7 +317,7 @@ class Runtime:
         self._grpc.add_generic_rpc_handlers([
             grpc.method_handlers_generic_handler(AUTHZ_SERVICE, {
                 "Check": grpc.unary_unary_rpc_method_handler(
-                    self.authz.check, request_deserializer=p_, response_serializer=p_)}),
+                    self.authz.handler, request_deserializer=p_, response_serializer=p_)}),
             grpc.method_handlers_generic_handler(ALS_SERVICE, {
                 "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
                     als, request_deserializer=p_, response_serializer=p_)}),
@@ -369,9 +375,14 @@ class Runtime:
             if legacy and s.scheduler.scheduler_enabled else None)
         if shadow is not None:
             metrics.shadow_started(shadow.shadow_snapshot)
+        c = s.capacity
+        limiter = None if not c.adaptive_capacity else AdaptiveLimit(
+            start=c.adaptive_capacity_start or reading.capacity,
+            floor=c.adaptive_capacity_floor, ceiling=reading.capacity)
         return Pool(name, controller=controller, monitor=monitor, reading=reading,
                     config=s.scheduler.priority, metrics=metrics, labelled=labelled,
-                    fleet=fleet, shadow=shadow, on_classes_changed=self._classes_changed)
+                    fleet=fleet, shadow=shadow, on_classes_changed=self._classes_changed,
+                    limiter=limiter)
 
     async def serve(self) -> None:
         s = self.settings
@@ -382,6 +393,8 @@ class Runtime:
         ttl = s.fleet.replica_ttl_secs
         for p in self.pools:
             self._tasks.append(asyncio.create_task(p.monitor.run()))
+            if p.limiter is not None:
+                self._tasks.append(asyncio.create_task(p.tune()))
             if p.fleet is not None:
                 p.fleet.start()
                 # A library replaced after start-up is noticed within one
@@ -414,6 +427,8 @@ class Runtime:
             lease_secs=s.liveness.admission_lease_secs,
             coordination="fleet" if s.fleet.coordination_url is not None else "in-process",
             shadow=s.scheduler.shadow,
+            traces=None if self.tracing is None else {
+                "endpoint": self.tracing.endpoint, "sample_ratio": self.tracing.ratio},
         )
         if s.liveness.envoy_authz_timeout is None and s.scheduler.scheduler_enabled:
             log.info("envoy_authz_timeout_reminder",
@@ -513,6 +528,8 @@ class Runtime:
             p.controller.close()
             if p.fleet is not None:
                 await p.fleet.aclose()
+        if self.tracing is not None:
+            await self.tracing.close()  # the last decisions' spans, for a bounded time
         log.info("stopped")
 
 

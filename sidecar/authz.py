@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 
 from sidecar import codec, logs, responses
 from sidecar.admission import Denied
-from sidecar.classes import PRIORITY_HEADER, PriorityClass, classify
+from sidecar.classes import PRIORITY_HEADER, Classification, PriorityClass, classify
 from sidecar.config import TenantSource
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
-from sidecar.pools import BudgetDenied, Pools
+from sidecar.pools import BudgetDenied, Pool, Pools
 from sidecar.scheduler import Outcome
+from sidecar.tracing import AdmissionSpan, AdmissionTracer
 
 ANONYMOUS = "anonymous"
+# Anonymous requests clamped, with no tenant ever seen, before tenant_source_yields_no_tenant.
+ANONYMOUS_CLAMPS_WARNED = 20
 # Checks held open at once (queued, or being decided) before a new one is shed with
 # the counted OVERLOADED reply: bounds the memory a burst can pin. Above any sane
 # sum of class queue sizes, so in practice only a flood reaches it.
@@ -108,8 +112,11 @@ class AuthzService:
                  tenant_source: TenantSource, policy: TenantPolicy,
                  preemptible: frozenset[PriorityClass] = frozenset(PriorityClass),
                  liveness: EnvoyLiveness | None = None, *, shadow: bool = False,
-                 busy_status: int | None = None, hints: bool = False) -> None:
+                 busy_status: int | None = None, hints: bool = False,
+                 tracer: AdmissionTracer | None = None) -> None:
         self.pools = pools
+        # --otlp-endpoint: spans for the decisions its sampler keeps (sidecar.tracing).
+        self.tracer = tracer
         self.liveness = liveness
         self.metrics = metrics
         self.tenant_source = tenant_source
@@ -135,25 +142,90 @@ class AuthzService:
         self.rejection_counted = self._rejections.add
         self._unknown_pool_log = logs.Throttled(log, "unknown_pool")
         self._decode_failed_log = logs.Throttled(log, "check_decode_failed")
+        # Anonymous requests clamped below what they asked, while no Check has named a
+        # tenant yet: a source Envoy never sets (None once a tenant was seen, or said).
+        self._anonymous_clamped: int | None = 0
 
     def _rejected(self, cls: PriorityClass, outcome: str, tenant: str) -> None:
         """A refused Check: counted by tenant, and summed in the ``rejections`` line."""
         self.metrics.tenant_rejected(cls, tenant, outcome)
         self._rejections.add(cls.label, outcome, tenant)
 
+    @property
+    def handler(self) -> Callable[[bytes, grpc.aio.ServicerContext[bytes, bytes]],
+                                  Awaitable[bytes]]:
+        """The Check handler to serve: the traced one only when tracing is on, so that off,
+        a decision pays one ``is None`` test for it (sidecar.tracing)."""
+        return self.check if self.tracer is None else self.check_traced
+
+    def _watch_tenant_source(self, tenant: str, clamped: bool) -> None:
+        """Until a Check names a tenant: after ``ANONYMOUS_CLAMPS_WARNED`` anonymous
+        requests clamped below what they asked, say once that the source yields nothing
+        (every class above the default ceiling is then out of reach)."""
+        if tenant != ANONYMOUS:
+            self._anonymous_clamped = None  # the source works
+        elif clamped and self._anonymous_clamped is not None:
+            self._anonymous_clamped += 1
+            if self._anonymous_clamped >= ANONYMOUS_CLAMPS_WARNED:
+                self._anonymous_clamped = None
+                log.warning("tenant_source_yields_no_tenant",
+                            tenant_source=f"{self.tenant_source.kind}:"
+                                          f"{self.tenant_source.name}".rstrip(":"),
+                            clamped=ANONYMOUS_CLAMPS_WARNED,
+                            default_max_class=self.policy.default_max.label,
+                            hint="no Check so far carried a tenant from this source, so "
+                                 "every request is anonymous and clamped to the default "
+                                 "ceiling: check that Envoy sets it (JWT claim_to_headers, "
+                                 "mTLS) or choose --tenant-source accordingly")
+
     async def check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
         self.open_checks += 1
         try:
-            return await self._check(data, context)
+            try:
+                view = codec.decode_check(data)
+            except Exception as exc:  # a malformed message must not become an INTERNAL error
+                await self._malformed(exc, context)
+            return await self._check(view, context, None)
         finally:
             self.open_checks -= 1
 
-    async def _check(self, data: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+    async def check_traced(self, data: bytes,
+                           context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        """:meth:`check`, with a span for each decision the sampler keeps."""
+        assert self.tracer is not None
+        self.open_checks += 1
         try:
-            view = codec.decode_check(data)
-        except Exception as exc:  # a malformed message must not become an INTERNAL error
-            self._decode_failed_log.event(error=str(exc)[:200])
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed CheckRequest")
+            try:
+                view = codec.decode_check(data)
+            except Exception as exc:
+                await self._malformed(exc, context)
+            span = self.tracer.start(view.headers)
+            try:
+                return await self._check(view, context, span)
+            finally:
+                if span is not None:
+                    span.close()  # ends it only if no decision did
+        finally:
+            self.open_checks -= 1
+
+    async def _malformed(self, exc: Exception,
+                         context: grpc.aio.ServicerContext[bytes, bytes]) -> NoReturn:
+        self._decode_failed_log.event(error=str(exc)[:200])
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed CheckRequest")
+        raise AssertionError("abort returned")  # grpc.aio's abort always raises
+
+    def _answered(self, span: AdmissionSpan, c: Classification, tenant: str,
+                  pool: Pool | None, view: codec.CheckView, outcome: str, **kw: Any) -> None:
+        """A traced decision: the pool's part of its span (sidecar.tracing names the rest)."""
+        if pool is None:  # the route's name, clipped as the unknown_pool line clips it
+            span.answered(c, tenant, (view.pool or "")[:64], outcome, **kw)
+            return
+        span.answered(c, tenant, pool.name, outcome, legacy=pool.legacy,
+                      coordination=None if pool.fleet is None else pool.fleet.state, **kw)
+
+    async def _check(self, view: codec.CheckView,
+                     context: grpc.aio.ServicerContext[bytes, bytes],
+                     span: AdmissionSpan | None) -> bytes:
         tenant = resolve_tenant(self.tenant_source, view)
         # For logs only: x-request-id is client-settable, so it never correlates a release.
         request_id = view.headers.get("x-request-id")
@@ -162,6 +234,8 @@ class AuthzService:
         c = classify(view.headers.get(PRIORITY_HEADER), tenant, self.policy.ceiling(tenant))
         if c.unknown_value or c.clamped:
             self.metrics.classified(tenant, c.requested, c.effective, c.unknown_value)
+        if self._anonymous_clamped is not None:
+            self._watch_tenant_source(tenant, c.clamped)
         pool = self.pools.for_route(view.pool or "")
         edge = pool.edge if pool is not None else None
         if edge is not None:
@@ -169,14 +243,24 @@ class AuthzService:
         if self.open_checks > MAX_OPEN_CHECKS and not self.shadow:
             self.metrics.overloaded(c.effective)
             self._overload_log.event(open_checks=self.open_checks)
+            if span is not None:
+                self._answered(span, c, tenant, pool, view, "overloaded",
+                               reply=self._replies[(responses.Rejection.OVERLOADED, c.effective)])
             return self._deny[(responses.Rejection.OVERLOADED, c.effective)]
         if pool is None:  # the route and the pools disagree: counted, 429
             self.metrics.unknown_pool(c.effective)
             self._unknown_pool_log.event(pool=(view.pool or "")[:64])
             if self.shadow:  # --shadow refuses nothing: the would-be 429, held by no pool
+                if span is not None:
+                    self._answered(span, c, tenant, None, view, "admitted",
+                                   shadow=_UNKNOWN_POOL_VERDICT[0])
                 return (codec.encode_unheld_allow(c.effective.label, tenant)
                         + codec.shadow_suffix(*_UNKNOWN_POOL_VERDICT))
             self._rejected(c.effective, "unknown_pool", tenant)
+            if span is not None:
+                self._answered(span, c, tenant, None, view, "unknown_pool",
+                               reply=self._replies[(responses.Rejection.UNKNOWN_POOL,
+                                                    c.effective)])
             return self._deny[(responses.Rejection.UNKNOWN_POOL, c.effective)]
         try:
             admitted = await pool.admit(c.effective, tenant, None if pool.tokens is None
@@ -201,6 +285,9 @@ class AuthzService:
                       legacy=d.legacy, waited=round(d.waited, 6), request_id=request_id,
                       **pool.log_fields)
             self._rejected(c.effective, outcome, tenant)
+            if span is not None:
+                self._answered(span, c, tenant, pool, view, outcome, waited=d.waited,
+                               reply=self._replies[(rejection, c.effective)])
             if self._hints:
                 return codec.encode_deny(responses.with_hints(
                     self._replies[(rejection, c.effective)],
@@ -214,6 +301,8 @@ class AuthzService:
                       effective=c.effective.label, outcome=outcome, request_id=request_id,
                       **pool.log_fields)
             self._rejected(c.effective, outcome, tenant)
+            if span is not None:
+                self._answered(span, c, tenant, pool, view, outcome)
             raise
         if edge is not None and not admitted.queued:
             edge.admitted_at_once(c.effective)  # the class's queue had room: no shedding
@@ -234,7 +323,8 @@ class AuthzService:
                       request_id=request_id, **pool.log_fields)
         allow = codec.encode_allow(aid, c.effective.label, tenant,
                                    c.effective in self.preemptible or not periodic)
-        if pool.shadow is not None and (v := pool.shadow.take_verdict(aid)) is not None:
+        v = None if pool.shadow is None else pool.shadow.take_verdict(aid)
+        if v is not None:
             # Over its token budget, enforcement would have refused it before its class
             # queue saw it: that is the would-be answer.
             allow += (codec.shadow_suffix("over_budget", responses.OVER_BUDGET_CODE)
@@ -242,4 +332,8 @@ class AuthzService:
                       else codec.shadow_suffix(v.outcome, v.code))
         if self._hints:
             allow += codec.wait_hint_suffix(round(admitted.waited * 1000))
+        if span is not None:
+            self._answered(span, c, tenant, pool, view, Outcome.ADMITTED.value,
+                           waited=admitted.waited, queued=admitted.queued, admission_id=aid,
+                           shadow=None if v is None else v.outcome)
         return allow

@@ -314,6 +314,8 @@ class LogEntry:
     # engine's (from the request reaching the worker to the first byte back).
     ttft_secs: float | None = None
     engine_ttfb_secs: float | None = None
+    # From the request reaching the worker to its last byte back (None: not measured).
+    engine_secs: float | None = None
     # Final entries: the response's usage block as Envoy's Lua filter read it, and the
     # body bytes Envoy counted each way (sidecar.tokens settles on them).
     usage: Usage = field(default_factory=Usage)
@@ -377,6 +379,7 @@ def decode_access_logs(data: bytes) -> list[LogEntry]:
             ttft_secs=_secs(cp, "time_to_first_downstream_tx_byte"),
             engine_ttfb_secs=_engine_ttfb(cp),
             usage=_usage(cp, entry) if kind != _PERIODIC else Usage(),
+            engine_secs=_engine_secs(cp),
         ))
     return out
 
@@ -386,6 +389,15 @@ def _secs(cp: accesslog_pb2.AccessLogCommon, name: str) -> float | None:
         return None
     d = getattr(cp, name)
     return float(d.seconds + d.nanos / 1e9)
+
+
+def _engine_secs(cp: accesslog_pb2.AccessLogCommon) -> float | None:
+    """From the last byte of the request sent upstream to the last byte back."""
+    sent = _secs(cp, "time_to_last_upstream_tx_byte")
+    last = _secs(cp, "time_to_last_upstream_rx_byte")
+    if sent is None or last is None or last < sent:
+        return None
+    return last - sent
 
 
 def _engine_ttfb(cp: accesslog_pb2.AccessLogCommon) -> float | None:

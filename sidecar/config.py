@@ -229,6 +229,58 @@ def _replica_id(name: str, value: str | None) -> str:
     return _fleet_name(name, default_replica_id() if value is None else value)
 
 
+def _otlp_endpoint(name: str, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(value)
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number
+        raise ConfigError(f"{name}: {exc}") from None
+    if parts.username is not None or parts.password is not None:
+        # Never quoted: it may hold a token. argv is public.
+        raise ConfigError(f"{name}: a user or password in the URL is visible to every process "
+                          "on the host; put a token in --otlp-headers-file")
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or port is None:
+        raise ConfigError(f"{name} must be http://HOST:PORT or https://HOST:PORT, got "
+                          f"{clip(value)!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"{name}: OTLP/gRPC has no path or query, got {clip(value)!r}")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{name}: port must be 1..65535")
+    _check_otlp_protos(name)
+    return value
+
+
+def _check_otlp_protos(name: str) -> None:
+    """The OTLP exporter needs opentelemetry-proto's generated modules. xds-protos ships
+    OTLP 0.9's under the same paths (``opentelemetry/proto/``): whichever of the two was
+    installed last owns the files, and 0.9's break the exporter. Said here, before anything
+    listens, with the command that repairs it (the Makefile and the Dockerfile run it)."""
+    from importlib import metadata
+
+    try:
+        from opentelemetry.proto.common.v1 import common_pb2
+    except ImportError as exc:
+        raise ConfigError(f"{name}: the OTLP protobuf modules cannot be imported ({exc}); "
+                          "install opentelemetry-proto") from None
+    if not hasattr(common_pb2, "InstrumentationScope"):
+        try:
+            pin = f"=={metadata.version('opentelemetry-proto')}"
+        except metadata.PackageNotFoundError:
+            pin = ""
+        raise ConfigError(f"{name}: opentelemetry/proto/ holds OTLP 0.9's modules (xds-protos, "
+                          "installed after opentelemetry-proto, replaced its files); put "
+                          "them back: pip install --force-reinstall --no-deps "
+                          f"opentelemetry-proto{pin}")
+
+
+def _sample_ratio(name: str, value: float) -> float:
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ConfigError(f"{name} must be a number from 0 to 1")
+    return float(value)
+
+
 # --------------------------------------------------------------- the flags
 # Every flag is declared here, once, as a field of its settings group (sidecar.flags):
 # the parser, --help's sections, Settings and docs/reference.md's flag tables come
@@ -498,6 +550,28 @@ class CapacitySettings:
              "guard](#engines-where-each-workers-capacity-comes-from)). One extra request per "
              "worker per interval (per loaded model of a llama.cpp router); a refused one (401, "
              "or 501 without `--metrics`) only every 30 s."))
+    adaptive_capacity: bool = flag(
+        "--adaptive-capacity", default=False, switch=True,
+        help=("tune each pool's capacity from the engines' time to first byte, between "
+              "--adaptive-capacity-floor and what the workers report"),
+        doc=("Each pool's capacity tunes itself: a limit between `--adaptive-capacity-floor` "
+             "and the capacity its workers report (their cap, or "
+             "`--worker-max-running-requests` per worker for an engine that reports none), "
+             "lowered when the engines' time to first byte jumps (requests queue inside the "
+             "engine) and raised by one while it is all used and the engines keep up "
+             "([Capacity that tunes itself](#capacity-that-tunes-itself---adaptive-capacity)). "
+             "With `--coordination-url` the pool reports the limit to the ledger, so the "
+             "fleet's capacity is the smallest limit its replicas found."))
+    adaptive_capacity_start: int | None = flag(
+        "--adaptive-capacity-start", default=None, type=int, metavar="N", check=_at_least(1),
+        shown_default="the workers' capacity",
+        help="the limit --adaptive-capacity starts from (default: what the workers report)",
+        doc=("The limit `--adaptive-capacity` starts from. Unset: the capacity the workers "
+             "report. ≥ 1."))
+    adaptive_capacity_floor: int = flag(
+        "--adaptive-capacity-floor", default=1, type=int, metavar="N", check=_at_least(1),
+        help="the lowest limit --adaptive-capacity goes to",
+        doc="The lowest limit `--adaptive-capacity` goes to. ≥ 1.")
     worker_auth_file: str | None = flag(
         "--worker-auth-file", default=None, metavar="FILE",
         help=("file holding the workers' API key, sent with every probe as 'Authorization: "
@@ -655,6 +729,44 @@ class FleetSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingSettings:
+    TITLE: ClassVar[str] = "tracing (an extension: one OpenTelemetry span per admission decision)"
+
+    otlp_endpoint: str | None = flag(
+        "--otlp-endpoint", default=None, metavar="URL", check=_otlp_endpoint,
+        help=("export one span per admission decision to this OTLP/gRPC receiver "
+              "(http://HOST:PORT plaintext, https://HOST:PORT TLS); unset = no traces"),
+        doc=("Admission traces, an extension (off when unset): one span per Check decision, "
+             "joined to the request's W3C `traceparent`, exported in batches to this OTLP/gRPC "
+             "receiver (an OpenTelemetry Collector, Jaeger, Tempo): `http://HOST:PORT` "
+             "(plaintext) or `https://HOST:PORT` (TLS, the system's CAs or "
+             "`$OTEL_EXPORTER_OTLP_CERTIFICATE`). No user, password, path or query: a token "
+             "goes in `--otlp-headers-file`. A receiver that is down or slow costs spans, never "
+             "admission ([Admission traces](#admission-traces))."))
+    trace_sample_ratio: float = flag(
+        "--trace-sample-ratio", default=0.01, type=float, metavar="R",
+        check=_sample_ratio,
+        help=("share of requests without a sampled parent that get a span (0..1); a request "
+              "whose traceparent is sampled always gets one; 0 = none at all"),
+        doc=("With `--otlp-endpoint`: the share (0..1) of requests that start a trace here "
+             "(no `traceparent`, or an invalid one) that get a span. Parent-based: a request "
+             "whose `traceparent` is sampled always gets one, one whose parent is not sampled "
+             "never does. `0` turns spans off entirely, sampled parents included."))
+    otlp_headers_file: str | None = flag(
+        "--otlp-headers-file", default=None, metavar="FILE",
+        help=("file of 'name: value' lines sent as gRPC metadata with every export (a "
+              "collector's token; never in argv); https:// endpoints only"),
+        doc=("With an `https://` `--otlp-endpoint`: headers sent with every export (a "
+             "collector's or vendor's token), one `name: value` per line (blank lines and `#` "
+             "comments skipped; ≤ 8 KiB, ASCII, no control characters), read once at start-up. "
+             "Never give a token in argv; no log line shows a value or any 8 characters of it, "
+             "and errors about the file never quote it. Over a plaintext `http://` endpoint it "
+             "is a start-up error."))
+    otlp_headers: tuple[tuple[str, str], ...] = derived(repr=False)
+    """Never in a repr: the values are tokens."""
+
+
+@dataclass(frozen=True, slots=True)
 class LoggingSettings:
     TITLE: ClassVar[str] = "logging"
 
@@ -698,7 +810,7 @@ class CheckFlags:
 
 SETTINGS_GROUPS: tuple[type[FlagGroup], ...] = (
     SchedulerSettings, LegacySettings, ListenSettings, CapacitySettings, LivenessSettings,
-    FleetSettings, LoggingSettings)
+    FleetSettings, TracingSettings, LoggingSettings)
 FLAG_GROUPS: tuple[type[FlagGroup], ...] = (*SETTINGS_GROUPS, CheckFlags)
 """Every flag's group, in --help's and the reference's order."""
 
@@ -717,6 +829,7 @@ class Settings:
     capacity: CapacitySettings
     liveness: LivenessSettings
     fleet: FleetSettings
+    tracing: TracingSettings
     logging: LoggingSettings
 
     if not TYPE_CHECKING:
@@ -867,6 +980,57 @@ def worker_credential(path: str | None, header: str | None) -> dict[str, str] | 
     return {header: key}
 
 
+def otlp_headers(path: str | None, endpoint: str | None) -> tuple[tuple[str, str], ...]:
+    """The export headers from ``--otlp-headers-file``: ``((name, value), ...)``, names
+    lowercased (gRPC metadata). Errors name the file and the line, never a value."""
+    if path is None:
+        return ()
+    flag_ = "--otlp-headers-file"
+    if endpoint is None:
+        raise ConfigError(f"{flag_} needs --otlp-endpoint")
+    if not endpoint.lower().startswith("https://"):
+        raise ConfigError(f"{flag_}: the headers would go over plaintext (--otlp-endpoint "
+                          "http://...); give an https:// endpoint")
+    text = _read_secret_file(flag_, path)
+    headers: list[tuple[str, str]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, sep, value = line.partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep or not _HEADER_NAME.match(name) or not value:
+            raise ConfigError(f"{flag_}: line {lineno} is not 'name: value'", file=path)
+        headers.append((name.lower(), value))
+    if not headers:
+        raise ConfigError(f"{flag_}: no header in it", file=path)
+    return tuple(headers)
+
+
+def _read_secret_file(flag_: str, path: str) -> str:
+    """A small ASCII file of secrets, as text; errors name the flag and the file only."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{flag_}: cannot read: {exc.strerror}", file=path) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{flag_}: not a regular file", file=path)
+        data = os.read(fd, MAX_CREDENTIAL_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{flag_}: cannot read: {exc.strerror}", file=path) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CREDENTIAL_BYTES:
+        raise ConfigError(f"{flag_}: longer than {MAX_CREDENTIAL_BYTES} bytes", file=path)
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{flag_}: not ASCII text", file=path) from None
+    if any((ord(ch) < 0x20 and ch not in "\t\r\n") or ord(ch) == 0x7F for ch in text):
+        raise ConfigError(f"{flag_}: holds a control character", file=path)
+    return text
+
+
 def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) -> Settings:
     """Validate parsed flags and load the YAML; raise :class:`ConfigError`.
 
@@ -906,12 +1070,14 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
     check_pools(scheduler.priority, pool_workers)
     check_authz_timeout(liveness.envoy_authz_timeout, scheduler.priority,
                         scheduler.scheduler_enabled)
+    tracing = TracingSettings(**flags.checked_values(TracingSettings, ns),
+                              otlp_headers=otlp_headers(ns.otlp_headers_file, ns.otlp_endpoint))
     logging_ = LoggingSettings(**flags.checked_values(LoggingSettings, ns))
     if logging_.log_format is None:
         tty = os.isatty(2) if isatty is None else isatty
         logging_ = replace(logging_, log_format="console" if tty else "json")
     return Settings(scheduler=scheduler, legacy=legacy, listen=listen_, capacity=capacity,
-                    liveness=liveness, fleet=fleet, logging=logging_)
+                    liveness=liveness, fleet=fleet, tracing=tracing, logging=logging_)
 
 
 def split_worker_urls(entries: Sequence[str]

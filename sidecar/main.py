@@ -20,7 +20,7 @@ from sidecar.config import (
     load_priority_config,
     settings_from_args,
 )
-from sidecar.priority_yaml import starvation_warnings
+from sidecar.priority_yaml import preemption_warnings, starvation_warnings
 
 # An unlimited hard limit cannot be the soft one (the kernel caps it at nr_open).
 NOFILE_CEILING = 1 << 20
@@ -54,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{ns.check_config}: OK (sha256 {cfg.digest})")
         default_max, _ = parse_default_max_class(ns.priority_scheduler_default_max_class)
         print(format_class_table(cfg, default_max))
-        for warning in starvation_warnings(cfg):  # a warning: the file is still valid
+        # Warnings: the file is still valid.
+        for warning in [*starvation_warnings(cfg), *preemption_warnings(cfg)]:
             print(f"priority-sidecar: warning: {warning}", file=sys.stderr)
         if ns.check_capacity is None:
             return 0

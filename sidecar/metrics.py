@@ -74,6 +74,8 @@ verb                        caller             metrics
                                                ``smg_sidecar_admission_fallback`` (pool),
                                                the snapshot gauges (below)
 ``preemption_suspended``    pool (monitor)     ``smg_sidecar_preemption_suspended`` (pool)
+``adaptive_limit``          pool (tuning)      ``smg_sidecar_adaptive_limit`` (pool),
+                                               ``smg_sidecar_adaptive_limit_changes_total`` (pool)
 ``fleet_seen``              fleet controller   ``smg_sidecar_fleet_inflight`` (pool),
                             (heartbeat)        ``smg_sidecar_live_replicas`` (pool)
 ``coordination_changed``    fleet controller   ``smg_sidecar_coordination_state`` (pool)
@@ -274,6 +276,9 @@ class PoolRecorder(Protocol):
     def preemption_suspended(self, suspended: bool) -> None:
         """No class preempts (a counted worker's engine cannot cancel), or they may again."""
 
+    def adaptive_limit(self, limit: int, reason: str, changed: bool) -> None:
+        """--adaptive-capacity: the pool's limit after a tuning step, and why it moved."""
+
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
         """A heartbeat's answer: fleet-wide in-flight counts and live replicas."""
 
@@ -404,6 +409,9 @@ class NullPoolRecorder:
     def preemption_suspended(self, suspended: bool) -> None:
         pass
 
+    def adaptive_limit(self, limit: int, reason: str, changed: bool) -> None:
+        pass
+
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
         pass
 
@@ -495,6 +503,15 @@ class Metrics:
             "smg_sidecar_preemption_suspended",
             "1 while no class preempts because a counted worker's engine cannot cancel a "
             "running request (llama.cpp)", pl, registry=r)
+        self.adaptive_limit = Gauge(
+            "smg_sidecar_adaptive_limit",
+            "--adaptive-capacity: the concurrency limit the pool tuned itself to", pl,
+            registry=r)
+        self.adaptive_changes = Counter(
+            "smg_sidecar_adaptive_limit_changes",
+            "--adaptive-capacity: moves of the limit, by reason (engine_queueing: the "
+            "engines' time to first byte jumped; probe: used and kept up; ceiling: the "
+            "workers' capacity changed)", [*pl, "reason"], registry=r)
         self.fleet_inflight = Gauge("smg_sidecar_fleet_inflight",
                                     "Fleet-wide admissions in flight, as the ledger saw them "
                                     "at the last heartbeat", [*pl, "class"], registry=r)
@@ -894,6 +911,11 @@ class PoolMetrics:
 
     def preemption_suspended(self, suspended: bool) -> None:
         _child(self._m.preemption_suspended, *self.label).set(1 if suspended else 0)
+
+    def adaptive_limit(self, limit: int, reason: str, changed: bool) -> None:
+        _child(self._m.adaptive_limit, *self.label).set(limit)
+        if changed:
+            self._m.adaptive_changes.labels(*self.label, reason).inc()
 
     def fleet_seen(self, inflight: Mapping[PriorityClass, int], live_replicas: int) -> None:
         m, pl = self._m, self.label

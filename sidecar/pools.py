@@ -45,8 +45,9 @@ from sidecar.coordination import server
 from sidecar.deadlines import Deadlines
 from sidecar.edge import ShedController
 from sidecar.health import CapacityMonitor
+from sidecar.limiter import INTERVAL, AdaptiveLimit
 from sidecar.metrics import PoolRecorder, Recorder
-from sidecar.priority_yaml import PriorityConfig
+from sidecar.priority_yaml import PriorityConfig, unreserved_preemptors
 from sidecar.scheduler import (
     Admitted,
     ClassSettings,
@@ -148,7 +149,8 @@ class Pool:
                  labelled: bool, fleet: FleetController | None = None,
                  shadow: ShadowCore | None = None,
                  on_classes_changed: Callable[[], None] = lambda: None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 limiter: AdaptiveLimit | None = None) -> None:
         self.name = name
         self.controller = controller
         self.monitor = monitor
@@ -173,6 +175,13 @@ class Pool:
             self.log.warning("ttft_targets_not_enforced_in_a_fleet",
                              reason="the fleet's ledger predicts no waits: targets are "
                                     "measured (smg_sidecar_ttft_seconds), never applied")
+        # --adaptive-capacity: the pool's capacity tunes itself below its workers' (legacy
+        # admission does not follow capacity: nothing to tune).
+        self.limiter = None if controller.legacy else limiter
+        if self.limiter is not None:
+            self.limiter.set_ceiling(reading.capacity)
+            controller.set_capacity(self.capacity)
+            metrics.adaptive_limit(self.limiter.limit, "start", False)
         self.uncancellable = uncancellable_workers(reading)
         if self.uncancellable:
             self._preemption_suspended()
@@ -204,6 +213,12 @@ class Pool:
     @property
     def legacy(self) -> bool:
         return self.controller.legacy
+
+    @property
+    def capacity(self) -> int:
+        """What admission counts: the workers' capacity, or the tuned limit below it."""
+        cap = self.reading.capacity
+        return cap if self.limiter is None else min(cap, self.limiter.limit)
 
     @property
     def classes(self) -> Mapping[PriorityClass, ClassSettings]:
@@ -434,6 +449,8 @@ class Pool:
             return
         if entry.engine_ttfb_secs is not None:
             self.deadlines.observed(cls, entry.engine_ttfb_secs)
+            if self.limiter is not None and entry.engine_secs is not None:
+                self.limiter.sample(entry.engine_ttfb_secs, entry.engine_secs)
         self.metrics.completed(cls, entry.ttft_secs, entry.engine_ttfb_secs)
 
     def on_capacity(self, reading: CapacityReading) -> None:
@@ -453,7 +470,32 @@ class Pool:
             self.controller.update_config(self.classes)
             self.metrics.preemption_suspended(bool(self.uncancellable))
             self._on_classes_changed()
-        self.controller.set_capacity(reading.capacity)
+        if self.limiter is not None:
+            t = self.limiter.set_ceiling(reading.capacity)
+            self.metrics.adaptive_limit(t.limit, t.reason, t.changed)
+        self.controller.set_capacity(self.capacity)
+
+    async def tune(self) -> None:
+        """--adaptive-capacity: one tuning step every interval (sidecar.limiter), with the
+        most requests in flight during it (looked at ten times per interval)."""
+        limiter = self.limiter
+        if limiter is None:
+            return
+        while True:
+            peak, used = 0, False
+            for _ in range(10):
+                await asyncio.sleep(INTERVAL / 10)
+                snap = self.controller.snapshot()
+                peak = max(peak, snap.inflight)
+                used = used or snap.inflight >= limiter.limit or any(
+                    c.queue_depth for c in snap.classes.values())
+            t = limiter.tick(used=used, inflight=peak)
+            self.metrics.adaptive_limit(t.limit, t.reason, t.changed)
+            if t.changed:
+                self.log.info("adaptive_limit_changed", limit=t.limit, reason=t.reason.value,
+                              workers_capacity=self.reading.capacity, samples=t.samples,
+                              engine_queued=None if t.queued is None else round(t.queued, 2))
+                self.controller.set_capacity(self.capacity)
 
     def apply_config(self, cfg: PriorityConfig) -> None:
         """A valid new config: new class knobs for new decisions (queued requests keep
@@ -461,6 +503,8 @@ class Pool:
         self._config = cfg
         self.controller.update_config(self.classes)
         self._configure_tokens(cfg)
+        if self.uncancellable:
+            self._warn_unreserved_preemptors()
         if self.fleet is None:
             self.deadlines.configure(cfg.classes_for(self.name), cfg.deadline_mode)
         if self.legacy:
@@ -476,6 +520,21 @@ class Pool:
                          reason="the engine runs a preempted request to its end, so "
                                 "preempting frees no slot; higher classes wait at the head "
                                 "of their queue instead")
+        self._warn_unreserved_preemptors()
+
+    def _warn_unreserved_preemptors(self) -> None:
+        """While preemption is suspended, a class that would preempt but reserves no slot
+        at this capacity waits for a running request to end: said, with the fix."""
+        unreserved = unreserved_preemptors(self._config.classes_for(self.name),
+                                           self.reading.capacity)
+        if unreserved:
+            self.log.warning("preempting_class_without_reservation",
+                             classes=[c.label for c in unreserved],
+                             capacity=self.reading.capacity,
+                             reason="preemption is suspended on these workers, so a request "
+                                    "of these classes waits for a running request to finish",
+                             hint="give each a reserved_floor of at least 1 in priority.yaml "
+                                  "(docs/operations.md, Preemption on llama.cpp)")
 
 
 class Pools:

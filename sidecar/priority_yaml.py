@@ -31,7 +31,7 @@ import yaml
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
 from sidecar.scheduler import BUILTIN_CLASSES, ClassSettings
-from sidecar.scheduler.reservations import reservations_fit
+from sidecar.scheduler.reservations import reservations_fit, scaled_reservations
 from sidecar.tokens import (
     ACCOUNTING_MODES,
     BUDGET_MODES,
@@ -738,3 +738,33 @@ def starvation_warnings(cfg: PriorityConfig) -> list[str]:
                 f"to at least {high.queue_timeout_secs:g} or lower {hi.label}'s "
                 "queue_timeout_secs (docs/operations.md, PriorityGateSystemShedding)")
     return lines
+
+
+def unreserved_preemptors(classes: Mapping[PriorityClass, ClassSettings],
+                          capacity: int | None = None) -> list[PriorityClass]:
+    """Classes that may preempt but hold no reserved slot: at ``capacity``, or at any
+    capacity (``None``: no ``reserved_floor``; a share alone rounds to none on few slots).
+
+    Where preemption is suspended (an engine that cannot cancel a running request:
+    llama.cpp) such a class's request waits for a running one to end, whoever runs it;
+    a reserved slot is the only place kept free for it.
+    """
+    if capacity is None:
+        return [c for c in HIGH_TO_LOW
+                if classes[c].can_preempt and classes[c].reserved_floor == 0]
+    reserved = scaled_reservations(classes, capacity)
+    return [c for c in HIGH_TO_LOW if classes[c].can_preempt and reserved[c] == 0]
+
+
+def preemption_warnings(cfg: PriorityConfig) -> list[str]:
+    """``--check-config``'s warnings for :func:`unreserved_preemptors`, per class table."""
+    tables = [("classes", cfg.classes),
+              *((f"pools.{p}.classes", t) for p, t in sorted(cfg.pools.items()))]
+    return [
+        f"{where}.{c.label}.can_preempt is true but {c.label} reserves no slot "
+        f"(reserved_floor 0, reserved_per_slot {classes[c].reserved_per_slot:g}): on an "
+        f"engine that cannot cancel a running request (llama.cpp) preemption is suspended, "
+        f"and a {c.label} request waits for a running request to finish, however long it "
+        f"runs; give {where}.{c.label}.reserved_floor at least 1 "
+        "(docs/operations.md, Preemption on llama.cpp)"
+        for where, classes in tables for c in unreserved_preemptors(classes)]

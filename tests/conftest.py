@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -12,16 +14,71 @@ from aiohttp import web
 from devtools.fleet import wait_for
 from devtools.httpclient import Exchange, Response, chat_body, request
 from devtools.stack import Stack, StackConfig
+from tests import logtails, tiers
 
 StackFactory = Callable[..., Awaitable[Stack]]
 Metrics = dict[str, float]
+
+# ------------------------------------------------------------------ the suite's harness
+# Tiers (tests/tiers.py): every test that can start a child process is marked `external`;
+# `make check` runs the others. Failure reports (tests/logtails.py): a failed test's
+# report ends with the tails of its child processes' logs and the fake workers' journal.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.install()
+    tiers.popen_hooks.append(logtails.record)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    tiers.uninstall()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers.classify(config, items)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    logtails.begin_test()
+    tiers.set_current(item)
+    try:
+        return (yield)
+    finally:
+        tiers.set_current(None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    try:
+        report: pytest.TestReport = yield
+    except Exception as exc:
+        # pytest could not render the failure (seen: CPython 3.11.7's "AST constructor
+        # recursion depth mismatch" from its source lookup), which stops the whole run
+        # with an INTERNALERROR and no name. Report it plainly and go on.
+        plain = ("".join(traceback.format_exception(call.excinfo.value))
+                 if call.excinfo is not None else "")
+        report = pytest.TestReport(
+            item.nodeid, item.location, {k: 1 for k in item.keywords}, "failed",
+            f"pytest could not render this failure ({exc!r}); the exception:\n{plain}",
+            call.when, duration=call.duration, start=call.start, stop=call.stop,
+            user_properties=item.user_properties)
+    violation = tiers.violation(item)
+    if violation is not None and report.when == "call" and report.passed:
+        # the test swallowed the failure its Popen raised: it fails all the same
+        report.outcome = "failed"
+        report.longrepr = violation
+    if report.failed:
+        report.sections.extend(logtails.sections())
+    return report
+
 
 # The end-to-end helpers shared by the test modules live here rather than in devtools:
 # they are assertions (pytest rewrites them in conftest, so failures show the values), and
 # devtools is the stack itself, used by the demo and the benchmarks too.
 
 
-async def settle(stack: Stack, timeout: float = 8.0) -> dict[str, float]:
+async def settle(stack: Stack, timeout: float = 20.0) -> dict[str, float]:
     """Wait until the sidecar reports nothing in flight and nothing queued."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -35,7 +92,15 @@ async def settle(stack: Stack, timeout: float = 8.0) -> dict[str, float]:
         await asyncio.sleep(0.05)
 
 
-async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 5.0) -> Metrics:
+def describe(cond: Callable[..., object]) -> str:
+    """A condition as its source says it (a lambda's line), else its name."""
+    try:
+        return " ".join(inspect.getsource(cond).split())
+    except (OSError, TypeError):
+        return getattr(cond, "__qualname__", repr(cond))
+
+
+async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 15.0) -> Metrics:
     """Poll the sidecar's metrics until ``cond(metrics)`` holds; return them."""
     deadline = time.monotonic() + timeout
     while True:
@@ -43,7 +108,8 @@ async def until(stack: Stack, cond: Callable[[Metrics], bool], timeout: float = 
         if cond(m):
             return m
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out; last metrics: {m}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {describe(cond)}; "
+                                 f"last metrics: {m}")
         await asyncio.sleep(0.05)
 
 

@@ -70,6 +70,7 @@ FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tenant weight": ("heartbeat", ("inf", "-inf", "nan", "0", "-1", "many")),
     "replica": ("heartbeat", BAD_NAMES),
     "min_age": ("resync", BAD_NUMBERS),
+    "order": ("resync", (*BAD_INTEGERS, "0")),
     "holding class": ("resync", ("inf", "-inf", "nan", "1e20", "-3", "many", "1.5", "4")),
     "class": ("arrive", (*BAD_INTEGERS, "4")),
     "id": ("arrive", ("", "x" * 257)),
@@ -103,12 +104,12 @@ def bad_call(led: Any, field: str, value: str) -> list[Any]:
     else:
         args = list(led._heartbeat_args(led._capacity, False, 1.0))
         if op == "resync":
-            args += ["0.0", "held-id", "1", "0", "0", "t"]
+            args += ["0.0", str(led.resyncs + 1), "held-id", "1", "0", "0", "t"]
     if field in ("seen", "settle", "incarnation", "caller", "now"):
         header[{"now": 1, "seen": 2, "settle": 3, "caller": 4, "incarnation": 5}[field]] = value
-    elif field in ("ttl", "keep_ended", "heartbeat settle", "min_age", "replica"):
+    elif field in ("ttl", "keep_ended", "heartbeat settle", "min_age", "order", "replica"):
         args[{"replica": 0, "ttl": 1, "keep_ended": 9, "heartbeat settle": 10,
-              "min_age": 11}[field]] = value
+              "min_age": 11, "order": 12}[field]] = value
     elif field in ("capacity", "reservation"):
         report = args[2].split(" ")
         report[0 if field == "capacity" else 1] = value
@@ -123,7 +124,7 @@ def bad_call(led: Any, field: str, value: str) -> list[Any]:
         text[6] = "1"
         args[4] = " ".join(text) + f" {value} 1 w"
     elif field == "holding class":
-        args[13] = value
+        args[14] = value
     elif field == "class":
         args[2] = value
     elif field in ("id", "reason"):

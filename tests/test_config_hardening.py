@@ -235,7 +235,7 @@ async def test_reload_rejects_and_keeps_the_old_config(
     with capture_logs() as logs, LoopLag() as lag:
         _swap_bad(cm, name)
         await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
-                                       result="error") == 1, timeout=15)
+                                       result="error") == 1)
     # Most are refused in milliseconds; 50,000 values take a second or two to
     # compose, in a thread, with only the parser's garbage collection in the way.
     assert lag.worst < 1.0, lag.worst
@@ -309,7 +309,8 @@ async def test_sighup_wakes_the_watcher(tmp_path: Path) -> None:
     try:
         cm.swap(CONFIG_B)
         app.request_reload()  # what the SIGHUP handler calls
-        await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2, timeout=3)
+        # far within the 3600 s poll: the signal woke the watcher
+        await eventually(lambda: value(app, "smg_sidecar_config_generation") == 2)
     finally:
         await app.stop()
 
@@ -329,19 +330,23 @@ async def test_a_parse_over_its_deadline_is_rejected_and_never_doubled(
     big = CONFIG_A + _tenants(12_000)
     w.deadline = 0.05
     with capture_logs() as logs, LoopLag() as lag:
+        t0 = time.monotonic()
         cm.swap(big)
         await eventually(lambda: value(app, "smg_sidecar_config_reload_total",
-                                       result="error") == 1, timeout=5)
+                                       result="error") == 1)
         [rejected] = _rejections(logs)
         assert "reload deadline" in rejected["reason"]
         # The parse thread cannot be stopped; until it ends no second one starts.
         assert w._worker is not None and not w._worker.done()
         assert await app.reload_now() is False
         assert any(e["event"] == "config_reload_busy" for e in logs)
-        await eventually(lambda: w._worker is not None and w._worker.done(), timeout=30)
-    # Parsing in a thread left the loop serving; on the loop this parse stalls it
-    # for seconds. The lag left is the parser's garbage collection under a busy CPU.
-    assert lag.worst < 1.0, lag.worst
+        await eventually(lambda: w._worker is not None and w._worker.done(), timeout=120)
+        parse = time.monotonic() - t0
+    # Parsing in a thread left the loop serving; on the loop this parse would stall it
+    # for all of its length. The lag left is the parser's garbage collection under a
+    # busy CPU: a fraction of the parse, measured in the same run (a loaded box slows
+    # the parse and the ticker alike; a fixed bound failed there).
+    assert lag.worst < parse / 2, (lag.worst, parse)
     w.deadline = 30
     assert await app.reload_now() is True
     assert len(w.current.tenant_policies) == 12_000

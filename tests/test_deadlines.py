@@ -177,6 +177,27 @@ def test_the_wait_is_fitted_from_served_waiters_and_floored_by_the_oldest() -> N
     assert d.predict(S, 3) == pytest.approx(2.0)
 
 
+@settings(max_examples=300, deadline=None)
+@given(depth=st.integers(2, 300), lo=st.floats(0.01, 10.0), spread=st.floats(0.0, 0.5),
+       served=st.lists(st.tuples(st.booleans(), st.floats(0.0, 1.0)), min_size=2,
+                       max_size=100))
+def test_a_queue_that_holds_its_length_is_predicted_the_waits_it_served(
+        depth: int, lo: float, spread: float, served: list[tuple[bool, float]]) -> None:
+    # A full queue (or one held at its budget by enforced targets): every waiter served
+    # had depth - 1 or depth ahead of it and waited between lo and hi. The wait predicted
+    # behind depth waiters stays within what was served there (at most one position's
+    # worth more): the fit's slope is noise here, and a line that would start below zero
+    # must not lift the prediction past every wait it learnt from.
+    hi = lo * (1 + spread)
+    d = DrainRates()
+    for i, (deeper, x) in enumerate(served):
+        d.served(B, lo + x * (hi - lo), ahead=depth if deeper else depth - 1)
+        predicted = d.predict(B, depth)
+        assert predicted is not None
+        assert lo * (1 - 1e-9) <= predicted <= hi * depth / (depth - 1) * (1 + 1e-9), (
+            i, predicted, lo, hi)
+
+
 def test_deadlines_budget_is_the_target_less_the_engines_time_to_first_byte() -> None:
     cfg = parse_priority_config("""
 deadline_mode: enforce
@@ -222,9 +243,9 @@ def test_a_refuse_everything_core_fails_the_steady_drain_check(
     original = Scheduler._enqueue
 
     def refuse_all(self: Scheduler, id: str, cls: PriorityClass, tenant: str, now: float,
-                   wait_budget: float | None, enforce: bool) -> object:
+                   wait_budget: float | None, enforce: bool, cost: float = 1.0) -> object:
         return original(self, id, cls, tenant, now, -1.0 if enforce else wait_budget,
-                        enforce)
+                        enforce, cost)
 
     monkeypatch.setattr(Scheduler, "_enqueue", refuse_all)
     with pytest.raises(AssertionError):

@@ -41,8 +41,10 @@ from devtools.httpclient import Response, request
 from devtools.httpclient import get as http_get
 from devtools.stack import Stack, StackConfig, load_renderer
 from sidecar.app import build_runtime
+from sidecar.authz import ANONYMOUS_CLAMPS_WARNED
 from sidecar.config import parse_priority_config, parse_settings
 from tests.conftest import settle, until
+from tests.grpc_client import EnvoyStandIn, admission_id
 from tests.test_app import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -547,6 +549,46 @@ async def test_startup_warns_when_no_tenant_can_be_admitted_above_the_default_ce
         assert line["log_level"] == "warning"
         assert line["tenant_source"] == "header:x-smg-tenant"
         assert line["default_max_class"] in ("default", "interactive")
+
+
+@pytest.mark.parametrize("first_tenant", [None, "acme"])
+async def test_a_tenant_source_that_never_yields_a_tenant_is_named_once(
+        tmp_path: Path, first_tenant: str | None) -> None:
+    """Envoy never sets the tenant header: after ANONYMOUS_CLAMPS_WARNED anonymous requests
+    clamped below what they asked, one warning, never repeated; one Check that named a
+    tenant first proves the source works, and nothing is said."""
+    cfg = tmp_path / "priority.yaml"
+    cfg.write_text("classes: {system: {reserved_floor: 0}, interactive: {reserved_floor: 0}}\n"
+                   'tenant_policies: {"acme": {max_class: interactive}}\n')
+    settings = parse_settings([
+        "--grpc-listen", f"127.0.0.1:{free_port()}", "--http-listen",
+        f"127.0.0.1:{free_port()}", "--priority-scheduler-enabled",
+        "--priority-scheduler-config", str(cfg), "--worker-capacity-override", "64"])
+    app = await build_runtime(settings)
+    await app.serve()
+    envoy = EnvoyStandIn(app.grpc_port)
+    try:
+        with capture_logs() as logs:
+            if first_tenant is not None:
+                r = await envoy.check({"x-smg-priority": "interactive",
+                                       "x-smg-tenant": first_tenant})
+                assert r.status.code == 0
+                await envoy.log((admission_id(r), "end"))
+            for _ in range(2 * ANONYMOUS_CLAMPS_WARNED):
+                r = await envoy.check({"x-smg-priority": "interactive"})
+                assert r.status.code == 0  # admitted, at default
+                await envoy.log((admission_id(r), "end"))
+        lines = [ln for ln in logs if ln["event"] == "tenant_source_yields_no_tenant"]
+        if first_tenant is not None:
+            assert not lines, lines
+        else:
+            (line,) = lines
+            assert line["log_level"] == "warning"
+            assert line["tenant_source"] == "header:x-smg-tenant"
+            assert line["default_max_class"] == "default"
+    finally:
+        await envoy.close()
+        await app.stop()
 
 
 # ------------------------------------------- the Envoy Gateway recipe's identity, run

@@ -1273,3 +1273,30 @@ async def test_a_server_outage_gives_each_pool_its_own_degraded_share(
             await a.end(*[admission_id(await c) for c in done])
             for nxt in asyncio.as_completed(rest):  # one slot at a time in big
                 await a.end(await ok(nxt))
+
+
+async def test_a_tuned_limit_is_the_fleets(tmp_path: Path, valkey_server: ValkeyServer,
+                                           client: redis.Redis) -> None:
+    """--adaptive-capacity in a fleet: each replica reports its limit as its capacity and
+    the ledger admits against the smallest, so B (limit 5) admits no more than A's 3
+    fleet-wide, and a fourth request waits until one of the three ends."""
+    a = await start_replica(tmp_path, valkey_server.url, "a", "--adaptive-capacity",
+                            "--adaptive-capacity-start", "3", capacity=8)
+    try:
+        b = await start_replica(tmp_path, valkey_server.url, "b", "--adaptive-capacity",
+                                "--adaptive-capacity-start", "5", capacity=8)
+        try:
+            await eventually(lambda: a.fleet.fleet_capacity == b.fleet.fleet_capacity == 3,
+                             what="both see the fleet's capacity at A's limit")
+            assert b.sample("smg_sidecar_adaptive_limit") == 5
+            held = [await ok(b.check()) for _ in range(3)]
+            fourth = asyncio.ensure_future(ok(b.check()))
+            await asyncio.sleep(0.3)
+            assert not fourth.done() and await inflight(client) == 3
+            await b.end(held[0])
+            await asyncio.wait_for(fourth, 5)  # liveness: the freed slot is taken
+            await b.end(*held[1:], fourth.result())
+        finally:
+            await b.close()
+    finally:
+        await a.close()

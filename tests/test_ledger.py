@@ -529,6 +529,25 @@ async def test_concurrent_replicas_keep_the_fleet_within_capacity(
     outcome = {"admitted": 0, "released": 0, "rejected": 0, "cancelled": 0}
     peak = 0
     done = asyncio.Event()
+    # Grants seen fleet-wide: an impatient client's patience is counted in them, not in
+    # seconds, so how many give up does not hang on how fast the box is.
+    grants = 0
+    progress = asyncio.Event()
+
+    def granted() -> None:
+        nonlocal grants, progress
+        grants += 1
+        progress.set()
+        progress = asyncio.Event()
+
+    async def impatient(fut: asyncio.Future[Event]) -> None:
+        """Until the fleet granted 0-12 more requests (or this one's grant came)."""
+        target = grants + rng.randint(0, 12)
+        while not fut.done() and grants < target:
+            step = asyncio.ensure_future(progress.wait())
+            await asyncio.wait([fut, step], timeout=8.0,
+                               return_when=asyncio.FIRST_COMPLETED)
+            step.cancel()
 
     async def consume(led: FleetLedger) -> None:
         conn = connect(valkey_server)
@@ -539,6 +558,8 @@ async def test_concurrent_replicas_keep_the_fleet_within_capacity(
                         preempted.add(e.id)
                     elif e.id in waiting and not waiting[e.id].done():
                         waiting[e.id].set_result(e)
+                        if e.kind != "expired":
+                            granted()
         finally:
             await conn.aclose()
 
@@ -556,13 +577,18 @@ async def test_concurrent_replicas_keep_the_fleet_within_capacity(
         if got.status is ArriveStatus.REJECTED_QUEUE_FULL:
             outcome["rejected"] += 1
             return
+        if got.status is ArriveStatus.ADMITTED:
+            granted()
         if got.status is ArriveStatus.QUEUED:
             # Half the clients give up soon (cancels racing grants), half wait for their
-            # turn: how many are admitted then does not hang on how fast the box is.
-            patience = rng.uniform(0, 0.3) if rng.random() < 0.5 else 8.0
-            try:
-                event = await asyncio.wait_for(asyncio.shield(waiting[id]), patience)
-            except TimeoutError:  # the client gives up
+            # turn.
+            if rng.random() < 0.5:
+                await impatient(waiting[id])
+            else:
+                await asyncio.wait([waiting[id]], timeout=8.0)
+            if waiting[id].done():
+                event = waiting[id].result()
+            else:  # the client gives up
                 if await led.cancel(id) is CancelResult.CANCELLED:
                     outcome["cancelled"] += 1
                     return
@@ -593,6 +619,7 @@ async def test_concurrent_replicas_keep_the_fleet_within_capacity(
     assert 0 < peak <= capacity
     assert outcome["admitted"] == outcome["released"] + len(preempted)
     assert sum(outcome.values()) - outcome["released"] == 450
+    print(f"outcomes {outcome}, peak {peak}")
     assert outcome["admitted"] > 50 and outcome["cancelled"] > 0, outcome
     assert preempted, outcome
 
@@ -668,3 +695,64 @@ async def test_resync_keeps_listed_waiters_and_drops_unlisted_ones(client: redis
     await a.release("x")  # the kept waiter is granted, never admitted twice
     assert [e.id for e in await a.take_events() if e.kind == "grant"] == ["w2"]
     assert (await a.snapshot()).total_inflight == 1
+
+
+async def test_a_resync_that_runs_after_a_newer_one_of_its_process_changes_nothing(
+        client: redis.Redis) -> None:
+    """Found by the deterministic fleet simulation (seed 20261204): a server pause outlasted
+    replica a's registration. The connection a gave up on still held its recovery resync,
+    listing nothing; on resume its new connection's resync re-added the two streams a was
+    running, then the old one ran (min_age 0) and dropped them: the ledger counted a as
+    holding nothing while both ran on, and the fleet ran 7 of 6. A resync older than one
+    of its process already applied now changes nothing: not its list, not its capacity
+    report."""
+    clock = FakeClock()
+    a, b = await replicas(client, 9, "a", "b", clock=clock)
+    late = a._resync_args([], 9)  # sent first (a held nothing), run last
+    clock.advance(2.0)
+    running = [Holding("s1", DEF, "t", first_byte=True), Holding("s2", BULK, "t")]
+    fresh = a._status(await a._call("resync", *a._resync_args(running, 3)))
+    assert fresh.held == 2 and fresh.capacity == 3
+    clock.advance(0.001)
+    stale = a._status(await a._call("resync", *late))
+    snap = await a.snapshot()
+    assert snap.total_inflight == 2 and snap.capacity == 3  # the newer list and report
+    assert not stale.known  # ("stale": nobody reads it, its caller gave up)
+    # So b gets the one slot left, not three.
+    assert (await b.arrive("b1", DEF, "t")).status is ArriveStatus.ADMITTED
+    assert (await b.arrive("b2", DEF, "t")).status is ArriveStatus.QUEUED
+    # The next resync of a's applies, as does a new process's first one (its numbers start
+    # again: the order is kept per incarnation).
+    assert (await a.resync(running[:1])).held == 1
+    a2 = FleetLedger(client, "f", "a", ttl=10.0, clock=clock)
+    await a2.register(PLAIN, 3)
+    assert a2.resyncs == 0
+    assert (await a2.resync([])).held == 0
+    assert (await b.snapshot()).total_inflight == 2  # b1, and b2 granted
+
+
+async def test_after_a_loss_the_others_registrations_say_whether_they_heard(
+        client: redis.Redis) -> None:
+    """c registered after a and b last read a reply (unheard 2); the server restarted
+    empty before their next heartbeat. c's first call finds the loss alone in the new
+    ledger (unheard 0: nobody else is registered yet, which says nothing about a and b:
+    the replica does not take a share from a status answered while the fleet settles,
+    sidecar/coordination/replica.py). Once a and b are back and the fleet has settled,
+    their own calls tell: not heard until a call of theirs carries a generation after
+    c's registration."""
+    clock = FakeClock()
+    a, b = await replicas(client, 9, "a", "b", clock=clock)
+    c = FleetLedger(client, "f", "c", ttl=10.0, clock=clock)
+    for led in (a, b, c):
+        led.settle = 3.0  # the window a call that finds a loss opens (as the controller's)
+    assert (await c.register(PLAIN, 9)).unheard == 2
+    await client.flushall()  # a restart without persistence (the library stays loaded)
+    lost = await c.resync([], settle=3.0)
+    assert lost.settling > 0 and lost.live_replicas == 1 and lost.unheard == 0
+    for led in (a, b):  # they re-register within the window, from what they last read
+        assert not (await led.resync([], settle=3.0)).known
+    clock.advance(3.1)
+    assert (await c.resync([], settle=3.0)).unheard == 2  # settled: neither has heard
+    for led in (a, b):  # their next calls carry a generation after c's registration
+        await led.resync([], settle=3.0)
+    assert (await c.resync([], settle=3.0)).unheard == 0

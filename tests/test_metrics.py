@@ -128,6 +128,7 @@ POOL_CALLS: dict[str, Callable[[PoolRecorder], None]] = {
         legacy=True, snapshot=SNAPSHOT, fallback=("legacy_uncapped",
                                                   "reservations_exceed_capacity")),
     "preemption_suspended": lambda r: r.preemption_suspended(True),
+    "adaptive_limit": lambda r: r.adaptive_limit(4, "probe", True),
     "fleet_seen": lambda r: r.fleet_seen({S: 1, B: 3}, 2),
     "coordination_changed": lambda r: r.coordination_changed("degraded"),
     "coordination_fault": lambda r: r.coordination_fault("stale_copy"),

@@ -759,3 +759,62 @@ def test_a_reply_from_a_ledger_that_lost_its_data_does_not_raise_the_share() -> 
     r.resync_sent()
     r.recovery_answered(FleetStatus(True, 8, 1, 0), [])  # held: SETTLING, old view kept
     assert r.live_replicas == 2
+
+
+def test_a_count_read_since_the_view_holds_when_a_ledger_that_lost_its_data_counts_fewer(
+        ) -> None:
+    # Found by the long profile (seed 1004, step 413,236): r0's view counted 2 (r2 joined
+    # after its last heartbeat); back from a server pause, still settling, it read a reply
+    # counting 3, and r2 took its share of C/3 once r0 had read one; then the server
+    # restarted empty and r0's first reply counted 1. Taking the newest reply's count, N
+    # fell back to the view's 2: shares 3 + 2 + 2 of 6. N now only grows until the next
+    # view.
+    r, clock = _ok()  # view: C 8, N 2
+    r.lost("TimeoutError")
+    r.resync_sent()
+    r.live_seen(3)  # the recovery resync's envelope: r2 joined
+    r.recovery_answered(FleetStatus(True, 8, 3, 0), [])  # back less than an interval ago
+    assert r.mode is Mode.SETTLING and r.live_replicas == 3 and r.share(8) == 2
+    r.live_seen(1)  # a server restarted empty: only r0 registered again so far
+    r.data_loss("stale_copy")
+    r.resync_sent()
+    r.recovery_answered(FleetStatus(False, 8, 1, 0, settling=0.8), [])
+    assert r.live_replicas == 3 and r.share(8) == 2 and r.degraded_limit(8) == 0
+    # The next view (back to ok, the fleet settled) is the count from then on: a replica
+    # that left is no longer counted.
+    r.resync_sent()
+    clock.advance(INTERVAL)
+    r.live_seen(2)
+    r.recovery_answered(FleetStatus(True, 8, 2, 0), [])
+    assert r.mode is Mode.OK and r.live_replicas == 2 and r.share(8) == 4
+
+
+def test_a_status_answered_while_the_fleet_settles_takes_a_share_away_never_gives_one(
+        ) -> None:
+    # Found by the long profile (SIM_VARY=1, seed 2014): r0 registered after r1 and r2 last
+    # read a reply (no share), and the server restarted empty before their next heartbeat.
+    # r0's first call found the loss alone in the new ledger: "none has not heard", and r0
+    # took C/3 beside r1 and r2 still dividing by 2: 3 + 4 + 4 of 9.
+    late = _started(3, 2, capacity=9)
+    assert not late.heard
+    late.lost("TimeoutError")
+    late.resync_sent()
+    late.recovery_answered(FleetStatus(False, 9, 1, 0, settling=0.8, unheard=0), [])
+    assert late.mode is Mode.SETTLING and not late.heard and late.share(9) == 0
+    # A replica every other one counted keeps its share through the window (they still
+    # divide by a count that includes it), but loses it when a status says one has not
+    # heard of it.
+    known = _started(2, 0, capacity=9)
+    known.lost("TimeoutError")
+    known.resync_sent()
+    known.recovery_answered(FleetStatus(False, 9, 1, 0, settling=0.8, unheard=0), [])
+    assert known.heard and known.share(9) == 4
+    known.resync_sent()
+    known.recovery_answered(FleetStatus(True, 9, 2, 0, settling=0.5, unheard=1), [])
+    assert not known.heard and known.share(9) == 0
+    # Settled, the ledger's count is the whole fleet's again: it gives the share back.
+    for r in (late, known):
+        r.resync_sent()
+        r.live_seen(3)  # (the reply's envelope, as the driver reports it)
+        r.recovery_answered(FleetStatus(True, 9, 3, 0, unheard=0), [])
+        assert r.heard and r.share(9) == 3

@@ -413,7 +413,8 @@ class FleetController:
 
     @property
     def live_replicas(self) -> int:
-        """Live replicas as the newest ledger reply counted them."""
+        """N for the degraded share: the largest live count of the last view and of every
+        ledger reply since (Replica.live_replicas)."""
         return self._core.live_replicas
 
     @property
@@ -712,7 +713,9 @@ class FleetController:
         self._heartbeat_wake.set()
 
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
-        """Hot reload: store the new class settings in the ledger (they become the fleet's)."""
+        """Hot reload: store the new class settings in the ledger (they become the fleet's).
+        Its registration is sent again on the return to ``ok`` if the replica is away, goes
+        away before it is sent, or its call fails (``_config_dirty``)."""
         self._classes = dict(classes)
         if self._local is not None:
             self._local.update_config(classes)
@@ -828,7 +831,9 @@ class FleetController:
     def _go_local(self, error: str, *, announce: bool) -> None:
         """The mode just became a local one: build the local core from what is held."""
         assert self._local is None and self._core.local
-        self._outbox.clear()  # the resync on return covers what it held
+        # The resync on return covers what it held; a reload's registration is sent again.
+        if self._outbox.clear():
+            self._config_dirty = True
         limit = self.degraded_limit
         core = Scheduler(self._classes, limit, self._clock)
         for aid, h in self._core.held.items():
@@ -871,7 +876,8 @@ class FleetController:
         # not stop a degraded replica admitting within its limit.
         local.set_capacity(self._local_limit())
         try:
-            self._outbox.clear()
+            if self._outbox.clear():
+                self._config_dirty = True
             # Arrivals whose reply may still be on its way: an admission stays in the
             # ledger (the reply makes it held here; the next resync lists it), a waiter
             # goes (its requester moves to the local queue, nobody would collect a grant).
@@ -1083,6 +1089,11 @@ class FleetController:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    if flush.register:
+                        # A reload's registration that may not have run: the only call that
+                        # stores the class settings (a resync does not), so it is sent
+                        # again on the return.
+                        self._config_dirty = True
                     self._degrade(exc)
 
     async def _flush(self, flush: Flush) -> None:

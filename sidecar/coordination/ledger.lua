@@ -89,6 +89,9 @@
 --   P:retired   HASH replica -> the incarnations a newer process of that id took over (the
 --               last few): a call from one is refused ("replica_id_in_use"): two live
 --               processes share the id (see take_over())
+--   P:order     HASH replica -> "<incarnation> <order>": the newest resync of that process
+--               the ledger applied (each process numbers its resyncs): one it sent before
+--               that runs only now changes nothing (stale_resync())
 --   P:meta      HASH: a second copy of what P:fleet holds that no other key can give back
 --               (ttl, keep, settle_secs, the settling window: settle, frozen) and of the class
 --               settings as last stored (class0..3: encode_class's text), so that losing
@@ -125,6 +128,9 @@
 --   P:dl        from the waiters' records; P:q:<c> from them at the next heartbeat
 --   P:cfg, P:tcfg, P:wt:<c>  from P:meta; P:endq from P:ended; P:server rewritten
 --   P:pre:<c>   the owner's next resync marks its listed candidates again
+--   P:order     not rebuilt: each replica's next resync writes its entry again (until then a
+--               resync of its that runs late, after a newer one, is applied as it would
+--               have been before this key existed)
 -- Each rebuild is reported as the reply's cause ("admissions_rebuilt", "state_rebuilt",
 -- "counters_lost", "owners_lost"): none of them is a data loss, so nobody settles for it.
 
@@ -145,7 +151,7 @@ local function note(cause)
 end
 local K_REPLICAS, K_REPORTS, K_DIGESTS, K_CFG, K_FLEET, K_INF, K_ADM, K_W, K_DL, K_ENDED,
   K_ENDQ, K_SEQ, K_RETURNING, K_GEN, K_INC, K_SERVER, K_TCFG, K_VT, K_REG, K_HEARD, K_LAPSED,
-  K_RETIRED, K_META, K_GHOSTS, K_TOKRES, K_TOKGONE
+  K_RETIRED, K_META, K_GHOSTS, K_ORDER, K_TOKRES, K_TOKGONE
 
 local function set_prefix(p)
   P = p
@@ -173,6 +179,7 @@ local function set_prefix(p)
   K_RETIRED = P .. ':retired'
   K_META = P .. ':meta'
   K_GHOSTS = P .. ':ghosts'
+  K_ORDER = P .. ':order'
   K_TOKRES = P .. ':tokres'
   K_TOKGONE = P .. ':tokgone'
 end
@@ -398,10 +405,11 @@ CHECK.reregister = function(a, who)
 end
 CHECK.adopt = CHECK.reregister
 CHECK.resync = function(a, who)
-  if #a < 12 then fail('resync', #a, 'takes 12 arguments and holdings') end
+  if #a < 13 then fail('resync', #a, 'takes 13 arguments and holdings') end
   check_heartbeat(a, who)
   a_num('min_age', a[12], 0, MAX_SECS)
-  check_holdings(a, 13, -2)
+  a_int('order', a[13], 1, MAX_GEN)
+  check_holdings(a, 14, -2)
 end
 CHECK.arrive = function(a, who)
   a_arity('arrive', a, 4)
@@ -1171,6 +1179,7 @@ local function drop_replica(r)
   redis.call('HDEL', K_HEARD, r)
   redis.call('HDEL', K_REPORTS, r)
   redis.call('HDEL', K_DIGESTS, r)
+  redis.call('HDEL', K_ORDER, r)
   redis.call('ZREM', K_REPLICAS, r)
 end
 
@@ -1565,6 +1574,9 @@ local function unheard_by(r)
       end
     end
   end
+  -- (After a loss the replicas alive are registered again one by one: those not back yet
+  -- are in no count here. A replica takes no share from a status answered while the fleet
+  -- settles: sidecar/coordination/replica.py, Replica._note.)
   return n
 end
 
@@ -1827,16 +1839,40 @@ ops.reregister = function(a) return reregister(a, false) end
 -- fleet_reply + the ids it had ended (re-added all the same; the replica reports them).
 ops.adopt = function(a) return reregister(a, true) end
 
--- resync <heartbeat args> min_age then groups like reregister (class -1: a waiter, kept as
--- is; class -2: see keep below): make the ledger's view of the
+-- A resync older than the newest one of its process the ledger applied (``order``: each
+-- process numbers its resyncs, and sends one only after the one before was answered or
+-- given up on). It can still run: its connection was given up on while the server was
+-- paused, and what that connection had sent ran on resume, after the new connection's
+-- newer resync (the deterministic fleet simulation found it: the late recovery resync,
+-- min_age 0, dropped what the newer one had re-added, streams that were running, and
+-- the fleet ran 7 of 6). Its list is older than what the ledger holds from the newer
+-- one, and so are its capacity report and its caller's ``seen``: it changes nothing.
+-- Otherwise its order is recorded. A new incarnation's numbers start again (P:order
+-- keeps the incarnation); a reaped replica's entry goes with it (nothing of the
+-- replica's is left for a late resync to drop).
+local function stale_resync(r, order)
+  local last = redis.call('HGET', K_ORDER, r)
+  if last then
+    local inc, n = string.match(last, '^(%S*) (%d+)$')
+    if inc == caller_inc and tonumber(n) >= order then return true end
+  end
+  redis.call('HSET', K_ORDER, r, caller_inc .. ' ' .. int(order))
+  return false
+end
+
+-- resync <heartbeat args> min_age order then groups like reregister (class -1: a waiter,
+-- kept as is; class -2: see keep below): make the ledger's view of the
 -- replica exactly what it holds. Adds back what it holds (as reregister) and drops every
 -- admission or waiter the ledger has for it that it does not list and that is at least
 -- min_age seconds old: released or cancelled while the server was away, or decided by a
 -- call whose reply the replica never read (it timed out, or the server ran it late). After
 -- an outage min_age is 0; in steady state it is larger than any call's time in flight, so
--- an admission whose reply is still on its way is not dropped. Reply: as reregister.
+-- an admission whose reply is still on its way is not dropped. ``order``: see
+-- stale_resync(); a stale one answers "stale" (nobody reads it: its caller gave up).
+-- Reply: as reregister.
 ops.resync = function(a)
   local min_age = tonumber(a[12])
+  if stale_resync(a[1], tonumber(a[13])) then return fleet_reply('stale', a[1]) end
   if settling() == 0 and live(a[1]) then redis.call('SREM', K_RETURNING, a[1]) end
   local rest = {}
   for i = 1, 11 do rest[i] = a[i] end
@@ -1846,7 +1882,7 @@ ops.resync = function(a)
   -- if it is still queued (its requester has moved to the local queue).
   local keep = {}
   for id in pairs(taken_ids) do keep[id] = 'all' end -- taken over by this very call
-  for i = 13, #a, 5 do
+  for i = 14, #a, 5 do
     local c = a[i + 1]
     if c == '-2' then
       keep[a[i]] = 'admitted'

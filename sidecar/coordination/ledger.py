@@ -584,6 +584,10 @@ class FleetLedger:
         # a second deployment under the same fleet id (sidecar.coordination.server).
         self.identity = ""
         self.calls = 0  # ledger calls sent (round trips; for tests and benchmarks)
+        # Resyncs built so far: each carries the next number, so that one that runs after a
+        # newer one of this process (late, on a connection given up on) changes nothing
+        # (ledger.lua, stale_resync()). Per process, like the incarnation.
+        self.resyncs = 0
         # Token budgets: each tenant's (reserved, settled per window) as the last accepted
         # tok_reserve of this replica saw it (the pool's gauges, sidecar.pools).
         self.token_views: dict[str, tuple[int, dict[str, int]]] = {}
@@ -810,6 +814,8 @@ class FleetLedger:
 
     @staticmethod
     def _status(reply: Sequence[Any]) -> FleetStatus:
+        # ("stale": a resync older than one already applied; its caller gave up on it, so
+        # nobody reads this. Read, it would count as unknown: an outage and a return.)
         return FleetStatus(reply[0] == "ok", int(reply[1]), int(reply[2]), int(reply[3]),
                            int(reply[4]), _per_class(reply[5:9]), tuple(reply[11:]),
                            float(reply[9]), int(reply[10]))
@@ -864,18 +870,28 @@ class FleetLedger:
         whose reply is still on its way. ``waiting``: this replica's waiters, kept as they are.
         ``in_flight``: arrivals whose reply it still waits for (after an outage, min_age 0):
         kept if the ledger admitted them, dropped if they are queued (their requesters have
-        moved to the local queue).
+        moved to the local queue). Each resync is numbered (:attr:`resyncs`): one the server
+        runs only after a newer one of this process (late, on a connection given up on)
+        changes nothing.
         """
+        return self._status(await self._call("resync", *self._resync_args(
+            holdings, capacity, min_age, waiting, settle, in_flight)))
+
+    def _resync_args(self, holdings: Iterable[Holding], capacity: int | None = None,
+                     min_age: float = 0.0, waiting: Iterable[str] = (),
+                     settle: float = 0.0, in_flight: Iterable[str] = ()) -> list[str | int]:
+        """A resync's arguments, numbered: the next in this process's order."""
         cap = self._capacity if capacity is None else capacity
         args = self._heartbeat_args(cap, False, settle)
-        args.append(_num(min_age))
+        self.resyncs += 1
+        args += [_num(min_age), self.resyncs]
         for h in holdings:
             args += _holding_args(h)
         for id in waiting:
             args += [id, -1, "0", "0", ""]
         for id in in_flight:
             args += [id, -2, "0", "0", ""]
-        return self._status(await self._call("resync", *args))
+        return args
 
     # ------------------------------------------------------------------- decisions
 

@@ -146,10 +146,13 @@ class Outbox:
         ops, self._ops = self._ops, deque()
         return plan(ops)
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
         """Drop what is queued (the replica left the ledger: its return's resync covers
-        what the ledger missed)."""
+        what the ledger missed, except the class settings). True if a :class:`Register`
+        was among them: the driver registers again on the return."""
+        dropped = any(isinstance(op, Register) for op in self._ops)
         self._ops.clear()
+        return dropped
 
     def __len__(self) -> int:
         return len(self._ops)

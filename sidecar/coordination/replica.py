@@ -74,17 +74,25 @@ heartbeat interval (ttl/3) plus one call timeout before the outage, and views fr
 different moments may count different N (the fleet simulation found 6 + 3 + 2 = 11 of 6:
 three replicas started one after the other, each with its own N = 1, 2, 3, and the server
 hung before the first one's next heartbeat). So the share s_i = floor(C/N_i) takes N_i
-from the newest reply (every ledger reply carries the live count, an arrive's too; the
-view's if larger: a ledger that lost its data counts fewer until the fleet has
-re-registered, and a shrink is taken with the next view), and
+as the largest live count of the view and of every reply since it (every ledger reply
+carries the live count, an arrive's too): it grows with the replies and shrinks only with
+the next view (a ledger that lost its data counts fewer until the fleet has re-registered:
+taking the newest reply's count alone, a replica back from a pause that had read 3 fell
+back to its view's 2 on the first reply of a server restarted empty, while the replica
+that joined kept its share of C/3: 3 + 2 + 2 of 6), and
 is 0 while another replica may not have read a reply that counts it (each status says how
 many: ``FleetStatus.unheard``; the ledger keeps when each replica registered and the
 newest generation each has read, from the ``seen`` its heartbeats carry, and counts a
 replica whose registration lapsed within a ttl as not having heard: alive, it may still
-divide by a count from before). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
+divide by a count from before; a status answered while the fleet settles never gives a
+share, only takes one away: after a loss the replicas alive are registered again one by
+one, and those not back yet are in no count, so a replica alone in a ledger restarted
+empty was told none had not heard, and took its share of C/3 beside two that had never
+counted it, 3 + 4 + 4 of 9). L_i ≤ s_i. *Why Σ s_i ≤ C:* take S, the replicas with a
 share; each i in S has its share only because every other replica then registered, or
-lapsed within a ttl, had read a reply made after i registered, and that reply, like every
-later one, counts i while it stays registered; so every N_j (j in S) counts all of S, and
+lapsed within a ttl, had read a reply made after i registered, and that reply counts i;
+N_j is at least that count until j takes a new view, which (a settled ledger that knows j)
+counts i too while i stays registered; so every N_j (j in S) counts all of S, and
 Σ_S floor(C/N_j) ≤ |S|·floor(C/|S|) ≤ C. No clock is involved in the counting; the ttl
 only bounds how long a lapsed replica keeps the others' shares at 0 (one that stays
 unreachable longer is the partition case, with its own bound). Comparing registration
@@ -165,7 +173,12 @@ from SETTLING admits nothing new while it flies (``recycle`` 0): its list is wha
 ledger will count, and a slot reused meanwhile would be in neither; if the server hangs
 then, the call fails within a call timeout and the outage rule (L) applies again. An id the
 answer says the ledger had ended is released locally without its slot being reused (the
-ledger gave it to another request: ``LocalRelease(reuse=False)``).
+ledger gave it to another request: ``LocalRelease(reuse=False)``). A resync given up on
+(failed or timed out here) may still run later: a paused server, resumed, runs what a
+connection dropped meanwhile had sent, possibly after the next resync. The ledger applies
+only the newest resync of a process (``ledger.lua``, ``stale_resync()``), so a late one
+never puts back an older list (it once dropped two running streams that the newer one
+had re-added).
 
 One held admission
 ==================
@@ -650,11 +663,11 @@ class Replica:
         self._back_at: float | None = None
         self._recycle: int | None = None
         self._view = NO_VIEW
-        # N for the share: the live count of the newest ledger reply (every reply carries
-        # it; 0: none yet, the view's count), and whether every other replica is known to
-        # have read a reply that counts it (the newest answered
-        # status's ``unheard`` is 0; before any status there is no view, so no share
-        # either way). See "the remaining window" in the module docstring.
+        # N for the share: the largest live count of the ledger replies since the view was
+        # taken (every reply carries one; a view resets it to its own: 0, none yet), and
+        # whether every other replica is known to have read a reply that counts it (the
+        # newest answered status's ``unheard`` is 0; before any status there is no view,
+        # so no share either way). See "the remaining window" in the module docstring.
         self._live = 0
         self._heard = True
         # What this replica holds (the local mirror; moved here, and by the local core's
@@ -682,9 +695,12 @@ class Replica:
 
     @property
     def live_replicas(self) -> int:
-        """N for the degraded share: the newest reply's live count, or the view's if larger
-        (a reply from a ledger that lost its data, before the fleet re-registered, counts
-        fewer; a shrink is taken with the next view)."""
+        """N for the degraded share: the largest live count of the view and of every reply
+        since it. It only grows between two views: a reply from a ledger that lost its
+        data counts fewer until the fleet has re-registered (the newest reply's count
+        alone fell from 3 to the view's 2 while the replica that joined kept its share of
+        C/3: 3 + 2 + 2 of 6, the deterministic simulation found), and a shrink is taken
+        with the next view."""
         return max(self._live, self._view.live_replicas)
 
     @property
@@ -694,12 +710,27 @@ class Replica:
         return self._heard
 
     def live_seen(self, n: int) -> None:
-        """A ledger reply (any: arrive, release, heartbeat) counted ``n`` live replicas."""
-        self._live = n
+        """A ledger reply (any: arrive, release, heartbeat) counted ``n`` live replicas:
+        N grows to it (:attr:`live_replicas`)."""
+        self._live = max(self._live, n)
+
+    def _take_view(self, view: View) -> None:
+        """A consistent view of a ledger that knows us, settled: N is its count from here
+        (a replica that left is no longer counted). No reply read after the view's own
+        is lost by this: the driver hands the core a call's answer in the step its reply
+        is read in (``FleetLedger._call`` reports the live count, the caller goes on
+        without waiting in between), before any later reply's count."""
+        self._view = view
+        self._live = view.live_replicas
 
     def _note(self, status: FleetStatus) -> None:
-        """An answered status: may the other replicas all count us?"""
-        self._heard = status.unheard == 0
+        """An answered status: may the other replicas all count us? While the fleet
+        settles, a status says so only for the replicas registered again so far: it takes
+        the share away (someone has not heard), never gives it."""
+        if status.unheard > 0:
+            self._heard = False
+        elif status.settling <= 0:
+            self._heard = True
 
     def _move(self, trigger: Trigger) -> Mode:
         old = self._mode
@@ -718,7 +749,7 @@ class Replica:
     def registered(self, view: View) -> None:
         """Start-up: the ledger registered us and the fleet is settled."""
         self._move(Trigger.REGISTERED)
-        self._view = view
+        self._take_view(view)
 
     def fleet_settling(self) -> None:
         """Start-up: registered while the fleet settles. Keep no view (an outage meanwhile
@@ -736,7 +767,7 @@ class Replica:
     def seen(self, view: View) -> None:
         """A consistent view (every heartbeat while OK; one answered just after a switch
         to DEGRADED is newer than the one the switch used, and kept)."""
-        self._view = view
+        self._take_view(view)
 
     def resync_sent(self) -> None:
         """A recovery resync left; its list is fixed from here. From DEGRADED the local core
@@ -772,7 +803,7 @@ class Replica:
             self._recycle = held
         else:
             self._move(Trigger.RESYNC_BACK)
-            self._view = view
+            self._take_view(view)
         return self._mode
 
     # ------------------------------------------------------------------ limits

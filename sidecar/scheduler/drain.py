@@ -9,7 +9,9 @@ The model (docs/design.md, "Deadlines"): the wait of a waiter with ``k`` ahead o
 ``a + b·k``: ``a`` for the first slot to free (a fraction of one service, which depends
 on how many slots the class can take) and ``b`` per waiter in front (the drain interval).
 Both are learnt from the waiters the queue actually served, by a least-squares fit over
-moving averages of ``k``, ``w``, ``k²`` and ``k·w`` (recent waiters count most). Learning
+moving averages of ``k``, ``w``, ``k²`` and ``k·w`` (recent waiters count most), with
+neither part below zero (a line that would start below zero gives way to the best line
+through zero: a queue that holds one length fits its slope to noise). Learning
 from waits rather than from dispatch intervals keeps everything that slows a queue down
 inside the measurement (strict priority, the classes above taking slots, preemptions,
 starvation aging, reservations, engines slower than usual), and on a bursty drain (two
@@ -58,8 +60,15 @@ class _Fit:
     def wait(self, ahead: int) -> float:
         spread = self.kk - self.k * self.k
         if spread > _FLAT:
-            slope = max(0.0, (self.kw - self.k * self.w) / spread)
-            first = max(0.0, self.w - slope * self.k)
+            slope = (self.kw - self.k * self.w) / spread
+            if slope <= 0.0:  # waits that do not grow with the position: their mean
+                return self.w
+            first = self.w - slope * self.k
+            if first < 0.0:
+                # The best line starts below zero (a slope fitted to noise, as when the
+                # queue holds one length): the best line through zero instead. Raising
+                # only its start would lift every prediction past the waits it fitted.
+                return ahead * self.kw / self.kk
             return first + slope * ahead
         return (ahead + 1) * self.w / (self.k + 1)
 
