@@ -271,8 +271,10 @@ class AuthzService:
                       **pool.log_fields)
             self._rejected(c.effective, "over_budget", tenant)
             over = b.verdict
-            return codec.encode_deny(responses.over_budget(over.window, over.retry_after,
-                                                           over.never))
+            reply = responses.over_budget(over.window, over.retry_after, over.never)
+            if span is not None:
+                self._answered(span, c, tenant, pool, view, "over_budget", reply=reply)
+            return codec.encode_deny(reply)
         except Denied as d:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,
                                              rate_limited=d.rate_limited)

@@ -43,7 +43,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from structlog.testing import capture_logs
 
 from devtools.otlp import OtlpReceiver, ReceivedSpan
-from sidecar import logs, tracing
+from sidecar import logs, responses, tracing
 from sidecar.app import Runtime, build_runtime
 from sidecar.classes import PriorityClass
 from sidecar.config import ConfigError, parse_settings
@@ -206,9 +206,9 @@ tenant_policies:
 
 
 async def start_runtime(tmp_path: Path, receiver: OtlpReceiver, *extra: str,
-                        capacity: int = 1) -> Runtime:
+                        capacity: int = 1, priority: str = PRIORITY) -> Runtime:
     yaml = tmp_path / "priority.yaml"
-    yaml.write_text(PRIORITY)
+    yaml.write_text(priority)
     app = await build_runtime(parse_settings([
         "--priority-scheduler-enabled", "--priority-scheduler-config", str(yaml),
         "--worker-capacity-override", str(capacity), "--grpc-listen", f"127.0.0.1:{free_port()}",
@@ -318,6 +318,27 @@ async def test_each_decision_gets_its_span_with_its_attributes(
         assert (r["smg.outcome"], r["http.response.status_code"], r["smg.error_code"]) == (
             "rate_limited", 429, "scheduler_queue_full")
         assert len(spans) == 6
+    finally:
+        await envoy.close()
+        await app.stop()
+
+
+async def test_a_token_budget_refusal_gets_its_span(
+        tmp_path: Path, receiver: OtlpReceiver) -> None:
+    # Refused before admission by the tenant's token budget: its own outcome and code.
+    app = await start_runtime(tmp_path, receiver, priority=PRIORITY + (
+        "  acme: {budgets: {day: 50}}\ntokens: {default_max_tokens: 10}\n"))
+    envoy = EnvoyStandIn(app.grpc_port)
+    trace = new_trace_id()
+    try:
+        over = await envoy.check({"traceparent": traceparent(True, trace),
+                                  "x-smg-tenant": "acme", "content-length": "4000"})
+        assert over.denied_response.status.code == 429
+        spans = await receiver.wait_for(lambda s: len(s) >= 1, 15, "the refusal's span")
+        a = one(spans, trace).attributes
+        assert (a["smg.outcome"], a["http.response.status_code"], a["smg.error_code"]) == (
+            "over_budget", 429, responses.OVER_BUDGET_CODE)
+        assert a["smg.outcome"] in tracing.OUTCOMES and a["smg.tenant"] == "acme"
     finally:
         await envoy.close()
         await app.stop()
