@@ -123,10 +123,10 @@ def tgi_info(max_concurrent: int | None) -> JSONObject:
             "router": "text-generation-router", "version": "3.1.0"}
 
 
-def llamacpp_props(total_slots: int | None) -> JSONObject:
-    """llama.cpp ``GET /props``: ``total_slots`` = ``--parallel`` (ggml-org/llama.cpp
-    tools/server/README.md)."""
-    return {"default_generation_settings": {"n_ctx": 4096, "temperature": 0.8},
+def llamacpp_props(total_slots: int | None, n_ctx: object = 4096) -> JSONObject:
+    """llama.cpp ``GET /props``: ``total_slots`` = ``--parallel``, ``n_ctx`` the context
+    of one slot (ggml-org/llama.cpp tools/server/README.md)."""
+    return {"default_generation_settings": {"n_ctx": n_ctx, "temperature": 0.8},
             "total_slots": total_slots, "model_path": "/models/llama-3.1-8b.gguf",
             "chat_template": "", "is_sleeping": False}
 
@@ -327,7 +327,8 @@ class FakeWorker:
     ``dev_mode`` (vLLM: serve ``/server_info``); ``loading`` (503 on every path, as
     llama.cpp while it loads); ``capacity_delay`` / ``capacity_status`` /
     ``capacity_body`` (a slow, failing or hostile capacity endpoint);
-    ``health_delay`` (a slow ``/health``).
+    ``health_delay`` (a slow ``/health``); ``slot_context`` (llama.cpp's ``n_ctx`` per
+    slot in ``/props``, any JSON value).
     """
 
     def __init__(
@@ -368,6 +369,7 @@ class FakeWorker:
         self.capacity_status = 200
         self.capacity_body: bytes | None = None
         self.batch_limit = batch_limit
+        self.slot_context: object = 4096  # llama.cpp: /props n_ctx (any JSON value)
         self._waiting = 0
         self._slots = asyncio.Condition()
         self.records: list[RequestRecord] = []
@@ -557,7 +559,8 @@ class FakeWorker:
         return await self._capacity_reply(tgi_info(self.max_running_requests))
 
     async def _llamacpp_props(self, request: web.Request) -> web.StreamResponse:
-        return await self._capacity_reply(llamacpp_props(self.max_running_requests))
+        return await self._capacity_reply(llamacpp_props(self.max_running_requests,
+                                                         self.slot_context))
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         """The engine's /metrics, with its real metric names for running and waiting."""

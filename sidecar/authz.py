@@ -26,7 +26,7 @@ from sidecar.classes import PRIORITY_HEADER, Classification, PriorityClass, clas
 from sidecar.config import TenantSource
 from sidecar.liveness import EnvoyLiveness
 from sidecar.metrics import Recorder
-from sidecar.pools import BudgetDenied, Pool, Pools
+from sidecar.pools import BudgetDenied, ContextDenied, Pool, Pools
 from sidecar.scheduler import Outcome
 from sidecar.tracing import AdmissionSpan, AdmissionTracer
 
@@ -274,6 +274,15 @@ class AuthzService:
             reply = responses.over_budget(over.window, over.retry_after, over.never)
             if span is not None:
                 self._answered(span, c, tenant, pool, view, "over_budget", reply=reply)
+            return codec.encode_deny(reply)
+        except ContextDenied as x:  # fits no worker slot: retrying cannot help
+            log.debug("rejected", tenant=tenant, effective=c.effective.label,
+                      outcome="past_context", tokens=x.tokens, context=x.context,
+                      request_id=request_id, **pool.log_fields)
+            self._rejected(c.effective, "past_context", tenant)
+            reply = responses.past_context(x.tokens, x.context)
+            if span is not None:
+                self._answered(span, c, tenant, pool, view, "past_context", reply=reply)
             return codec.encode_deny(reply)
         except Denied as d:
             rejection = responses.for_denial(d.outcome, legacy=d.legacy,

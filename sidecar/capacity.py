@@ -73,6 +73,7 @@ class WorkerProbe:
     waiting: int | None = None
     cap_failed: bool = False  # the cap endpoint refused or failed (not: reports no cap)
     problems: tuple[tuple[str, str], ...] = ()  # (endpoint, reason) refused this round
+    context: int | None = None  # tokens one slot holds (llama.cpp n_ctx), as last read
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ class WorkerCapacity:
     capacity: int  # what the worker counts for (after the saturation guard)
     saturated: bool = False
     problems: tuple[tuple[str, str], ...] = ()  # (endpoint, reason) refused this round
+    context: int | None = None  # tokens one of its slots holds (llama.cpp), None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,15 @@ class CapacityReading:
     workers: tuple[WorkerCapacity, ...] = ()
     held: bool = field(default=False, compare=False)  # a held reading equals the one it holds
     excess: int = 0  # the engines run or queue this many more than the sidecar holds
+
+    @property
+    def slot_context(self) -> int | None:
+        """The most tokens any counted worker's slot holds, when every one says (a prompt
+        past it fits no slot); None when any does not (nothing is refused on a guess)."""
+        contexts = [w.context for w in self.workers]
+        if not contexts or None in contexts:
+            return None
+        return max(c for c in contexts if c is not None)
 
 
 class CapacityPolicy:
@@ -183,7 +194,7 @@ class CapacityPolicy:
             guarded = self.guarded(p, cap)
             counted.append(WorkerCapacity(p.url, p.engine, min(cap, guarded)
                                           if guarded is not None else cap, guarded is not None,
-                                          p.problems))
+                                          p.problems, p.context))
         if not counted:
             return self._remember(self._fallback(len(probes)))
         total = sum(w.capacity for w in counted)

@@ -263,6 +263,22 @@ def field_cap(name: str) -> Callable[[object], tuple[int | None, str]]:
     return read
 
 
+MAX_SLOT_CONTEXT = 1 << 30  # tokens; a larger n_ctx is not a context an engine has
+
+
+def llamacpp_slot_context(props: object) -> int | None:
+    """The tokens one llama.cpp slot holds (``/props``: ``default_generation_settings.n_ctx``,
+    the server's context divided among its slots); None when absent or not a plausible
+    size (nothing is refused on a context the sidecar could not read)."""
+    d = _dict(props)
+    settings = None if d is None else _dict(d.get("default_generation_settings"))
+    n = None if settings is None else settings.get("n_ctx")
+    if isinstance(n, float) and math.isfinite(n) and n.is_integer():
+        n = int(n)
+    return n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_SLOT_CONTEXT \
+        else None
+
+
 _SGLANG_MARKERS = ("internal_states", "tp_size", "dp_size", "model_path")
 
 
@@ -313,6 +329,7 @@ class _WorkerState:
     refused: dict[str, tuple[Refused, float]] = field(default_factory=dict)  # path -> retry at
     detect_refused: tuple[Refused, float] | None = None  # recognition refused: retry at
     router_models: tuple[str, ...] = ()  # llama.cpp router: the models loaded at last read
+    context: int | None = None  # llama.cpp: tokens per slot at the last /props read
 
 
 class NoLoadedModel(ProbeProblem):
@@ -442,7 +459,8 @@ class WorkerProber:
         if self.saturation_guard and engine in SATURATION_METRICS:
             running, waiting = await self._saturation(base, engine, st, problems)
         return WorkerProbe(base_url, ProbeStatus.HEALTHY, engine, cap, running, waiting,
-                           failed, tuple(problems))
+                           failed, tuple(problems),
+                           st.context if engine == "llamacpp" and not st.router_models else None)
 
     async def _recognise(self, base: str, st: _WorkerState,
                          problems: list[tuple[str, str]]) -> str | None:
@@ -532,6 +550,7 @@ class WorkerProber:
             if _field(props, "role") == "router":
                 return await self._router_cap(base, st)
             st.router_models = ()
+            st.context = llamacpp_slot_context(props)
             return field_cap("total_slots")(props)
         return field_cap("max_running_requests")(await self._get_json(base, "/server_info", st))
 

@@ -92,6 +92,7 @@ verb                        caller             metrics
                                                ``smg_sidecar_token_estimate_ratio`` (pool)
 ``token_fallback``          pool (Check, ALS)  ``smg_sidecar_token_fallback_total`` (pool)
 ``token_budget_refused``    pool (Check)       ``smg_sidecar_token_budget_refused_total`` (pool)
+``token_context_refused``   pool (Check)       ``smg_sidecar_token_context_refused_total`` (pool)
 ``tokens_started``          pool (build)       ``smg_sidecar_token_budget_remaining`` (pool),
                                                ``smg_sidecar_token_budget_exhausted`` (pool)
 ==========================  =================  ===================================================
@@ -323,6 +324,10 @@ class PoolRecorder(Protocol):
         """A request over its tenant's budget in ``window``: refused, or only counted
         (``budget_mode: shadow``, ``--shadow``)."""
 
+    def token_context_refused(self, cls: PriorityClass, enforced: bool) -> None:
+        """A request whose input fits no worker slot's context (``refuse_past_context``):
+        refused, or only counted (``--shadow``)."""
+
     def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:
         """Token budgets are on: scrape-time gauges over the pool's budget windows."""
 
@@ -446,6 +451,9 @@ class NullPoolRecorder:
         pass
 
     def token_budget_refused(self, cls: PriorityClass, window: str, enforced: bool) -> None:
+        pass
+
+    def token_context_refused(self, cls: PriorityClass, enforced: bool) -> None:
         pass
 
     def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:
@@ -589,6 +597,11 @@ class Metrics:
             "Requests over their tenant's token budget, by class, window and action "
             "(refused, or counted: budget_mode shadow, --shadow)",
             [*pl, "class", "window", "action"], registry=r)
+        self.token_context = Counter(
+            "smg_sidecar_token_context_refused",
+            "Requests whose input estimate fits no worker slot's context, by class and "
+            "action (refused: 413, or counted: --shadow)", [*pl, "class", "action"],
+            registry=r)
         # ------------------------------------ fed by a pool's verbs, summed over pools
         self.released = Counter("smg_sidecar_released", "Admissions ended, by reason",
                                 ["class", "reason"], registry=r)
@@ -960,6 +973,10 @@ class PoolMetrics:
 
     def token_budget_refused(self, cls: PriorityClass, window: str, enforced: bool) -> None:
         self._m.token_refused.labels(*self.label, cls.label, window,
+                                     "refused" if enforced else "counted").inc()
+
+    def token_context_refused(self, cls: PriorityClass, enforced: bool) -> None:
+        self._m.token_context.labels(*self.label, cls.label,
                                      "refused" if enforced else "counted").inc()
 
     def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:

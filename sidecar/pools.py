@@ -90,6 +90,7 @@ __all__ = [
     "DEFAULT_POOL",
     "POOL_KEY",
     "BudgetDenied",
+    "ContextDenied",
     "Pool",
     "Pools",
     "id_factory",
@@ -120,6 +121,14 @@ class BudgetDenied(Exception):
     def __init__(self, verdict: OverBudget) -> None:
         super().__init__(verdict.window)
         self.verdict = verdict
+
+
+class ContextDenied(Exception):
+    """The request's input estimate fits no worker slot's context (refuse_past_context)."""
+
+    def __init__(self, tokens: int, context: int) -> None:
+        super().__init__(f"{tokens} > {context}")
+        self.tokens, self.context = tokens, context
 
 
 def id_factory(pool: str) -> Callable[[], str]:
@@ -240,6 +249,8 @@ class Pool:
         it takes a place in a queue). The reservation is given back if the request is not
         admitted after all, and bound to its admission id if it is.
         """
+        if facts is not None:
+            self._check_context(cls, facts)
         if facts is None:
             reservation, shadowed = None, None
         elif self.fleet is not None:
@@ -281,6 +292,25 @@ class Pool:
                              reason="the fleet ledger's fair queuing counts requests: "
                                     "fair_queuing: tokens serves tenants by requests "
                                     "with --coordination-url")
+
+    def _check_context(self, cls: PriorityClass, facts: RequestFacts) -> None:
+        """``refuse_past_context``: a request whose input estimate exceeds the most any
+        worker slot holds would fail at the engine after taking a slot (and a budget's
+        tokens): ``ContextDenied`` instead. Only where every worker reports its context;
+        --shadow counts it and refuses nothing."""
+        settings = self.tokens
+        if settings is None or not settings.refuse_past_context:
+            return
+        context = self.reading.slot_context
+        if context is None:
+            return
+        tokens = estimate(facts, settings).input
+        if tokens <= context:
+            return
+        enforce = self.shadow is None
+        self.metrics.token_context_refused(cls, enforce)
+        if enforce:
+            raise ContextDenied(tokens, context)
 
     def _reserve(self, cls: PriorityClass, tenant: str, facts: RequestFacts
                  ) -> tuple[Reservation | None, OverBudget | None]:

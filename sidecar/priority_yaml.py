@@ -104,7 +104,7 @@ _POOL_KEYS = ("classes", "tokens")
 # The keys of a `tokens:` section and their types (sidecar.tokens.TokenSettings).
 _TOKEN_FIELDS: dict[str, type] = {"default_max_tokens": int, "max_output_tokens": int,
                                   "bytes_per_token": float, "accounting": str,
-                                  "budget_mode": str}
+                                  "budget_mode": str, "refuse_past_context": bool}
 DEADLINE_MODES = ("shadow", "enforce")
 _CLASS_NAMES = ", ".join(c.label for c in HIGH_TO_LOW)
 

@@ -19,6 +19,8 @@ OVER_TARGET               429     ``scheduler_over_target``   ``Retry-After: 2``
 OVER_BUDGET               429     ``scheduler_token_budget_   ``Retry-After`` computed:
                                   exceeded``                  until the window frees
                                                               enough tokens
+PAST_CONTEXT              413     ``scheduler_token_context_  none (retrying cannot help)
+                                  exceeded``
 ========================  ======  ==========================  ============================
 
 OVER_TARGET is an extension, sent only with ``deadline_mode: enforce`` and a class's
@@ -26,9 +28,12 @@ OVER_TARGET is an extension, sent only with ``deadline_mode: enforce`` and a cla
 past its target. OVER_BUDGET is an extension too, sent only to a tenant with token
 budgets (``tenant_policies.<t>.budgets``, docs/reference.md "Token budgets") whose
 request does not fit one of its windows: :func:`over_budget` words it with the window and
-the ``Retry-After`` the budget computed. With ``--overload-hints`` a refusal's
-``Retry-After`` comes from the predicted drain time instead (:func:`with_hints`), and
-``--busy-status`` changes the status of the refusals that mean "busy" (:data:`BUSY`).
+the ``Retry-After`` the budget computed. PAST_CONTEXT is one too, sent only with
+``tokens.refuse_past_context``: the request's input estimate exceeds the context of every
+slot the workers report (:func:`past_context` words it with both figures). With
+``--overload-hints`` a refusal's ``Retry-After`` comes from the predicted drain time
+instead (:func:`with_hints`), and ``--busy-status`` changes the status of the refusals
+that mean "busy" (:data:`BUSY`).
 
 Every reply also carries ``X-SMG-Error-Code``, ``content-type:
 application/json`` and the body
@@ -84,6 +89,8 @@ class Rejection(enum.Enum):
     OVER_TARGET = enum.auto()
     # The tenant's token budget has no room for the request (sidecar.tokens).
     OVER_BUDGET = enum.auto()
+    # The request's input fits no worker slot's context (tokens.refuse_past_context).
+    PAST_CONTEXT = enum.auto()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +100,7 @@ class Reply:
     status: int
     code: str
     message: str
-    retry_after: int
+    retry_after: int | None  # None: no Retry-After (coming back cannot help)
     preempted: bool = False
     wait_hint_ms: int | None = None  # --overload-hints: the predicted wait
 
@@ -102,8 +109,9 @@ class Reply:
         extra = (("x-smg-preempted", "true"),) if self.preempted else ()
         hint = (() if self.wait_hint_ms is None
                 else ((WAIT_HINT_HEADER, str(self.wait_hint_ms)),))
+        retry = () if self.retry_after is None else (("retry-after", str(self.retry_after)),)
         return (("x-smg-error-code", self.code), ("content-type", "application/json"),
-                ("retry-after", str(self.retry_after)), *extra, *hint)
+                *retry, *extra, *hint)
 
     @property
     def body(self) -> str:
@@ -122,6 +130,7 @@ BUSY: Final = frozenset({"QUEUE_FULL", "RATE_LIMITED", "OVERLOADED", "QUEUE_TIME
 RETRY_AFTER_BOUNDS = (1, 60)  # seconds, for a computed Retry-After
 RETRY_AFTER_JITTER = 0.2  # ± this share, so refused clients do not come back together
 OVER_BUDGET_CODE = "scheduler_token_budget_exceeded"
+PAST_CONTEXT_CODE = "scheduler_token_context_exceeded"
 
 
 def reason_phrase(status: int) -> str:
@@ -190,6 +199,8 @@ def reply(rejection: Rejection, cls: PriorityClass | None = None) -> Reply:
         case Rejection.OVER_BUDGET:
             raise ValueError("OVER_BUDGET names its window and computes its Retry-After: "
                              "over_budget()")
+        case Rejection.PAST_CONTEXT:
+            raise ValueError("PAST_CONTEXT names the request's tokens: past_context()")
         case Rejection.OVER_TARGET:
             return Reply(429, "scheduler_over_target",
                          f"The '{c}' priority queue would not start this request within "
@@ -210,12 +221,20 @@ def over_budget(window: str, retry_after: float, never: bool = False) -> Reply:
     return Reply(429, OVER_BUDGET_CODE, message, retry_after=max(1, math.ceil(retry_after)))
 
 
+def past_context(tokens: int, context: int) -> Reply:
+    """The PAST_CONTEXT reply: the request's input estimate (``tokens``) exceeds the most
+    any worker slot holds (``context``). No Retry-After: the same request never fits."""
+    return Reply(413, PAST_CONTEXT_CODE,
+                 f"This request's estimated {tokens} input tokens exceed the {context}-token "
+                 "context of every worker slot; shorten the prompt", retry_after=None)
+
+
 # Every reply the sidecar can send, by (rejection, effective class): the senders
 # serialise these once at start-up.
-# (OVER_BUDGET is not one: it is worded and timed per refusal, by over_budget.)
+# (OVER_BUDGET and PAST_CONTEXT are not: worded per refusal, by over_budget, past_context.)
 REPLIES: Final[Mapping[tuple[Rejection, PriorityClass], Reply]] = {
-    (r, cls): reply(r, cls) for r in Rejection if r is not Rejection.OVER_BUDGET
-    for cls in HIGH_TO_LOW}
+    (r, cls): reply(r, cls) for r in Rejection
+    if r not in (Rejection.OVER_BUDGET, Rejection.PAST_CONTEXT) for cls in HIGH_TO_LOW}
 
 
 def for_denial(outcome: Outcome, *, legacy: bool, rate_limited: bool) -> Rejection:

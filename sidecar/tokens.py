@@ -83,6 +83,9 @@ class TokenSettings:
     """``reserve`` (reserve at the Check, settle at completion) or ``settle_only``."""
     budget_mode: str = "enforce"
     """``enforce`` refuses over budget; ``shadow`` only counts what it would refuse."""
+    refuse_past_context: bool = False
+    """Refuse (413) a request whose input estimate exceeds the context of every slot the
+    workers report (llama.cpp's ``n_ctx`` per slot), instead of letting it take a slot."""
 
 
 # ------------------------------------------------------------------------- windows

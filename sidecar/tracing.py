@@ -77,7 +77,8 @@ ATTRIBUTES: Final = (CLASS_REQUESTED, CLASS_EFFECTIVE, TENANT, POOL, OUTCOME, HT
 # sidecar makes outside admission, named as in smg_sidecar_tenant_rejected_total.
 OUTCOMES: Final = frozenset({
     "admitted", "rejected_queue_full", "rejected_queue_timeout", "client_cancelled",
-    "rejected_over_target", "rate_limited", "unknown_pool", "overloaded", "over_budget"})
+    "rejected_over_target", "rate_limited", "unknown_pool", "overloaded", "over_budget",
+    "past_context"})
 
 # ------------------------------------------------------------------- export bounds
 MAX_QUEUE_SPANS: Final = 2048  # ended spans waiting for the exporter; more are dropped

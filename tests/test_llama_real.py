@@ -112,6 +112,36 @@ async def test_capacity_is_the_servers_slot_count(llama_stack: LlamaStackFactory
         assert m[f'smg_sidecar_worker_capacity{{engine="llamacpp",worker="{url}"}}'] == 3
 
 
+async def test_a_prompt_past_a_slots_context_is_refused_before_it_takes_a_slot(
+        llama_stack: LlamaStackFactory) -> None:
+    # tokens.refuse_past_context: the probe reads the engine's own context per slot
+    # (-c 2048, 2 slots: 1,024); the tiny model's vocabulary is a token a byte, so
+    # bytes_per_token 1 estimates a prompt's tokens from above.
+    stack = await llama_stack(parallel=2, server_kwargs={"context": 2048},
+                              priority_yaml=NO_RESERVATIONS + (
+                                  "tokens: {refuse_past_context: true, bytes_per_token: 1}\n"))
+    await until(stack, lambda m: m.get("smg_sidecar_capacity") == 2, timeout=10)
+    assert isinstance(stack.fleet, LlamaFleet)
+    engine = stack.fleet.workers[0]
+    long = json.dumps({"model": "tiny", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "x" * 1500}]}).encode()
+    # Sent straight to the engine, it fails there, after a slot took it.
+    direct = await request(engine.port, body=long, timeout=60)
+    assert direct.status == 400, (direct.status, direct.body)
+    refused = await request(stack.listen_port, body=long)
+    assert refused.status == 413, (refused.status, refused.body)
+    assert refused.headers["x-smg-error-code"] == "scheduler_token_context_exceeded"
+    assert "retry-after" not in refused.headers
+    body = refused.json()["error"]
+    assert body["code"] == "scheduler_token_context_exceeded" and "1024" in body["message"]
+    assert await stack.metric("smg_sidecar_token_context_refused_total", **{
+        "class": "default", "action": "refused"}) == 1
+    # A prompt that fits is served on the same slots.
+    ok = await request(stack.listen_port, body=completion(5), timeout=60)
+    assert ok.status == 200, ok.body
+    await settle(stack, timeout=10)
+
+
 async def test_an_engine_with_an_api_key_is_read_with_the_key_file_and_never_counted_64(
         llama_stack: LlamaStackFactory, tmp_path: Path) -> None:
     key = tmp_path / "engine.key"

@@ -141,6 +141,7 @@ POOL_CALLS: dict[str, Callable[[PoolRecorder], None]] = {
     "tokens_settled": lambda r: r.tokens_settled(B, 280, 300),
     "token_fallback": lambda r: r.token_fallback("usage_missing"),
     "token_budget_refused": lambda r: r.token_budget_refused(I, "minute", True),
+    "token_context_refused": lambda r: r.token_context_refused(I, True),
     "tokens_started": lambda r: r.tokens_started(lambda: [
         Remaining("acme", "minute", 1000, 900, 150), Remaining("beta", "month", 10, 2, 0)]),
 }

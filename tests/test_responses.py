@@ -15,7 +15,14 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import ProcessingResponse
 
 from sidecar import codec
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
-from sidecar.responses import REPLIES, Rejection, for_denial, over_budget, reply
+from sidecar.responses import (
+    REPLIES,
+    Rejection,
+    for_denial,
+    over_budget,
+    past_context,
+    reply,
+)
 from sidecar.scheduler import Outcome
 
 # rejection -> (status, code, extra headers), as the contract's table says
@@ -35,9 +42,12 @@ CONTRACT: dict[Rejection, tuple[int, str, dict[str, str]]] = {
     # An extension (tenants with token budgets only), worded and timed per refusal
     # (over_budget, below): not a row serialised once.
     Rejection.OVER_BUDGET: (429, "scheduler_token_budget_exceeded", {}),
+    # An extension (tokens.refuse_past_context only), worded per refusal (past_context).
+    Rejection.PAST_CONTEXT: (413, "scheduler_token_context_exceeded", {}),
 }
-REASON = {429: "Too Many Requests", 503: "Service Unavailable"}
-ROWS = [(r, cls) for r in Rejection if r is not Rejection.OVER_BUDGET for cls in HIGH_TO_LOW]
+REASON = {429: "Too Many Requests", 503: "Service Unavailable", 413: "Request Entity Too Large"}
+PER_REFUSAL = (Rejection.OVER_BUDGET, Rejection.PAST_CONTEXT)
+ROWS = [(r, cls) for r in Rejection if r not in PER_REFUSAL for cls in HIGH_TO_LOW]
 
 
 def expected_headers(r: Rejection) -> dict[str, str]:
@@ -84,8 +94,10 @@ def test_ext_proc_immediate_response(r: Rejection, cls: PriorityClass) -> None:
 def test_class_queue_messages_name_the_class_and_nothing_else_does() -> None:
     with pytest.raises(ValueError, match="over_budget"):
         reply(Rejection.OVER_BUDGET, PriorityClass.BULK)
+    with pytest.raises(ValueError, match="past_context"):
+        reply(Rejection.PAST_CONTEXT, PriorityClass.BULK)
     for r in Rejection:
-        if r is Rejection.OVER_BUDGET:
+        if r in PER_REFUSAL:
             continue
         messages = {reply(r, cls).message for cls in HIGH_TO_LOW}
         if r in (Rejection.QUEUE_FULL, Rejection.QUEUE_TIMEOUT, Rejection.OVER_TARGET):
@@ -132,3 +144,17 @@ def test_an_over_budget_reply_says_when_a_request_can_never_fit() -> None:
     never = over_budget("day", 3600.0, never=True)
     assert "exceed" in never.message and "'day'" in never.message
     assert never.message != over_budget("day", 3600.0).message
+
+
+def test_a_past_context_reply_names_both_figures_and_no_retry_after() -> None:
+    """413 with the extension's code and no Retry-After (the same request never fits), on
+    the contract's JSON shape, decoded by the reference decoder."""
+    denied = CheckResponse.FromString(codec.encode_deny(past_context(9000, 4096))
+                                      ).denied_response
+    assert denied.status.code == 413
+    assert {h.header.key: h.header.value for h in denied.headers} == {
+        "x-smg-error-code": "scheduler_token_context_exceeded",
+        "content-type": "application/json"}
+    check_body(denied.body, Rejection.PAST_CONTEXT)
+    message = json.loads(denied.body)["error"]["message"]
+    assert "9000" in message and "4096" in message
