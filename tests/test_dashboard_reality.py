@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 import yaml
+from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
@@ -72,6 +73,7 @@ classes:
   bulk: {queue_size: 1, queue_timeout_secs: 30, starvation_threshold_secs: 0.2}
 tenant_policies:
   t1: {max_class: default}
+  t2: {budgets: {day: 300}}
 """
 
 
@@ -180,6 +182,31 @@ async def _events(envoy: EnvoyStandIn, p: SidecarProcess) -> None:
     )(iter([msg]), metadata=((STREAM_MARK_KEY, "bulk"),))
 
 
+async def _tokens(envoy: EnvoyStandIn) -> None:
+    """A budgeted tenant's request settled by its usage (the estimate's error), then one
+    its budget refuses: the token series the alerts select on."""
+    def req() -> Any:
+        return envoy._check(check_request({"x-smg-tenant": "t2", "content-length": "100"}))
+
+    first = await req()  # 25 input + 256 default output tokens: fits 300
+    assert first.status.code == 0
+    msg = als_pb2.StreamAccessLogsMessage()
+    e = msg.http_logs.log_entry.add()
+    e.common_properties.access_log_type = accesslog_pb2.DownstreamEnd
+    e.common_properties.metadata.filter_metadata[codec.AUTHZ_NAMESPACE].fields[
+        codec.ADMISSION_ID_KEY].string_value = admission_id(first)
+    e.common_properties.metadata.filter_metadata[codec.USAGE_NAMESPACE].update(
+        {"total_tokens": "60"})
+    e.response.response_code.value = 200
+    await envoy._als(iter([msg]))
+    deadline = asyncio.get_running_loop().time() + 10
+    while (refused := await req()).status.code == 0:  # 60 + 281 > 300, once settled
+        await envoy.log((admission_id(refused), "end"))
+        assert asyncio.get_running_loop().time() < deadline, "t2 never refused"
+        await asyncio.sleep(0.05)
+    assert refused.denied_response.status.code == 429
+
+
 async def _scrape(p: SidecarProcess) -> str:
     status, body = await http_get(f"http://127.0.0.1:{p.http_port}/metrics", 5.0)
     assert status == 200
@@ -211,6 +238,7 @@ async def _collect(tmp: Path) -> list[Scrape]:
         await _preempt(envoys[1], 2, shadow=True, pool="big")
         calls += _burst(envoys[0], ("",)) + _burst(envoys[1], ("", "big"))
         await _events(envoys[0], plain)
+        await _tokens(envoys[0])
         calls += _burst(envoys[0], ("",))  # queued at the scrape: the per-tenant depth
         deadline = asyncio.get_running_loop().time() + 20
         while not ("smg_sidecar_worker_probe_refused{" in (text := await _scrape(plain))
