@@ -32,6 +32,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+class CpuMeter:
+    """CPU seconds per wall second since it was made: this process's and each of ``pids``'."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self._own0 = time.process_time()
+        self._pids0 = [cpu_seconds(p) for p in self.pids]
+
+    def per_second(self, wall: float) -> tuple[float, list[float]]:
+        """(this process's share of one core, each pid's) over ``wall`` seconds."""
+        own = (time.process_time() - self._own0) / wall
+        return own, [(cpu_seconds(p) - c) / wall
+                     for p, c in zip(self.pids, self._pids0, strict=True)]
+
+
 def pct(values: Sequence[float], q: float) -> float:
     """The q-quantile (0..1) by nearest rank; nan for no values."""
     if not values:
