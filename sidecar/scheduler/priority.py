@@ -209,7 +209,13 @@ class Scheduler:
                 return admitted
         # Earlier arrivals of this class keep FIFO order: this one queues behind
         # them (the dispatch above already preempted for their head if it could).
-        return self._enqueue(id, cls, tenant, now, wait_budget, enforce)
+        decision = self._enqueue(id, cls, tenant, now, wait_budget, enforce)
+        if isinstance(decision, Queued) and self._cfg[cls].can_preempt:
+            # Under fair queuing it may be its class's new head, and a head may take a
+            # victim admitted after it queued but not one admitted before: the old head
+            # could not use a victim this one can.
+            self._dispatch(now)
+        return decision
 
     def cancel(self, id: str) -> bool:
         """QUEUED → client_cancelled (the client went away). False if ``id`` is not queued."""
