@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -30,6 +31,21 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+class CpuMeter:
+    """CPU seconds per wall second since it was made: this process's and each of ``pids``'."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self._own0 = time.process_time()
+        self._pids0 = [cpu_seconds(p) for p in self.pids]
+
+    def per_second(self, wall: float) -> tuple[float, list[float]]:
+        """(this process's share of one core, each pid's) over ``wall`` seconds."""
+        own = (time.process_time() - self._own0) / wall
+        return own, [(cpu_seconds(p) - c) / wall
+                     for p, c in zip(self.pids, self._pids0, strict=True)]
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -80,22 +96,27 @@ def out_path(name: str) -> Path:
     return OUT / name
 
 
+async def communicate(proc: asyncio.subprocess.Process, timeout: float
+                      ) -> tuple[bytes, bytes]:
+    """A child's (stdout, stderr) once it exits; past ``timeout`` it is killed and reaped, and
+    the TimeoutError raised."""
+    try:
+        return await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+
+
 async def run_client_async(module: str, spec: dict[str, object], timeout: float
                            ) -> dict[str, object]:
     """:func:`run_client` without blocking the caller's event loop (in-process workers)."""
-    import asyncio
-
     argv = die_with_parent([sys.executable, "-m", module, "--client", json.dumps(spec)])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, cwd=REPO, env=env)
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
+    out, err = await communicate(proc, timeout)
     lines = out.decode().strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"client failed ({proc.returncode}): {err.decode()[-2000:]}")

@@ -42,7 +42,7 @@ from collections import Counter
 from typing import Any
 
 from bench import rawload
-from bench._util import cpu_seconds, loadavg, out_path, pct
+from bench._util import CpuMeter, loadavg, out_path, pct
 from bench.httpload import through_envoy
 from devtools.stack import Stack, StackConfig
 
@@ -173,7 +173,7 @@ async def run_client(spec: dict[str, Any]) -> dict[str, Any]:
     client.records.clear()
     client.extra.clear()
     sent = [0] * len(streams)
-    cpu0, pcpu0 = time.process_time(), [cpu_seconds(p) for p in pids]
+    meter = CpuMeter(pids)
     t0 = client.t0 = time.perf_counter()
     send_start = time.time()
     end = t0 + seconds
@@ -185,12 +185,8 @@ async def run_client(spec: dict[str, Any]) -> dict[str, Any]:
                 sent[i] += 1
         await asyncio.sleep(0.001)
     send_wall = time.perf_counter() - t0
-    cpu = (time.process_time() - cpu0) / send_wall
-    pcpu = [(cpu_seconds(p) - c) / send_wall for p, c in zip(pids, pcpu0, strict=True)]
-    try:
-        await asyncio.wait_for(client.all_done.wait(), timeout + 5)
-    except TimeoutError:
-        client.errors += client.outstanding
+    cpu, pcpu = meter.per_second(send_wall)
+    await client.drain(timeout + 5)
     client.close()
     # (stream, id, sent offset, latency to the last byte, status, code, ttfb, retry-after,
     #  wait hint ms)

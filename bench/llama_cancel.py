@@ -82,6 +82,7 @@ async def one_case(url: str, case: str, tokens: int) -> tuple[float, int]:
 
 
 async def wait_idle(url: str) -> None:
+    """Until no slot of the llama-server at ``url`` is processing."""
     async with aiohttp.ClientSession() as s:
         while True:
             async with s.get(f"{url}/slots") as r:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from typing import Any
 
-from bench._util import cpu_seconds
+from bench._util import CpuMeter
 from bench.httpload import BODY, request_headers
 
 Record = tuple[str, float, float, int, str]
@@ -166,6 +166,13 @@ class Client:
         if self.outstanding == 0:
             self.all_done.set()
 
+    async def drain(self, timeout: float) -> None:
+        """Wait for every request sent to end; those still out after ``timeout`` are errors."""
+        try:
+            await asyncio.wait_for(self.all_done.wait(), timeout)
+        except TimeoutError:
+            self.errors += self.outstanding
+
     def close(self) -> None:
         for c in self.idle:
             if c.transport is not None:
@@ -193,8 +200,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
     rates = [float(s.get("rate", 0.0)) for s in streams]
     names = [str(s["name"]) for s in streams]
     sent = [0] * len(streams)
-    cpu0 = time.process_time()
-    pcpu0 = [cpu_seconds(p) for p in pids]
+    meter = CpuMeter(pids)
     t0 = client.t0 = time.perf_counter()
     send_start = time.time()
     end = client.end = t0 + seconds
@@ -225,12 +231,8 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
             sent[i] += due
         await asyncio.sleep(0.001)
     send_wall = time.perf_counter() - t0
-    cpu = (time.process_time() - cpu0) / send_wall
-    pcpu = [(cpu_seconds(p) - c) / send_wall for p, c in zip(pids, pcpu0, strict=True)]
-    try:
-        await asyncio.wait_for(client.all_done.wait(), timeout + 5)
-    except TimeoutError:
-        client.errors += client.outstanding
+    cpu, pcpu = meter.per_second(send_wall)
+    await client.drain(timeout + 5)
     wall = time.perf_counter() - t0
     client.close()
     return {"wall": wall, "send_wall": send_wall, "send_start": send_start,

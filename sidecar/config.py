@@ -948,25 +948,7 @@ def worker_credential(path: str | None, header: str | None) -> dict[str, str] | 
         return None
     if header is not None and not _HEADER_NAME.match(header):
         raise ConfigError(f"--worker-auth-header {clip(header)!r} is not a header name")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"--worker-auth-file: cannot read: {exc.strerror}", file=path) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError("--worker-auth-file: not a regular file", file=path)
-        data = os.read(fd, MAX_CREDENTIAL_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"--worker-auth-file: cannot read: {exc.strerror}", file=path) from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_CREDENTIAL_BYTES:
-        raise ConfigError(f"--worker-auth-file: longer than {MAX_CREDENTIAL_BYTES} bytes",
-                          file=path)
-    try:
-        key = data.decode("ascii").removesuffix("\n").removesuffix("\r")
-    except UnicodeDecodeError:
-        raise ConfigError("--worker-auth-file: not ASCII text", file=path) from None
+    key = _read_secret_file("--worker-auth-file", path).removesuffix("\n").removesuffix("\r")
     if not key.strip():
         raise ConfigError("--worker-auth-file: empty", file=path)
     # A header value cannot hold a line break or control character (a second line
@@ -992,6 +974,8 @@ def otlp_headers(path: str | None, endpoint: str | None) -> tuple[tuple[str, str
         raise ConfigError(f"{flag_}: the headers would go over plaintext (--otlp-endpoint "
                           "http://...); give an https:// endpoint")
     text = _read_secret_file(flag_, path)
+    if any((ord(ch) < 0x20 and ch not in "\t\r\n") or ord(ch) == 0x7F for ch in text):
+        raise ConfigError(f"{flag_}: holds a control character", file=path)
     headers: list[tuple[str, str]] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
@@ -1026,8 +1010,6 @@ def _read_secret_file(flag_: str, path: str) -> str:
         text = data.decode("ascii")
     except UnicodeDecodeError:
         raise ConfigError(f"{flag_}: not ASCII text", file=path) from None
-    if any((ord(ch) < 0x20 and ch not in "\t\r\n") or ord(ch) == 0x7F for ch in text):
-        raise ConfigError(f"{flag_}: holds a control character", file=path)
     return text
 
 

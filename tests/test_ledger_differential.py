@@ -303,3 +303,24 @@ def test_ledger_serves_tenants_like_the_core(valkey_server: ValkeyServer,
                                              capacity: int, steps: list[tuple[str, Any]],
                                              reload: dict[PriorityClass, ClassSettings]) -> None:
     asyncio.run(run(valkey_server, cfg, capacity, steps, reload))
+
+
+def test_a_new_fair_head_takes_the_victim_the_old_head_could_not(
+        valkey_server: ValkeyServer) -> None:
+    # Found by the property above. Capacity 1: system B waits from t=0; at t=6 a starved
+    # bulk request takes the slot and becomes a candidate, too late for B's head (a head
+    # takes only a victim admitted before it queued). System A arrives at t=6 and, by
+    # fair queuing, is the class's new head: it may take that victim, at once, in both
+    # (the core used to leave it queued until some later event; the ledger's next tick
+    # preempted).
+    cfg = {c: ClassSettings(reserved_floor=0, reserved_per_slot=0.0, queue_size=4,
+                            queue_timeout_secs=10.0,
+                            starvation_threshold_secs=5.0, can_preempt=c is PriorityClass.SYSTEM,
+                            fair_queuing=True, tenant_weights={"A": 3.0, "B": 0.5})
+           for c in PriorityClass}
+    bulk, system = PriorityClass.BULK, PriorityClass.SYSTEM
+    steps: list[tuple[str, Any]] = [("arrive", (bulk, "A"))] * 5 + [
+        ("arrive", (system, "A")), ("arrive", (system, "B")), ("release", 0),
+        ("advance", 6.0), ("release", 0), ("reachable_all", 0), ("arrive", (system, "A")),
+        ("release", 0)]
+    asyncio.run(run(valkey_server, cfg, 1, steps, cfg))

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,14 +42,17 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from structlog.testing import capture_logs
 
-from devtools.otlp import OtlpReceiver, ReceivedSpan
+from devtools.otlp import OtlpReceiver
 from sidecar import logs, responses, tracing
 from sidecar.app import Runtime, build_runtime
 from sidecar.classes import PriorityClass
 from sidecar.config import ConfigError, parse_settings
 from tests.grpc_client import EnvoyStandIn, admission_id
+from tests.otlp_support import receiver, span_of
 from tests.test_app import free_port
 from tests.test_coordination_security import make_certs
+
+__all__ = ["receiver"]  # a fixture, used by name
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -218,20 +221,6 @@ async def start_runtime(tmp_path: Path, receiver: OtlpReceiver, *extra: str,
     return app
 
 
-@pytest.fixture
-async def receiver() -> AsyncIterator[OtlpReceiver]:
-    r = OtlpReceiver()
-    await r.start()
-    yield r
-    await r.stop()
-
-
-def one(spans: list[ReceivedSpan], trace_id: str) -> ReceivedSpan:
-    found = [s for s in spans if s.trace_id == trace_id]
-    assert len(found) == 1, (trace_id, found)
-    return found[0]
-
-
 async def test_each_decision_gets_its_span_with_its_attributes(
         tmp_path: Path, receiver: OtlpReceiver) -> None:
     secret = "sk-" + secrets.token_hex(10)
@@ -284,14 +273,14 @@ async def test_each_decision_gets_its_span_with_its_attributes(
             assert "smg.coordination.state" not in s.attributes  # no fleet
         assert not [s for s in spans if s.trace_id == ids["untraced"]]
 
-        a = one(spans, ids["held"]).attributes
+        a = span_of(spans, ids["held"]).attributes
         assert a["smg.outcome"] == "admitted" and a["smg.queued"] is False
         assert a["smg.class.requested"] == "system" and a["smg.class.effective"] == "interactive"
         assert a["smg.tenant"] == "gold"
         assert a["smg.admission.tag"] == logs.id_tag(held_id)
         assert held_id not in str(spans)  # the full id is never in a span
 
-        q = one(spans, ids["queued"])
+        q = span_of(spans, ids["queued"])
         assert q.attributes["smg.outcome"] == "admitted" and q.attributes["smg.queued"] is True
         assert q.attributes["smg.tenant"] == "anonymous"
         assert q.attributes["smg.admission.tag"] == logs.id_tag(admission_id(admitted))
@@ -299,22 +288,22 @@ async def test_each_decision_gets_its_span_with_its_attributes(
         assert q.attributes["smg.queue.wait_seconds"] > 0
         assert q.duration >= q.attributes["smg.queue.wait_seconds"]
 
-        f = one(spans, ids["full"]).attributes
+        f = span_of(spans, ids["full"]).attributes
         assert (f["smg.outcome"], f["http.response.status_code"], f["smg.error_code"]) == (
             "rejected_queue_full", 429, "scheduler_queue_full")
         assert "smg.admission.tag" not in f and f["smg.class.effective"] == "bulk"
         assert f["smg.tenant"] == f"acme-{logs.REDACTED}"  # as a log line shows it
 
-        t = one(spans, ids["timeout"])
+        t = span_of(spans, ids["timeout"])
         assert (t.attributes["smg.outcome"], t.attributes["http.response.status_code"],
                 t.attributes["smg.error_code"]) == (
             "rejected_queue_timeout", 503, "scheduler_queue_timeout")
         assert t.attributes["smg.queue.wait_seconds"] >= 0.3 and t.duration >= 0.3
 
-        c = one(spans, ids["cancelled"]).attributes
+        c = span_of(spans, ids["cancelled"]).attributes
         assert c["smg.outcome"] == "client_cancelled" and "http.response.status_code" not in c
 
-        r = one(spans, ids["limited"]).attributes
+        r = span_of(spans, ids["limited"]).attributes
         assert (r["smg.outcome"], r["http.response.status_code"], r["smg.error_code"]) == (
             "rate_limited", 429, "scheduler_queue_full")
         assert len(spans) == 6
@@ -335,7 +324,7 @@ async def test_a_token_budget_refusal_gets_its_span(
                                   "x-smg-tenant": "acme", "content-length": "4000"})
         assert over.denied_response.status.code == 429
         spans = await receiver.wait_for(lambda s: len(s) >= 1, 15, "the refusal's span")
-        a = one(spans, trace).attributes
+        a = span_of(spans, trace).attributes
         assert (a["smg.outcome"], a["http.response.status_code"], a["smg.error_code"]) == (
             "over_budget", 429, responses.OVER_BUDGET_CODE)
         assert a["smg.outcome"] in tracing.OUTCOMES and a["smg.tenant"] == "acme"
@@ -524,8 +513,8 @@ async def test_a_fleet_pool_names_its_coordination_state(
                                     "x-smg-priority": "bulk"})
         assert second.status.code == code_pb2.OK
         spans = await receiver.wait_for(lambda s: len(s) == 2, 10, "both decisions' spans")
-        assert one(spans, t_ok).attributes["smg.coordination.state"] == "ok"
-        assert one(spans, t_degraded).attributes["smg.coordination.state"] == "degraded"
+        assert span_of(spans, t_ok).attributes["smg.coordination.state"] == "ok"
+        assert span_of(spans, t_degraded).attributes["smg.coordination.state"] == "degraded"
         assert {s.attributes["smg.outcome"] for s in spans} == {"admitted"}
         server.resume()
         await until(lambda: fleet.state == "ok", "the replica back to ok", 10)

@@ -18,15 +18,17 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
 from devtools.httpclient import Exchange, request
-from devtools.otlp import OtlpReceiver, ReceivedSpan
+from devtools.otlp import OtlpReceiver
 from devtools.stack import Stack
 from sidecar import tracing
 from tests.conftest import StackFactory, assert_denied, settle, until
+from tests.otlp_support import receiver, span_of
+
+__all__ = ["receiver"]  # a fixture, used by name
 
 pytestmark = pytest.mark.e2e
 
@@ -45,20 +47,6 @@ def traceparent(trace_id: str, parent: str, sampled: bool) -> str:
 
 def ids() -> tuple[str, str]:
     return secrets.token_hex(16), secrets.token_hex(8)
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[OtlpReceiver]:
-    r = OtlpReceiver()
-    await r.start()
-    yield r
-    await r.stop()
-
-
-def span_of(spans: list[ReceivedSpan], trace_id: str) -> ReceivedSpan:
-    found = [s for s in spans if s.trace_id == trace_id]
-    assert len(found) == 1, (trace_id, found)
-    return found[0]
 
 
 async def traced_stack(make_stack: StackFactory, receiver: OtlpReceiver,

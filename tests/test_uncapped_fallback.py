@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -18,36 +17,21 @@ import pytest
 
 from sidecar.app import UncappedFallbackRefused, build_runtime
 from sidecar.config import DEFAULT_POOL, parse_settings
+from tests.test_app import bindable, free_port
 from tests.test_probe_refusals import FakeLlama
 from tests.test_reload import FITS_FOUR
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 async def test_the_flag_refuses_an_uncapped_fallback_and_frees_what_it_started() -> None:
-    http = _port()
+    http = free_port()
     with pytest.raises(UncappedFallbackRefused, match=r"'default'.*capacity of 4"):
         await build_runtime(parse_settings([
             "--priority-scheduler-enabled", "--refuse-uncapped-fallback",
             "--worker-capacity-override", "4", "--grpc-listen", "127.0.0.1:0",
             "--http-listen", f"127.0.0.1:{http}"]))
-    assert _bindable(http), "the admin server was left running"
+    assert bindable(http), "the admin server was left running"
 
 
 @pytest.mark.parametrize("extra", [
@@ -80,7 +64,7 @@ async def test_a_named_pool_that_would_serve_uncapped_fails_the_process(tmp_path
             sys.executable, "-m", "sidecar", "--priority-scheduler-enabled",
             "--refuse-uncapped-fallback", "--priority-scheduler-config", str(cfg),
             "--worker-urls", big.url, f"small={small.url}", "--grpc-listen",
-            f"127.0.0.1:{_port()}", "--http-listen", f"127.0.0.1:{_port()}",
+            f"127.0.0.1:{free_port()}", "--http-listen", f"127.0.0.1:{free_port()}",
             "--log-format", "json", cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(proc.communicate(), 60)

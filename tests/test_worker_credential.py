@@ -21,7 +21,7 @@ import ssl
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 from aiohttp import web
@@ -70,20 +70,25 @@ def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return cert, key
 
 
-class KeyedWorker:
-    """A generic engine that wants the key on every path but /health (as llama.cpp and
-    vLLM with --api-key do); records the credential each request carried."""
+class LoopbackApp:
+    """An aiohttp fake on a free loopback port (over TLS with ``ssl_context``), its base URL
+    in ``url`` while entered; every request goes to ``_handle`` unless ``routes`` says
+    otherwise."""
 
-    def __init__(self, key: str, ssl_context: ssl.SSLContext | None = None) -> None:
-        self.key = key
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
         self.ssl_context = ssl_context
-        self.seen: list[str | None] = []
         self.url = ""
         self._runner: web.AppRunner | None = None
 
-    async def __aenter__(self) -> KeyedWorker:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_route("*", "/{tail:.*}", self._handle)
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        app = web.Application()
+        self.routes(app)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
@@ -95,6 +100,16 @@ class KeyedWorker:
     async def __aexit__(self, *exc: object) -> None:
         assert self._runner is not None
         await self._runner.cleanup()
+
+
+class KeyedWorker(LoopbackApp):
+    """A generic engine that wants the key on every path but /health (as llama.cpp and
+    vLLM with --api-key do); records the credential each request carried."""
+
+    def __init__(self, key: str, ssl_context: ssl.SSLContext | None = None) -> None:
+        super().__init__(ssl_context)
+        self.key = key
+        self.seen: list[str | None] = []
 
     async def _handle(self, request: web.Request) -> web.Response:
         given = request.headers.get("Authorization")
@@ -135,27 +150,16 @@ class RawPort:
         writer.close()
 
 
-class FakeEnvoyAdmin:
+class FakeEnvoyAdmin(LoopbackApp):
     """Envoy's admin API as the capacity monitor reads it: ``/clusters?format=json`` with
     the hosts of cluster ``workers``."""
 
     def __init__(self, hosts: list[tuple[str, int]]) -> None:
+        super().__init__()
         self.hosts = hosts
-        self.url = ""
-        self._runner: web.AppRunner | None = None
 
-    async def __aenter__(self) -> FakeEnvoyAdmin:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/clusters", self._clusters)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
     async def _clusters(self, request: web.Request) -> web.Response:
         return web.json_response({"cluster_statuses": [{"name": "workers", "host_statuses": [
@@ -285,29 +289,15 @@ async def test_workers_found_through_envoy_get_the_key_over_tls_only(
 # ---------------------------------------------------------------- echoed secrets
 
 
-class EchoingWorker:
+class EchoingWorker(LoopbackApp):
     """A hostile worker: /health is fine, and every value any engine's capacity or
     saturation read looks at is the credential it was sent (whole, clipped, or the bare
     key), as are its model names and its /metrics samples."""
 
     def __init__(self, role_router: bool = True) -> None:
+        super().__init__()
         self.role_router = role_router
-        self.url = ""
         self.asked = 0
-        self._runner: web.AppRunner | None = None
-
-    async def __aenter__(self) -> EchoingWorker:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
     async def _handle(self, request: web.Request) -> web.Response:
         self.asked += 1

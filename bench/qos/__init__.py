@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import slots as slot_trace
-from bench._util import OUT, loadavg
+from bench._util import OUT, communicate, loadavg
 from bench.qos import report
 from bench.qos.scenarios import (
     BY_NAME,
@@ -207,12 +207,7 @@ async def run_client(spec: dict[str, Any], workdir: Path, timeout: float) -> dic
     proc = await asyncio.create_subprocess_exec(
         *die_with_parent([sys.executable, "-m", "bench.qos.client", str(path)]),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO)
-    try:
-        _, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
+    _, err = await communicate(proc, timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"load client failed ({proc.returncode}): {err.decode()[-3000:]}")
     result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())

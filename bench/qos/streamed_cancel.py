@@ -33,6 +33,7 @@ from pathlib import Path
 import aiohttp
 
 from bench._util import OUT, loadavg
+from bench.llama_cancel import wait_idle
 from devtools.llama import LlamaFleet
 
 
@@ -73,15 +74,6 @@ async def one(url: str, victim_streams: bool) -> float:
         with contextlib.suppress(asyncio.CancelledError):
             await b
     return took
-
-
-async def wait_idle(url: str) -> None:
-    async with aiohttp.ClientSession() as s:
-        while True:
-            async with s.get(f"{url}/slots") as r:
-                if not any(x.get("is_processing") for x in await r.json()):
-                    return
-            await asyncio.sleep(0.2)
 
 
 async def run(repeats: int) -> str:

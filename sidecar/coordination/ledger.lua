@@ -1956,6 +1956,9 @@ ops.arrive = function(a)
   redis.call('ZADD', K_DL, fmt(deadline), id)
   redis.call('SADD', k_own(r), id)
   if cf[c].tenant then join(c, cf[c], id, tenant, seq) end
+  -- As Scheduler.arrive: under fair queuing it may be the new head, free to take a victim
+  -- the old head could not (one admitted after that head queued).
+  if cf[c].preempt then dispatch() end
   return {'queued', fmt(cf[c].timeout)}
 end
 

@@ -210,7 +210,13 @@ class Scheduler:
                 return admitted
         # Earlier arrivals of this class keep FIFO order: this one queues behind
         # them (the dispatch above already preempted for their head if it could).
-        return self._enqueue(id, cls, tenant, now, wait_budget, enforce, cost)
+        decision = self._enqueue(id, cls, tenant, now, wait_budget, enforce, cost)
+        if isinstance(decision, Queued) and self._cfg[cls].can_preempt:
+            # Under fair queuing it may be its class's new head, and a head may take only
+            # a victim admitted before it queued: queued later than the old head, this one
+            # may take a victim the old head could not.
+            self._dispatch(now)
+        return decision
 
     def cancel(self, id: str) -> bool:
         """QUEUED → client_cancelled (the client went away). False if ``id`` is not queued."""
