@@ -584,8 +584,9 @@ end
 -- P:fleet's fields that no other key gives back, copied to P:meta (see "Keys lost").
 local META = {'ttl', 'keep', 'settle_secs', 'settle', 'frozen'}
 
-local function mirror()
-  local v = redis.call('HMGET', K_FLEET, unpack(META))
+-- Copies META's fields that ``from`` has into ``to`` (absent ones stay as they are).
+local function copy_meta(from, to)
+  local v = redis.call('HMGET', from, unpack(META))
   local out = {}
   for i, k in ipairs(META) do
     if v[i] then
@@ -593,7 +594,11 @@ local function mirror()
       out[#out + 1] = v[i]
     end
   end
-  if #out > 0 then redis.call('HSET', K_META, unpack(out)) end
+  if #out > 0 then redis.call('HSET', to, unpack(out)) end
+end
+
+local function mirror()
+  copy_meta(K_FLEET, K_META)
 end
 
 -- The class settings as last stored (P:meta class0..3), for a configuration key lost
@@ -677,15 +682,7 @@ local function restore_fleet()
   if redis.call('HLEN', K_REPORTS) == 0 and redis.call('ZCARD', K_REPLICAS) == 0 then
     return -- nobody registered yet: there is nothing to restore
   end
-  local v = redis.call('HMGET', K_META, unpack(META))
-  local out = {}
-  for i, k in ipairs(META) do
-    if v[i] then
-      out[#out + 1] = k
-      out[#out + 1] = v[i]
-    end
-  end
-  if #out > 0 then redis.call('HSET', K_FLEET, unpack(out)) end
+  copy_meta(K_META, K_FLEET)
   recompute_fleet()
   note('state_rebuilt')
   load_state()
