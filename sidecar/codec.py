@@ -391,22 +391,24 @@ def _secs(cp: accesslog_pb2.AccessLogCommon, name: str) -> float | None:
     return float(d.seconds + d.nanos / 1e9)
 
 
+def _since_sent(cp: accesslog_pb2.AccessLogCommon, name: str) -> float | None:
+    """From the last byte of the request sent upstream to the instant ``name``; None
+    where either is missing or they are out of order."""
+    sent = _secs(cp, "time_to_last_upstream_tx_byte")
+    then = _secs(cp, name)
+    if sent is None or then is None or then < sent:
+        return None
+    return then - sent
+
+
 def _engine_secs(cp: accesslog_pb2.AccessLogCommon) -> float | None:
     """From the last byte of the request sent upstream to the last byte back."""
-    sent = _secs(cp, "time_to_last_upstream_tx_byte")
-    last = _secs(cp, "time_to_last_upstream_rx_byte")
-    if sent is None or last is None or last < sent:
-        return None
-    return last - sent
+    return _since_sent(cp, "time_to_last_upstream_rx_byte")
 
 
 def _engine_ttfb(cp: accesslog_pb2.AccessLogCommon) -> float | None:
     """From the last byte of the request sent upstream to the first byte back."""
-    sent = _secs(cp, "time_to_last_upstream_tx_byte")
-    first = _secs(cp, "time_to_first_upstream_rx_byte")
-    if sent is None or first is None or first < sent:
-        return None
-    return first - sent
+    return _since_sent(cp, "time_to_first_upstream_rx_byte")
 
 
 def _lived_secs(cp: accesslog_pb2.AccessLogCommon) -> float:
