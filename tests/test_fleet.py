@@ -226,13 +226,22 @@ async def test_a_slot_freed_on_a_reaches_a_waiter_on_b_within_milliseconds(
     assert waits[2] < 0.1
 
 
-async def test_priority_is_fleet_wide(pair: tuple[Replica, Replica]) -> None:
+async def _in_ledger_queues(client: redis.Redis, n: int) -> bool:
+    return bool(await client.hlen(f"pg:{{{FLEET}}}:w") == n)
+
+
+async def test_priority_is_fleet_wide(pair: tuple[Replica, Replica],
+                                      client: redis.Redis) -> None:
     a, b = pair
     held = await ok(a.check("default"))
     bulk = [asyncio.ensure_future(a.check("bulk")) for _ in range(2)]
     await eventually(lambda: a.fleet.waiting == 2, what="bulk queued on A")
     interactive = asyncio.ensure_future(b.check("interactive"))
     await eventually(lambda: b.fleet.waiting == 1, what="interactive queued on B")
+    # A replica counts a waiter before its arrival reaches the ledger: released earlier,
+    # the slot would go to bulk, the only class the ledger had queued.
+    await eventually(lambda: _in_ledger_queues(client, 3),
+                     what="the three waiters in the ledger's queues")
     await a.end(held)
     got = await ok(interactive)  # type: ignore[arg-type]
     assert not any(t.done() for t in bulk)
