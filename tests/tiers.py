@@ -15,7 +15,9 @@ because their methods call ``subprocess.Popen``, so a new test that uses any of 
 Reading code can miss a way in (a callable handed over at run time). So the classifier
 is also enforced: a test classified in-process that starts a child process anyway fails
 on the spot, naming the program, instead of slowing the fast tier or failing there for
-want of a server. Mark such a test ``@pytest.mark.external`` by hand.
+want of a server. Mark such a test ``@pytest.mark.external`` by hand; mark so too an
+in-process test that waits seconds of real time by design (a timeout it exercises), which
+would hold one of the inner loop's few workers for nothing.
 """
 
 from __future__ import annotations
