@@ -51,8 +51,10 @@ pytest: install envoy
 # others `external` from the code each test reaches; nobody keeps a list.
 check: lint typecheck pytest-fast
 
+# worksteal: an idle worker takes tests queued for the other, so one long property test
+# at the end of a chunk does not leave a core idle.
 pytest-fast: install
-	$(PY) -m pytest -q -n auto -m 'not external' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --dist worksteal -m 'not external' $(PYTEST_ARGS)
 
 # The README's test command: lint, strict typing, then the whole suite (unit, property,
 # end-to-end through a real Envoy). pytest's exit code 5 ("no tests ran") fails the target.

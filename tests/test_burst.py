@@ -84,7 +84,13 @@ async def test_a_3000_call_burst_gets_a_counted_contract_answer_for_every_call(
     assert not wrong, f"calls without a contract answer: {wrong}"
     for cls in CLASSES:  # every class got a decision of its own, the top ones slots
         assert sum(n for (c, _), n in answers.items() if c == cls) == BURST // 4
-    assert answers[("system", "allow")] >= 1 and answers[("interactive", "allow")] >= 1
+    # The reservations' promise, whatever order the server picks the calls up in: the
+    # lower classes leave both floors free, and system may take interactive's (it takes
+    # any free slot) but interactive not system's. So system gets a slot, and the two top
+    # classes at least the two floors between them (not interactive one of its own: under
+    # load the server can take up enough system calls first to fill both).
+    top = answers[("system", "allow")] + answers[("interactive", "allow")]
+    assert answers[("system", "allow")] >= 1 and top >= 2, answers
 
     m = await sidecar.metrics()
     for cls in CLASSES:

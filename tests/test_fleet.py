@@ -650,10 +650,32 @@ async def test_after_a_data_loss_nobody_admits_through_the_ledger_until_the_flee
         held = await ok(a.check())
         own_server.restart()
 
-        await eventually(registered(own_client, "a"), timeout=2 * ttl, what="A re-registered")
+        # The window opens on the server at A's re-registration, which this side sees only
+        # late (a poll, a busy loop). Timed from the start of the last poll that still found
+        # A unregistered, which is no later than that: A's time to ok is never
+        # under-measured, and on an idle box the polls are milliseconds apart.
         t_registered = time.monotonic()
+        while True:
+            t_poll = time.monotonic()
+            try:
+                if await own_client.zscore(f"pg:{{{FLEET}}}:replicas", "a") is not None:
+                    break
+                t_registered = t_poll  # a definite "not yet"
+            except redis.ConnectionError:
+                pass  # the server not back yet: no answer either way
+            assert t_poll - t_registered < 2 * ttl, "A not re-registered within 2 x ttl"
+            await asyncio.sleep(0.005)
+        # The ledger has A's registration before A has read the reply that tells it of the
+        # loss (and before its resync puts the holding back): a poll of the ledger can come
+        # in between, so A's side is waited for, within the window it must stay degraded.
+        await eventually(lambda: a.fleet.state == "degraded", timeout=settle,
+                         what="A degraded once re-registered")
+
+        async def holding_back() -> bool:
+            return await inflight(own_client) == 1
+
+        await eventually(holding_back, timeout=settle, what="A's holding back in the ledger")
         assert a.fleet.state == "degraded"
-        assert await inflight(own_client) == 1  # its holding is back in the ledger
         c = await start_replica(tmp_path, own_server.url, "c", capacity=4, ttl=ttl)
         assert c.fleet.state == "degraded" and c.fleet.degraded_limit == 0
         waiting = asyncio.ensure_future(c.check())

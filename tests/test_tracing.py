@@ -350,6 +350,9 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> N
 N_FLOOD = tracing.MAX_QUEUE_SPANS + tracing.MAX_QUEUE_SPANS // 2
 
 
+# Seconds of real time each (the flood, the exporter's failing tries, stop's flush): the
+# whole suite's, not the inner loop's (tests/tiers.py).
+@pytest.mark.external
 @pytest.mark.parametrize("fault", ["stalled", "down"])
 async def test_a_receiver_that_hangs_or_is_down_never_holds_a_check(
         tmp_path: Path, receiver: OtlpReceiver, fault: str) -> None:

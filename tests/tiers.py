@@ -15,7 +15,9 @@ because their methods call ``subprocess.Popen``, so a new test that uses any of 
 Reading code can miss a way in (a callable handed over at run time). So the classifier
 is also enforced: a test classified in-process that starts a child process anyway fails
 on the spot, naming the program, instead of slowing the fast tier or failing there for
-want of a server. Mark such a test ``@pytest.mark.external`` by hand.
+want of a server. Mark such a test ``@pytest.mark.external`` by hand; mark so too an
+in-process test that waits seconds of real time by design (a timeout it exercises), which
+would hold one of the inner loop's few workers for nothing.
 """
 
 from __future__ import annotations
@@ -171,10 +173,17 @@ class Classifier:
         return False
 
 
+_IMPORT_NAME = dis.opmap["IMPORT_NAME"]
+
+
 def _imported_modules(code: CodeType) -> list[ModuleType]:
     """The modules a function imports in its body (``import x.y``, ``from x import y``),
     imported now if need be."""
     found: list[ModuleType] = []
+    # Most functions import nothing: skip decoding them (dis is most of collection's
+    # classifying time). Every unit of co_code is an (opcode, arg) byte pair.
+    if _IMPORT_NAME not in code.co_code[::2]:
+        return found
     for ins in dis.get_instructions(code):
         if ins.opname == "IMPORT_NAME" and ins.argval:
             try:
