@@ -164,9 +164,18 @@ async def test_in_shadow_predictions_refuse_nothing_and_are_reported_with_their_
     n = m['smg_sidecar_wait_prediction_error_seconds_count{class="bulk"}']
     mean_error = m['smg_sidecar_wait_prediction_error_seconds_sum{class="bulk"}'] / n
     under = m.get('smg_sidecar_wait_underpredicted_total{class="bulk"}', 0)
+    # The slot's pace in this run, by the workers' clocks: each slot served its share of
+    # the 40 requests back to back (0.2 s each on a quiet box, more on a loaded one).
+    records = [r for w in stack.fleet.workers for r in w.records if r.ended_at is not None]
+    assert len(records) == 40
+    pace = ((max(r.ended_at for r in records if r.ended_at is not None)
+             - min(r.started_at for r in records)) / (len(records) / 2))
     print(f"shadow: {counted} would have been refused; {n} predictions, mean absolute error "
-          f"{mean_error:.3f} s, {under:.0f} waited longer than predicted")
-    assert n >= 20 and mean_error < 0.3  # within about one service time on average
+          f"{mean_error:.3f} s, {under:.0f} waited longer than predicted; a slot's pace "
+          f"{pace:.3f} s per request")
+    # Within about one service time on average (0.3 s on a quiet box, where the pace is
+    # 0.2 s): the predictor learns the drain from this run, so its error scales with it.
+    assert n >= 20 and mean_error < 1.5 * max(pace, 0.2)
 
 
 async def test_computed_retry_after_is_the_real_drain_time(make_stack: StackFactory) -> None:
