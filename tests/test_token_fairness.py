@@ -46,6 +46,19 @@ def bulk(by: str, weights: dict[str, float] | None = None, capacity_timeout: flo
     return out
 
 
+def served_tenants(s: Scheduler, turns: int) -> list[str]:
+    """The tenants of the next ``turns`` grants, each ending the one before ("blocker"
+    first)."""
+    s.take_events()
+    order, holder = [], "blocker"
+    for _ in range(turns):
+        s.release(holder)
+        (a,) = [e.admission for e in s.take_events() if isinstance(e, Admitted)]
+        order.append(a.tenant)
+        holder = a.id
+    return order
+
+
 def test_a_tenant_with_20x_longer_requests_gets_one_turn_per_20_of_the_others() -> None:
     s = Scheduler(bulk("tokens"), 1, FakeClock())
     assert isinstance(s.arrive("blocker", B, "x"), Admitted)
@@ -53,13 +66,7 @@ def test_a_tenant_with_20x_longer_requests_gets_one_turn_per_20_of_the_others() 
         assert isinstance(s.arrive(f"long{i}", B, "long", cost=2000.0), Queued)
     for i in range(60):
         assert isinstance(s.arrive(f"short{i}", B, "short", cost=100.0), Queued)
-    s.take_events()
-    order, holder = [], "blocker"
-    for _ in range(40):
-        s.release(holder)
-        (a,) = [e.admission for e in s.take_events() if isinstance(e, Admitted)]
-        order.append(a.tenant)
-        holder = a.id
+    order = served_tenants(s, 40)
     # Tags: short 100, 200, ...; long 2,000 (first tagged: ties go to it). So the long
     # tenant's one request goes 20th, and in 40 turns it got 2,000 tokens to 3,900.
     assert order.index("long") == 19 and order.count("long") == 1, order
@@ -70,13 +77,7 @@ def test_a_tenant_with_20x_longer_requests_gets_one_turn_per_20_of_the_others() 
         r.arrive(f"long{i}", B, "long", cost=2000.0)
     for i in range(30):
         r.arrive(f"short{i}", B, "short", cost=100.0)
-    r.take_events()
-    order, holder = [], "blocker"
-    for _ in range(40):
-        r.release(holder)
-        (a,) = [e.admission for e in r.take_events() if isinstance(e, Admitted)]
-        order.append(a.tenant)
-        holder = a.id
+    order = served_tenants(r, 40)
     assert order.count("long") == 20
 
 
