@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, settings
 
 from devtools.fleet import wait_for
 from devtools.httpclient import Exchange, Response, chat_body, request
@@ -18,6 +20,15 @@ from tests import logtails, tiers
 
 StackFactory = Callable[..., Awaitable[Stack]]
 Metrics = dict[str, float]
+
+# Property tests without their own ``max_examples`` run this many examples, whichever
+# files are collected with them (``HYPOTHESIS_PROFILE=long`` for the long runs).
+settings.register_profile("ci", max_examples=2000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=20000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=300, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # ------------------------------------------------------------------ the suite's harness
 # Tiers (tests/tiers.py): every test that can start a child process is marked `external`;

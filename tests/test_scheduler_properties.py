@@ -19,11 +19,10 @@ Invariants checked after every step (stated precisely):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sized
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.classes import HIGH_TO_LOW, PriorityClass
@@ -44,13 +43,6 @@ from sidecar.scheduler import (
 from sidecar.scheduler.lifecycle import HOLDS_A_SLOT
 from tests.clock import FakeClock
 from tests.strategies import classes, configs
-
-settings.register_profile("ci", max_examples=2000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("long", max_examples=20000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=300, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def drain(s: Scheduler, clock: FakeClock, live: list[str], queued: Sized,
