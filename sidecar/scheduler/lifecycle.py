@@ -153,6 +153,7 @@ class Admission:
     tenant: str
     admitted_at: float
     state: State = State.ADMITTED
+    tokens: int = 0  # what it holds of the KV capacity (``admit_by_kv``): its estimate
 
     @property
     def first_byte(self) -> bool:
