@@ -82,10 +82,11 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
     workers: list[FakeWorker] = []
 
     async def go(tokens: str = "{admit_by_kv: true}", *extra: str, engine: str = "vllm",
-                 kv: object = KV) -> Harness:
+                 kv: object = KV, context: object = 4096) -> Harness:
         worker = FakeWorker(engine=engine, max_running_requests=8)
         worker.dev_mode = True
         worker.kv_tokens = kv
+        worker.slot_context = context
         await worker.start()
         workers.append(worker)
         cfg = tmp_path / f"priority{len(made)}.yaml"
@@ -207,6 +208,27 @@ async def test_a_reload_turns_the_gate_on_and_off(start: Start, tmp_path: Path) 
     cfg.write_text(text)
     assert await h.app.reload_now() is True
     assert pool.kv_capacity is None and h.sample("smg_sidecar_kv_admission", state="off") == 1
+
+
+async def test_tgis_input_limit_refuses_a_longer_prompt_with_refuse_past_context(
+        start: Start) -> None:
+    """TGI's /info max_input_tokens is the context a prompt must fit (TGI answers a longer
+    one 422): with refuse_past_context the Check refuses it first, as for llama.cpp."""
+    h = await start(tokens_yaml(refuse_past_context=True), engine="tgi", kv=None,
+                    context=1000)
+    assert h.app.pools[DEFAULT_POOL].reading.slot_context == 1000
+    # 4,004 bytes are 1,001 input tokens: one past TGI's limit.
+    resp: external_auth_pb2.CheckResponse = await h.envoy._check(check_request(
+        {"x-smg-tenant": "acme", "content-length": "4004"}))
+    assert resp.denied_response.status.code == 413
+    assert json.loads(resp.denied_response.body)["error"]["code"] == \
+        "scheduler_token_context_exceeded"
+    assert h.sample("smg_sidecar_token_context_refused_total", action="refused",
+                    **{"class": "default"}) == 1
+    ok = await h.envoy._check(check_request({"x-smg-tenant": "acme",
+                                             "content-length": "4000"}))
+    assert ok.status.code == 0
+    await h.envoy.log((admission_id(ok), "end"))
 
 
 # ------------------------------------------------------------------ configuration
