@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from devtools.fleet import Fleet, RequestRecord
+from devtools.fleet import Fleet, RequestRecord, wait_for
 from devtools.httpclient import Exchange
 from devtools.stack import Stack, StackConfig
 from tests.conftest import settle, until
@@ -80,11 +80,14 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
         await fleet.stop()
 
 
-async def send(stack: Stack, data: bytes, hold: float) -> tuple[int, float]:
-    """One request held ``hold`` s at the worker: its status and how long it took."""
+async def send(stack: Stack, data: bytes, hold: float, gate: str = "") -> tuple[int, float]:
+    """One request held ``hold`` s at the worker (and on ``gate``, if named): its status
+    and how long it took."""
     t0 = time.monotonic()
-    ex = await Exchange.send(stack.listen_port, headers={
-        "x-fake-service-time": f"{hold:.3f}", "x-smg-tenant": "t"}, body=data)
+    headers = {"x-fake-service-time": f"{hold:.3f}", "x-smg-tenant": "t"}
+    if gate:
+        headers["x-fake-gate"] = gate
+    ex = await Exchange.send(stack.listen_port, headers=headers, body=data)
     try:
         await asyncio.wait_for(ex.read_head(), 120)
         await asyncio.wait_for(ex.read_body(), 30)
@@ -100,15 +103,23 @@ async def test_the_worker_never_runs_more_than_its_kv_and_small_requests_fill_th
     await until(stack, lambda m: m.get("smg_sidecar_kv_capacity_tokens") == KV)
     assert await stack.metric("smg_sidecar_kv_admission", state="gated") == 1
 
-    # Liveness at an idle worker: admitted at once (the hold is 0.1 s).
+    # Liveness at an idle worker: admitted at once (the hold is 0.1 s; a gate that held
+    # it would keep it 120 s, its queue timeout).
     status, took = await send(stack, body(2600, 100), 0.1)
-    assert status == 200 and took < 1.5, took
+    assert status == 200 and took < 5.0, took
 
-    # Small requests fill every slot: 8 × 300 tokens fit 4,000.
-    fleet.tally.reset()
-    small = await asyncio.gather(*(send(stack, body(300, 50), 0.6) for _ in range(SLOTS)))
-    assert all(s == 200 for s, _ in small), small
-    assert fleet.tally.peak == SLOTS, fleet.tally.peak
+    # Small requests fill every slot: 8 × 300 tokens fit 4,000; all 8 reach the worker
+    # while none has ended (each held on a gate).
+    small = [asyncio.ensure_future(send(stack, body(300, 50), 0.0, gate="fill"))
+             for _ in range(SLOTS)]
+    try:
+        await wait_for(lambda: fleet.tally.running == SLOTS, 15)
+    except TimeoutError:
+        raise AssertionError(f"waited for {SLOTS} small requests running together at the "
+                             f"worker; {fleet.tally.running} are") from None
+    assert fleet.tally.tokens == SLOTS * 300
+    fleet.gates.open("fill")
+    assert all(s == 200 for s, _ in await asyncio.gather(*small))
 
     # The burst: mixed sizes at random, each held a random while.
     seed = random.randrange(2**32)
