@@ -70,13 +70,16 @@ ENGINES = ("generic", "sglang", "vllm", "tgi", "llamacpp")
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def sglang_server_info(per_rank: int | None, ranks: int, cli_cap: int | None) -> JSONObject:
+def sglang_server_info(per_rank: int | None, ranks: int, cli_cap: int | None,
+                       kv_tokens: object = 20480) -> JSONObject:
     """SGLang ``GET /server_info``: ``{**asdict(server_args), **scheduler_info,
     "internal_states": [...], "version"}`` (sgl-project/sglang
     python/sglang/srt/entrypoints/http_server.py ``get_server_info``). The top-level
     ``max_running_requests`` is the CLI argument (null by default); the effective cap is
     ``internal_states[i].effective_max_running_requests_per_dp``, one entry per DP rank
     (docs.sglang.io basic_usage/native_api, managers/scheduler.py ``get_internal_state``).
+    ``max_total_num_tokens`` is one DP rank's token pool (scheduler_info from rank 0:
+    managers/data_parallel_controller.py).
     """
     states: list[JSONObject] = [
         {"memory_usage": {"weight": 15.0, "kvcache": 2.5, "token_capacity": 20480},
@@ -84,7 +87,7 @@ def sglang_server_info(per_rank: int | None, ranks: int, cli_cap: int | None) ->
          "last_gen_throughput": 0.0}
         for _ in range(ranks)]
     return {"model_path": MODEL, "tp_size": 1, "dp_size": ranks,
-            "max_running_requests": cli_cap, "max_total_num_tokens": 20480,
+            "max_running_requests": cli_cap, "max_total_num_tokens": kv_tokens,
             "internal_states": states, "version": "0.5.2"}
 
 
@@ -113,14 +116,22 @@ def vllm_server_info(max_num_seqs: int | None, dp: int) -> JSONObject:
         "vllm_env": {}, "system_env": {}}
 
 
-def tgi_info(max_concurrent: int | None) -> JSONObject:
+def tgi_info(max_concurrent: int | None, max_input: object = 4095,
+             batch_tokens: object = None) -> JSONObject:
     """TGI ``GET /info`` (huggingface/text-generation-inference router/src/lib.rs ``Info``;
-    ``max_concurrent_requests`` is the router's concurrency limit, schema example 128)."""
-    return {"model_id": MODEL, "model_sha": None, "model_pipeline_tag": "text-generation",
-            "max_concurrent_requests": max_concurrent, "max_best_of": 2,
-            "max_stop_sequences": 4, "max_input_tokens": 4095, "max_total_tokens": 4096,
-            "validation_workers": 2, "max_client_batch_size": 4,
-            "router": "text-generation-router", "version": "3.1.0"}
+    ``max_concurrent_requests`` is the router's concurrency limit, schema example 128;
+    ``max_input_tokens`` the longest prompt it accepts). ``batch_tokens``: TGI 2.x's
+    ``max_batch_total_tokens`` (schema example 32000), absent from 3.x's (None)."""
+    info: JSONObject = {
+        "model_id": MODEL, "model_sha": None, "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": max_concurrent, "max_best_of": 2,
+        "max_stop_sequences": 4, "max_input_tokens": max_input,
+        "max_total_tokens": max_input + 1 if isinstance(max_input, int) else 4096,
+        "validation_workers": 2, "max_client_batch_size": 4,
+        "router": "text-generation-router", "version": "3.1.0"}
+    if batch_tokens is not None:
+        info["max_batch_total_tokens"] = batch_tokens
+    return info
 
 
 def llamacpp_props(total_slots: int | None, n_ctx: object = 4096) -> JSONObject:
@@ -133,6 +144,18 @@ def llamacpp_props(total_slots: int | None, n_ctx: object = 4096) -> JSONObject:
 
 # llama.cpp's reply on every path while the model loads (tools/server/README.md, /health).
 LLAMACPP_LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+
+def vllm_cache_config_labels(engine: int, blocks: object, block_size: object) -> str:
+    """The labels of vLLM's ``vllm:cache_config_info`` info gauge (value 1), one sample per
+    engine core: the CacheConfig's fields as strings, ``num_gpu_blocks`` ``None`` until the
+    engine profiled its memory (vllm-project/vllm vllm/v1/metrics/loggers.py
+    ``log_metrics_info``, vllm/config/cache.py ``metrics_info``)."""
+    return (f'block_size="{block_size}",cache_dtype="auto",calculate_kv_scales="False",'
+            f'cpu_offload_gb="0",enable_prefix_caching="True",'
+            f'gpu_memory_utilization="0.9",is_attention_free="False",num_cpu_blocks="None",'
+            f'num_gpu_blocks="{blocks}",num_gpu_blocks_override="None",'
+            f'sliding_window="None",swap_space_bytes="4294967296",engine="{engine}"')
 
 
 def prometheus_gauges(gauges: list[tuple[str, str, float]]) -> str:
@@ -162,6 +185,8 @@ class RequestRecord:
     service_started_at: float | None = None  # left the worker's own queue (batch_limit)
     prompt_tokens: int = 0  # the fake tokenizer's count of the prompt
     completion_tokens: int = 0  # tokens generated (sent, if it finished)
+    body_bytes: int = 0  # the request body's length
+    max_tokens: int | None = None  # its max_completion_tokens / max_tokens (None: none)
 
     @property
     def total_tokens(self) -> int:
@@ -183,22 +208,34 @@ class RequestRecord:
 class Tally:
     """Completions running at once across several workers, and the highest count seen:
     the fleet-wide ground truth a test compares with the fleet's capacity (per-worker
-    peaks can each be below their worker's cap while their sum is above the fleet's)."""
+    peaks can each be below their worker's cap while their sum is above the fleet's).
 
-    def __init__(self) -> None:
+    ``weigh`` (a test's own measure of a request, e.g. its documented token estimate):
+    ``tokens`` is the sum over the completions running, ``peak_tokens`` its highest."""
+
+    def __init__(self, weigh: Callable[[RequestRecord], int] = lambda r: 0) -> None:
         self.running = 0
         self.peak = 0
+        self.weigh = weigh
+        self.tokens = 0
+        self.peak_tokens = 0
 
-    def enter(self) -> None:
+    def enter(self, record: RequestRecord | None = None) -> None:
         self.running += 1
         self.peak = max(self.peak, self.running)
+        if record is not None:
+            self.tokens += self.weigh(record)
+            self.peak_tokens = max(self.peak_tokens, self.tokens)
 
-    def leave(self) -> None:
+    def leave(self, record: RequestRecord | None = None) -> None:
         self.running -= 1
+        if record is not None:
+            self.tokens -= self.weigh(record)
 
     def reset(self) -> None:
-        """Forget the peak: it restarts from what runs now."""
+        """Forget the peaks: they restart from what runs now."""
         self.peak = self.running
+        self.peak_tokens = self.tokens
 
 
 class Journal:
@@ -328,7 +365,13 @@ class FakeWorker:
     llama.cpp while it loads); ``capacity_delay`` / ``capacity_status`` /
     ``capacity_body`` (a slow, failing or hostile capacity endpoint);
     ``health_delay`` (a slow ``/health``); ``slot_context`` (llama.cpp's ``n_ctx`` per
-    slot in ``/props``, any JSON value).
+    slot in ``/props``, TGI's ``max_input_tokens`` in ``/info``, any JSON value);
+    ``kv_tokens`` (the KV capacity the engine reports, any value, None for its default:
+    SGLang's ``max_total_num_tokens`` per DP rank, 20480; TGI 2.x's
+    ``max_batch_total_tokens``, absent by default as in 3.x; vLLM's
+    ``vllm:cache_config_info``, per engine core ``kv_tokens // kv_block_size`` blocks of
+    ``kv_block_size``, 32768 tokens by default, a value that is not an int written as the
+    ``num_gpu_blocks`` label verbatim).
     """
 
     def __init__(
@@ -370,6 +413,8 @@ class FakeWorker:
         self.capacity_body: bytes | None = None
         self.batch_limit = batch_limit
         self.slot_context: object = 4096  # llama.cpp: /props n_ctx (any JSON value)
+        self.kv_tokens: object = None  # the KV capacity reported (None: the engine's default)
+        self.kv_block_size: object = 16  # vLLM's block_size label
         self._waiting = 0
         self._slots = asyncio.Condition()
         self.records: list[RequestRecord] = []
@@ -543,7 +588,8 @@ class FakeWorker:
 
     async def _sglang_info(self, request: web.Request) -> web.StreamResponse:
         return await self._capacity_reply(sglang_server_info(
-            self.max_running_requests, self.dp_ranks, self.sglang_cli_cap))
+            self.max_running_requests, self.dp_ranks, self.sglang_cli_cap,
+            20480 if self.kv_tokens is None else self.kv_tokens))
 
     async def _sglang_loads(self, request: web.Request) -> web.StreamResponse:
         return _json(200, sglang_loads(self.max_running_requests, self.dp_ranks,
@@ -556,7 +602,8 @@ class FakeWorker:
                                                            self.dp_ranks))
 
     async def _tgi_info(self, request: web.Request) -> web.StreamResponse:
-        return await self._capacity_reply(tgi_info(self.max_running_requests))
+        return await self._capacity_reply(tgi_info(self.max_running_requests,
+                                                   self.slot_context, self.kv_tokens))
 
     async def _llamacpp_props(self, request: web.Request) -> web.StreamResponse:
         return await self._capacity_reply(llamacpp_props(self.max_running_requests,
@@ -575,6 +622,11 @@ class FakeWorker:
                       ("vllm:num_requests_waiting", lab, wait),
                       ("vllm:num_requests_waiting_by_reason", f'{lab},reason="capacity"', 7.0),
                       ("vllm:kv_cache_usage_perc", lab, 0.1)]
+            kv = 32768 if self.kv_tokens is None else self.kv_tokens
+            size = self.kv_block_size
+            blocks = kv // size if isinstance(kv, int) and isinstance(size, int) and size else kv
+            gauges += [("vllm:cache_config_info", vllm_cache_config_labels(i, blocks, size), 1.0)
+                       for i in range(self.dp_ranks)]
         elif e == "sglang":
             # sgl-project/sglang docs/references/production_metrics.md (--enable-metrics)
             gauges = [("sglang:num_running_reqs", labels, run),
@@ -638,6 +690,8 @@ class FakeWorker:
             stream=stream,
             started_at=time.time(),
             prompt_tokens=prompt_tokens(payload),
+            body_bytes=len(await request.read()),  # read once already: kept
+            max_tokens=max_tokens_of(payload),
         )
         self.records.append(record)
         JOURNAL.write(self.name, f"POST {request.path} id={record.request_id} "
@@ -659,7 +713,7 @@ class FakeWorker:
                 JOURNAL.write(self.name, f"id={record.request_id} cancelled in the queue")
         record.service_started_at = time.time()
         self._peak_running = max(self._peak_running, self._running)
-        self.tally.enter()
+        self.tally.enter(record)
         # Cancelled unless we get to the last byte: a client hang-up cancels this
         # handler (CancelledError) or fails a write (ConnectionError).
         outcome: Outcome = "cancelled"
@@ -684,7 +738,7 @@ class FakeWorker:
             return web.Response(status=499)  # never sent: the peer is gone
         finally:
             self._running -= 1
-            self.tally.leave()
+            self.tally.leave(record)
             record.outcome = outcome
             record.ended_at = time.time()
             JOURNAL.write(self.name, f"id={record.request_id} {outcome} after "

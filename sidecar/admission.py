@@ -273,6 +273,12 @@ class AdmissionController:
         self.core.set_capacity(capacity)
         self._apply_events()
 
+    def set_kv_capacity(self, tokens: int | None) -> None:
+        """``tokens.admit_by_kv``: the KV capacity in tokens admission is gated by (None:
+        not gated)."""
+        self.core.set_kv_capacity(tokens)
+        self._apply_events()
+
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
         """Hot reload: new class knobs for new decisions (queued requests keep their place)."""
         self.core.update_config(classes)

@@ -26,7 +26,14 @@ from sidecar.authz import AuthzService, TenantPolicy
 from sidecar.capacity import CapacityReading
 from sidecar.classes import PriorityClass
 from sidecar.completion import CompletionService, ResponsePathService
-from sidecar.config import ConfigError, PriorityConfig, Settings, check_authz_timeout, check_pools
+from sidecar.config import (
+    ConfigError,
+    PriorityConfig,
+    Settings,
+    check_authz_timeout,
+    check_kv_admission,
+    check_pools,
+)
 from sidecar.coordination import server
 from sidecar.coordination.controller import FleetController
 from sidecar.coordination.credentials import with_password
@@ -458,6 +465,7 @@ class Runtime:
         must outwait every queue, and a reload must not make the next restart uncapped."""
         check_pools(cfg, self.settings.capacity.pool_workers)
         s = self.settings
+        check_kv_admission(cfg, fleet=s.fleet.coordination_url is not None)
         check_authz_timeout(s.liveness.envoy_authz_timeout, cfg, s.scheduler.scheduler_enabled,
                             file=cfg.source)
         self._check_restart_fits(cfg)

@@ -280,7 +280,7 @@ class AuthzService:
                       outcome="past_context", tokens=x.tokens, context=x.context,
                       request_id=request_id, **pool.log_fields)
             self._rejected(c.effective, "past_context", tenant)
-            reply = responses.past_context(x.tokens, x.context)
+            reply = responses.past_context(x.tokens, x.context, x.limit)
             if span is not None:
                 self._answered(span, c, tenant, pool, view, "past_context", reply=reply)
             return codec.encode_deny(reply)

@@ -74,6 +74,7 @@ class WorkerProbe:
     cap_failed: bool = False  # the cap endpoint refused or failed (not: reports no cap)
     problems: tuple[tuple[str, str], ...] = ()  # (endpoint, reason) refused this round
     context: int | None = None  # tokens one slot holds (llama.cpp n_ctx), as last read
+    kv_tokens: int | None = None  # tokens its KV cache holds, all slots together (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class WorkerCapacity:
     saturated: bool = False
     problems: tuple[tuple[str, str], ...] = ()  # (endpoint, reason) refused this round
     context: int | None = None  # tokens one of its slots holds (llama.cpp), None: unknown
+    kv_tokens: int | None = None  # tokens its KV cache holds, None: it reports none
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,19 @@ class CapacityReading:
         if not contexts or None in contexts:
             return None
         return max(c for c in contexts if c is not None)
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """The KV capacity in tokens of the counted workers that report one, summed; None
+        when none does (``tokens.admit_by_kv`` then gates nothing). A worker that reports
+        none adds slots but no tokens: the sum only ever understates what can run."""
+        sizes = [w.kv_tokens for w in self.workers if w.kv_tokens is not None]
+        return sum(sizes) if sizes else None
+
+    @property
+    def kv_unreported(self) -> int:
+        """Counted workers that report no (usable) KV capacity."""
+        return sum(1 for w in self.workers if w.kv_tokens is None)
 
 
 class CapacityPolicy:
@@ -194,7 +209,7 @@ class CapacityPolicy:
             guarded = self.guarded(p, cap)
             counted.append(WorkerCapacity(p.url, p.engine, min(cap, guarded)
                                           if guarded is not None else cap, guarded is not None,
-                                          p.problems, p.context))
+                                          p.problems, p.context, p.kv_tokens))
         if not counted:
             return self._remember(self._fallback(len(probes)))
         total = sum(w.capacity for w in counted)

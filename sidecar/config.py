@@ -40,6 +40,7 @@ from sidecar.priority_yaml import POOL_NAME_RULE as POOL_NAME_RULE
 from sidecar.priority_yaml import QUOTE_CHARS as QUOTE_CHARS
 from sidecar.priority_yaml import ConfigError as ConfigError
 from sidecar.priority_yaml import PriorityConfig as PriorityConfig
+from sidecar.priority_yaml import check_kv_admission as check_kv_admission
 from sidecar.priority_yaml import clip as clip
 from sidecar.priority_yaml import format_class_table as format_class_table
 from sidecar.priority_yaml import key_segment as key_segment
@@ -1050,6 +1051,7 @@ def settings_from_args(ns: argparse.Namespace, *, isatty: bool | None = None) ->
                                      "default_max_class": default_max},
                                   default_max_class_valid=valid)
     check_pools(scheduler.priority, pool_workers)
+    check_kv_admission(scheduler.priority, fleet=ns.coordination_url is not None)
     check_authz_timeout(liveness.envoy_authz_timeout, scheduler.priority,
                         scheduler.scheduler_enabled)
     tracing = TracingSettings(**flags.checked_values(TracingSettings, ns),

@@ -16,6 +16,7 @@ import asyncio
 import errno
 import json
 import math
+import re
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
@@ -279,6 +280,120 @@ def llamacpp_slot_context(props: object) -> int | None:
         else None
 
 
+# ------------------------------------------------- capacity in tokens, per engine
+# Each KV reader returns (tokens, why): tokens None and why "" when the engine reports
+# none; None and a reason when what it reports is not a size (logged once, and the
+# worker counts no tokens: smg_sidecar_kv_unreported_workers).
+
+MAX_KV_TOKENS = 1 << 40  # a larger KV capacity is not a cache an engine has
+KV_REFRESH_SECS = 30.0  # vLLM's cache size is read from /metrics at most this often
+_DIGITS = re.compile(r"^[0-9]{1,15}$")
+
+
+def kv_size(value: object, limit: int = MAX_KV_TOKENS) -> int | None:
+    """A plausible size: a positive integer up to ``limit`` (an integral float, or a
+    string of digits as a Prometheus label carries it, passes), else None."""
+    if isinstance(value, str):
+        value = int(value) if _DIGITS.match(value) else None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= limit:
+        return value
+    return None
+
+
+def _sized(d: Mapping[str, object], name: str) -> tuple[int | None, str]:
+    """A top-level size field: (None, "") when absent or null, (None, reason) when it is
+    not a size."""
+    raw = d.get(name)
+    if raw is None:
+        return None, ""
+    size = kv_size(raw)
+    return (size, "") if size is not None else (None, f"{name} is {str(raw)[:40]!r}, "
+                                                       "not a size")
+
+
+def _product(a: int, b: int, what: str) -> tuple[int | None, str]:
+    return (a * b, "") if a * b <= MAX_KV_TOKENS else (None, f"{what} = {a * b}, not a size")
+
+
+VLLM_CACHE_INFO = "vllm:cache_config_info"
+
+
+def vllm_kv_tokens(metrics: str) -> tuple[int | None, str]:
+    """vLLM ``/metrics``: ``vllm:cache_config_info``, an info gauge whose labels are the
+    cache config, one sample per engine core (label ``engine``, one per data-parallel
+    rank): Σ num_gpu_blocks × block_size. ``num_gpu_blocks`` is ``None`` until the
+    engine has profiled its memory: not a size, so not counted until it is."""
+    lines = [ln for ln in metrics.splitlines()
+             if ln.startswith(VLLM_CACHE_INFO) and ln[len(VLLM_CACHE_INFO):][:1] in ("{", " ")]
+    if not lines:
+        return None, ""
+    total = 0
+    for fam in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in fam.samples:
+            blocks = kv_size(sample.labels.get("num_gpu_blocks"))
+            size = kv_size(sample.labels.get("block_size"))
+            if blocks is None or size is None:
+                return None, (f"{VLLM_CACHE_INFO} num_gpu_blocks="
+                              f"{sample.labels.get('num_gpu_blocks')!r:.40} block_size="
+                              f"{sample.labels.get('block_size')!r:.40}: not sizes")
+            total += blocks * size
+    return (total, "") if 0 < total <= MAX_KV_TOKENS else (None, f"{VLLM_CACHE_INFO}: "
+                                                                  f"{total} tokens, not a size")
+
+
+def sglang_kv_tokens(info: object) -> tuple[int | None, str]:
+    """SGLang ``/server_info``: ``max_total_num_tokens`` (the token pool of one
+    data-parallel rank: the controller reports rank 0's) × ``dp_size``."""
+    d = _dict(info)
+    if d is None:
+        return None, ""
+    tokens, why = _sized(d, "max_total_num_tokens")
+    if tokens is None:
+        return None, why
+    ranks, why = _sized(d, "dp_size")
+    if why:
+        return None, why
+    return _product(tokens, ranks or 1, "max_total_num_tokens × dp_size")
+
+
+def tgi_kv_tokens(info: object) -> tuple[int | None, str]:
+    """TGI ``/info``: ``max_batch_total_tokens`` (the tokens one batch may hold, which TGI
+    sizes from its KV cache; served by TGI up to 2.x, absent in 3.x)."""
+    d = _dict(info)
+    return (None, "") if d is None else _sized(d, "max_batch_total_tokens")
+
+
+def tgi_context(info: object) -> int | None:
+    """TGI ``/info``: the most input tokens TGI accepts in one request
+    (``max_input_tokens``; ``max_input_length`` before 2.1), None when absent or not a
+    size: TGI refuses a longer prompt (422), so it is the context a request must fit."""
+    d = _dict(info)
+    if d is None:
+        return None
+    for name in ("max_input_tokens", "max_input_length"):
+        if d.get(name) is not None:
+            return kv_size(d.get(name), MAX_SLOT_CONTEXT)
+    return None
+
+
+def llamacpp_kv_tokens(props: object, context: int | None) -> tuple[int | None, str]:
+    """llama.cpp ``/props``: ``n_ctx`` per slot × ``total_slots``. llama.cpp does not say
+    whether its KV cache is split among its slots (``--parallel N``) or unified
+    (``--kv-unified``, on by default when ``--parallel`` is not given): unified, every
+    slot reports the whole cache and this product counts it ``total_slots`` times
+    (docs/reference.md, Capacity in tokens)."""
+    d = _dict(props)
+    if d is None or context is None:
+        raw = None if d is None else _field(d.get("default_generation_settings"), "n_ctx")
+        return None, ("" if raw is None else f"n_ctx is {str(raw)[:40]!r}, not a size")
+    slots, why = _sized(d, "total_slots")
+    if slots is None:
+        return None, why
+    return _product(context, slots, "n_ctx × total_slots")
+
+
 _SGLANG_MARKERS = ("internal_states", "tp_size", "dp_size", "model_path")
 
 
@@ -329,7 +444,9 @@ class _WorkerState:
     refused: dict[str, tuple[Refused, float]] = field(default_factory=dict)  # path -> retry at
     detect_refused: tuple[Refused, float] | None = None  # recognition refused: retry at
     router_models: tuple[str, ...] = ()  # llama.cpp router: the models loaded at last read
-    context: int | None = None  # llama.cpp: tokens per slot at the last /props read
+    context: int | None = None  # tokens per slot (llama.cpp n_ctx, TGI max_input_tokens)
+    kv_tokens: int | None = None  # its KV capacity in tokens at the last read
+    kv_due: float = 0.0  # vLLM: when /metrics is read for the cache size next
 
 
 class NoLoadedModel(ProbeProblem):
@@ -455,12 +572,47 @@ class WorkerProber:
         st = self.state.setdefault(base, _WorkerState())
         problems: list[tuple[str, str]] = []
         engine, cap, failed = await self._capacity(base, st, problems)
+        if engine == "vllm":
+            await self._vllm_kv(base, st)
         running = waiting = None
         if self.saturation_guard and engine in SATURATION_METRICS:
             running, waiting = await self._saturation(base, engine, st, problems)
         return WorkerProbe(base_url, ProbeStatus.HEALTHY, engine, cap, running, waiting,
-                           failed, tuple(problems),
-                           st.context if engine == "llamacpp" and not st.router_models else None)
+                           failed, tuple(problems), st.context, st.kv_tokens)
+
+    def _kv_read(self, base: str, engine: str, st: _WorkerState,
+                 read: tuple[int | None, str]) -> None:
+        """Keep a KV capacity read; one that is not a size is logged once and counts none."""
+        st.kv_tokens, why = read
+        if why:
+            self.log_once("worker_kv_capacity_unreadable", (base, engine, why), worker=base,
+                          engine=engine, reason=why,
+                          effect="the worker counts no KV tokens (tokens.admit_by_kv)")
+
+    async def _vllm_kv(self, base: str, st: _WorkerState) -> None:
+        """vLLM's cache size, from /metrics (a large body: read again every
+        :data:`KV_REFRESH_SECS`; the size changes only with a restart, which a failed
+        health probe notices and which forgets it)."""
+        now = self._clock()
+        if now < st.kv_due:
+            return
+        st.kv_due = now + KV_REFRESH_SECS
+        try:
+            status, raw = await self._get(base, "/metrics", st, METRICS_BODY_LIMIT)
+        except ProbeProblem as p:
+            self.log_once("worker_kv_capacity_unreadable", (base, "vllm", p.reason),
+                          worker=base, engine="vllm", reason=f"/metrics: {p.reason}",
+                          hint=p.hint, effect="the worker counts no KV tokens")
+            return
+        except PROBE_ERRORS as exc:
+            if not is_local_failure(exc):
+                self.log_once("worker_kv_capacity_unreadable", (base, "vllm", "error"),
+                              worker=base, engine="vllm",
+                              reason=f"/metrics: {type(exc).__name__}: {exc}"[:200])
+            st.kv_due = now  # try again next round; the last size read holds meanwhile
+            return
+        if status == 200:
+            self._kv_read(base, "vllm", st, vllm_kv_tokens(raw.decode("utf-8", "replace")))
 
     async def _recognise(self, base: str, st: _WorkerState,
                          problems: list[tuple[str, str]]) -> str | None:
@@ -524,11 +676,15 @@ class WorkerProber:
     async def _read_cap(self, base: str, engine: str, st: _WorkerState) -> tuple[int | None, str]:
         """The cap, or (None, reason) when the engine reports none; raises when the read
         fails or is refused."""
+        # What a worker reports of its context and cache is kept from its last read that
+        # answered (the cap's rule); vLLM's cache size comes from /metrics (_vllm_kv).
         if engine == "sglang":
             try:
                 info = await self._get_json(base, "/server_info", st)
             except NotFound:
                 info = await self._get_json(base, "/get_server_info", st)  # older SGLang
+            st.context = None
+            self._kv_read(base, engine, st, sglang_kv_tokens(info))
             cap, reason = sglang_cap(info)
             if cap is not None:
                 return cap, ""
@@ -539,20 +695,30 @@ class WorkerProber:
                 return None, reason
             return loads_cap, f"{reason}; /v1/loads: {loads_reason}"
         if engine == "vllm":
+            st.context = None
             try:
                 return vllm_cap(await self._get_json(base, "/server_info?config_format=json", st))
             except NotFound:
                 return None, "no /server_info (vLLM dev mode off)"
         if engine == "tgi":
-            return field_cap("max_concurrent_requests")(await self._get_json(base, "/info", st))
+            info = await self._get_json(base, "/info", st)
+            st.context = tgi_context(info)
+            self._kv_read(base, engine, st, tgi_kv_tokens(info))
+            return field_cap("max_concurrent_requests")(info)
         if engine == "llamacpp":
             props = await self._get_json(base, "/props", st)
             if _field(props, "role") == "router":
+                # Each loaded model is a child server with its own context and cache: the
+                # worker as a whole reports neither.
+                st.context = st.kv_tokens = None
                 return await self._router_cap(base, st)
             st.router_models = ()
             st.context = llamacpp_slot_context(props)
+            self._kv_read(base, engine, st, llamacpp_kv_tokens(props, st.context))
             return field_cap("total_slots")(props)
-        return field_cap("max_running_requests")(await self._get_json(base, "/server_info", st))
+        info = await self._get_json(base, "/server_info", st)
+        st.context = st.kv_tokens = None
+        return field_cap("max_running_requests")(info)
 
     async def _router_cap(self, base: str, st: _WorkerState) -> tuple[int | None, str]:
         """llama.cpp in router mode (``--models-dir``, no ``-m``): each loaded model is a

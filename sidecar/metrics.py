@@ -69,7 +69,9 @@ verb                        caller             metrics
                                                ``smg_sidecar_healthy_workers`` (pool),
                                                ``smg_sidecar_worker_capacity``,
                                                ``smg_sidecar_worker_probe_refused``,
-                                               ``smg_sidecar_engine_excess`` (pool)
+                                               ``smg_sidecar_engine_excess`` (pool),
+                                               ``smg_sidecar_kv_capacity_tokens`` (pool),
+                                               ``smg_sidecar_kv_unreported_workers`` (pool)
 ``admission_started``       app (build)        ``smg_sidecar_admission_mode`` (pool),
                                                ``smg_sidecar_admission_fallback`` (pool),
                                                the snapshot gauges (below)
@@ -93,6 +95,9 @@ verb                        caller             metrics
 ``token_fallback``          pool (Check, ALS)  ``smg_sidecar_token_fallback_total`` (pool)
 ``token_budget_refused``    pool (Check)       ``smg_sidecar_token_budget_refused_total`` (pool)
 ``token_context_refused``   pool (Check)       ``smg_sidecar_token_context_refused_total`` (pool)
+``kv_admission``            pool (build,       ``smg_sidecar_kv_admission`` (pool)
+                            monitor, reload)
+``kv_refused``              pool (Check)       ``smg_sidecar_kv_refused_total`` (pool)
 ``tokens_started``          pool (build)       ``smg_sidecar_token_budget_remaining`` (pool),
                                                ``smg_sidecar_token_budget_exhausted`` (pool)
 ==========================  =================  ===================================================
@@ -102,7 +107,7 @@ from each pool's snapshot, so they are never stale: ``smg_scheduler_inflight``,
 ``smg_scheduler_queue_depth``, ``smg_scheduler_queue_size_limit``,
 ``smg_scheduler_class_capacity_pressure``, ``smg_scheduler_utilization``,
 ``smg_sidecar_reserved_slots``, ``smg_sidecar_capacity``,
-``smg_sidecar_tenant_queue_depth`` (all (pool)).
+``smg_sidecar_tenant_queue_depth``, ``smg_sidecar_kv_tokens_held`` (all (pool)).
 
 tests/test_metrics.py checks these tables against what each verb really changes.
 """
@@ -149,6 +154,7 @@ SERVER_CHECKS = ("eviction", "persistence")
 SERVER_CHECK_RESULTS = ("ok", "risk", "unknown")
 LIBRARY_STATES = ("ok", "missing", "mismatch", "unchecked")
 CAPACITY_SOURCES = ("workers", "fallback", "override")
+KV_ADMISSION_STATES = ("off", "gated", "ungated")
 
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                       60, 120, 300)
@@ -328,6 +334,14 @@ class PoolRecorder(Protocol):
         """A request whose input fits no worker slot's context (``refuse_past_context``):
         refused, or only counted (``--shadow``)."""
 
+    def kv_admission(self, state: str) -> None:
+        """Admission by KV capacity (``tokens.admit_by_kv``) is ``off``, ``gated`` by the
+        workers' KV capacity, or on but ``ungated`` (nothing to gate against)."""
+
+    def kv_refused(self, cls: PriorityClass, enforced: bool) -> None:
+        """A request whose estimate alone exceeds the pool's whole KV capacity: refused,
+        or only counted (``--shadow``)."""
+
     def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:
         """Token budgets are on: scrape-time gauges over the pool's budget windows."""
 
@@ -454,6 +468,12 @@ class NullPoolRecorder:
         pass
 
     def token_context_refused(self, cls: PriorityClass, enforced: bool) -> None:
+        pass
+
+    def kv_admission(self, state: str) -> None:
+        pass
+
+    def kv_refused(self, cls: PriorityClass, enforced: bool) -> None:
         pass
 
     def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:
@@ -601,6 +621,23 @@ class Metrics:
             "smg_sidecar_token_context_refused",
             "Requests whose input estimate fits no worker slot's context, by class and "
             "action (refused: 413, or counted: --shadow)", [*pl, "class", "action"],
+            registry=r)
+        self.kv_capacity = Gauge(
+            "smg_sidecar_kv_capacity_tokens",
+            "KV capacity in tokens of the counted workers that report one, summed (0: none "
+            "does)", pl, registry=r)
+        self.kv_unreported = Gauge(
+            "smg_sidecar_kv_unreported_workers",
+            "Counted workers that report no usable KV capacity in tokens", pl, registry=r)
+        self.kv_admission = Gauge(
+            "smg_sidecar_kv_admission",
+            "Admission by KV capacity (tokens.admit_by_kv), 1 = current state: off, gated, "
+            "or ungated (on, but no counted worker reports a KV capacity)", [*pl, "state"],
+            registry=r)
+        self.kv_refused = Counter(
+            "smg_sidecar_kv_refused",
+            "Requests whose token estimate alone exceeds the pool's whole KV capacity, by "
+            "class and action (refused: 413, or counted: --shadow)", [*pl, "class", "action"],
             registry=r)
         # ------------------------------------ fed by a pool's verbs, summed over pools
         self.released = Counter("smg_sidecar_released", "Admissions ended, by reason",
@@ -907,6 +944,8 @@ class PoolMetrics:
             m.capacity_source.labels(*pl, s).set(1 if s == reading.source else 0)
         _child(m.healthy_workers, *pl).set(reading.healthy)
         _child(m.engine_excess, *pl).set(reading.excess)
+        _child(m.kv_capacity, *pl).set(reading.kv_tokens or 0)
+        _child(m.kv_unreported, *pl).set(reading.kv_unreported)
         # Replaced as a whole: a worker gone or unhealthy loses its series.
         self.worker_capacity = dict(per_worker(reading))
         self.worker_problems = dict(worker_problems(reading))
@@ -978,6 +1017,14 @@ class PoolMetrics:
     def token_context_refused(self, cls: PriorityClass, enforced: bool) -> None:
         self._m.token_context.labels(*self.label, cls.label,
                                      "refused" if enforced else "counted").inc()
+
+    def kv_admission(self, state: str) -> None:
+        for s in KV_ADMISSION_STATES:
+            self._m.kv_admission.labels(*self.label, s).set(1 if s == state else 0)
+
+    def kv_refused(self, cls: PriorityClass, enforced: bool) -> None:
+        self._m.kv_refused.labels(*self.label, cls.label,
+                                  "refused" if enforced else "counted").inc()
 
     def tokens_started(self, remaining: Callable[[], Iterable[Remaining]]) -> None:
         self.budgets = remaining
@@ -1116,6 +1163,10 @@ class _SnapshotCollector(Collector):
         util = GaugeMetricFamily("smg_scheduler_utilization", "Sum of in-flight / capacity",
                                  labels=pl)
         cap = GaugeMetricFamily("smg_sidecar_capacity", "Live capacity (slots)", labels=pl)
+        kv_held = GaugeMetricFamily(
+            "smg_sidecar_kv_tokens_held",
+            "Token estimates of the requests in flight, held against the KV capacity "
+            "(tokens.admit_by_kv; 0 while not gated)", labels=pl)
         for p, snap in snaps:
             for cls in HIGH_TO_LOW:
                 c = snap.classes[cls]
@@ -1132,4 +1183,5 @@ class _SnapshotCollector(Collector):
                 pressure.add_metric([*p, cls.label], capacity_pressure(snap, cls))
             util.add_metric(list(p), snap.inflight / snap.capacity if snap.capacity else 0.0)
             cap.add_metric(list(p), snap.capacity)
-        yield from (inflight, depth, limit, pressure, reserved, util, cap, tenant_depth)
+            kv_held.add_metric(list(p), snap.kv_held if snap.kv_capacity is not None else 0)
+        yield from (inflight, depth, limit, pressure, reserved, util, cap, tenant_depth, kv_held)

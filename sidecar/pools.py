@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from sidecar import logs
-from sidecar.admission import AdmissionService, new_admission_id
+from sidecar.admission import AdmissionController, AdmissionService, new_admission_id
 from sidecar.capacity import CapacityReading
 from sidecar.classes import PriorityClass
 from sidecar.codec import POOL_KEY, LogEntry
@@ -124,11 +124,13 @@ class BudgetDenied(Exception):
 
 
 class ContextDenied(Exception):
-    """The request's input estimate fits no worker slot's context (refuse_past_context)."""
+    """The request can never fit: its input estimate fits no worker slot's context
+    (refuse_past_context, ``limit="slot"``), or its whole estimate exceeds the pool's KV
+    capacity (admit_by_kv, ``limit="kv"``)."""
 
-    def __init__(self, tokens: int, context: int) -> None:
+    def __init__(self, tokens: int, context: int, limit: str = "slot") -> None:
         super().__init__(f"{tokens} > {context}")
-        self.tokens, self.context = tokens, context
+        self.tokens, self.context, self.limit = tokens, context, limit
 
 
 def id_factory(pool: str) -> Callable[[], str]:
@@ -216,6 +218,10 @@ class Pool:
         self._sweep: asyncio.TimerHandle | None = None
         self._budgets: Mapping[str, tuple[Budget, ...]] = {}
         self._ledger_tasks: set[asyncio.Task[None]] = set()
+        # tokens.admit_by_kv: the KV capacity admission is gated by (None: not gated), and
+        # the state last said in the log.
+        self.kv_capacity: int | None = None
+        self._kv_said: tuple[str, int | None] = ("off", None)
         self._configure_tokens(config)
         metrics.tokens_started(self._remaining)
 
@@ -249,8 +255,10 @@ class Pool:
         it takes a place in a queue). The reservation is given back if the request is not
         admitted after all, and bound to its admission id if it is.
         """
+        over_kv = False
         if facts is not None:
             self._check_context(cls, facts)
+            over_kv = self._check_kv(cls, facts)
         if facts is None:
             reservation, shadowed = None, None
         elif self.fleet is not None:
@@ -258,11 +266,13 @@ class Pool:
         else:
             reservation, shadowed = self._reserve(cls, tenant, facts)
         try:
-            # fair_queuing: tokens serves a class's tenants by these tokens.
+            # fair_queuing: tokens serves a class's tenants by these tokens, and
+            # admit_by_kv holds them against the KV capacity (under --shadow, one that
+            # enforcement would have refused holds none in the shadow).
+            cost = 1.0 if reservation is None else float(reservation.estimate.total)
             admitted = await self.controller.admit(
                 cls, tenant, wait_budget=self.deadlines.budget(cls),
-                enforce=self.deadlines.enforce,
-                cost=1.0 if reservation is None else float(reservation.estimate.total))
+                enforce=self.deadlines.enforce, cost=0.0 if over_kv else cost)
         except BaseException:
             if reservation is not None:
                 self.book.cancel(reservation)
@@ -292,6 +302,57 @@ class Pool:
                              reason="the fleet ledger's fair queuing counts requests: "
                                     "fair_queuing: tokens serves tenants by requests "
                                     "with --coordination-url")
+        self._apply_kv()
+
+    def _apply_kv(self) -> None:
+        """``admit_by_kv``: gate admission by the KV capacity the counted workers report
+        (the sum of those that report one), or say why nothing is gated. Follows every
+        capacity reading and reload."""
+        settings = self.tokens
+        on = settings is not None and settings.admit_by_kv
+        cap = self.reading.kv_tokens if on else None
+        why = ""
+        if on and self.legacy:
+            cap, why = None, "legacy admission serves this pool: it does not gate by tokens"
+        elif on and cap is None:
+            why = ("the capacity is overridden (--worker-capacity-override): no worker is read"
+                   if self.reading.source == "override" else
+                   "no counted worker reports a KV capacity in tokens (an engine that does "
+                   "not, a value that is not a size, or no worker counted)")
+        self.kv_capacity = cap
+        if isinstance(self.controller, AdmissionController):  # a fleet refuses the option
+            self.controller.set_kv_capacity(cap)
+        state = "off" if not on else "gated" if cap is not None else "ungated"
+        self.metrics.kv_admission(state)
+        if (state, cap) == self._kv_said:
+            return
+        self._kv_said = (state, cap)
+        if state == "ungated":
+            self.log.warning("kv_admission_ungated", reason=why,
+                             effect="requests are admitted by slots alone",
+                             workers=self.reading.healthy)
+        elif state == "gated":
+            self.log.info("kv_admission_gated", kv_tokens=cap,
+                          unreported_workers=self.reading.kv_unreported,
+                          workers=self.reading.healthy)
+        else:
+            self.log.info("kv_admission_off")
+
+    def _check_kv(self, cls: PriorityClass, facts: RequestFacts) -> bool:
+        """``admit_by_kv``: a request whose whole estimate exceeds the pool's KV capacity
+        would wait for ever (nothing frees more than all of it): ``ContextDenied`` instead.
+        --shadow counts it and refuses nothing (True: enforcement would have)."""
+        settings, cap = self.tokens, self.kv_capacity
+        if settings is None or cap is None:
+            return False
+        tokens = estimate(facts, settings).total
+        if tokens <= cap:
+            return False
+        enforce = self.shadow is None
+        self.metrics.kv_refused(cls, enforce)
+        if enforce:
+            raise ContextDenied(tokens, cap, limit="kv")
+        return True
 
     def _check_context(self, cls: PriorityClass, facts: RequestFacts) -> None:
         """``refuse_past_context``: a request whose input estimate exceeds the most any
@@ -504,6 +565,7 @@ class Pool:
             t = self.limiter.set_ceiling(reading.capacity)
             self.metrics.adaptive_limit(t.limit, t.reason, t.changed)
         self.controller.set_capacity(self.capacity)
+        self._apply_kv()
 
     async def tune(self) -> None:
         """--adaptive-capacity: one tuning step every interval (sidecar.limiter), with the

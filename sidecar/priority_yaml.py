@@ -104,7 +104,8 @@ _POOL_KEYS = ("classes", "tokens")
 # The keys of a `tokens:` section and their types (sidecar.tokens.TokenSettings).
 _TOKEN_FIELDS: dict[str, type] = {"default_max_tokens": int, "max_output_tokens": int,
                                   "bytes_per_token": float, "accounting": str,
-                                  "budget_mode": str, "refuse_past_context": bool}
+                                  "budget_mode": str, "refuse_past_context": bool,
+                                  "admit_by_kv": bool}
 DEADLINE_MODES = ("shadow", "enforce")
 _CLASS_NAMES = ", ".join(c.label for c in HIGH_TO_LOW)
 
@@ -155,6 +156,22 @@ class PriorityConfig:
     def max_queue_timeout(self) -> float:
         return max(c.queue_timeout_secs for table in (self.classes, *self.pools.values())
                    for c in table.values())
+
+
+def check_kv_admission(cfg: PriorityConfig, *, fleet: bool) -> None:
+    """``tokens.admit_by_kv`` holds each request's tokens in this process's scheduler: with
+    ``--coordination-url`` every replica would admit the workers' whole KV capacity on its
+    own, so a fleet refuses it (at start-up and on reload) rather than gate per replica."""
+    if not fleet:
+        return
+    keys = ([("tokens.admit_by_kv", cfg.tokens)] if cfg.tokens is not None else []) + [
+        (f"pools.{p}.tokens.admit_by_kv", t) for p, t in cfg.pool_tokens.items()]
+    for key, t in keys:
+        if t.admit_by_kv:
+            raise ConfigError("admission by KV capacity is in-process only: with "
+                              "--coordination-url each replica would admit the workers' "
+                              "whole KV capacity on its own; remove it, or run without "
+                              "--coordination-url", file=cfg.source, key=key)
 
 
 class _StrictLoader(yaml.SafeLoader):

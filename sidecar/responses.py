@@ -30,7 +30,8 @@ budgets (``tenant_policies.<t>.budgets``, docs/reference.md "Token budgets") who
 request does not fit one of its windows: :func:`over_budget` words it with the window and
 the ``Retry-After`` the budget computed. PAST_CONTEXT is one too, sent only with
 ``tokens.refuse_past_context``: the request's input estimate exceeds the context of every
-slot the workers report (:func:`past_context` words it with both figures). With
+slot the workers report (:func:`past_context` words it with both figures), or with
+``tokens.admit_by_kv``: its whole estimate exceeds the pool's KV capacity. With
 ``--overload-hints`` a refusal's ``Retry-After`` comes from the predicted drain time
 instead (:func:`with_hints`), and ``--busy-status`` changes the status of the refusals
 that mean "busy" (:data:`BUSY`).
@@ -221,12 +222,19 @@ def over_budget(window: str, retry_after: float, never: bool = False) -> Reply:
     return Reply(429, OVER_BUDGET_CODE, message, retry_after=max(1, math.ceil(retry_after)))
 
 
-def past_context(tokens: int, context: int) -> Reply:
+def past_context(tokens: int, context: int, limit: str = "slot") -> Reply:
     """The PAST_CONTEXT reply: the request's input estimate (``tokens``) exceeds the most
-    any worker slot holds (``context``). No Retry-After: the same request never fits."""
-    return Reply(413, PAST_CONTEXT_CODE,
-                 f"This request's estimated {tokens} input tokens exceed the {context}-token "
-                 "context of every worker slot; shorten the prompt", retry_after=None)
+    any worker slot holds (``context``); with ``limit="kv"`` (``tokens.admit_by_kv``) its
+    whole estimate exceeds the pool's KV capacity (``context``). No Retry-After: the same
+    request never fits."""
+    if limit == "kv":
+        message = (f"This request's estimated {tokens} tokens (prompt and output) exceed the "
+                   f"{context}-token KV capacity of all workers together; shorten the prompt "
+                   "or lower max_tokens")
+    else:
+        message = (f"This request's estimated {tokens} input tokens exceed the {context}-token "
+                   "context of every worker slot; shorten the prompt")
+    return Reply(413, PAST_CONTEXT_CODE, message, retry_after=None)
 
 
 # Every reply the sidecar can send, by (rejection, effective class): the senders

@@ -232,6 +232,11 @@ class ShadowCore:
         self.shadow.set_capacity(capacity)
         self._drain()
 
+    def set_kv_capacity(self, tokens: int | None) -> None:
+        """The shadow is gated by it; the real side admits everything, as ever."""
+        self.shadow.set_kv_capacity(tokens)
+        self._drain()
+
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
         self.shadow.update_config(classes)
         self._drain()

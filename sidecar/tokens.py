@@ -86,6 +86,10 @@ class TokenSettings:
     refuse_past_context: bool = False
     """Refuse (413) a request whose input estimate exceeds the context of every slot the
     workers report (llama.cpp's ``n_ctx`` per slot), instead of letting it take a slot."""
+    admit_by_kv: bool = False
+    """Admit by KV capacity in tokens beside slots: each admitted request holds its
+    estimate against the KV capacity its pool's workers report, and waits in its class
+    queue while it does not fit (docs/design.md, "Admission by KV capacity")."""
 
 
 # ------------------------------------------------------------------------- windows

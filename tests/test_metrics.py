@@ -87,7 +87,7 @@ SNAPSHOT = _one_queued().snapshot
 
 READING = CapacityReading(
     96, "workers", healthy=2, total=3, excess=2,
-    workers=(WorkerCapacity("http://w1", "sglang", 64),
+    workers=(WorkerCapacity("http://w1", "sglang", 64, kv_tokens=20480),
              WorkerCapacity("http://w2", "vllm", 32, problems=(("/metrics", "unauthorized"),))))
 
 PROCESS_CALLS: dict[str, Callable[[Recorder], None]] = {
@@ -142,6 +142,8 @@ POOL_CALLS: dict[str, Callable[[PoolRecorder], None]] = {
     "token_fallback": lambda r: r.token_fallback("usage_missing"),
     "token_budget_refused": lambda r: r.token_budget_refused(I, "minute", True),
     "token_context_refused": lambda r: r.token_context_refused(I, True),
+    "kv_admission": lambda r: r.kv_admission("ungated"),
+    "kv_refused": lambda r: r.kv_refused(B, True),
     "tokens_started": lambda r: r.tokens_started(lambda: [
         Remaining("acme", "minute", 1000, 900, 150), Remaining("beta", "month", 10, 2, 0)]),
 }
@@ -154,7 +156,7 @@ def test_the_tables_list_every_verb_of_the_protocols() -> None:
     assert set(pool) == {n for n in vars(PoolRecorder) if not n.startswith("_")} \
         == set(POOL_CALLS)
     assert not set(process) & set(pool)  # each verb defined once
-    assert len(gauges) == 8
+    assert len(gauges) == 9
     # The implementations and the null recorders answer every verb.
     assert set(process) <= set(dir(Metrics)) and set(process) <= set(dir(NullRecorder))
     assert set(pool) <= set(dir(PoolMetrics)) and set(pool) <= set(dir(NullPoolRecorder))

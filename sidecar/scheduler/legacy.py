@@ -123,6 +123,10 @@ class LegacyAdmission:
         only reported (``measured``)."""
         self.measured = capacity
 
+    def set_kv_capacity(self, tokens: int | None) -> None:
+        """Admission by KV capacity does not apply to the legacy path (the pool says so
+        at start-up: ``kv_admission_ungated``)."""
+
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
         """Class knobs do not apply to the legacy path."""
 

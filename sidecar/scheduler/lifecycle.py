@@ -20,8 +20,9 @@ state          slot?  victim  leaves by: call (what triggers it in the sidecar) 
                               ``adopt`` (an access-log entry for a stream an earlier process
                               admitted) → STREAMING [Admitted, ``adopted``].
 QUEUED         no     no      dispatch (inside ``release``, ``tick``, ``set_capacity``,
-                              ``update_config``, ``mark_preemptible``, ``arrive``, ``cancel``)
-                              → ADMITTED [Admitted, ``queued``];
+                              ``set_kv_capacity``, ``update_config``, ``mark_preemptible``,
+                              ``arrive``, ``cancel``) → ADMITTED [Admitted, ``queued``]
+                              (given a KV capacity, only once its tokens fit too);
                               its deadline passes → rejected_queue_timeout [Rejected];
                               ``cancel`` (the client left) → client_cancelled [Rejected].
 ADMITTED       yes    no      ``mark_preemptible`` (its ext_proc stream opened: a channel to
@@ -153,6 +154,7 @@ class Admission:
     tenant: str
     admitted_at: float
     state: State = State.ADMITTED
+    tokens: int = 0  # what it holds of the KV capacity (``admit_by_kv``): its estimate
 
     @property
     def first_byte(self) -> bool:

@@ -9,6 +9,18 @@ acts on; starvation ages by its ``oldest()`` (the same waiter for a FIFO).
 Nothing here awaits or does I/O: every state change (see
 :mod:`sidecar.scheduler.lifecycle`) is reported as an event, collected until the
 caller takes them with ``take_events()``.
+
+**Admission by KV capacity** (``tokens.admit_by_kv``; off until :meth:`Scheduler.set_kv_capacity`
+gives a capacity). Each admission holds its ``cost`` (the pool passes its token estimate)
+until it is released, and none is admitted while the sum would pass the capacity. The
+requests are served in the dispatch order the slots already follow (starved heads,
+lowest class first; then each class's head, highest first; then preemption for a queued
+head): the first head in that order that does not fit waits, and nothing behind it
+goes first, neither in its class nor below it nor a new arrival. Otherwise a stream of
+small requests would keep a large one waiting for ever, as the slot rule keeps a lower
+class from taking a slot a higher class's head waits for (docs/design.md, "Admission by
+KV capacity"). Preemption is for slots only: a head takes a victim only if, with the
+victim's tokens freed, it fits.
 """
 
 from __future__ import annotations
@@ -42,6 +54,12 @@ from sidecar.scheduler.settings import ClassSettings
 
 _COMPLETED = ReleaseReason.COMPLETED
 _PREEMPTED = ReleaseReason.PREEMPTED
+
+
+def _tokens(cost: float) -> int:
+    """What an admission of ``cost`` holds of the KV capacity: its token estimate, which
+    the pool passes as its cost (1 where token accounting is off: nothing is gated then)."""
+    return max(0, int(cost))
 
 
 class Scheduler:
@@ -83,6 +101,8 @@ class Scheduler:
         self._events: list[Event] = []
         self._reserved: dict[PriorityClass, int] = scaled_reservations(self._cfg, self._capacity)
         self._drain = DrainRates()
+        self._kv_cap: int | None = None  # None: admission is not gated by tokens
+        self._kv_held = 0  # Σ tokens of the admissions in flight
 
     # ------------------------------------------------------------------ queries
 
@@ -156,6 +176,8 @@ class Scheduler:
                 )
                 for c in HIGH_TO_LOW
             },
+            kv_capacity=self._kv_cap,
+            kv_held=self._kv_held,
         )
 
     def take_events(self) -> list[Event]:
@@ -194,16 +216,17 @@ class Scheduler:
         self._dispatch(now)
         queue = self._queue[cls]
         available = self.available(cls)
-        if not queue and available >= 1:
-            return self._admit(id, cls, tenant, now, waited=0.0, queued=False)
+        tokens = _tokens(cost)
+        if not queue and available >= 1 and self._kv_open(cls, tokens, now):
+            return self._admit(id, cls, tenant, now, waited=0.0, queued=False, tokens=tokens)
         if not queue and self._cfg[cls].can_preempt and available == 0:
             # Preempting one victim frees exactly the one slot needed; when the
             # class is over its share (available < 0) it would not, so no victim.
             victim = self._pick_victim(cls)
-            if victim is not None:
+            if victim is not None and self._kv_open(cls, tokens, now, freed=victim.tokens):
                 self._preempt(victim, cls)
                 admitted = self._admit(id, cls, tenant, now, waited=0.0, queued=False,
-                                       preempted=True)
+                                       preempted=True, tokens=tokens)
                 # Filling its own unused reservation lowered the hold-back for the
                 # classes below: a queued lower head may fit (or preempt) now.
                 self._dispatch(now)
@@ -313,6 +336,14 @@ class Scheduler:
         self._reserved = scaled_reservations(self._cfg, capacity)
         self._dispatch(self._clock())
 
+    def set_kv_capacity(self, tokens: int | None) -> None:
+        """The KV capacity in tokens admission is gated by (None: not gated): what is in
+        flight keeps what it holds, even past a smaller capacity; dispatch follows."""
+        if tokens == self._kv_cap:
+            return
+        self._kv_cap = tokens
+        self._dispatch(self._clock())
+
     def update_config(self, classes: Mapping[PriorityClass, ClassSettings]) -> None:
         """Hot reload: new knobs for new decisions; queued requests keep their place.
 
@@ -342,9 +373,11 @@ class Scheduler:
         starvation: bool = False,
         preempted: bool = False,
         predicted: float | None = None,
+        tokens: int = 0,
     ) -> Admitted:
-        adm = Admission(id, cls, tenant, now)
+        adm = Admission(id, cls, tenant, now, tokens=tokens)
         self._admitted[id] = adm
+        self._kv_held += tokens
         if self._preemptible_on_admit:
             adm.state = State.PREEMPTIBLE
             self._preemptible[cls][id] = adm
@@ -360,6 +393,7 @@ class Scheduler:
         self._preemptible[adm.cls].pop(adm.id, None)
         self._inflight[adm.cls] -= 1
         self._total -= 1
+        self._kv_held -= adm.tokens
         self._ended.add(adm.id, reason)
 
     def _enqueue(self, id: str, cls: PriorityClass, tenant: str, now: float,
@@ -423,7 +457,7 @@ class Scheduler:
         self._drain.served(cls, now - waiter.enqueued_at, waiter.ahead)
         self._admit(waiter.id, cls, waiter.tenant, now, waited=now - waiter.enqueued_at,
                     queued=True, starvation=starvation, preempted=preempted,
-                    predicted=waiter.predicted)
+                    predicted=waiter.predicted, tokens=_tokens(waiter.cost))
 
     def _dispatch(self, now: float) -> None:
         if not self._waiting:
@@ -431,9 +465,19 @@ class Scheduler:
         self._expire(now)
         if not self._waiting:
             return
-        while (self._admit_starved(now) or self._admit_by_priority(now)
-               or self._preempt_for_queued(now)):
-            pass
+        # Each step admits one request (True), finds none to admit (False), or finds the
+        # next one in order waiting for KV tokens (None): then nothing else goes first.
+        while True:
+            step = self._admit_starved(now)
+            if step is None:
+                return
+            if step:
+                continue
+            step = self._admit_by_priority(now)
+            if step is None:
+                return
+            if not step and not self._preempt_for_queued(now):
+                return
 
     def _preempt_for_queued(self, now: float) -> bool:
         # A queued head of a class that may preempt takes a victim's slot directly
@@ -446,6 +490,8 @@ class Scheduler:
             victim = self._pick_victim(cls, admitted_by=head.enqueued_at)
             if victim is None:
                 continue
+            if not self._kv_fits(head.cost, freed=victim.tokens):
+                return False  # the head waits for tokens: nothing behind it goes first
             self._preempt(victim, cls)
             self._admit_head(cls, now, preempted=True)
             return True
@@ -462,30 +508,59 @@ class Scheduler:
                          now - waiter.enqueued_at, predicted=waiter.predicted)
             )
 
-    def _admit_starved(self, now: float) -> bool:
+    def _starved(self, cls: PriorityClass, now: float) -> bool:
+        """``cls``'s queue is aged past its threshold (by its oldest waiter)."""
+        oldest = self._queue[cls].oldest()
+        return (cls is not PriorityClass.SYSTEM and oldest is not None
+                and now - oldest.enqueued_at >= self._cfg[cls].starvation_threshold_secs)
+
+    def _admit_starved(self, now: float) -> bool | None:
         # Starvation override: lowest class first, system excluded, ignoring
-        # reservations but never past capacity.
+        # reservations but never past capacity (nor past the KV capacity: None).
         if self._total >= self._capacity:
             return False
         for cls in LOW_TO_HIGH:
-            if cls is PriorityClass.SYSTEM:
-                break
-            # Aged by the oldest waiter; the head (who the queue serves next) goes.
-            oldest = self._queue[cls].oldest()
-            threshold = self._cfg[cls].starvation_threshold_secs
-            if oldest is not None and now - oldest.enqueued_at >= threshold:
+            if self._starved(cls, now):
+                # Aged by the oldest waiter; the head (who the queue serves next) goes.
+                head = self._queue[cls].head()
+                if head is not None and not self._kv_fits(head.cost):
+                    return None
                 self._admit_head(cls, now, starvation=True)
                 return True
         return False
 
-    def _admit_by_priority(self, now: float) -> bool:
+    def _admit_by_priority(self, now: float) -> bool | None:
         # Strict priority: available() only shrinks going down the classes, so
-        # the first head that does not fit means no lower head fits either.
+        # the first head that does not fit means no lower head fits either. A head
+        # that has a slot but not the KV tokens waits too, and so does everything
+        # after it (None).
         for cls in HIGH_TO_LOW:
-            if not self._queue[cls]:
+            head = self._queue[cls].head()
+            if head is None:
                 continue
             if self.available(cls) < 1:
                 return False
+            if not self._kv_fits(head.cost):
+                return None
             self._admit_head(cls, now)
             return True
         return False
+
+    # ------------------------------------------------------------- KV capacity
+
+    def _kv_fits(self, cost: float, freed: int = 0) -> bool:
+        """A request of ``cost`` tokens fits the KV capacity (with ``freed`` given back)."""
+        return self._kv_cap is None or self._kv_held - freed + _tokens(cost) <= self._kv_cap
+
+    def _kv_open(self, cls: PriorityClass, tokens: int, now: float, freed: int = 0) -> bool:
+        """An arrival of ``cls`` may take ``tokens`` at once: they fit, and no waiter the
+        dispatch would serve before it (a higher class's, a starved one's) is waiting,
+        which with the gate on means waiting for tokens. (Without it a higher class's
+        waiter means no slot for this class either: the check is the gate's alone.)"""
+        if self._kv_cap is None:
+            return True
+        if self._kv_held - freed + tokens > self._kv_cap:
+            return False
+        if any(self._queue[h] for h in CLASSES_ABOVE[cls]):
+            return False
+        return not any(self._starved(c, now) for c in LOW_TO_HIGH)
