@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -25,10 +24,11 @@ import structlog
 from envoy.service.auth.v3 import external_auth_pb2
 
 from devtools.fleet import FakeWorker
-from sidecar.app import Runtime, build_runtime
 from sidecar.config import DEFAULT_POOL, parse_settings
 from sidecar.priority_yaml import ConfigError, check_kv_admission, parse_priority_config
-from tests.grpc_client import EnvoyStandIn, admission_id, check_request
+from tests import runtime_harness
+from tests.grpc_client import admission_id, check_request
+from tests.runtime_harness import Runtimes
 
 KV = 1024  # 64 blocks of 16
 OUT = 24  # default_max_tokens: the output part of every estimate here
@@ -39,38 +39,17 @@ def length_for(tokens: int) -> int:
     return 4 * (tokens - OUT)
 
 
-class Harness:
-    def __init__(self, app: Runtime, worker: FakeWorker) -> None:
-        self.app = app
-        self.worker = worker
-        self.envoy = EnvoyStandIn(app.grpc_port)
-
-    def sample(self, name: str, **labels: str) -> float:
-        v = self.app.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if v is None else v
-
-    async def check(self, tokens: int, cls: str = "default"
-                    ) -> external_auth_pb2.CheckResponse:
-        resp: external_auth_pb2.CheckResponse = await self.envoy._check(check_request(
-            {"x-smg-tenant": "acme", "x-smg-priority": cls,
-             "content-length": str(length_for(tokens))}))
-        return resp
-
-    async def until(self, cond: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + 15.0
-        while not cond():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.02)
-
-    def snapshot(self) -> object:
-        return self.app.pools[DEFAULT_POOL].controller.snapshot()
+class Harness(runtime_harness.Harness):
+    async def ask(self, tokens: int, cls: str = "default"
+                  ) -> external_auth_pb2.CheckResponse:
+        return await self.check({"x-smg-tenant": "acme", "x-smg-priority": cls,
+                                 "content-length": str(length_for(tokens))})
 
     def held(self) -> int:
-        return self.app.pools[DEFAULT_POOL].controller.snapshot().kv_held
+        return self.snapshot().kv_held
 
     def queued(self) -> int:
-        snap = self.app.pools[DEFAULT_POOL].controller.snapshot()
-        return sum(c.queue_depth for c in snap.classes.values())
+        return sum(c.queue_depth for c in self.snapshot().classes.values())
 
 
 Start = Callable[..., Awaitable[Harness]]
@@ -78,8 +57,7 @@ Start = Callable[..., Awaitable[Harness]]
 
 @pytest.fixture
 async def start(tmp_path: Path) -> AsyncIterator[Start]:
-    made: list[Harness] = []
-    workers: list[FakeWorker] = []
+    runtimes = Runtimes(tmp_path, Harness)
 
     async def go(tokens: str = "{admit_by_kv: true}", *extra: str, engine: str = "vllm",
                  kv: object = KV, context: object = 4096) -> Harness:
@@ -87,30 +65,13 @@ async def start(tmp_path: Path) -> AsyncIterator[Start]:
         worker.dev_mode = True
         worker.kv_tokens = kv
         worker.slot_context = context
-        await worker.start()
-        workers.append(worker)
-        cfg = tmp_path / f"priority{len(made)}.yaml"
-        cfg.write_text(f"tokens: {tokens}\nclasses:\n  interactive: {{reserved_floor: 0, "
-                       "reserved_per_slot: 0}\n  system: {reserved_floor: 0}\n"
-                       "  default: {reserved_per_slot: 0}\n")
-        app = await build_runtime(parse_settings([
-            "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg),
-            "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-            "--worker-urls", worker.url, "--worker-engine", engine,
-            "--health-interval-secs", "0.2", "--log-format", "json", *extra]))
-        await app.serve()
-        h = Harness(app, worker)
-        made.append(h)
-        await h.until(lambda: app.pools[DEFAULT_POOL].reading.capacity == 8,
-                      "the worker's eight slots to be read")
-        return h
+        return await runtimes.start(
+            worker, f"tokens: {tokens}\nclasses:\n  interactive: {{reserved_floor: 0, "
+            "reserved_per_slot: 0}\n  system: {reserved_floor: 0}\n"
+            "  default: {reserved_per_slot: 0}\n", *extra, slots=8)
 
     yield go
-    for h in made:
-        await h.envoy.close()
-        await h.app.stop()
-    for w in workers:
-        await w.stop()
+    await runtimes.close()
 
 
 def tokens_yaml(**kw: object) -> str:
@@ -125,10 +86,10 @@ async def test_a_request_waits_for_tokens_and_is_admitted_when_they_free(
     await h.until(lambda: pool.kv_capacity == KV, "the worker's KV capacity to be read")
     assert h.sample("smg_sidecar_kv_admission", state="gated") == 1
     assert h.sample("smg_sidecar_kv_capacity_tokens") == KV
-    first = await h.check(600)
+    first = await h.ask(600)
     assert first.status.code == 0 and h.held() == 600
     # 600 + 500 > 1024: a slot is free, the tokens are not; it waits in its queue.
-    second = asyncio.ensure_future(h.check(500))
+    second = asyncio.ensure_future(h.ask(500))
     await h.until(lambda: h.queued() == 1, "the second request to queue")
     assert not second.done()
     assert h.sample("smg_sidecar_kv_tokens_held") == 600
@@ -143,7 +104,7 @@ async def test_a_request_past_the_whole_kv_capacity_is_refused_at_once(
         start: Start) -> None:
     h = await start(tokens_yaml(admit_by_kv=True))
     await h.until(lambda: h.app.pools[DEFAULT_POOL].kv_capacity == KV, "the KV capacity")
-    refused = await h.check(KV + 1)
+    refused = await h.ask(KV + 1)
     denied = refused.denied_response
     assert denied.status.code == 413
     headers = {x.header.key: x.header.value for x in denied.headers}
@@ -158,7 +119,7 @@ async def test_a_request_past_the_whole_kv_capacity_is_refused_at_once(
                     outcome="past_context", **{"class": "default"}) == 1
     assert h.held() == 0 and h.queued() == 0
     # Exactly the capacity fits.
-    whole = await h.check(KV)
+    whole = await h.ask(KV)
     assert whole.status.code == 0 and h.held() == KV
     await h.envoy.log((admission_id(whole), "end"))
 
@@ -173,7 +134,7 @@ async def test_no_reported_kv_capacity_gates_nothing_and_says_so(
     assert h.sample("smg_sidecar_kv_unreported_workers") == 1
     [line] = [e for e in logged if e["event"] == "kv_admission_ungated"]
     assert "no counted worker reports" in line["reason"]
-    r = await h.check(10**6)
+    r = await h.ask(10**6)
     assert r.status.code == 0
     await h.envoy.log((admission_id(r), "end"))
 
@@ -182,17 +143,17 @@ async def test_off_by_default_and_counted_only_under_shadow(start: Start) -> Non
     off = await start(tokens_yaml())
     assert off.sample("smg_sidecar_kv_admission", state="off") == 1
     assert off.app.pools[DEFAULT_POOL].kv_capacity is None
-    a, b = await off.check(900), await off.check(900)
+    a, b = await off.ask(900), await off.ask(900)
     assert a.status.code == 0 and b.status.code == 0
     shadow = await start(tokens_yaml(admit_by_kv=True), "--shadow")
     await shadow.until(lambda: shadow.app.pools[DEFAULT_POOL].kv_capacity == KV,
                        "the KV capacity")
-    over = await shadow.check(KV * 10)
+    over = await shadow.ask(KV * 10)
     assert over.status.code == 0
     assert shadow.sample("smg_sidecar_kv_refused_total", action="counted",
                          **{"class": "default"}) == 1
     # Under --shadow everything is admitted; the would-be gate holds only the shadow.
-    c, d = await shadow.check(900), await shadow.check(900)
+    c, d = await shadow.ask(900), await shadow.ask(900)
     assert c.status.code == 0 and d.status.code == 0
 
 

@@ -14,7 +14,6 @@ llama.cpp worker whose ``n_ctx`` the test sets, every figure on the test's own c
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,12 +23,13 @@ import pytest
 from envoy.service.auth.v3 import external_auth_pb2
 
 from devtools.fleet import FakeWorker
-from sidecar.app import Runtime, build_runtime
 from sidecar.capacity import CapacityPolicy, ProbeStatus, WorkerProbe
-from sidecar.config import DEFAULT_POOL, parse_settings
+from sidecar.config import DEFAULT_POOL
 from sidecar.health import llamacpp_slot_context
 from sidecar.priority_yaml import ConfigError, parse_priority_config
-from tests.grpc_client import EnvoyStandIn, admission_id, check_request
+from tests import runtime_harness
+from tests.grpc_client import admission_id
+from tests.runtime_harness import Runtimes
 
 DATA = Path(__file__).parent / "data" / "llama-server"
 
@@ -78,29 +78,12 @@ def test_the_option_is_a_boolean_and_off_by_default() -> None:
         parse_priority_config("tokens: {refuse_past_context: 'yes'}\n", "p.yaml")
 
 
-class Harness:
-    def __init__(self, app: Runtime, worker: FakeWorker) -> None:
-        self.app = app
-        self.worker = worker
-        self.envoy = EnvoyStandIn(app.grpc_port)
-
-    def sample(self, name: str, **labels: str) -> float:
-        v = self.app.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if v is None else v
-
-    async def check(self, length: int) -> external_auth_pb2.CheckResponse:
-        resp: external_auth_pb2.CheckResponse = await self.envoy._check(check_request(
-            {"x-smg-tenant": "acme", "content-length": str(length)}))
-        return resp
-
-    async def until(self, cond: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + 15.0
-        while not cond():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.02)
+class Harness(runtime_harness.Harness):
+    async def ask(self, length: int) -> external_auth_pb2.CheckResponse:
+        return await self.check({"x-smg-tenant": "acme", "content-length": str(length)})
 
     def inflight(self) -> int:
-        return self.app.pools[DEFAULT_POOL].controller.snapshot().inflight
+        return self.snapshot().inflight
 
 
 Start = Callable[..., Awaitable[Harness]]
@@ -108,35 +91,16 @@ Start = Callable[..., Awaitable[Harness]]
 
 @pytest.fixture
 async def start(tmp_path: Path) -> AsyncIterator[Start]:
-    made: list[Harness] = []
-    workers: list[FakeWorker] = []
+    runtimes = Runtimes(tmp_path, Harness)
 
     async def go(tokens: str = "{refuse_past_context: true}", *extra: str,
                  n_ctx: object = 1000) -> Harness:
         worker = FakeWorker(engine="llamacpp", max_running_requests=2)
         worker.slot_context = n_ctx
-        await worker.start()
-        workers.append(worker)
-        cfg = tmp_path / f"priority{len(made)}.yaml"
-        cfg.write_text(f"tokens: {tokens}\n")
-        app = await build_runtime(parse_settings([
-            "--priority-scheduler-enabled", "--priority-scheduler-config", str(cfg),
-            "--grpc-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-            "--worker-urls", worker.url, "--worker-engine", "llamacpp",
-            "--health-interval-secs", "0.2", "--log-format", "json", *extra]))
-        await app.serve()
-        h = Harness(app, worker)
-        made.append(h)
-        await h.until(lambda: app.pools[DEFAULT_POOL].reading.capacity == 2,
-                      "the worker's two slots to be read")
-        return h
+        return await runtimes.start(worker, f"tokens: {tokens}\n", *extra, slots=2)
 
     yield go
-    for h in made:
-        await h.envoy.close()
-        await h.app.stop()
-    for w in workers:
-        await w.stop()
+    await runtimes.close()
 
 
 async def test_a_prompt_past_every_slots_context_is_refused_without_taking_a_slot(
@@ -144,7 +108,7 @@ async def test_a_prompt_past_every_slots_context_is_refused_without_taking_a_slo
     h = await start()
     assert h.app.pools[DEFAULT_POOL].reading.slot_context == 1000
     # 4 bytes a token: 4,004 bytes are 1,001 input tokens, one past the slot's context.
-    refused = await h.check(4004)
+    refused = await h.ask(4004)
     denied = refused.denied_response
     assert denied.status.code == 413
     headers = {x.header.key: x.header.value for x in denied.headers}
@@ -159,7 +123,7 @@ async def test_a_prompt_past_every_slots_context_is_refused_without_taking_a_slo
                     outcome="past_context", **{"class": "default"}) == 1
     assert h.inflight() == 0
     # Exactly the context fits; both slots are still there for it.
-    a, b = await h.check(4000), await h.check(10)
+    a, b = await h.ask(4000), await h.ask(10)
     assert a.status.code == 0 and b.status.code == 0, (a, b)
     assert h.inflight() == 2
     assert h.sample("smg_sidecar_token_context_refused_total", action="refused",
@@ -172,16 +136,16 @@ async def test_a_worker_that_does_not_say_its_context_refuses_nothing(
         start: Start, n_ctx: object) -> None:
     h = await start(n_ctx=n_ctx)
     assert h.app.pools[DEFAULT_POOL].reading.slot_context is None
-    assert (await h.check(10**7)).status.code == 0
+    assert (await h.ask(10**7)).status.code == 0
 
 
 async def test_off_by_default_and_counted_only_under_shadow(
         start: Start) -> None:
     off = await start("{default_max_tokens: 10}")
-    assert (await off.check(10**6)).status.code == 0
+    assert (await off.ask(10**6)).status.code == 0
     assert off.sample("smg_sidecar_token_context_refused_total", action="refused",
                       **{"class": "default"}) == 0
     shadow = await start("{refuse_past_context: true}", "--shadow")
-    assert (await shadow.check(10**6)).status.code == 0
+    assert (await shadow.ask(10**6)).status.code == 0
     assert shadow.sample("smg_sidecar_token_context_refused_total", action="counted",
                          **{"class": "default"}) == 1
