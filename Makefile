@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 ENVOY := $(ENVOY_VENV)/bin/envoy
 PYTEST_ARGS ?=
 
-.PHONY: install envoy llama-server check test test-llama lint typecheck pytest pytest-fast run front bench fuzz sim-long dsim-long clean
+.PHONY: install envoy llama-server check test test-llama repeat lint typecheck pytest pytest-fast run front bench fuzz sim-long dsim-long clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -65,6 +65,12 @@ test: lint typecheck pytest
 test-llama: install envoy llama-server
 	ENVOY_BIN=$(abspath $(ENVOY)) LLAMA_SERVER_BIN=$$(devtools/build-llama-server.sh | tail -n 1) \
 		$(PY) -m pytest -q -m llama $(PYTEST_ARGS)
+
+# The repetition series (devtools/repeat.sh): `make test`, the external and the llama tiers
+# again and again under two busy loops, to find the tests that fail only sometimes.
+# About 90 minutes on 2 cores; one line per pass in .repeat/log.
+repeat: install envoy llama-server
+	devtools/repeat.sh
 
 # The long randomised runs: 10,000 examples per fuzz property, 20,000 scheduler sequences.
 fuzz: install
