@@ -90,14 +90,15 @@ dsim-long: install
 	SIM_SEEDS=$${SIM_SEEDS:-20} SIM_STEPS=$${SIM_STEPS:-500000} $(PY) -m pytest -q -s \
 		tests/test_fleet_dsim.py -k promises
 
+# exec: the demo's parent is make itself, so make's death stops it (devtools/proc.py).
 run: install envoy
-	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.demo
+	ENVOY_BIN=$(abspath $(ENVOY)) exec $(PY) -m devtools.demo
 
 # Envoy and the sidecar in front of your own engines: make front WORKERS="http://HOST:PORT ..."
 # (or LLAMA=N: N local llama-servers on a tiny random model).
 front: install envoy
 	@test -n "$(WORKERS)$(LLAMA)" || { echo 'usage: make front WORKERS="http://HOST:PORT ..." (or LLAMA=1)'; exit 2; }
-	ENVOY_BIN=$(abspath $(ENVOY)) $(PY) -m devtools.front \
+	ENVOY_BIN=$(abspath $(ENVOY)) exec $(PY) -m devtools.front \
 		$(if $(LLAMA),--llama $(LLAMA),--worker-urls $(WORKERS)) $(FRONT_ARGS)
 
 # bench.qos runs a real llama-server: built first (cached) like test-llama's.

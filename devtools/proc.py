@@ -5,8 +5,8 @@ clients as child processes in sessions of their own (a shell's job control must
 not signal them). Then nothing kills them when the parent dies, and they keep
 ports 9001, 9090, 9901 and 10000. So every child asks the kernel for SIGKILL
 when its parent goes (Linux ``PR_SET_PDEATHSIG``), whatever killed the parent,
-SIGKILL included; and the demo turns SIGTERM, SIGHUP and a closed stdout into
-an ordinary, cleaning-up exit.
+SIGKILL included; and the demo turns SIGTERM, SIGHUP, a closed stdout and the
+death of its own parent (``make``) into an ordinary, cleaning-up exit.
 """
 
 from __future__ import annotations
@@ -63,17 +63,22 @@ def _launch(args: list[str]) -> None:
 
 def exit_on_signals() -> None:
     """Turn SIGTERM and SIGHUP into ``SystemExit`` (so ``finally`` blocks and
-    context managers run), and make a closed stdout harmless.
+    context managers run), make a closed stdout harmless, and have the parent's
+    death sent as SIGTERM.
 
     Call first thing in a ``main``; an asyncio program may later replace these
     handlers with loop ones. SIGPIPE is already ignored by Python: writing to a
-    closed stdout raises BrokenPipeError, which ``print_safely`` swallows.
+    closed stdout raises BrokenPipeError, which ``print_safely`` swallows. The
+    parent is ``make`` (``make run`` execs the demo): a SIGTERM sent to ``make``
+    alone ends it without a word to its child, which would serve on.
     """
     def handler(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def print_safely(*args: object) -> None:

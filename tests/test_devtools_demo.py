@@ -132,3 +132,36 @@ def test_closed_stdout_then_ctrl_c_stops_everything(reap: set[int]) -> None:
         assert proc.wait(20) == 0
         wait_until(lambda: not any(alive(k) for k in kids), 10, f"children {kids} to die")
         wait_until(lambda: all(port_free(p) for p in ports), 10, f"ports {ports} to be free")
+
+
+def test_the_demo_stops_in_order_when_its_parent_dies_alone(reap: set[int]) -> None:
+    """``kill <make's pid>``: make dies without a word to its child (``make run`` execs
+    the demo, so make is its parent). The kernel tells the demo (its parent's death as
+    SIGTERM), and it stops as on Ctrl-C: orderly, its sidecar and Envoy with it."""
+    env = {**os.environ, "ENVOY_BIN": envoy_binary(), "PYTHONUNBUFFERED": "1"}
+    make = subprocess.Popen(  # a stand-in for make: runs the demo and waits for it
+        [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))",
+         sys.executable, "-m", "devtools.demo", "--free-ports", "--no-burst"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert make.stdout is not None
+        banner = b""
+        while b"Ctrl-C stops everything" not in banner:
+            line = make.stdout.readline()
+            assert line, banner.decode()
+            banner += line
+        (demo_pid,) = children(make.pid)
+        kids = children(demo_pid)
+        reap.update({demo_pid, *kids})
+        assert len(kids) == 2  # the sidecar and Envoy, up
+        make.send_signal(signal.SIGKILL)  # nothing reaches the demo from make itself
+        make.wait(10)
+        wait_until(lambda: not alive(demo_pid), 20, f"the demo ({demo_pid}) to stop")
+        wait_until(lambda: not any(alive(k) for k in kids), 10, f"children {kids} to die")
+        assert b"stopping" in make.stdout.read()  # its own orderly stop, not a kill
+    finally:
+        if make.poll() is None:
+            make.kill()
+        make.wait(10)
+        if make.stdout is not None:
+            make.stdout.close()
