@@ -182,13 +182,16 @@ async def test_computed_retry_after_is_the_real_drain_time(make_stack: StackFact
     # One 0.4 s slot, a bulk queue of 3. The refused request's hint is the wait it would
     # have had at the tail, the time for the queue to drain what it holds; the real one is
     # when the slot was free for it: the last queued request's end, by the worker's clock.
+    # Every request must reach the sidecar: with edge shedding on, Envoy starts answering
+    # a share of bulk itself while the queue is full (its answer carries no computed
+    # hint), so a request meant to queue or to be refused here may never arrive.
     stack = await make_stack(
         priority_yaml="classes:\n  system: {reserved_floor: 0}\n"
                       "  interactive: {reserved_floor: 0, reserved_per_slot: 0.0}\n"
                       "  default: {reserved_per_slot: 0.0}\n"
                       "  bulk: {queue_size: 3, queue_timeout_secs: 30}\n",
         workers=1, max_running_requests=1, service_time=0.4,
-        sidecar_args=["--overload-hints"])
+        sidecar_args=["--overload-hints"], edge_shed=False)
     worker = stack.fleet.workers[0]
     await open_loop(stack.listen_port, [(i * 0.02, "bulk") for i in range(6)])  # learn
     await settle(stack)
