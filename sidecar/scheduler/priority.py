@@ -510,8 +510,10 @@ class Scheduler:
 
     def _starved(self, cls: PriorityClass, now: float) -> bool:
         """``cls``'s queue is aged past its threshold (by its oldest waiter)."""
+        if cls is PriorityClass.SYSTEM:
+            return False
         oldest = self._queue[cls].oldest()
-        return (cls is not PriorityClass.SYSTEM and oldest is not None
+        return (oldest is not None
                 and now - oldest.enqueued_at >= self._cfg[cls].starvation_threshold_secs)
 
     def _admit_starved(self, now: float) -> bool | None:
@@ -522,8 +524,7 @@ class Scheduler:
         for cls in LOW_TO_HIGH:
             if self._starved(cls, now):
                 # Aged by the oldest waiter; the head (who the queue serves next) goes.
-                head = self._queue[cls].head()
-                if head is not None and not self._kv_fits(head.cost):
+                if self._head_waits_for_tokens(cls):
                     return None
                 self._admit_head(cls, now, starvation=True)
                 return True
@@ -535,18 +536,26 @@ class Scheduler:
         # that has a slot but not the KV tokens waits too, and so does everything
         # after it (None).
         for cls in HIGH_TO_LOW:
-            head = self._queue[cls].head()
-            if head is None:
+            if not self._queue[cls]:
                 continue
             if self.available(cls) < 1:
                 return False
-            if not self._kv_fits(head.cost):
+            if self._head_waits_for_tokens(cls):
                 return None
             self._admit_head(cls, now)
             return True
         return False
 
     # ------------------------------------------------------------- KV capacity
+
+    def _head_waits_for_tokens(self, cls: PriorityClass) -> bool:
+        """``cls``'s head (its queue is not empty) does not fit the KV capacity. Off the
+        gate nothing waits for tokens, and the head is not looked up (the dispatch's
+        hot path)."""
+        if self._kv_cap is None:
+            return False
+        head = self._queue[cls].head()
+        return head is not None and not self._kv_fits(head.cost)
 
     def _kv_fits(self, cost: float, freed: int = 0) -> bool:
         """A request of ``cost`` tokens fits the KV capacity (with ``freed`` given back)."""
