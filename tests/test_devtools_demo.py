@@ -62,12 +62,17 @@ def port_free(port: int) -> bool:
         return True
 
 
+# A stand-in for make: runs its arguments as a child and waits for it.
+MAKE = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+
+
 @contextlib.contextmanager
-def demo(*args: str) -> Iterator[subprocess.Popen[bytes]]:
+def demo(*args: str, under_make: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+    """The demo (``under_make``: run by a stand-in for make, whose process this is)."""
     env = {**os.environ, "ENVOY_BIN": envoy_binary(), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "devtools.demo", "--free-ports", *args],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "devtools.demo", "--free-ports", *args]
+    proc = subprocess.Popen([*MAKE, *cmd] if under_make else cmd, cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         yield proc
     finally:
@@ -76,6 +81,17 @@ def demo(*args: str) -> Iterator[subprocess.Popen[bytes]]:
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def banner(proc: subprocess.Popen[bytes]) -> bytes:
+    """Read the demo's output up to its serving line (start-up done)."""
+    assert proc.stdout is not None
+    text = b""
+    while b"Ctrl-C stops everything" not in text:
+        line = proc.stdout.readline()
+        assert line, text.decode()
+        text += line
+    return text
 
 
 def sidecar_started(proc: subprocess.Popen[bytes]) -> set[int]:
@@ -118,12 +134,7 @@ def test_closed_stdout_then_ctrl_c_stops_everything(reap: set[int]) -> None:
     """``make run | tee log`` and Ctrl-C: the reader goes first, then SIGINT arrives."""
     with demo("--no-burst") as proc:
         assert proc.stdout is not None
-        banner = b""
-        while b"Ctrl-C stops everything" not in banner:
-            line = proc.stdout.readline()
-            assert line, banner.decode()
-            banner += line
-        ports = [int(p) for p in re.findall(rb"127\.0\.0\.1:(\d+)", banner)]
+        ports = [int(p) for p in re.findall(rb"127\.0\.0\.1:(\d+)", banner(proc))]
         kids = children(proc.pid)
         reap.update(kids)
         assert len(kids) == 2 and ports  # the sidecar and Envoy, up
@@ -138,18 +149,9 @@ def test_the_demo_stops_in_order_when_its_parent_dies_alone(reap: set[int]) -> N
     """``kill <make's pid>``: make dies without a word to its child (``make run`` execs
     the demo, so make is its parent). The kernel tells the demo (its parent's death as
     SIGTERM), and it stops as on Ctrl-C: orderly, its sidecar and Envoy with it."""
-    env = {**os.environ, "ENVOY_BIN": envoy_binary(), "PYTHONUNBUFFERED": "1"}
-    make = subprocess.Popen(  # a stand-in for make: runs the demo and waits for it
-        [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))",
-         sys.executable, "-m", "devtools.demo", "--free-ports", "--no-burst"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
+    with demo("--no-burst", under_make=True) as make:
         assert make.stdout is not None
-        banner = b""
-        while b"Ctrl-C stops everything" not in banner:
-            line = make.stdout.readline()
-            assert line, banner.decode()
-            banner += line
+        banner(make)
         (demo_pid,) = children(make.pid)
         kids = children(demo_pid)
         reap.update({demo_pid, *kids})
@@ -159,9 +161,3 @@ def test_the_demo_stops_in_order_when_its_parent_dies_alone(reap: set[int]) -> N
         wait_until(lambda: not alive(demo_pid), 20, f"the demo ({demo_pid}) to stop")
         wait_until(lambda: not any(alive(k) for k in kids), 10, f"children {kids} to die")
         assert b"stopping" in make.stdout.read()  # its own orderly stop, not a kill
-    finally:
-        if make.poll() is None:
-            make.kill()
-        make.wait(10)
-        if make.stdout is not None:
-            make.stdout.close()
