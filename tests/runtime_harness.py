@@ -5,6 +5,7 @@ directly. ``Runtimes`` starts them and stops every one, and its worker, at the e
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -50,6 +51,20 @@ class Harness:
 
 
 H = TypeVar("H", bound=Harness)
+
+
+def past_context(resp: external_auth_pb2.CheckResponse) -> str:
+    """``resp`` is the 413 ``scheduler_token_context_exceeded`` (a prompt that fits no slot,
+    or a request larger than the pool's KV capacity): status, headers (no Retry-After) and
+    body; returns the body's message for the caller's own figures."""
+    denied = resp.denied_response
+    assert denied.status.code == 413
+    headers = {x.header.key: x.header.value for x in denied.headers}
+    assert headers == {"x-smg-error-code": "scheduler_token_context_exceeded",
+                       "content-type": "application/json"}  # no Retry-After
+    body = json.loads(denied.body)["error"]
+    assert body["code"] == "scheduler_token_context_exceeded"
+    return str(body["message"])
 
 
 class Runtimes(Generic[H]):

@@ -28,7 +28,7 @@ from sidecar.config import DEFAULT_POOL, parse_settings
 from sidecar.priority_yaml import ConfigError, check_kv_admission, parse_priority_config
 from tests import runtime_harness
 from tests.grpc_client import admission_id, check_request
-from tests.runtime_harness import Runtimes
+from tests.runtime_harness import Runtimes, past_context
 
 KV = 1024  # 64 blocks of 16
 OUT = 24  # default_max_tokens: the output part of every estimate here
@@ -105,14 +105,8 @@ async def test_a_request_past_the_whole_kv_capacity_is_refused_at_once(
     h = await start(tokens_yaml(admit_by_kv=True))
     await h.until(lambda: h.app.pools[DEFAULT_POOL].kv_capacity == KV, "the KV capacity")
     refused = await h.ask(KV + 1)
-    denied = refused.denied_response
-    assert denied.status.code == 413
-    headers = {x.header.key: x.header.value for x in denied.headers}
-    assert headers == {"x-smg-error-code": "scheduler_token_context_exceeded",
-                       "content-type": "application/json"}  # no Retry-After
-    body = json.loads(denied.body)["error"]
-    assert body["code"] == "scheduler_token_context_exceeded"
-    assert f"{KV + 1} tokens" in body["message"] and f"{KV}-token KV" in body["message"]
+    message = past_context(refused)
+    assert f"{KV + 1} tokens" in message and f"{KV}-token KV" in message
     assert h.sample("smg_sidecar_kv_refused_total", action="refused",
                     **{"class": "default"}) == 1
     assert h.sample("smg_sidecar_tenant_rejected_total", tenant="acme",
@@ -179,11 +173,8 @@ async def test_tgis_input_limit_refuses_a_longer_prompt_with_refuse_past_context
                     context=1000)
     assert h.app.pools[DEFAULT_POOL].reading.slot_context == 1000
     # 4,004 bytes are 1,001 input tokens: one past TGI's limit.
-    resp: external_auth_pb2.CheckResponse = await h.envoy._check(check_request(
-        {"x-smg-tenant": "acme", "content-length": "4004"}))
-    assert resp.denied_response.status.code == 413
-    assert json.loads(resp.denied_response.body)["error"]["code"] == \
-        "scheduler_token_context_exceeded"
+    resp = await h.check({"x-smg-tenant": "acme", "content-length": "4004"})
+    assert "1001" in past_context(resp)
     assert h.sample("smg_sidecar_token_context_refused_total", action="refused",
                     **{"class": "default"}) == 1
     ok = await h.envoy._check(check_request({"x-smg-tenant": "acme",
