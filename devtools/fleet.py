@@ -210,6 +210,13 @@ class Tally:
     the fleet-wide ground truth a test compares with the fleet's capacity (per-worker
     peaks can each be below their worker's cap while their sum is above the fleet's).
 
+    The peaks count only completions whose connection is still open (``gone``, given to
+    ``enter``, says when it closed). Envoy ends an aborted request by closing its upstream
+    connection as it writes the access-log entry that releases the slot; a worker that
+    has not yet run the cancellation still holds the request though nobody waits for it
+    (an engine aborts it on the next step, as vLLM does on disconnect). ``running`` counts
+    every completion whose handler has not ended.
+
     ``weigh`` (a test's own measure of a request, e.g. its documented token estimate):
     ``tokens`` is the sum over the completions running, ``peak_tokens`` its highest."""
 
@@ -219,23 +226,29 @@ class Tally:
         self.weigh = weigh
         self.tokens = 0
         self.peak_tokens = 0
+        self._held: dict[int, tuple[RequestRecord, Callable[[], bool]]] = {}
 
-    def enter(self, record: RequestRecord | None = None) -> None:
+    def enter(self, record: RequestRecord, gone: Callable[[], bool] = lambda: False) -> None:
         self.running += 1
-        self.peak = max(self.peak, self.running)
-        if record is not None:
-            self.tokens += self.weigh(record)
-            self.peak_tokens = max(self.peak_tokens, self.tokens)
+        self.tokens += self.weigh(record)
+        self._held[id(record)] = (record, gone)
+        here = self._connected()
+        self.peak = max(self.peak, len(here))
+        self.peak_tokens = max(self.peak_tokens, sum(self.weigh(r) for r in here))
 
-    def leave(self, record: RequestRecord | None = None) -> None:
+    def leave(self, record: RequestRecord) -> None:
+        del self._held[id(record)]
         self.running -= 1
-        if record is not None:
-            self.tokens -= self.weigh(record)
+        self.tokens -= self.weigh(record)
+
+    def _connected(self) -> list[RequestRecord]:
+        return [r for r, gone in self._held.values() if not gone()]
 
     def reset(self) -> None:
         """Forget the peaks: they restart from what runs now."""
-        self.peak = self.running
-        self.peak_tokens = self.tokens
+        here = self._connected()
+        self.peak = len(here)
+        self.peak_tokens = sum(self.weigh(r) for r in here)
 
 
 class Journal:
@@ -713,7 +726,9 @@ class FakeWorker:
                 JOURNAL.write(self.name, f"id={record.request_id} cancelled in the queue")
         record.service_started_at = time.time()
         self._peak_running = max(self._peak_running, self._running)
-        self.tally.enter(record)
+        # Closed: Envoy ended the request (see Tally); the handler's cancellation follows.
+        self.tally.enter(record, lambda: request.transport is None
+                         or request.transport.is_closing())
         # Cancelled unless we get to the last byte: a client hang-up cancels this
         # handler (CancelledError) or fails a write (ConnectionError).
         outcome: Outcome = "cancelled"

@@ -566,3 +566,35 @@ async def test_client_gone_while_held_at_a_gate_is_recorded_cancelled() -> None:
         await client.close()
         await wait_for(lambda: worker.cancelled == 1, 2)
         assert worker.running == 0
+
+
+@pytest.mark.asyncio
+@bounded
+async def test_the_tally_does_not_count_a_request_whose_connection_closed() -> None:
+    """Envoy ends an aborted request by closing its connection; the worker cancels the
+    handler a loop step or two later. A request arriving in between must not make the
+    tally's peak count the abandoned one, while one still connected always counts."""
+    async with FakeWorker() as worker:
+        held = await RawClient.connect(worker)
+        await held.send("POST", "/v1/chat/completions", CHAT, {"x-fake-service-time": "30"})
+        await wait_for(lambda: worker.running == 1, 2)
+        left = await RawClient.connect(worker)
+        await left.send("POST", "/v1/chat/completions", CHAT, {"x-fake-service-time": "30"})
+        await wait_for(lambda: worker.running == 2, 2)
+        assert worker.tally.peak == 2  # both connected: both count
+        arriving = await RawClient.connect(worker)
+        # The close and the next request reach the worker in the same loop step.
+        left.writer.transport.abort()
+        arriving.writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\n"
+                              b"x-fake-service-time: 30\r\ncontent-type: application/json\r\n"
+                              b"content-length: " + str(len(json.dumps(CHAT))).encode()
+                              + b"\r\n\r\n" + json.dumps(CHAT).encode())
+        await wait_for(lambda: worker.cancelled == 1 and worker.running == 2, 2)
+        assert worker.tally.peak == 2, "the abandoned request was counted beside the new one"
+        assert worker.tally.running == 2
+        third = await RawClient.connect(worker)
+        await third.send("POST", "/v1/chat/completions", CHAT, {"x-fake-service-time": "30"})
+        await wait_for(lambda: worker.running == 3, 2)
+        assert worker.tally.peak == 3  # a third connected request is counted
+        for client in (held, arriving, third):
+            client.writer.transport.abort()
