@@ -1276,10 +1276,14 @@ class DSim:
         loop = self.loop
         try:
             if not loop.is_closed():
-                tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-                for t in tasks:
-                    t.cancel()
-                if tasks:
+                # Rounds: a task cancelled here may start another (a reconnect) on its way
+                # out, which would otherwise be closed with the loop before its first step.
+                for _ in range(10):
+                    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                    if not tasks:
+                        break
+                    for t in tasks:
+                        t.cancel()
                     loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
                 loop.close()
         finally:
