@@ -142,4 +142,6 @@ async def test_the_worker_never_runs_more_than_its_kv_and_small_requests_fill_th
     # Bounded: the work took its tokens' worth of passes through the cache, not more than
     # its serial time (every hold end to end) plus a generous margin.
     assert elapsed < 0.3 * len(sizes) + 10, elapsed
-    assert await stack.metric("smg_sidecar_kv_tokens_held") == 0
+    # Every hold ends: the client has its last byte before Envoy's final access-log entry
+    # reaches the sidecar, so the last releases may still be on their way.
+    await until(stack, lambda m: m.get("smg_sidecar_kv_tokens_held") == 0)
